@@ -1,0 +1,21 @@
+"""tq_hf_cache: TurboQuant KV-cache compression as a drop-in transformers `DynamicCache`."""
+
+from .cache import TurboQuantCache
+from .codebook import Codebook, theoretical_codebook
+from .config import PRESETS, TurboQuantConfig
+from .layer import TurboQuantLayer, TurboQuantSlidingLayer
+from .rotation import Rotation, make_rotation
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "PRESETS",
+    "Codebook",
+    "Rotation",
+    "TurboQuantCache",
+    "TurboQuantConfig",
+    "TurboQuantLayer",
+    "TurboQuantSlidingLayer",
+    "make_rotation",
+    "theoretical_codebook",
+]

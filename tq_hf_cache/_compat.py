@@ -1,0 +1,38 @@
+"""What differs between the supported transformers releases (4.56 ... 5.x), in one place."""
+
+from __future__ import annotations
+
+import transformers
+from packaging.version import Version
+from transformers import cache_utils
+
+TRANSFORMERS_VERSION = Version(transformers.__version__)
+IS_V5 = TRANSFORMERS_VERSION.major >= 5
+
+
+def layer_types_and_kwargs(config) -> tuple[list[str], list[dict]]:
+    """The cache layer type of every decoder layer, as `DynamicCache(config=...)` derives it."""
+    text_config = config.get_text_config(decoder=True) if IS_V5 else config.get_text_config()
+    if hasattr(cache_utils, "get_layer_types_and_kwargs"):
+        return cache_utils.get_layer_types_and_kwargs(text_config)
+    # transformers 4.x: one window for the whole model, shared layers carry no cache
+    window = getattr(text_config, "sliding_window", None) or getattr(text_config, "attention_chunk_size", None)
+    types = getattr(text_config, "layer_types", None)
+    if types is None:
+        kind = "sliding_attention" if window is not None else "full_attention"
+        types = [kind] * text_config.num_hidden_layers
+    if getattr(text_config, "num_kv_shared_layers", None):
+        types = types[: -text_config.num_kv_shared_layers]
+    kwargs = [{"sliding_window": window} if t in ("sliding_attention", "chunked_attention") else {} for t in types]
+    return list(types), kwargs
+
+
+def transformers_layer(layer_type: str, kwargs: dict, layer_idx: int):
+    """The layer transformers itself would build for a type that TurboQuant leaves untouched."""
+    mapping = getattr(cache_utils, "DYNAMIC_LAYER_TYPE_MAPPING", None)
+    if mapping is None or layer_type not in mapping:
+        raise ValueError(
+            f"layer {layer_idx} has layer type {layer_type!r}, which TurboQuantCache does not support with "
+            f"transformers {transformers.__version__}"
+        )
+    return mapping[layer_type](**kwargs)

@@ -1,0 +1,121 @@
+"""Lloyd-Max scalar codebooks for one coordinate of a rotated unit vector.
+
+After a uniformly random rotation, one coordinate x of a unit vector in R^d has the density
+    f(x) = Gamma(d/2) / (sqrt(pi) Gamma((d-1)/2)) * (1 - x^2)^((d-3)/2),   x in [-1, 1],
+so one fixed scalar quantizer serves every coordinate. Lloyd-Max alternates "boundaries are midpoints of
+neighbouring centroids" and "centroids are conditional means of their cell" until it stops moving; the
+integrals are done on a fine grid with prefix sums, in float64, so the result is deterministic.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from functools import lru_cache
+
+import torch
+
+MIN_BITS, MAX_BITS = 1, 8
+
+
+def check_bits(bits, what: str = "bits") -> int:
+    if isinstance(bits, bool) or not isinstance(bits, int) or not MIN_BITS <= bits <= MAX_BITS:
+        raise ValueError(f"{what} must be an integer in [{MIN_BITS}, {MAX_BITS}], got {bits!r}")
+    return bits
+
+
+@dataclass(eq=False)
+class Codebook:
+    """Centroids (ascending) and the midpoints between them, for one bit width.
+
+    `centroids` is (2**bits,) for a codebook shared by all heads, or (H, 2**bits) for one per KV head
+    (calibrated codebooks); `boundaries` has one entry fewer on the last dim.
+    """
+
+    bits: int
+    centroids: torch.Tensor
+    boundaries: torch.Tensor
+
+    @classmethod
+    def from_centroids(cls, centroids: torch.Tensor, bits: int) -> "Codebook":
+        check_bits(bits)
+        c = torch.as_tensor(centroids, dtype=torch.float32)
+        if c.dim() not in (1, 2) or c.shape[-1] != 2**bits:
+            raise ValueError(
+                f"a {bits}-bit codebook needs centroids of shape (..., {2**bits}), got {tuple(c.shape)}"
+            )
+        if not torch.isfinite(c).all():
+            raise ValueError("codebook centroids contain NaN or inf")
+        c, _ = torch.sort(c, dim=-1)
+        return cls(bits, c.contiguous(), ((c[..., 1:] + c[..., :-1]) / 2).contiguous())
+
+    @property
+    def per_head(self) -> bool:
+        return self.centroids.dim() == 2
+
+    def to(self, device) -> "Codebook":
+        return Codebook(self.bits, self.centroids.to(device), self.boundaries.to(device))
+
+
+def coordinate_density(x: torch.Tensor, dim: int) -> torch.Tensor:
+    """The density of one coordinate of a uniform random unit vector in R^dim (float64)."""
+    x = x.double()
+    log_c = math.lgamma(dim / 2) - 0.5 * math.log(math.pi) - math.lgamma((dim - 1) / 2)
+    inside = (1 - x * x).clamp_min(0)
+    if dim == 3:
+        return torch.full_like(x, math.exp(log_c)) * (x.abs() <= 1)
+    return torch.exp(log_c + (dim - 3) / 2 * torch.log(inside.clamp_min(1e-300))) * (inside > 0)
+
+
+def lloyd_max(
+    grid: torch.Tensor, weights: torch.Tensor, bits: int, init: torch.Tensor | None = None, iters: int = 5000
+) -> torch.Tensor:
+    """1-D Lloyd-Max (k-means) on a weighted sorted grid; returns 2**bits ascending float64 centroids."""
+    grid, weights = grid.double(), weights.double().clamp_min(0)
+    k = 2**bits
+    w_cum = torch.cat([weights.new_zeros(1), torch.cumsum(weights, 0)])
+    xw_cum = torch.cat([weights.new_zeros(1), torch.cumsum(weights * grid, 0)])
+    if init is None:
+        # equal-mass start: quantile midpoints of the distribution
+        targets = (torch.arange(k, dtype=torch.float64) + 0.5) / k * w_cum[-1]
+        init = grid[torch.searchsorted(w_cum[1:], targets).clamp(max=grid.numel() - 1)]
+    c = torch.sort(init.double())[0]
+    for _ in range(iters):
+        b = (c[1:] + c[:-1]) / 2
+        cut = torch.cat([torch.zeros(1, dtype=torch.long), torch.searchsorted(grid, b), torch.tensor([grid.numel()])])
+        mass = w_cum[cut[1:]] - w_cum[cut[:-1]]
+        first = xw_cum[cut[1:]] - xw_cum[cut[:-1]]
+        new = torch.where(mass > 0, first / mass.clamp_min(1e-300), c)
+        moved = (new - c).abs().max().item()
+        c = new
+        if moved < 1e-13:
+            break
+    return c
+
+
+@lru_cache(maxsize=None)
+def _theoretical(bits: int, dim: int) -> torch.Tensor:
+    # the mass lies within a few 1/sqrt(dim) of 0; a 12-sigma window keeps the grid dense where it matters
+    lim = min(1.0, 12.0 / math.sqrt(dim))
+    grid = torch.linspace(-lim, lim, 400_001, dtype=torch.float64)
+    c = lloyd_max(grid, coordinate_density(grid, dim), bits)
+    c = (c - c.flip(0)) / 2  # the law is symmetric: remove float drift so the codebook is exactly symmetric
+    return c.float()
+
+
+def theoretical_codebook(bits: int, dim: int) -> Codebook:
+    """The Lloyd-Max codebook for the rotated-coordinate law in `dim` dimensions (cached)."""
+    check_bits(bits)
+    if not isinstance(dim, int) or dim < 3:
+        raise ValueError(f"head dim must be an integer >= 3, got {dim!r}")
+    return Codebook.from_centroids(_theoretical(bits, dim).clone(), bits)
+
+
+def expected_mse(codebook: Codebook, dim: int) -> float:
+    """E||u - u_hat||^2 for a unit vector u under this codebook (dim times the per-coordinate MSE)."""
+    lim = min(1.0, 12.0 / math.sqrt(dim))
+    grid = torch.linspace(-lim, lim, 400_001, dtype=torch.float64)
+    w = coordinate_density(grid, dim)
+    c = codebook.centroids.double().reshape(-1, codebook.centroids.shape[-1])[0]
+    q = c[torch.bucketize(grid, codebook.boundaries.double().reshape(-1, c.numel() - 1)[0])]
+    return float(dim * torch.trapezoid(w * (grid - q) ** 2, grid) / torch.trapezoid(w, grid))

@@ -1,0 +1,382 @@
+"""`TurboQuantLayer`: one layer's KV cache as append-only packed buffers plus a full-precision residual window.
+
+Tokens enter the residual window; those pushed out of it are quantized once, appended to the packed
+buffers, and never re-quantized. `update` returns [dequantized history | residual | new tokens], the
+history being written into the cache's shared workspace.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers.cache_utils import DynamicLayer
+
+from . import ops
+from .codebook import Codebook
+from .packing import packed_bytes
+from .rotation import Rotation
+from .workspace import Workspace
+
+GROW_TOKENS = 256
+MODEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+class PackedBuffer:
+    """Packed indices (B, H, capacity, nbytes) and norms (B, H, capacity); tokens [start, start + length) are live."""
+
+    def __init__(self, batch: int, heads: int, dim: int, bits: int, norm_dtype: torch.dtype, device: torch.device):
+        self.dim, self.bits = dim, bits
+        self.nbytes_per_vec = packed_bytes(dim, bits)
+        self.packed = torch.empty(batch, heads, 0, self.nbytes_per_vec, dtype=torch.uint8, device=device)
+        self.norms = torch.empty(batch, heads, 0, dtype=norm_dtype, device=device)
+        self.start = 0
+        self.length = 0
+
+    @property
+    def capacity(self) -> int:
+        return self.packed.shape[2]
+
+    def reserve(self, extra: int) -> None:
+        """Make room for `extra` more tokens at the end, growing by chunks; old data is copied, not re-quantized."""
+        need = self.start + self.length + extra
+        if need <= self.capacity:
+            return
+        if self.start and self.length + extra <= self.capacity:  # compact a sliding buffer in place of growing
+            self._move(self.packed, self.norms)
+            return
+        live = self.length + extra
+        cap = live + max(GROW_TOKENS, live // 8)
+        cap = (cap + GROW_TOKENS - 1) // GROW_TOKENS * GROW_TOKENS
+        b, h, _, nb = self.packed.shape
+        packed = torch.empty(b, h, cap, nb, dtype=torch.uint8, device=self.packed.device)
+        norms = torch.empty(b, h, cap, dtype=self.norms.dtype, device=self.norms.device)
+        self._move(packed, norms)
+
+    def _move(self, packed: torch.Tensor, norms: torch.Tensor) -> None:
+        live = slice(self.start, self.start + self.length)
+        p, n = self.packed[:, :, live].clone(), self.norms[:, :, live].clone()
+        packed[:, :, : self.length].copy_(p)
+        norms[:, :, : self.length].copy_(n)
+        self.packed, self.norms, self.start = packed, norms, 0
+
+    def append_slots(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Views of the next n slots; the caller fills them, then they count as live."""
+        self.reserve(n)
+        at = self.start + self.length
+        self.length += n
+        return self.packed[:, :, at : at + n], self.norms[:, :, at : at + n]
+
+    def live(self) -> tuple[torch.Tensor, torch.Tensor]:
+        s = slice(self.start, self.start + self.length)
+        return self.packed[:, :, s], self.norms[:, :, s]
+
+    def drop_front(self, n: int) -> None:
+        n = min(n, self.length)
+        self.start += n
+        self.length -= n
+
+    def truncate(self, length: int) -> None:
+        self.length = min(self.length, max(length, 0))
+
+    def map_batch(self, fn) -> None:
+        self.packed, self.norms = fn(self.packed), fn(self.norms)
+
+    def to(self, device) -> None:
+        self.packed, self.norms = self.packed.to(device, non_blocking=True), self.norms.to(device, non_blocking=True)
+
+    def nbytes(self) -> int:
+        return self.packed.numel() + self.norms.numel() * self.norms.element_size()
+
+
+class TurboQuantLayer(DynamicLayer):
+    """A full-attention layer whose history is TurboQuant-packed; see the module docstring."""
+
+    is_sliding = False
+    is_compileable = False
+    is_croppable = True
+
+    def __init__(
+        self,
+        *,
+        key_bits: int,
+        value_bits: int,
+        residual_length: int,
+        rotation_for,
+        codebook_for,
+        workspace: Workspace,
+        norm_dtype: torch.dtype = torch.float16,
+        layer_idx: int | None = None,
+    ):
+        super().__init__()
+        self.key_bits, self.value_bits = key_bits, value_bits
+        self.residual_length = residual_length
+        self.norm_dtype = norm_dtype
+        self.layer_idx = layer_idx
+        self.workspace = workspace
+        self._rotation_for = rotation_for  # dim -> Rotation
+        self._codebook_for = codebook_for  # (kind, bits, dim) -> Codebook
+        self._clear()
+
+    def _clear(self) -> None:
+        self.is_initialized = False
+        self.cumulative_length = 0
+        self.k_buf: PackedBuffer | None = None
+        self.v_buf: PackedBuffer | None = None
+        self.res_k: torch.Tensor | None = None
+        self.res_v: torch.Tensor | None = None
+
+    # DynamicLayer keeps `keys`/`values` tensors; here they are materialized on demand from the packed state.
+    @property
+    def keys(self) -> torch.Tensor | None:
+        return self._materialize("key")
+
+    @keys.setter
+    def keys(self, value) -> None:
+        if value is not None:
+            raise AttributeError("TurboQuantLayer.keys is derived from the packed cache and cannot be assigned")
+
+    @property
+    def values(self) -> torch.Tensor | None:
+        return self._materialize("value")
+
+    @values.setter
+    def values(self, value) -> None:
+        if value is not None:
+            raise AttributeError("TurboQuantLayer.values is derived from the packed cache and cannot be assigned")
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor | None = None) -> None:
+        if key_states.dim() != 4:
+            raise ValueError(f"key states must be (batch, heads, seq, head_dim), got shape {tuple(key_states.shape)}")
+        if key_states.dtype not in MODEL_DTYPES:
+            raise TypeError(f"TurboQuantCache supports model dtypes {MODEL_DTYPES}, got {key_states.dtype}")
+        if value_states is not None and value_states.shape[-1] != key_states.shape[-1]:
+            raise ValueError(
+                f"TurboQuantCache needs keys and values of one head dim, got {key_states.shape[-1]} and {value_states.shape[-1]}"
+            )
+        b, h, _, d = key_states.shape
+        self.dtype, self.device = key_states.dtype, key_states.device
+        self.batch, self.heads, self.head_dim = b, h, d
+        rot = self._rotation_for(d)
+        self.rotation = rot.to(self.device)
+        self.k_codebook: Codebook = self._codebook_for("key", self.key_bits, d).to(self.device)
+        self.v_codebook: Codebook = self._codebook_for("value", self.value_bits, d).to(self.device)
+        for name, cb in (("key", self.k_codebook), ("value", self.v_codebook)):
+            if cb.per_head and cb.centroids.shape[0] != h:
+                raise ValueError(
+                    f"layer {self.layer_idx}: the {name} codebook has {cb.centroids.shape[0]} heads but the model has {h} KV heads"
+                )
+        self.k_buf = PackedBuffer(b, h, d, self.key_bits, self.norm_dtype, self.device)
+        self.v_buf = PackedBuffer(b, h, d, self.value_bits, self.norm_dtype, self.device)
+        self.res_k = key_states.new_empty(b, h, 0, d)
+        self.res_v = key_states.new_empty(b, h, 0, d)
+        self.is_initialized = True
+
+    def _check_states(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        expect = (self.batch, self.heads, self.head_dim)
+        for name, s in (("key", key_states), ("value", value_states)):
+            got = (s.shape[0], s.shape[1], s.shape[3])
+            if s.dim() != 4 or got != expect:
+                raise ValueError(
+                    f"layer {self.layer_idx}: {name} states of shape {tuple(s.shape)} do not match the cache's "
+                    f"(batch, heads, head_dim) = {expect}"
+                )
+            if s.dtype != self.dtype or s.device != self.device:
+                raise ValueError(
+                    f"layer {self.layer_idx}: {name} states are {s.dtype} on {s.device}, the cache holds {self.dtype} on {self.device}"
+                )
+
+    @property
+    def quantized_length(self) -> int:
+        return self.k_buf.length if self.is_initialized else 0
+
+    @property
+    def residual_tokens(self) -> int:
+        return self.res_k.shape[2] if self.is_initialized else 0
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        self._check_states(key_states, value_states)
+        self.cumulative_length += key_states.shape[2]
+        out_k, out_v = self._assemble(key_states, value_states)
+        self._push(key_states, value_states)
+        return out_k, out_v
+
+    def _assemble(self, key_states: torch.Tensor, value_states: torch.Tensor):
+        """[dequantized history | residual | new] for this step's attention."""
+        lq, lr, n = self.k_buf.length, self.res_k.shape[2], key_states.shape[2]
+        if lq == 0:
+            if lr == 0:
+                return key_states, value_states
+            return torch.cat([self.res_k, key_states], dim=2), torch.cat([self.res_v, value_states], dim=2)
+        wk, wv = self.workspace.views(self.batch, self.heads, lq + lr + n, self.head_dim, self.dtype, self.device)
+        pk, nk = self.k_buf.live()
+        pv, nv = self.v_buf.live()
+        ops.dequantize_into(pk, nk, self.rotation, self.k_codebook, wk[:, :, :lq])
+        ops.dequantize_into(pv, nv, self.rotation, self.v_codebook, wv[:, :, :lq])
+        if lr:
+            wk[:, :, lq : lq + lr].copy_(self.res_k)
+            wv[:, :, lq : lq + lr].copy_(self.res_v)
+        wk[:, :, lq + lr :].copy_(key_states)
+        wv[:, :, lq + lr :].copy_(value_states)
+        return wk, wv
+
+    def _push(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        """Append the new tokens to the residual window and quantize what overflows it."""
+        fp_k = torch.cat([self.res_k, key_states], dim=2) if self.res_k.shape[2] else key_states
+        fp_v = torch.cat([self.res_v, value_states], dim=2) if self.res_v.shape[2] else value_states
+        fp_k, fp_v = self._trim(fp_k, fp_v)
+        overflow = fp_k.shape[2] - self.residual_length
+        if overflow > 0:
+            self._quantize_append(fp_k[:, :, :overflow], fp_v[:, :, :overflow])
+            fp_k, fp_v = fp_k[:, :, overflow:], fp_v[:, :, overflow:]
+        # own copies: a slice would keep the caller's whole (prefill-sized) tensor alive
+        self.res_k, self.res_v = fp_k.clone(), fp_v.clone()
+
+    def _trim(self, fp_k: torch.Tensor, fp_v: torch.Tensor):
+        """Full-attention layers keep everything; sliding layers drop what left the window."""
+        return fp_k, fp_v
+
+    def _quantize_append(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        n = k.shape[2]
+        pk, nk = self.k_buf.append_slots(n)
+        ops.quantize_into(k, self.rotation, self.k_codebook, pk, nk)
+        pv, nv = self.v_buf.append_slots(n)
+        ops.quantize_into(v, self.rotation, self.v_codebook, pv, nv)
+
+    def _materialize(self, kind: str) -> torch.Tensor | None:
+        if not self.is_initialized:
+            return None
+        buf, cb, res = (self.k_buf, self.k_codebook, self.res_k) if kind == "key" else (self.v_buf, self.v_codebook, self.res_v)
+        packed, norms = buf.live()
+        out = res.new_empty(self.batch, self.heads, buf.length + res.shape[2], self.head_dim)
+        if buf.length:
+            ops.dequantize_into(packed, norms, self.rotation, cb, out[:, :, : buf.length])
+        out[:, :, buf.length :].copy_(res)
+        return out
+
+    def get_seq_length(self) -> int:
+        return self.cumulative_length
+
+    def get_mask_sizes(self, query_length_or_cache_position, *args) -> tuple[int, int]:
+        q = _query_length(query_length_or_cache_position)
+        return self.get_seq_length() + q, 0
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def get_max_cache_shape(self) -> int:  # transformers 4.x name
+        return -1
+
+    def reset(self) -> None:
+        self._clear()
+
+    def crop(self, max_length: int) -> None:
+        """Negative: remove that many newest tokens; positive: keep the first `max_length` tokens."""
+        if not self.is_initialized:
+            return
+        seq = self.get_seq_length()
+        target = seq - abs(max_length) if max_length < 0 else max_length
+        if target >= seq:
+            return
+        target = max(target, 0)
+        lq = self.k_buf.length
+        if target >= lq:
+            self.res_k, self.res_v = self.res_k[:, :, : target - lq].clone(), self.res_v[:, :, : target - lq].clone()
+        else:
+            self.k_buf.truncate(target)
+            self.v_buf.truncate(target)
+            self.res_k, self.res_v = self.res_k[:, :, :0], self.res_v[:, :, :0]
+        self.cumulative_length = target
+
+    def _map_batch(self, fn) -> None:
+        if not self.is_initialized:
+            return
+        self.k_buf.map_batch(fn)
+        self.v_buf.map_batch(fn)
+        self.res_k, self.res_v = fn(self.res_k), fn(self.res_v)
+        self.batch = self.res_k.shape[0]
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        idx = beam_idx.to(self.device) if self.is_initialized else beam_idx
+        self._map_batch(lambda t: t.index_select(0, idx))
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        self._map_batch(lambda t: t.repeat_interleave(repeats, dim=0))
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        self._map_batch(lambda t: t[indices.to(t.device) if isinstance(indices, torch.Tensor) else indices])
+
+    def offload(self) -> None:
+        if self.is_initialized:
+            for buf in (self.k_buf, self.v_buf):
+                buf.to("cpu")
+            self.res_k, self.res_v = self.res_k.to("cpu", non_blocking=True), self.res_v.to("cpu", non_blocking=True)
+
+    def prefetch(self) -> None:
+        if self.is_initialized and self.res_k.device != self.device:
+            for buf in (self.k_buf, self.v_buf):
+                buf.to(self.device)
+            self.res_k, self.res_v = self.res_k.to(self.device, non_blocking=True), self.res_v.to(self.device, non_blocking=True)
+
+    def nbytes(self) -> dict[str, int]:
+        """Bytes held between steps: packed buffers (allocated capacity) and the residual window."""
+        if not self.is_initialized:
+            return {"packed": 0, "residual": 0}
+        res = (self.res_k.numel() + self.res_v.numel()) * self.res_k.element_size()
+        return {"packed": self.k_buf.nbytes() + self.v_buf.nbytes(), "residual": res}
+
+    def __repr__(self) -> str:
+        return (
+            f"{type(self).__name__}(k{self.key_bits}v{self.value_bits}, residual={self.residual_length}, "
+            f"quantized={self.quantized_length}, fp={self.residual_tokens})"
+        )
+
+
+class TurboQuantSlidingLayer(TurboQuantLayer):
+    """A sliding-window layer: keeps only the newest `sliding_window - 1` tokens, quantized past the residual window."""
+
+    is_sliding = True
+    is_croppable = False
+
+    def __init__(self, *, sliding_window: int, **kwargs):
+        super().__init__(**kwargs)
+        self.sliding_window = int(sliding_window)
+
+    def _trim(self, fp_k: torch.Tensor, fp_v: torch.Tensor):
+        """Drop the oldest tokens beyond `sliding_window - 1`, from the packed front first, before quantizing."""
+        excess = self.k_buf.length + fp_k.shape[2] - (self.sliding_window - 1)
+        if excess <= 0:
+            return fp_k, fp_v
+        from_packed = min(excess, self.k_buf.length)
+        self.k_buf.drop_front(from_packed)
+        self.v_buf.drop_front(from_packed)
+        rest = excess - from_packed
+        return fp_k[:, :, rest:], fp_v[:, :, rest:]
+
+    def get_mask_sizes(self, query_length_or_cache_position, *args) -> tuple[int, int]:
+        q = _query_length(query_length_or_cache_position)
+        kv_offset = max(self.cumulative_length - self.sliding_window + 1, 0)
+        if self.cumulative_length >= self.sliding_window:
+            return self.sliding_window - 1 + q, kv_offset
+        return self.cumulative_length + q, kv_offset
+
+    def get_max_length(self) -> int:
+        return self.sliding_window
+
+    def get_max_cache_shape(self) -> int:
+        return self.sliding_window
+
+    def crop(self, max_length: int) -> None:
+        if self.get_seq_length() >= self.sliding_window:
+            raise RuntimeError(
+                "cannot crop a sliding-window TurboQuant layer once it has seen more tokens than its window "
+                f"({self.sliding_window}): the older states are gone"
+            )
+        super().crop(max_length)
+
+
+def _query_length(arg) -> int:
+    """transformers 5.x passes the query length; 4.x passes cache_position."""
+    if isinstance(arg, torch.Tensor):
+        return int(arg.shape[0])
+    return int(arg)
