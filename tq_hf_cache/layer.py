@@ -123,6 +123,8 @@ class TurboQuantLayer(DynamicLayer):
         self.v_buf: PackedBuffer | None = None
         self.res_k: torch.Tensor | None = None
         self.res_v: torch.Tensor | None = None
+        self._defer_next = False
+        self._pending: tuple[torch.Tensor, torch.Tensor] | None = None
 
     # DynamicLayer keeps `keys`/`values` tensors; here they are materialized on demand from the packed state.
     @property
@@ -193,13 +195,53 @@ class TurboQuantLayer(DynamicLayer):
         return self.res_k.shape[2] if self.is_initialized else 0
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        self.flush()
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         self._check_states(key_states, value_states)
         self.cumulative_length += key_states.shape[2]
+        if self._defer_next:
+            # fused attention armed this layer: it reads packed + residual + these tokens itself
+            self._defer_next = False
+            self._pending = (key_states, value_states)
+            return _tag(key_states, self, True), _tag(value_states, self, True)
         out_k, out_v = self._assemble(key_states, value_states)
         self._push(key_states, value_states)
-        return out_k, out_v
+        return _tag(out_k, self, False), _tag(out_v, self, False)
+
+    # --- hooks for the fused decode-attention path (tq_hf_cache.attention) ---
+    def arm_deferred(self) -> None:
+        """The next `update` returns only the new tokens (tagged) and leaves them pending for the attention."""
+        self._defer_next = True
+
+    @property
+    def pending(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """New tokens of a deferred update, not yet in the residual window or the packed buffers."""
+        return self._pending
+
+    def flush(self) -> None:
+        """Move pending tokens into the cache state (residual window, quantizing what overflows)."""
+        if self._pending is not None:
+            k, v = self._pending
+            self._pending = None
+            self._push(k, v)
+
+    def attention_state(self) -> dict:
+        """Everything a decode-attention kernel reads: [packed history | residual | pending new tokens]."""
+        pk, nk = self.k_buf.live()
+        pv, nv = self.v_buf.live()
+        new_k, new_v = self._pending if self._pending is not None else (self.res_k[:, :, :0], self.res_v[:, :, :0])
+        return {
+            "k_packed": pk, "k_norms": nk, "v_packed": pv, "v_norms": nv,
+            "res_k": self.res_k, "res_v": self.res_v, "new_k": new_k, "new_v": new_v,
+            "rotation": self.rotation, "k_codebook": self.k_codebook, "v_codebook": self.v_codebook,
+        }
+
+    def assemble_pending(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Full-precision [history | residual | pending] in the workspace, for a deferred step that needs it."""
+        if self._pending is None:
+            raise RuntimeError("assemble_pending() needs a deferred update in flight")
+        return self._assemble(*self._pending)
 
     def _assemble(self, key_states: torch.Tensor, value_states: torch.Tensor):
         """[dequantized history | residual | new] for this step's attention."""
@@ -244,6 +286,7 @@ class TurboQuantLayer(DynamicLayer):
         ops.quantize_into(v, self.rotation, self.v_codebook, pv, nv)
 
     def _materialize(self, kind: str) -> torch.Tensor | None:
+        self.flush()
         if not self.is_initialized:
             return None
         buf, cb, res = (self.k_buf, self.k_codebook, self.res_k) if kind == "key" else (self.v_buf, self.v_codebook, self.res_v)
@@ -272,6 +315,7 @@ class TurboQuantLayer(DynamicLayer):
 
     def crop(self, max_length: int) -> None:
         """Negative: remove that many newest tokens; positive: keep the first `max_length` tokens."""
+        self.flush()
         if not self.is_initialized:
             return
         seq = self.get_seq_length()
@@ -289,6 +333,7 @@ class TurboQuantLayer(DynamicLayer):
         self.cumulative_length = target
 
     def _map_batch(self, fn) -> None:
+        self.flush()
         if not self.is_initialized:
             return
         self.k_buf.map_batch(fn)
@@ -307,6 +352,7 @@ class TurboQuantLayer(DynamicLayer):
         self._map_batch(lambda t: t[indices.to(t.device) if isinstance(indices, torch.Tensor) else indices])
 
     def offload(self) -> None:
+        self.flush()
         if self.is_initialized:
             for buf in (self.k_buf, self.v_buf):
                 buf.to("cpu")
@@ -320,6 +366,7 @@ class TurboQuantLayer(DynamicLayer):
 
     def nbytes(self) -> dict[str, int]:
         """Bytes held between steps: packed buffers (allocated capacity) and the residual window."""
+        self.flush()
         if not self.is_initialized:
             return {"packed": 0, "residual": 0}
         res = (self.res_k.numel() + self.res_v.numel()) * self.res_k.element_size()
@@ -373,6 +420,13 @@ class TurboQuantSlidingLayer(TurboQuantLayer):
                 f"({self.sliding_window}): the older states are gone"
             )
         super().crop(max_length)
+
+
+def _tag(t: torch.Tensor, layer: TurboQuantLayer, deferred: bool) -> torch.Tensor:
+    """Mark what `update` returns so that tq_hf_cache.attention can find the layer (and whether it deferred)."""
+    t._tq_layer = layer
+    t._tq_deferred = deferred
+    return t
 
 
 def _query_length(arg) -> int:
