@@ -20,7 +20,7 @@ from functools import lru_cache
 
 TEXT_SOURCE = "CPython standard library `pydoc_data.topics` (Python Language Reference help topics, PSF license)"
 # The middle paragraph of the prose: text from here on (~130k characters) never overlaps a calibration
-# slice taken from start=0 with fewer than ~120k characters.
+# slice taken from start=0 with fewer than ~100k characters.
 HELD_OUT_START = 500
 
 
