@@ -129,3 +129,137 @@ class TurboQuantConfig:
         if not isinstance(d, dict):
             raise ValueError(f"TurboQuantConfig JSON must be an object, got {type(d).__name__}")
         return cls.from_dict(d)
+
+    # ---- save / load next to a model checkpoint -------------------------------------------------------------
+
+    def save_pretrained(self, save_directory, model_config=None, extra: dict[str, Any] | None = None) -> str:
+        """Write `turboquant_config.json` into `save_directory` (created if needed); returns its path.
+
+        The file holds the format version, this config and, when `model_config` (a transformers config) is given,
+        the model facts that calibrated codebooks depend on (model_type, layer count, KV heads, head dim).
+        `extra` adds top-level sections (the codebook index written by `CalibratedCodebooks`).
+        """
+        import os
+
+        os.makedirs(save_directory, exist_ok=True)
+        doc: dict[str, Any] = {
+            "format": TURBOQUANT_FORMAT,
+            "format_version": TURBOQUANT_FORMAT_VERSION,
+            "tq_config": json.loads(self.to_json_string()),
+        }
+        if model_config is not None:
+            doc["model"] = model_facts(model_config)
+        for key, value in (extra or {}).items():
+            if key in doc:
+                raise ValueError(f"extra section {key!r} would overwrite a reserved key of {TURBOQUANT_CONFIG_NAME}")
+            doc[key] = value
+        path = os.path.join(save_directory, TURBOQUANT_CONFIG_NAME)
+        tmp = path + ".tmp"
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write(json.dumps(doc, indent=2, sort_keys=True) + "\n")
+        os.replace(tmp, path)
+        return path
+
+    @classmethod
+    def from_pretrained(cls, directory, config=None) -> "TurboQuantConfig":
+        """Read `directory/turboquant_config.json`; check the stored model facts against `config` (a
+        transformers config) when given and against `directory/config.json` when present."""
+        doc = read_turboquant_json(directory)
+        check_model_facts(doc, directory, config)
+        return cls.from_dict(doc["tq_config"])
+
+
+TURBOQUANT_CONFIG_NAME = "turboquant_config.json"
+TURBOQUANT_FORMAT = "tq_hf_cache.turboquant"
+TURBOQUANT_FORMAT_VERSION = 1
+MODEL_FACT_KEYS = ("model_type", "num_hidden_layers", "num_key_value_heads", "head_dim")
+
+
+def model_facts(model_config) -> dict[str, Any]:
+    """The facts of a transformers config that calibrated codebooks depend on."""
+    cfg = model_config
+    if hasattr(cfg, "get_text_config"):
+        try:
+            cfg = cfg.get_text_config(decoder=True)
+        except TypeError:  # transformers 4.x signature
+            cfg = cfg.get_text_config()
+    elif isinstance(cfg, dict) and isinstance(cfg.get("text_config"), dict):
+        cfg = {"model_type": cfg.get("model_type"), **cfg["text_config"]}
+    get = cfg.get if isinstance(cfg, dict) else (lambda k, d=None: getattr(cfg, k, d))
+    heads = get("num_attention_heads")
+    layers = get("num_hidden_layers")
+    kv_heads = get("num_key_value_heads") or heads
+    head_dim = get("head_dim") or (get("hidden_size") // heads if heads and get("hidden_size") else None)
+    if layers is None or kv_heads is None or head_dim is None:
+        raise ValueError(
+            "the model config must give num_hidden_layers, num_key_value_heads (or num_attention_heads) and head_dim "
+            f"(or hidden_size), got layers={layers!r}, kv_heads={kv_heads!r}, head_dim={head_dim!r}"
+        )
+    return {
+        "model_type": get("model_type"),
+        "num_hidden_layers": int(layers),
+        "num_key_value_heads": int(kv_heads),
+        "head_dim": int(head_dim),
+    }
+
+
+def read_turboquant_json(directory) -> dict[str, Any]:
+    """Load and version-check `directory/turboquant_config.json` (raises with the path and the bad value)."""
+    import os
+
+    path = os.path.join(directory, TURBOQUANT_CONFIG_NAME)
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"no {TURBOQUANT_CONFIG_NAME} in {directory!r}: run `tq-hf-cache calibrate` or save_pretrained first")
+    try:
+        with open(path, encoding="utf-8") as f:
+            doc = json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path} is corrupt (not valid JSON): {e}") from None
+    if not isinstance(doc, dict):
+        raise ValueError(f"{path} must hold a JSON object, got {type(doc).__name__}")
+    if doc.get("format") != TURBOQUANT_FORMAT:
+        raise ValueError(f"{path}: format is {doc.get('format')!r}, expected {TURBOQUANT_FORMAT!r}")
+    version = doc.get("format_version")
+    if version != TURBOQUANT_FORMAT_VERSION:
+        raise ValueError(
+            f"{path}: format_version {version!r} is not supported; this tq_hf_cache reads version {TURBOQUANT_FORMAT_VERSION}"
+        )
+    if not isinstance(doc.get("tq_config"), dict):
+        raise ValueError(f"{path}: missing or invalid 'tq_config' section (expected a JSON object)")
+    model = doc.get("model")
+    if model is not None:
+        if not isinstance(model, dict) or set(model) != set(MODEL_FACT_KEYS):
+            raise ValueError(f"{path}: the 'model' section must have exactly the keys {list(MODEL_FACT_KEYS)}, got {model!r}")
+        for k in MODEL_FACT_KEYS[1:]:
+            v = model[k]
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"{path}: model.{k} must be an integer >= 1, got {v!r}")
+    return doc
+
+
+def check_model_facts(doc: dict[str, Any], directory, config=None) -> None:
+    """Compare the stored model facts with `config` and with `directory/config.json` (when present)."""
+    import os
+
+    stored = doc.get("model")
+    if stored is None:
+        return
+    sources = []
+    if config is not None:
+        sources.append(("the given model config", model_facts(config)))
+    cfg_path = os.path.join(directory, "config.json")
+    if os.path.isfile(cfg_path):
+        try:
+            with open(cfg_path, encoding="utf-8") as f:
+                sources.append((cfg_path, model_facts(json.load(f))))
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise ValueError(f"{cfg_path} is corrupt (not valid JSON): {e}") from None
+    for where, facts in sources:
+        for k in MODEL_FACT_KEYS:
+            if k == "model_type" and (stored[k] is None or facts[k] is None):
+                continue
+            if stored[k] != facts[k]:
+                raise ValueError(
+                    f"{TURBOQUANT_CONFIG_NAME} in {directory!r} was calibrated for {k}={stored[k]!r}, "
+                    f"but {where} has {k}={facts[k]!r}; recalibrate for this model"
+                )
