@@ -80,6 +80,27 @@ class TurboQuantCache(DynamicCache):
             offload_only_non_sliding=offload_only_non_sliding,
         )
 
+    @classmethod
+    def from_pretrained(cls, dir_or_model_path, config=None, **overrides) -> "TurboQuantCache":
+        """A cache from the `turboquant_config.json` (+ `turboquant_codebooks.safetensors` when present) saved in
+        a folder, e.g. next to `model.save_pretrained(dir)`. `config` is the model's config: it is checked against
+        the stored model facts (as is `dir/config.json` when present) and passed on to the cache. `overrides`
+        change config fields; the calibrated codebooks must still cover every bit width the result needs."""
+        import os
+
+        from .calibration import CODEBOOKS_NAME, CalibratedCodebooks
+        from .config import read_turboquant_json
+
+        tq = TurboQuantConfig.from_pretrained(dir_or_model_path, config=config)
+        codebooks = None
+        doc = read_turboquant_json(dir_or_model_path)
+        if "codebooks" in doc or os.path.exists(os.path.join(dir_or_model_path, CODEBOOKS_NAME)):
+            codebooks = CalibratedCodebooks.from_pretrained(dir_or_model_path, config=config)
+        tq = resolve_config(tq, **overrides)
+        if codebooks is not None:
+            codebooks.check_covers(tq)
+        return cls(tq, config=config, codebooks=codebooks)
+
     def _next_full_layer(self):
         """Called by `Cache.update` to grow a config-less cache: layers are created in index order."""
         return self._make_layer(len(self.layers), "full_attention", {})
