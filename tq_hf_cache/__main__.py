@@ -1,0 +1,7 @@
+"""`python -m tq_hf_cache ...` is the `tq-hf-cache` command."""
+
+import sys
+
+from .cli import main
+
+sys.exit(main())
