@@ -1,8 +1,63 @@
-"""Triton kernels and their launchers. The cache reaches them only through `tq_hf_cache.ops`."""
+"""Triton kernels and their launchers. The cache reaches them only through `tq_hf_cache.ops`.
+
+Triton is imported lazily, so that importing tq_hf_cache works (and falls back to the torch reference)
+where triton is missing.
+"""
 
 from __future__ import annotations
+
+import functools
+import os
+
+SUPPORTED_DIMS = (16, 32, 64, 128)
+
+
+@functools.lru_cache(maxsize=None)
+def _triton_ok() -> bool:
+    try:
+        import triton  # noqa: F401
+        import triton.language  # noqa: F401
+    except Exception:  # ImportError, or a broken install
+        return False
+    return True
+
+
+def interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 def available() -> bool:
     """True when Triton kernels can run here (CUDA, or CPU under TRITON_INTERPRET=1)."""
-    return False
+    if not _triton_ok():
+        return False
+    if interpreting():
+        return True
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def supports(dim: int, bits: int) -> bool:
+    """Power-of-two head dims 16..128 and 1..8 bits; anything else goes to the torch reference."""
+    return dim in SUPPORTED_DIMS and isinstance(bits, int) and 1 <= bits <= 8
+
+
+def quantize_into(x, rotation, codebook, packed_out, norms_out, **kw) -> None:
+    """See `kernels.quantize.quantize_into`."""
+    from .quantize import quantize_into as f
+
+    f(x, rotation, codebook, packed_out, norms_out, **kw)
+
+
+def quantize_kv_into(k, v, rotation, k_codebook, v_codebook, k_packed, k_norms, v_packed, v_norms, **kw) -> None:
+    """See `kernels.quantize.quantize_kv_into`."""
+    from .quantize import quantize_kv_into as f
+
+    f(k, v, rotation, k_codebook, v_codebook, k_packed, k_norms, v_packed, v_norms, **kw)
+
+
+def dequantize_into(packed, norms, rotation, codebook, out, **kw) -> None:
+    """See `kernels.dequantize.dequantize_into`."""
+    from .dequantize import dequantize_into as f
+
+    f(packed, norms, rotation, codebook, out, **kw)

@@ -1,0 +1,306 @@
+"""The Triton quantize/dequantize kernels against the torch reference (the oracle).
+
+Runs the compiled kernels on CUDA when present, else the Triton interpreter on CPU (TRITON_INTERPRET=1 is
+set here, before triton is imported). Every case draws a fresh seed (printed on failure), writes into poisoned
+strided slices of bigger buffers, and checks that every slot of the slice was written and nothing outside it.
+
+Indices may legitimately differ from the reference where a rotated coordinate sits within float rounding of a
+codebook boundary (the kernel rotates by a dot, the reference by butterflies): each mismatch must be such a
+case (adjacent cells, coordinate within 1e-5 of the boundary between them), and they must be rare.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+
+import pytest
+import torch
+
+CUDA = torch.cuda.is_available()
+if not CUDA:
+    os.environ["TRITON_INTERPRET"] = "1"  # must precede the first import of triton
+
+triton = pytest.importorskip("triton", reason="triton is not installed: the kernel tests need it")
+
+from tq_hf_cache import kernels, ops, reference  # noqa: E402
+from tq_hf_cache.codebook import Codebook, theoretical_codebook  # noqa: E402
+from tq_hf_cache.kernels import _common  # noqa: E402
+from tq_hf_cache.packing import packed_bytes, unpack_indices  # noqa: E402
+from tq_hf_cache.rotation import make_rotation  # noqa: E402
+
+DEV = torch.device("cuda" if CUDA else "cpu")
+if not CUDA and not _common.INTERPRET:
+    pytest.skip(
+        "tq_hf_cache.kernels was imported without TRITON_INTERPRET=1 and there is no CUDA: "
+        "run this module in its own pytest process or export TRITON_INTERPRET=1",
+        allow_module_level=True,
+    )
+
+PAD_BYTE = (0x5A, 0xA5)  # two sentinels: a byte the kernel did not write keeps its sentinel, so the runs differ
+NORM_DTYPES = {"fp16": torch.float16, "fp32": torch.float32}
+DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
+
+
+def fresh_gen() -> tuple[int, torch.Generator]:
+    seed = int.from_bytes(os.urandom(4), "little")
+    g = torch.Generator(device="cpu")
+    g.manual_seed(seed)
+    return seed, g
+
+
+def make_x(g, b, h, t, d, dtype, scale=1.0, lead=2, tail=3):
+    """A non-contiguous (B, H, T, D) slice along T of a bigger random tensor, with varied per-vector scales."""
+    big = torch.randn(b, h, lead + t + tail, d, generator=g) * scale
+    big = big * torch.rand(b, h, lead + t + tail, 1, generator=g).add(0.05) * 4
+    return big.to(dtype).to(DEV)[:, :, lead : lead + t]
+
+
+def shared_codebook(bits, d) -> Codebook:
+    """The Lloyd-Max codebook, except at 8 bits (~30 s to build): Gaussian quantiles, as fine a test of the search."""
+    if bits < 8:
+        return theoretical_codebook(bits, d)
+    k = 2**bits
+    q = torch.special.ndtri((torch.arange(k, dtype=torch.float64) + 0.5) / k) / d**0.5
+    return Codebook.from_centroids(q.float(), bits)
+
+
+def per_head_codebook(g, bits, heads, d) -> Codebook:
+    base = shared_codebook(bits, d).centroids
+    jitter = 1 + 0.3 * torch.rand(heads, 2**bits, generator=g)
+    return Codebook.from_centroids(base.unsqueeze(0) * jitter, bits)
+
+
+def quantize_poisoned(x, rotation, cb, norm_dtype, **kw):
+    """Run the kernel twice into slices [2, 2+T) of buffers poisoned with two sentinels; return packed, norms."""
+    b, h, t, d = x.shape
+    nb = packed_bytes(d, cb.bits)
+    outs = []
+    for pad in PAD_BYTE:
+        pbig = torch.full((b, h, t + 5, nb), pad, dtype=torch.uint8, device=DEV)
+        nbig = torch.full((b, h, t + 5), float("nan"), dtype=norm_dtype, device=DEV)
+        kernels.quantize_into(x, rotation, cb, pbig[:, :, 2 : 2 + t], nbig[:, :, 2 : 2 + t], **kw)
+        outside = torch.cat([pbig[:, :, :2], pbig[:, :, 2 + t :]], dim=2)
+        assert (outside == pad).all(), "quantize wrote packed bytes outside its slice"
+        assert torch.isnan(torch.cat([nbig[:, :, :2], nbig[:, :, 2 + t :]], dim=2)).all(), "norm written outside slice"
+        assert not torch.isnan(nbig[:, :, 2 : 2 + t]).any(), "some norms were not written"
+        outs.append((pbig[:, :, 2 : 2 + t], nbig[:, :, 2 : 2 + t]))
+    assert torch.equal(outs[0][0], outs[1][0]), "some packed bytes were not written (they kept the sentinel)"
+    return outs[0]
+
+
+def check_indices(x, rot, cb, packed, seed):
+    """Every index equals the reference's, except rare near-boundary ties between adjacent cells."""
+    d = x.shape[-1]
+    ref_p, _ = reference.quantize(x, rot, cb)
+    got, want = unpack_indices(packed, cb.bits, d), unpack_indices(ref_p, cb.bits, d)
+    bad = got != want
+    n_bad = int(bad.sum())
+    if n_bad:
+        xf = x.float()
+        y = rot.forward(xf / xf.norm(dim=-1, keepdim=True).clamp_min(1e-30))
+        bnd = cb.boundaries.to(DEV)
+        if cb.per_head:
+            bnd_at = bnd[torch.arange(x.shape[1], device=DEV).view(1, -1, 1, 1).expand_as(got)[bad], torch.minimum(got, want)[bad]]
+        else:
+            bnd_at = bnd[torch.minimum(got, want)[bad]]
+        assert ((got - want)[bad].abs() == 1).all(), f"seed {seed}: non-adjacent index mismatch"
+        gap = (y[bad] - bnd_at).abs()
+        assert (gap < 1e-5).all(), f"seed {seed}: index mismatch {gap.max():.3g} away from a boundary"
+    assert n_bad <= 1 + 1e-3 * got.numel(), f"seed {seed}: {n_bad} of {got.numel()} indices differ"
+    return ref_p
+
+
+def check_norms(x, norms, seed):
+    want = reference.store_norm(x.float().norm(dim=-1), norms.dtype).float()
+    rtol = 1e-3 if norms.dtype == torch.float16 else 1e-5
+    torch.testing.assert_close(norms.float(), want, rtol=rtol, atol=0, msg=lambda m: f"seed {seed}: norms: {m}")
+
+
+def dequantize_poisoned(packed, norms, rotation, cb, dtype, layout="bhtd", **kw):
+    """Dequantize into a NaN-poisoned slice [1, 1+T) of a bigger workspace in the given memory layout."""
+    b, h, t, _ = packed.shape
+    d = rotation.dim
+    if layout == "bhtd":
+        big = torch.full((b, h, t + 3, d), float("nan"), dtype=dtype, device=DEV)
+    else:  # (B, T, H, D) memory, seen as (B, H, T, D): strided along H and T
+        big = torch.full((b, t + 3, h, d), float("nan"), dtype=dtype, device=DEV).transpose(1, 2)
+    out = big[:, :, 1 : 1 + t]
+    kernels.dequantize_into(packed, norms, rotation, cb, out, **kw)
+    assert not torch.isnan(out).any(), "some outputs were not written"
+    assert torch.isnan(big[:, :, :1]).all() and torch.isnan(big[:, :, 1 + t :]).all(), "wrote outside out's slice"
+    return out
+
+
+def check_dequant(out, packed, norms, rot, cb, seed):
+    want = reference.dequantize(packed, norms, rot, cb, torch.float32)
+    rms = float(want.pow(2).mean().sqrt()) + 1e-30
+    tol = {torch.float32: 2e-6, torch.float16: 1e-3, torch.bfloat16: 8e-3}[out.dtype]
+    torch.testing.assert_close(
+        out.float(), want.to(out.dtype).float(), rtol=tol, atol=tol * rms, msg=lambda m: f"seed {seed}: {m}"
+    )
+
+
+# (bits, head dim, x dtype, (B, H, T), norm dtype, per-head codebook, out layout)
+CASES = [
+    (1, 64, "fp32", (1, 1, 1), "fp32", False, "bhtd"),
+    (2, 128, "bf16", (1, 3, 7), "fp16", False, "bthd"),
+    (3, 128, "fp16", (3, 1, 33), "fp16", True, "bhtd"),
+    (4, 64, "bf16", (1, 3, 33), "fp16", False, "bhtd"),
+    (5, 64, "fp16", (3, 3, 7), "fp32", True, "bthd"),
+    (6, 128, "fp32", (1, 1, 7), "fp16", False, "bhtd"),
+    (7, 64, "bf16", (1, 1, 33), "fp16", False, "bhtd"),
+    (8, 128, "bf16", (3, 1, 7), "fp16", True, "bthd"),
+    (8, 64, "fp32", (1, 3, 1), "fp32", False, "bhtd"),
+    (4, 128, "fp32", (1, 1, 7), "fp32", True, "bthd"),
+]
+
+
+@pytest.mark.parametrize("bits,d,dt,shape,nd,per_head,layout", CASES)
+def test_quantize_and_dequantize_match_reference(bits, d, dt, shape, nd, per_head, layout):
+    seed, g = fresh_gen()
+    rot = make_rotation(d, seed % 1000).to(DEV)
+    cb = (per_head_codebook(g, bits, shape[1], d) if per_head else shared_codebook(bits, d)).to(DEV)
+    x = make_x(g, *shape, d, DTYPES[dt])
+    packed, norms = quantize_poisoned(x, rot, cb, NORM_DTYPES[nd])
+    ref_p = check_indices(x, rot, cb, packed, seed)
+    check_norms(x, norms, seed)
+    # what the cache returns: the kernel's packed data, dequantized, is the reference's up to rare ties
+    a = reference.dequantize(packed, norms, rot, cb)
+    b_ = reference.dequantize(ref_p, reference.store_norm(x.float().norm(dim=-1), norms.dtype), rot, cb)
+    assert float((a - b_).norm() / b_.norm().clamp_min(1e-30)) < 1e-3, f"seed {seed}"
+    # dequantize the reference's packed data into every model dtype
+    for out_dt in (torch.float32, torch.float16, torch.bfloat16):
+        out = dequantize_poisoned(ref_p, norms, rot, cb, out_dt, layout)
+        check_dequant(out, ref_p, norms, rot, cb, seed)
+
+
+@pytest.mark.parametrize("bits", [3, 8])
+def test_fwht_variant_matches_reference(bits):
+    seed, g = fresh_gen()
+    rot = make_rotation(128, seed % 1000).to(DEV)
+    cb = shared_codebook(bits, 128).to(DEV)
+    x = make_x(g, 1, 3, 7, 128, torch.bfloat16)
+    packed, norms = quantize_poisoned(x, rot, cb, torch.float16, rot="fwht")
+    check_indices(x, rot, cb, packed, seed)
+    out = dequantize_poisoned(packed, norms, rot, cb, torch.float32, rot="fwht")
+    check_dequant(out, packed, norms, rot, cb, seed)
+
+
+def test_orthogonal_rotation():
+    seed, g = fresh_gen()
+    rot = make_rotation(64, seed % 1000, kind="orthogonal").to(DEV)
+    cb = theoretical_codebook(4, 64).to(DEV)
+    x = make_x(g, 1, 3, 7, 64, torch.float16)
+    packed, norms = quantize_poisoned(x, rot, cb, torch.float16)
+    check_indices(x, rot, cb, packed, seed)
+    check_norms(x, norms, seed)
+    out = dequantize_poisoned(packed, norms, rot, cb, torch.bfloat16)
+    check_dequant(out, packed, norms, rot, cb, seed)
+
+
+def test_quantize_kv_equals_two_launches():
+    seed, g = fresh_gen()
+    rot = make_rotation(128, seed % 1000).to(DEV)
+    kcb, vcb = shared_codebook(8, 128).to(DEV), per_head_codebook(g, 3, 3, 128).to(DEV)
+    k, v = make_x(g, 1, 3, 7, 128, torch.bfloat16), make_x(g, 1, 3, 7, 128, torch.bfloat16)
+    pk, nk = quantize_poisoned(k, rot, kcb, torch.float16)
+    pv, nv = quantize_poisoned(v, rot, vcb, torch.float16)
+    bufs = [
+        torch.full((1, 3, 9, n), 0xA5, dtype=torch.uint8, device=DEV) for n in (packed_bytes(128, 8), packed_bytes(128, 3))
+    ]
+    norms = [torch.full((1, 3, 9), float("nan"), dtype=torch.float16, device=DEV) for _ in range(2)]
+    kernels.quantize_kv_into(
+        k, v, rot, kcb, vcb, bufs[0][:, :, 1:8], norms[0][:, :, 1:8], bufs[1][:, :, 1:8], norms[1][:, :, 1:8]
+    )
+    assert torch.equal(bufs[0][:, :, 1:8], pk) and torch.equal(bufs[1][:, :, 1:8], pv), f"seed {seed}"
+    assert torch.equal(norms[0][:, :, 1:8], nk) and torch.equal(norms[1][:, :, 1:8], nv), f"seed {seed}"
+    for buf, nrm in zip(bufs, norms):
+        assert (buf[:, :, [0, 8]] == 0xA5).all() and torch.isnan(nrm[:, :, [0, 8]]).all()
+
+
+def test_norm_edge_cases():
+    """A zero vector (indices of y = 0, norm 0) and a norm past fp16's range (clamped to 65504)."""
+    seed, g = fresh_gen()
+    rot = make_rotation(64, 1).to(DEV)
+    cb = theoretical_codebook(4, 64).to(DEV)
+    x = make_x(g, 1, 1, 3, 64, torch.float32)
+    x[0, 0, 0] = 0
+    x[0, 0, 1] *= 1e5 / x[0, 0, 1].norm()
+    packed, norms = quantize_poisoned(x, rot, cb, torch.float16)
+    check_indices(x, rot, cb, packed, seed)
+    assert norms[0, 0, 0] == 0 and norms[0, 0, 1] == 65504
+    check_norms(x, norms, seed)
+
+
+def test_supports_and_available():
+    assert kernels.available()
+    for d in (64, 128):
+        for bits in range(1, 9):
+            assert kernels.supports(d, bits)
+    assert not kernels.supports(96, 4) and not kernels.supports(80, 4) and not kernels.supports(256, 4)
+    assert not kernels.supports(128, 0) and not kernels.supports(128, 9)
+
+
+def test_launchers_reject_bad_inputs():
+    rot = make_rotation(64, 0).to(DEV)
+    cb = theoretical_codebook(4, 64).to(DEV)
+    x = torch.randn(1, 2, 3, 64, device=DEV)
+    p = torch.empty(1, 2, 3, 32, dtype=torch.uint8, device=DEV)
+    n = torch.empty(1, 2, 3, dtype=torch.float16, device=DEV)
+    with pytest.raises(TypeError, match="float64"):
+        kernels.quantize_into(x.double(), rot, cb, p, n)
+    with pytest.raises(ValueError, match=r"shape \(1, 2, 3, 32\)"):
+        kernels.quantize_into(x, rot, cb, p[:, :, :, :16], n)
+    with pytest.raises(TypeError, match="uint8"):
+        kernels.quantize_into(x, rot, cb, p.to(torch.int32), n)
+    with pytest.raises(ValueError, match="contiguous in its last dim"):
+        kernels.quantize_into(x, rot, cb, torch.empty(1, 2, 3, 64, dtype=torch.uint8, device=DEV)[..., ::2], n)
+    with pytest.raises(ValueError, match="norms must have shape"):
+        kernels.quantize_into(x, rot, cb, p, n[:, :1])
+    with pytest.raises(ValueError, match="head dim 96"):
+        kernels.quantize_into(torch.randn(1, 2, 3, 96, device=DEV), make_rotation(96), theoretical_codebook(4, 96), p, n)
+    with pytest.raises(ValueError, match="rotation is for head dim 128"):
+        kernels.quantize_into(x, make_rotation(128).to(DEV), cb, p, n)
+    with pytest.raises(ValueError, match="per-head codebook has 3 heads"):
+        kernels.quantize_into(x, rot, Codebook.from_centroids(cb.centroids.repeat(3, 1).cpu(), 4).to(DEV), p, n)
+    with pytest.raises(TypeError, match="out must be one of"):
+        kernels.dequantize_into(p, n, rot, cb, torch.empty(1, 2, 3, 64, dtype=torch.float64, device=DEV))
+    with pytest.raises(ValueError, match="packed must have shape"):
+        kernels.dequantize_into(p[:, :1], n, rot, cb, torch.empty(1, 2, 3, 64, device=DEV))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+def test_gpu_large_shapes_through_ops():
+    seed, g = fresh_gen()
+    rot = make_rotation(128, 7).to(DEV)
+    for bits in (2, 3, 4, 8):
+        cb = shared_codebook(bits, 128).to(DEV)
+        x = make_x(g, 2, 8, 1000, 128, torch.bfloat16)
+        packed = torch.empty(2, 8, 1000, packed_bytes(128, bits), dtype=torch.uint8, device=DEV)
+        norms = torch.empty(2, 8, 1000, dtype=torch.float16, device=DEV)
+        ops.quantize_into(x, rot, cb, packed, norms)
+        check_indices(x, rot, cb, packed, seed)
+        check_norms(x, norms, seed)
+        out = torch.empty(2, 8, 1000, 128, dtype=torch.bfloat16, device=DEV)
+        ops.dequantize_into(packed, norms, rot, cb, out)
+        check_dequant(out, packed, norms, rot, cb, seed)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+def test_gpu_fallback_warns_once():
+    ops._WARNED.clear()
+    rot = make_rotation(96, 0).to(DEV)
+    cb = theoretical_codebook(4, 96).to(DEV)
+    x = torch.randn(1, 2, 3, 96, device=DEV)
+    p = torch.empty(1, 2, 3, packed_bytes(96, 4), dtype=torch.uint8, device=DEV)
+    n = torch.empty(1, 2, 3, dtype=torch.float16, device=DEV)
+    with warnings.catch_warnings(record=True) as rec:
+        warnings.simplefilter("always")
+        ops.quantize_into(x, rot, cb, p, n)
+        ops.quantize_into(x, rot, cb, p, n)
+    assert sum("falls back" in str(w.message) for w in rec) == 1
+    ref_p, _ = reference.quantize(x, rot, cb)
+    assert torch.equal(p, ref_p)

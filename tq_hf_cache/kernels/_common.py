@@ -1,0 +1,144 @@
+"""Shared pieces of the quantize/dequantize launchers: input checks, cached rotation operands, block sizes.
+
+Kept free of kernel code so that the checks stay readable and both launchers raise the same errors.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import weakref
+
+import torch
+
+from ..codebook import Codebook
+from ..packing import packed_bytes
+from ..rotation import Rotation
+
+import triton  # noqa: E402  (the package imports this module only after checking triton imports)
+
+try:  # triton >= 3.4 exposes its settings as knobs; the env var is what older ones read
+    INTERPRET = bool(triton.knobs.runtime.interpret)
+except AttributeError:  # pragma: no cover
+    INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+from . import SUPPORTED_DIMS  # noqa: E402
+
+SUPPORTED_BITS = tuple(range(1, 9))
+X_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+NORM_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+# rotation modes (constexpr ROT in the kernels)
+ROT_PM1_DOT = 0  # tensor-core dot against sqrt(D) * Pi, whose entries are exactly +-1 (hadamard)
+ROT_FWHT = 1  # butterflies in registers (hadamard); kept to compare against the dot on the GPU
+ROT_DENSE = 2  # fp32 dot against Pi (orthogonal rotations, whose entries no 16-bit type holds)
+
+# how a quantize kernel feeds x to a +-1 dot (constexpr XMODE)
+X_NATIVE = 0  # fp16/bf16 x is exact in its own type: one 16-bit dot, fp32 accumulate
+X_FP32 = 1  # fp32 operands, ieee dot (interpreter, whose bf16 dot is broken; orthogonal rotations)
+X_SPLIT3 = 2  # fp32 x split into three bf16 terms that sum to x exactly: three bf16 dots
+
+
+def supports(dim: int, bits: int) -> bool:
+    """Power-of-two head dims 16..128 (tl.dot needs >= 16; 256 is untested) and 1..8 bits."""
+    return dim in SUPPORTED_DIMS and bits in SUPPORTED_BITS
+
+
+def next_pow2(n: int) -> int:
+    return 1 << max(0, (int(n) - 1).bit_length())
+
+
+def block_t(tokens: int, cap: int = 64) -> int:
+    """Tokens per program: 16 is the smallest tl.dot tile; 64 keeps a (64, D) fp32 tile in registers."""
+    return max(16, min(cap, next_pow2(tokens)))
+
+
+_ROT_CACHE: "weakref.WeakKeyDictionary[Rotation, dict]" = weakref.WeakKeyDictionary()
+
+
+def rotation_operand(rotation: Rotation, device: torch.device, what: str, dtype: torch.dtype) -> torch.Tensor:
+    """Device copy of one rotation operand, built once per (rotation, device, what, dtype).
+
+    what: "fwd" = the (D, D) right operand of y_row = x_row @ Pi^T; "inv" = that of out_row = c_row @ Pi;
+    "signs" = the (D,) random signs. For hadamard, fwd/inv are scaled by sqrt(D) so every entry is exactly +-1
+    (then a 16-bit dot of 16-bit data is exact up to fp32 accumulation); the kernels apply 1/sqrt(D).
+    """
+    per = _ROT_CACHE.setdefault(rotation, {})
+    key = (torch.device(device), what, dtype)
+    t = per.get(key)
+    if t is not None:
+        return t
+    pi = rotation.matrix.detach().to("cpu", torch.float64)
+    if what == "signs":
+        t = rotation.signs.detach().to("cpu", torch.float32)
+    else:
+        m = pi.T if what == "fwd" else pi
+        if rotation.kind == "hadamard":
+            s = m * math.sqrt(rotation.dim)
+            r = s.round()
+            if not (bool((r.abs() == 1).all()) and float((s - r).abs().max()) < 1e-4):
+                raise ValueError("a hadamard rotation's sqrt(D) * Pi should hold only +-1 entries")
+            m = r
+        t = m.contiguous()
+    t = t.to(device=device, dtype=dtype).contiguous()
+    per[key] = t
+    return t
+
+
+def codebook_tables(codebook: Codebook, heads: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, int, int]:
+    """(centroids, boundaries, centroid head stride, boundary head stride) as fp32 on `device`; shared -> stride 0."""
+    c, b = codebook.centroids, codebook.boundaries
+    if c.device != device or b.device != device:
+        raise ValueError(f"the codebook lives on {c.device}, the data on {device}: call codebook.to(device) first")
+    k = 2**codebook.bits
+    if c.shape[-1] != k or b.shape[-1] != k - 1:
+        raise ValueError(
+            f"a {codebook.bits}-bit codebook needs {k} centroids and {k - 1} boundaries, "
+            f"got shapes {tuple(c.shape)} and {tuple(b.shape)}"
+        )
+    if codebook.per_head and c.shape[0] != heads:
+        raise ValueError(f"the per-head codebook has {c.shape[0]} heads, the data has {heads}")
+    c = c.to(torch.float32).contiguous()
+    b = b.to(torch.float32).contiguous()
+    if codebook.per_head:
+        return c, b, c.stride(0), b.stride(0)
+    return c, b, 0, 0
+
+
+def check_device(name: str, t: torch.Tensor, device: torch.device) -> None:
+    if t.device != device:
+        raise ValueError(f"{name} is on {t.device}, expected {device} like the other tensors")
+    if not INTERPRET and t.device.type != "cuda":
+        raise ValueError(f"{name} is on {t.device}; the Triton kernels need CUDA tensors (or TRITON_INTERPRET=1)")
+
+
+def check_common(
+    where: str, rotation: Rotation, codebook: Codebook, dim: int
+) -> tuple[int, int]:
+    bits = codebook.bits
+    if not supports(dim, bits):
+        raise ValueError(
+            f"{where}: head dim {dim} with {bits} bits is not supported by the kernels "
+            f"(head dims {SUPPORTED_DIMS}, bits {SUPPORTED_BITS[0]}..{SUPPORTED_BITS[-1]}); use the reference"
+        )
+    if rotation.dim != dim:
+        raise ValueError(f"{where}: the rotation is for head dim {rotation.dim}, the data has head dim {dim}")
+    return bits, packed_bytes(dim, bits)
+
+
+def check_packed(where: str, packed: torch.Tensor, lead: tuple, nbytes: int, dim: int, bits: int) -> None:
+    if packed.dtype != torch.uint8:
+        raise TypeError(f"{where}: packed indices must be uint8, got {packed.dtype}")
+    if packed.dim() != 4 or tuple(packed.shape) != (*lead, nbytes):
+        raise ValueError(
+            f"{where}: packed must have shape {(*lead, nbytes)} (dim={dim}, bits={bits}), got {tuple(packed.shape)}"
+        )
+    if nbytes > 1 and packed.stride(-1) != 1:
+        raise ValueError(f"{where}: packed must be contiguous in its last dim, got stride {packed.stride(-1)}")
+
+
+def check_norms(where: str, norms: torch.Tensor, lead: tuple) -> None:
+    if norms.dtype not in NORM_DTYPES:
+        raise TypeError(f"{where}: norms must be one of {NORM_DTYPES}, got {norms.dtype}")
+    if tuple(norms.shape) != tuple(lead):
+        raise ValueError(f"{where}: norms must have shape {tuple(lead)}, got {tuple(norms.shape)}")

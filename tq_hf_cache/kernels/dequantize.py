@@ -1,0 +1,151 @@
+"""Fused TurboQuant dequantize: packed indices + norms -> norm * Pi^T c[idx], written straight into `out`.
+
+One program takes BLOCK_T tokens of one (batch, head): it reads the packed bytes (BITS bytes per group of
+8 indices), unpacks, gathers the centroids (per-head via a head stride), applies the inverse rotation,
+scales by the norm and stores in out's own dtype at out's strides: no fp32 copy, no cast kernel.
+
+Inverse rotation (hadamard): out_row = c_row @ Pi = (c_row @ S) / sqrt(D) with S = sqrt(D) * Pi of +-1
+entries. The centroids are fp32; they enter a 16-bit tensor-core dot as fp16 terms, scaled by 2**10 so that
+the low term stays a normal fp16 number: one term (~2**-12 relative, under the half-ulp of a bf16/fp16
+output) for 16-bit outputs, hi + lo (~2**-22) for fp32 outputs. A butterfly FWHT in registers is the
+benchmark's alternative (rot="fwht"); orthogonal rotations use an fp32 ieee dot against Pi.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ..codebook import Codebook
+from ..rotation import Rotation
+from . import _common as C
+from .quantize import _fwht_rows
+
+C_SCALE = 1024.0  # power of two: exact to apply and to undo
+
+
+@triton.jit
+def _dequantize_kernel(
+    p_ptr, spb, sph, spt,
+    n_ptr, snb, snh, snt,
+    o_ptr, sob, soh, sot, sod,
+    mat_ptr, sgn_ptr, cen_ptr, sch,
+    H, T, out_scale,
+    D: tl.constexpr, LOG2D: tl.constexpr, BITS: tl.constexpr, BLOCK_T: tl.constexpr,
+    ROT: tl.constexpr, TERMS: tl.constexpr,
+):
+    pid_t = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = (pid_bh // H).to(tl.int64)
+    h = pid_bh % H
+    t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
+    tmask = t < T
+    t64 = t.to(tl.int64)
+    d = tl.arange(0, D)
+
+    # ---- unpack: group of 8 indices = BITS bytes, LSB first
+    G: tl.constexpr = D // 8
+    k8 = tl.arange(0, 8)
+    g = tl.arange(0, G)
+    p_rows = p_ptr + b * spb + h.to(tl.int64) * sph + t64 * spt
+    off = g[None, :, None] * BITS + k8[None, None, :]
+    byts = tl.load(p_rows[:, None, None] + off, mask=tmask[:, None, None] & (k8 < BITS)[None, None, :], other=0)
+    word = tl.sum(byts.to(tl.int64) << (k8 * 8).to(tl.int64)[None, None, :], axis=2)  # (BLOCK_T, G)
+    i3 = (word[:, :, None] >> (k8 * BITS).to(tl.int64)[None, None, :]) & ((1 << BITS) - 1)
+    idx = tl.reshape(i3.to(tl.int32), (BLOCK_T, D))
+
+    c = tl.load(cen_ptr + h * sch + idx)  # (BLOCK_T, D) fp32 gather from a 2**BITS table
+
+    n_rows = n_ptr + b * snb + h.to(tl.int64) * snh + t64 * snt
+    norm = tl.load(n_rows, mask=tmask, other=0.0).to(tl.float32)
+
+    # ---- inverse rotation
+    if ROT == 1:  # butterflies: Pi^T c = s * fwht(c) / sqrt(D)
+        sg = tl.load(sgn_ptr + d)
+        r = _fwht_rows(c, BLOCK_T, D, LOG2D) * sg[None, :]
+    else:
+        m = tl.load(mat_ptr + d[:, None] * D + d[None, :])
+        if ROT == 2:
+            r = tl.dot(c, m, input_precision="ieee")
+        else:
+            if TERMS == 0:  # fp32 operands (interpreter)
+                r = tl.dot(c * 1024.0, m, input_precision="ieee")
+            else:
+                cs = c * 1024.0
+                hi = cs.to(tl.float16)
+                r = tl.dot(hi, m)
+                if TERMS == 2:
+                    r += tl.dot((cs - hi.to(tl.float32)).to(tl.float16), m)
+    out = r * (norm * out_scale)[:, None]
+
+    o_rows = o_ptr + b * sob + h.to(tl.int64) * soh + t64 * sot
+    tl.store(o_rows[:, None] + d[None, :] * sod, out.to(o_ptr.dtype.element_ty), mask=tmask[:, None])
+
+
+def dequantize_into(
+    packed: torch.Tensor,
+    norms: torch.Tensor,
+    rotation: Rotation,
+    codebook: Codebook,
+    out: torch.Tensor,
+    *,
+    rot: str | None = None,
+    terms: int | None = None,
+    block_t: int | None = None,
+    num_warps: int | None = None,
+) -> None:
+    """Dequantize packed (B, H, T, nbytes) + norms (B, H, T) into out (B, H, T, D), in out's dtype and strides.
+
+    rot / terms / block_t / num_warps override the defaults (for the benchmark); the cache never passes them.
+    """
+    where = "dequantize_into"
+    if not isinstance(out, torch.Tensor) or out.dim() != 4:
+        raise ValueError(f"{where}: out must be a (B, H, T, D) tensor, got shape {tuple(getattr(out, 'shape', ()))}")
+    if out.dtype not in C.X_DTYPES:
+        raise TypeError(f"{where}: out must be one of {C.X_DTYPES}, got {out.dtype}")
+    bsz, heads, tokens, dim = out.shape
+    bits, nbytes = C.check_common(where, rotation, codebook, dim)
+    lead = (bsz, heads, tokens)
+    for name, t in (("out", out), ("packed", packed), ("norms", norms)):
+        C.check_device(f"{where}: {name}", t, out.device)
+    C.check_packed(where, packed, lead, nbytes, dim, bits)
+    C.check_norms(where, norms, lead)
+    if out.numel() == 0:
+        return
+    dev = out.device
+    cen, _, sch, _ = C.codebook_tables(codebook, heads, dev)
+
+    inv_sqrt_d = dim**-0.5
+    if rotation.kind != "hadamard":
+        if rot == "fwht":
+            raise ValueError("rot='fwht' needs a hadamard rotation")
+        rmode, n_terms, mat, sgn, scale = C.ROT_DENSE, 0, C.rotation_operand(rotation, dev, "inv", torch.float32), cen, 1.0
+    elif rot == "fwht":
+        rmode, n_terms, scale = C.ROT_FWHT, 0, inv_sqrt_d
+        mat, sgn = cen, C.rotation_operand(rotation, dev, "signs", torch.float32)
+    elif rot in (None, "dot"):
+        rmode, scale = C.ROT_PM1_DOT, inv_sqrt_d / C_SCALE
+        if C.INTERPRET:
+            n_terms, mdtype = 0, torch.float32
+        else:
+            n_terms = terms if terms is not None else (2 if out.dtype == torch.float32 else 1)
+            if n_terms not in (1, 2):
+                raise ValueError(f"{where}: terms must be 1 or 2, got {n_terms!r}")
+            mdtype = torch.float16
+        mat, sgn = C.rotation_operand(rotation, dev, "inv", mdtype), cen
+    else:
+        raise ValueError(f"{where}: rot must be None, 'dot' or 'fwht', got {rot!r}")
+
+    bt = C.block_t(tokens) if block_t is None else block_t
+    grid = (triton.cdiv(tokens, bt), bsz * heads)
+    _dequantize_kernel[grid](
+        packed, *packed.stride()[:3],
+        norms, *norms.stride(),
+        out, *out.stride(),
+        mat, sgn, cen, sch,
+        heads, tokens, scale,
+        D=dim, LOG2D=dim.bit_length() - 1, BITS=bits, BLOCK_T=bt,
+        ROT=rmode, TERMS=n_terms,
+        num_warps=num_warps if num_warps is not None else 4,
+    )

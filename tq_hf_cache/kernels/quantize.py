@@ -1,0 +1,278 @@
+"""Fused TurboQuant quantize: x (B, H, T, D) -> packed indices + norm, one pass, nothing but them written.
+
+One program takes BLOCK_T tokens of one (batch, head): it loads the (BLOCK_T, D) tile once, takes the fp32
+norms, rotates, finds each coordinate's cell (the number of codebook boundaries strictly below it, like
+torch.bucketize), packs the indices LSB-first (packing.py's layout) and stores bytes and norms at the
+caller's strided slots. No intermediate tensor goes through global memory.
+
+Rotation. For the randomized Hadamard rotation Pi = H diag(s) / sqrt(D), sqrt(D) * Pi holds only +-1, so
+the rotation is one tensor-core dot of the raw x tile against that +-1 matrix (ROT_PM1_DOT): fp16/bf16 x
+is exact in its own type and every product is exact, leaving only fp32 accumulation rounding (the
+reference has the same order of rounding); the 1/(sqrt(D) * norm) scale is applied to the fp32 result.
+A fast Walsh-Hadamard transform in registers (ROT_FWHT) is also here: its log2(D) butterfly stages need a
+layout shuffle each in Triton, and on the H100 it was slower than the dot (see docs/performance.md, which
+the benchmark's "rotation" rows reproduce), so the dot is the default. fp32 x is split into three bf16
+terms that sum to it exactly (three dots). Orthogonal rotations (no +-1 form) use an fp32 ieee dot.
+
+Codebook search: for <= 4 bits an unrolled compare against each boundary (<= 15 scalar loads per
+program); above, a branchless binary search gathering from the (L1-resident) boundary table. Per-head
+codebooks are one pointer offset (head stride 0 for a shared codebook).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ..codebook import Codebook
+from ..rotation import Rotation
+from . import _common as C
+
+FP16_MAX = 65504.0
+LINEAR_SEARCH_MAX_BITS = 4
+
+
+@triton.jit
+def _fwht_rows(y, BLOCK_T: tl.constexpr, D: tl.constexpr, LOG2D: tl.constexpr):
+    """Unnormalized Walsh-Hadamard transform of each row of y (BLOCK_T, D), same butterfly order as fwht()."""
+    for s in tl.static_range(LOG2D):
+        y4 = tl.reshape(y, (BLOCK_T, D // (2 << s), 2, 1 << s))
+        a, b = tl.split(tl.permute(y4, (0, 1, 3, 2)))
+        y4 = tl.permute(tl.join(a + b, a - b), (0, 1, 3, 2))
+        y = tl.reshape(y4, (BLOCK_T, D))
+    return y
+
+
+@triton.jit
+def _quantize_tile(
+    x_ptr, sxb, sxh, sxt, sxd,
+    p_ptr, spb, sph, spt,
+    n_ptr, snb, snh, snt,
+    mat_ptr, sgn_ptr, bnd_ptr, sbh,
+    pid_t, pid_bh, H, T, inv_sqrt_d,
+    D: tl.constexpr, LOG2D: tl.constexpr, BITS: tl.constexpr, BLOCK_T: tl.constexpr,
+    ROT: tl.constexpr, XMODE: tl.constexpr, CLAMP_FP16: tl.constexpr,
+):
+    b = pid_bh // H
+    h = pid_bh % H
+    t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
+    tmask = t < T
+    t64 = t.to(tl.int64)
+    d = tl.arange(0, D)
+
+    x_rows = x_ptr + b.to(tl.int64) * sxb + h.to(tl.int64) * sxh + t64 * sxt
+    x = tl.load(x_rows[:, None] + d[None, :] * sxd, mask=tmask[:, None], other=0.0)
+    xf = x.to(tl.float32)
+    norm = tl.sqrt(tl.sum(xf * xf, axis=1))
+    inv = 1.0 / tl.maximum(norm, 1e-30)
+
+    # ---- rotation: y = Pi (x / norm), row-wise
+    if ROT == 1:  # FWHT in registers
+        sg = tl.load(sgn_ptr + d)
+        y = _fwht_rows(xf * sg[None, :], BLOCK_T, D, LOG2D) * (inv * inv_sqrt_d)[:, None]
+    else:
+        m = tl.load(mat_ptr + d[:, None] * D + d[None, :])  # (D, D) right operand, row-major
+        if ROT == 2:  # dense orthogonal: fp32 ieee dot of the unit vectors
+            y = tl.dot(xf * inv[:, None], m, input_precision="ieee")
+        else:
+            if XMODE == 0:  # fp16/bf16 x, +-1 matrix in the same dtype: exact products
+                acc = tl.dot(x, m)
+            elif XMODE == 1:  # fp32 operands (interpreter)
+                acc = tl.dot(xf, m, input_precision="ieee")
+            else:  # fp32 x = hi + mid + lo exactly, three bf16 dots
+                hi = xf.to(tl.bfloat16)
+                r = xf - hi.to(tl.float32)
+                mid = r.to(tl.bfloat16)
+                lo = (r - mid.to(tl.float32)).to(tl.bfloat16)
+                acc = tl.dot(hi, m) + tl.dot(mid, m) + tl.dot(lo, m)
+            y = acc * (inv * inv_sqrt_d)[:, None]
+
+    # ---- codebook search: number of boundaries strictly below y
+    bnd = bnd_ptr + h * sbh
+    idx = tl.zeros((BLOCK_T, D), dtype=tl.int32)
+    if BITS <= 4:
+        for k in tl.static_range((1 << BITS) - 1):
+            idx += (y > tl.load(bnd + k)).to(tl.int32)
+    else:
+        for s in tl.static_range(BITS):
+            step: tl.constexpr = 1 << (BITS - 1 - s)
+            bk = tl.load(bnd + idx + (step - 1))
+            idx = tl.where(y > bk, idx + step, idx)
+
+    # ---- pack: 8 indices of BITS bits = one word of BITS bytes, LSB first
+    G: tl.constexpr = D // 8
+    k8 = tl.arange(0, 8)
+    i3 = tl.reshape(idx, (BLOCK_T, G, 8)).to(tl.int64)
+    word = tl.sum(i3 << (k8 * BITS).to(tl.int64)[None, None, :], axis=2)  # disjoint fields: sum == or
+    byts = ((word[:, :, None] >> (k8 * 8).to(tl.int64)[None, None, :]) & 0xFF).to(tl.uint8)
+    g = tl.arange(0, G)
+    p_rows = p_ptr + b.to(tl.int64) * spb + h.to(tl.int64) * sph + t64 * spt
+    off = g[None, :, None] * BITS + k8[None, None, :]
+    tl.store(p_rows[:, None, None] + off, byts, mask=tmask[:, None, None] & (k8 < BITS)[None, None, :])
+
+    # ---- norm
+    if CLAMP_FP16:
+        norm = tl.minimum(norm, 65504.0)
+    n_rows = n_ptr + b.to(tl.int64) * snb + h.to(tl.int64) * snh + t64 * snt
+    tl.store(n_rows, norm.to(n_ptr.dtype.element_ty), mask=tmask)
+
+
+@triton.jit
+def _quantize_kernel(
+    x_ptr, sxb, sxh, sxt, sxd, p_ptr, spb, sph, spt, n_ptr, snb, snh, snt,
+    mat_ptr, sgn_ptr, bnd_ptr, sbh, H, T, inv_sqrt_d,
+    D: tl.constexpr, LOG2D: tl.constexpr, BITS: tl.constexpr, BLOCK_T: tl.constexpr,
+    ROT: tl.constexpr, XMODE: tl.constexpr, CLAMP_FP16: tl.constexpr,
+):
+    _quantize_tile(
+        x_ptr, sxb, sxh, sxt, sxd, p_ptr, spb, sph, spt, n_ptr, snb, snh, snt,
+        mat_ptr, sgn_ptr, bnd_ptr, sbh, tl.program_id(0), tl.program_id(1), H, T, inv_sqrt_d,
+        D, LOG2D, BITS, BLOCK_T, ROT, XMODE, CLAMP_FP16,
+    )
+
+
+@triton.jit
+def _quantize_kv_kernel(
+    k_ptr, skb, skh, skt, skd, pk_ptr, spkb, spkh, spkt, nk_ptr, snkb, snkh, snkt, bndk_ptr, sbkh,
+    v_ptr, svb, svh, svt, svd, pv_ptr, spvb, spvh, spvt, nv_ptr, snvb, snvh, snvt, bndv_ptr, sbvh,
+    mat_ptr, sgn_ptr, H, T, inv_sqrt_d,
+    D: tl.constexpr, LOG2D: tl.constexpr, KBITS: tl.constexpr, VBITS: tl.constexpr, BLOCK_T: tl.constexpr,
+    ROT: tl.constexpr, XMODE: tl.constexpr, CLAMP_FP16: tl.constexpr,
+):
+    """Keys and values of one layer in one launch (grid axis 2: 0 = keys, 1 = values)."""
+    if tl.program_id(2) == 0:
+        _quantize_tile(
+            k_ptr, skb, skh, skt, skd, pk_ptr, spkb, spkh, spkt, nk_ptr, snkb, snkh, snkt,
+            mat_ptr, sgn_ptr, bndk_ptr, sbkh, tl.program_id(0), tl.program_id(1), H, T, inv_sqrt_d,
+            D, LOG2D, KBITS, BLOCK_T, ROT, XMODE, CLAMP_FP16,
+        )
+    else:
+        _quantize_tile(
+            v_ptr, svb, svh, svt, svd, pv_ptr, spvb, spvh, spvt, nv_ptr, snvb, snvh, snvt,
+            mat_ptr, sgn_ptr, bndv_ptr, sbvh, tl.program_id(0), tl.program_id(1), H, T, inv_sqrt_d,
+            D, LOG2D, VBITS, BLOCK_T, ROT, XMODE, CLAMP_FP16,
+        )
+
+
+def _modes(x_dtype: torch.dtype, rotation: Rotation, rot: str | None) -> tuple[int, int, torch.dtype]:
+    """(ROT, XMODE, dtype of the matrix operand) for this input and rotation."""
+    if rotation.kind != "hadamard":
+        if rot == "fwht":
+            raise ValueError("rot='fwht' needs a hadamard rotation")
+        return C.ROT_DENSE, C.X_FP32, torch.float32
+    if rot == "fwht":
+        return C.ROT_FWHT, C.X_FP32, torch.float32
+    if rot not in (None, "dot"):
+        raise ValueError(f"rot must be None, 'dot' or 'fwht', got {rot!r}")
+    if C.INTERPRET:  # the interpreter's bf16 dot multiplies raw bit patterns: use fp32 there
+        return C.ROT_PM1_DOT, C.X_FP32, torch.float32
+    if x_dtype == torch.float32:
+        return C.ROT_PM1_DOT, C.X_SPLIT3, torch.bfloat16
+    return C.ROT_PM1_DOT, C.X_NATIVE, x_dtype
+
+
+def _check_x(where: str, x: torch.Tensor, rotation: Rotation, codebook: Codebook, packed_out, norms_out):
+    if not isinstance(x, torch.Tensor) or x.dim() != 4:
+        raise ValueError(f"{where}: x must be a (B, H, T, D) tensor, got shape {tuple(getattr(x, 'shape', ()))}")
+    if x.dtype not in C.X_DTYPES:
+        raise TypeError(f"{where}: x must be one of {C.X_DTYPES}, got {x.dtype}")
+    bsz, heads, tokens, dim = x.shape
+    bits, nbytes = C.check_common(where, rotation, codebook, dim)
+    lead = (bsz, heads, tokens)
+    C.check_device(f"{where}: x", x, x.device)
+    C.check_device(f"{where}: packed_out", packed_out, x.device)
+    C.check_device(f"{where}: norms_out", norms_out, x.device)
+    C.check_packed(where, packed_out, lead, nbytes, dim, bits)
+    C.check_norms(where, norms_out, lead)
+    return bits
+
+
+def _launch_cfg(tokens: int, block: int | None, num_warps: int | None) -> tuple[int, int]:
+    bt = C.block_t(tokens) if block is None else block
+    return bt, (num_warps if num_warps is not None else 4)
+
+
+def quantize_into(
+    x: torch.Tensor,
+    rotation: Rotation,
+    codebook: Codebook,
+    packed_out: torch.Tensor,
+    norms_out: torch.Tensor,
+    *,
+    rot: str | None = None,
+    block_t: int | None = None,
+    num_warps: int | None = None,
+) -> None:
+    """Quantize x (B, H, T, D) into packed_out (B, H, T, nbytes) uint8 and norms_out (B, H, T), in place.
+
+    rot / block_t / num_warps override the defaults (for the benchmark); the cache never passes them.
+    """
+    bits = _check_x("quantize_into", x, rotation, codebook, packed_out, norms_out)
+    bsz, heads, tokens, dim = x.shape
+    if x.numel() == 0:
+        return
+    dev = x.device
+    rmode, xmode, mdtype = _modes(x.dtype, rotation, rot)
+    _, bnd, _, sbh = C.codebook_tables(codebook, heads, dev)
+    # the unused one of (matrix, signs) gets any valid pointer: its branch is compiled out
+    if rmode == C.ROT_FWHT:
+        mat, sgn = bnd, C.rotation_operand(rotation, dev, "signs", torch.float32)
+    else:
+        mat, sgn = C.rotation_operand(rotation, dev, "fwd", mdtype), bnd
+    bt, nw = _launch_cfg(tokens, block_t, num_warps)
+    grid = (triton.cdiv(tokens, bt), bsz * heads)
+    _quantize_kernel[grid](
+        x, *x.stride(),
+        packed_out, *packed_out.stride()[:3],
+        norms_out, *norms_out.stride(),
+        mat, sgn, bnd, sbh,
+        heads, tokens, dim**-0.5,
+        D=dim, LOG2D=dim.bit_length() - 1, BITS=bits, BLOCK_T=bt,
+        ROT=rmode, XMODE=xmode, CLAMP_FP16=norms_out.dtype == torch.float16,
+        num_warps=nw,
+    )
+
+
+def quantize_kv_into(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    rotation: Rotation,
+    k_codebook: Codebook,
+    v_codebook: Codebook,
+    k_packed: torch.Tensor,
+    k_norms: torch.Tensor,
+    v_packed: torch.Tensor,
+    v_norms: torch.Tensor,
+    *,
+    block_t: int | None = None,
+    num_warps: int | None = None,
+) -> None:
+    """`quantize_into` for keys and values of one layer in a single launch (the per-decode-step path)."""
+    kbits = _check_x("quantize_kv_into (keys)", k, rotation, k_codebook, k_packed, k_norms)
+    vbits = _check_x("quantize_kv_into (values)", v, rotation, v_codebook, v_packed, v_norms)
+    if k.shape != v.shape or k.dtype != v.dtype or k.device != v.device:
+        raise ValueError(
+            f"quantize_kv_into: keys {tuple(k.shape)} {k.dtype} {k.device} and values "
+            f"{tuple(v.shape)} {v.dtype} {v.device} must match in shape, dtype and device"
+        )
+    if k_norms.dtype != v_norms.dtype:
+        raise TypeError(f"quantize_kv_into: key norms are {k_norms.dtype}, value norms {v_norms.dtype}; use one dtype")
+    bsz, heads, tokens, dim = k.shape
+    if k.numel() == 0:
+        return
+    dev = k.device
+    rmode, xmode, mdtype = _modes(k.dtype, rotation, None)
+    mat = C.rotation_operand(rotation, dev, "fwd", mdtype)
+    _, bndk, _, sbkh = C.codebook_tables(k_codebook, heads, dev)
+    _, bndv, _, sbvh = C.codebook_tables(v_codebook, heads, dev)
+    bt, nw = _launch_cfg(tokens, block_t, num_warps)
+    grid = (triton.cdiv(tokens, bt), bsz * heads, 2)
+    _quantize_kv_kernel[grid](
+        k, *k.stride(), k_packed, *k_packed.stride()[:3], k_norms, *k_norms.stride(), bndk, sbkh,
+        v, *v.stride(), v_packed, *v_packed.stride()[:3], v_norms, *v_norms.stride(), bndv, sbvh,
+        mat, mat, heads, tokens, dim**-0.5,
+        D=dim, LOG2D=dim.bit_length() - 1, KBITS=kbits, VBITS=vbits, BLOCK_T=bt,
+        ROT=rmode, XMODE=xmode, CLAMP_FP16=k_norms.dtype == torch.float16,
+        num_warps=nw,
+    )
