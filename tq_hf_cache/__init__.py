@@ -1,5 +1,6 @@
 """tq_hf_cache: TurboQuant KV-cache compression as a drop-in transformers `DynamicCache`."""
 
+from . import attention  # noqa: F401  (registers attn_implementation="turboquant")
 from .cache import TurboQuantCache
 from .codebook import Codebook, theoretical_codebook
 from .config import PRESETS, TurboQuantConfig

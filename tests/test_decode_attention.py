@@ -1,0 +1,359 @@
+"""Fused decode attention on packed K/V (kernel and torch path) against the torch oracle, and the
+attn_implementation="turboquant" path end to end against SDPA on the same TurboQuantCache.
+
+Without CUDA the Triton kernel runs in the interpreter (TRITON_INTERPRET=1, set before the kernel module is
+imported); shapes stay small so that the file runs in about a minute on a small CPU.
+"""
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"
+
+import pytest  # noqa: E402
+
+import tq_hf_cache  # noqa: E402
+from tq_hf_cache import TurboQuantCache, attention, reference  # noqa: E402
+from tq_hf_cache.codebook import Codebook, theoretical_codebook  # noqa: E402
+from tq_hf_cache.rotation import make_rotation  # noqa: E402
+
+try:
+    from tq_hf_cache.kernels.decode_attention import decode_attention
+except ImportError:  # no Triton at all
+    decode_attention = None
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+needs_triton = pytest.mark.skipif(decode_attention is None, reason="triton is not installed")
+
+
+def fresh_seed() -> int:
+    return torch.seed() % 2**31
+
+
+def codebook(bits, d):
+    """Lloyd-Max for the usual widths; for 8 bits (slow to fit) any sorted table tests the kernel equally well."""
+    if bits == 8:
+        return Codebook.from_centroids(torch.linspace(-4, 4, 256) * d**-0.5, 8)
+    return theoretical_codebook(bits, d)
+
+
+def make_state(b, hkv, lq, lr, n, d, kbits, vbits, dtype, seed, per_head=False, device=DEVICE):
+    """A random [packed | residual | new] state as TurboQuantLayer.attention_state() gives, plus the oracle's K, V."""
+    g = torch.Generator().manual_seed(seed)
+    rot = make_rotation(d, seed % 1000)
+    kcb, vcb = codebook(kbits, d), codebook(vbits, d)
+    if per_head:  # calibrated-style per-KV-head codebooks: perturbed, still sorted
+        kcb = Codebook.from_centroids(kcb.centroids * (1 + 0.2 * torch.rand(hkv, 1, generator=g)), kbits)
+        vcb = Codebook.from_centroids(vcb.centroids * (1 + 0.2 * torch.rand(hkv, 1, generator=g)), vbits)
+    t = lq + lr + n
+    k = (torch.randn(b, hkv, t, d, generator=g) * (0.5 + 3 * torch.rand(b, hkv, t, 1, generator=g))).to(dtype)
+    v = (torch.randn(b, hkv, t, d, generator=g) * (0.5 + 2 * torch.rand(b, hkv, t, 1, generator=g))).to(dtype)
+    kp, kn = reference.quantize(k[:, :, :lq], rot, kcb)
+    vp, vn = reference.quantize(v[:, :, :lq], rot, vcb)
+    # live slices of larger buffers, as PackedBuffer.live() returns them
+    cap = lq + 7
+    bufs = []
+    for p, nrm in ((kp, kn), (vp, vn)):
+        pb = torch.randint(0, 256, (b, hkv, cap, p.shape[-1]), dtype=torch.uint8, generator=g)
+        nb = torch.randn(b, hkv, cap, generator=g).to(nrm.dtype)
+        pb[:, :, 3 : 3 + lq] = p
+        nb[:, :, 3 : 3 + lq] = nrm
+        bufs.append((pb[:, :, 3 : 3 + lq].to(device), nb[:, :, 3 : 3 + lq].to(device)))
+    # new tokens arrive as a transposed view, as the model's projections give them
+    new_k = k[:, :, lq + lr :].transpose(1, 2).contiguous().transpose(1, 2)
+    new_v = v[:, :, lq + lr :].transpose(1, 2).contiguous().transpose(1, 2)
+    state = {
+        "k_packed": bufs[0][0], "k_norms": bufs[0][1], "v_packed": bufs[1][0], "v_norms": bufs[1][1],
+        "res_k": k[:, :, lq : lq + lr].clone().to(device), "res_v": v[:, :, lq : lq + lr].clone().to(device),
+        "new_k": new_k.to(device), "new_v": new_v.to(device),
+        "rotation": rot.to(device), "k_codebook": kcb.to(device), "v_codebook": vcb.to(device),
+    }
+    kf = torch.cat([reference.dequantize(kp, kn, rot, kcb), k[:, :, lq:].float()], dim=2)
+    vf = torch.cat([reference.dequantize(vp, vn, rot, vcb), v[:, :, lq:].float()], dim=2)
+    return state, kf, vf
+
+
+def make_query(b, hq, n, d, dtype, seed):
+    g = torch.Generator().manual_seed(seed + 1)
+    q = torch.randn(b, n, hq, d, generator=g).to(dtype).to(DEVICE)
+    return q.transpose(1, 2)  # (B, Hq, n, D) view of (B, n, Hq, D), as transformers hands it over
+
+
+def padding_mask(b, hq_or_1, n, t, pads, kind, extra_hole=True):
+    """(B, 1, n, T) causal + left padding; kind "bool" or "additive"."""
+    pos_q = torch.arange(t - n, t).view(1, 1, n, 1)
+    j = torch.arange(t).view(1, 1, 1, t)
+    m = (j <= pos_q) & (j >= torch.tensor(pads).view(b, 1, 1, 1))
+    if extra_hole:  # a masked-out stretch inside the history (packed region), to test masks there too
+        m[:, :, :, 1:3] = False
+    m = m.expand(b, hq_or_1, n, t)
+    if kind == "bool":
+        return m.to(DEVICE)
+    return torch.zeros(m.shape).masked_fill(~m, float("-inf")).to(DEVICE)
+
+
+def rel_err(out, ref):
+    return ((out.float().cpu() - ref).norm() / ref.norm()).item()
+
+
+TOL = {torch.float16: 4e-3, torch.bfloat16: 1.2e-2, torch.float32: 3e-3}
+
+# (kbits, vbits, d, group, n, lq, lr, dtype, mask, splits, per_head)
+CASES = [
+    (4, 4, 128, 4, 1, 301, 17, torch.bfloat16, None, None, False),
+    (8, 4, 128, 4, 1, 129, 0, torch.float16, None, 3, False),
+    (3, 4, 64, 3, 3, 203, 5, torch.float16, None, 2, False),
+    (3, 3, 64, 1, 5, 77, 1, torch.bfloat16, "bool", None, True),
+    (2, 2, 64, 4, 2, 150, 9, torch.float16, "additive", 4, False),
+    (4, 2, 128, 3, 1, 1, 33, torch.float16, "bool", 1, False),
+    (2, 3, 64, 1, 1, 0, 6, torch.float16, None, None, False),
+    (8, 2, 64, 4, 16, 70, 3, torch.float16, "bool", 2, False),
+    (4, 3, 64, 3, 4, 97, 0, torch.bfloat16, "additive", 3, True),
+]
+
+
+def _case_id(c):
+    return f"k{c[0]}v{c[1]}-d{c[2]}-g{c[3]}-n{c[4]}-lq{c[5]}-lr{c[6]}-{str(c[7])[6:]}-{c[8]}-s{c[9]}{'-ph' if c[10] else ''}"
+
+
+def _oracle(q, kf, vf, mask, scale):
+    m = None if mask is None else mask.cpu()
+    return reference.attention(q.cpu(), kf, vf, mask=m, scale=scale).transpose(1, 2)
+
+
+@needs_triton
+@pytest.mark.parametrize("case", CASES, ids=_case_id)
+def test_kernel_matches_reference(case):
+    kbits, vbits, d, group, n, lq, lr, dtype, mask_kind, splits, per_head = case
+    seed = fresh_seed()
+    b, hkv = 2, 2
+    hq = hkv * group
+    state, kf, vf = make_state(b, hkv, lq, lr, n, d, kbits, vbits, dtype, seed, per_head)
+    q = make_query(b, hq, n, d, dtype, seed)
+    t = lq + lr + n
+    mask = None if mask_kind is None else padding_mask(b, 1, n, t, [min(4, lq), 0], mask_kind)
+    scale = 0.7 * d**-0.5
+    out = torch.full((b, n, hq, d), float("nan"), dtype=dtype, device=DEVICE)  # poisoned
+    res = decode_attention(q, state, mask, scale, num_splits=splits, out=out)
+    assert res is out
+    assert torch.isfinite(out).all(), f"seed {seed}: unwritten or non-finite outputs"
+    ref = _oracle(q, kf, vf, mask, scale)
+    err = rel_err(out, ref)
+    assert err < TOL[dtype], f"seed {seed}: relative error {err:.2e}"
+
+
+@needs_triton
+def test_kernel_split_count_does_not_change_the_result():
+    seed = fresh_seed()
+    state, kf, vf = make_state(1, 2, 333, 4, 1, 64, 4, 4, torch.float16, seed)
+    q = make_query(1, 8, 1, 64, torch.float16, seed)
+    ref = _oracle(q, kf, vf, None, None)
+    outs = [decode_attention(q, state, None, None, num_splits=s) for s in (1, 2, 6)]
+    for o in outs:
+        assert rel_err(o, ref) < TOL[torch.float16], f"seed {seed}"
+    assert (outs[0].float() - outs[2].float()).abs().max().item() < 1e-2
+
+
+@needs_triton
+def test_kernel_fully_masked_rows_give_zeros_and_mask_wider_than_keys():
+    """A query row that may see nothing gets 0 (as the oracle's nan_to_num); a 4.x-style longer mask is cut."""
+    seed = fresh_seed()
+    b, hkv, group, n, d, lq, lr = 2, 1, 3, 2, 64, 90, 3
+    state, kf, vf = make_state(b, hkv, lq, lr, n, d, 4, 4, torch.float16, seed)
+    q = make_query(b, hkv * group, n, d, torch.float16, seed)
+    t = lq + lr + n
+    mask = padding_mask(b, 1, n, t, [0, 5], "bool", extra_hole=False)
+    mask = mask.clone()
+    mask[1, :, 0, :] = False  # batch 1, query 0 sees nothing
+    wide = torch.cat([mask, torch.ones(b, 1, n, 9, dtype=torch.bool, device=DEVICE)], dim=-1)
+    out = decode_attention(q, state, wide, None)
+    ref = _oracle(q, kf, vf, mask, None)
+    assert torch.isfinite(out).all()
+    assert (out[1, 0] == 0).all()
+    assert rel_err(out, ref) < TOL[torch.float16], f"seed {seed}"
+
+
+@pytest.mark.parametrize("case", CASES[:5], ids=_case_id)
+def test_torch_fused_math_matches_reference(case):
+    """The CPU (non-CUDA) fused path: rotated-domain math in torch."""
+    kbits, vbits, d, group, n, lq, lr, dtype, mask_kind, _, per_head = case
+    seed = fresh_seed()
+    b, hkv = 2, 2
+    state, kf, vf = make_state(b, hkv, lq, lr, n, d, kbits, vbits, torch.float32, seed, per_head, device="cpu")
+    g = torch.Generator().manual_seed(seed + 1)
+    q = torch.randn(b, hkv * group, n, d, generator=g)
+    t = lq + lr + n
+    mask = None if mask_kind is None else padding_mask(b, 1, n, t, [min(4, lq), 0], mask_kind).cpu()
+    out = attention.fused_attention_torch(q, state, mask, None)
+    ref = reference.attention(q, kf, vf, mask=mask).transpose(1, 2)
+    assert rel_err(out, ref) < 1e-5, f"seed {seed}"
+
+
+# ------------------------------------------------------------------------------------------------------------
+# end to end through transformers
+
+
+def _llama(head_dim=64, layers=2, heads=8, kv_heads=2, seed=0):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(
+        vocab_size=128, hidden_size=heads * head_dim, intermediate_size=256, num_hidden_layers=layers,
+        num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim, max_position_embeddings=512,
+        initializer_range=0.05, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+    )
+    torch.manual_seed(seed)
+    return LlamaForCausalLM(cfg).eval()
+
+
+def _generate(model, impl, ids, mask, new_tokens=10, preset="k4v4", residual=6):
+    model.set_attn_implementation(impl)
+    cache = TurboQuantCache(preset, config=model.config, residual_length=residual)
+    with torch.no_grad():
+        out = model.generate(
+            ids, attention_mask=mask, past_key_values=cache, max_new_tokens=new_tokens, do_sample=False,
+            output_scores=True, return_dict_in_generate=True, pad_token_id=0,
+        )
+    return out, cache
+
+
+def _left_padded_batch(seed, lengths=(37, 29, 41)):
+    g = torch.Generator().manual_seed(seed)
+    t = max(lengths)
+    ids = torch.randint(3, 128, (len(lengths), t), generator=g)
+    mask = torch.ones_like(ids)
+    for i, n in enumerate(lengths):
+        ids[i, : t - n] = 0
+        mask[i, : t - n] = 0
+    return ids, mask
+
+
+@pytest.fixture
+def count_paths(monkeypatch):
+    calls = {"fused": 0, "workspace": 0}
+    fused, assemble = attention._fused, tq_hf_cache.TurboQuantLayer.assemble_pending
+
+    def counting_fused(*a, **k):
+        calls["fused"] += 1
+        return fused(*a, **k)
+
+    def counting_assemble(self):
+        calls["workspace"] += 1
+        return assemble(self)
+
+    monkeypatch.setattr(attention, "_fused", counting_fused)
+    monkeypatch.setattr(tq_hf_cache.TurboQuantLayer, "assemble_pending", counting_assemble)
+    return calls
+
+
+@pytest.mark.parametrize("preset", ["k4v4", "k3v3"])
+def test_turboquant_generate_matches_sdpa_on_the_same_cache(preset, count_paths):
+    model = _llama()
+    ids, mask = _left_padded_batch(fresh_seed())
+    a, ca = _generate(model, "sdpa", ids, mask, preset=preset)
+    b, cb = _generate(model, attention.NAME, ids, mask, preset=preset)
+    assert count_paths["fused"] == 2 * 9  # 2 layers x 9 decode steps after the prefill
+    assert torch.equal(a.sequences, b.sequences)
+    worst = max((x - y).abs().max().item() for x, y in zip(a.scores, b.scores))
+    assert worst < 1e-4, worst
+    assert ca.layers[0].quantized_length == cb.layers[0].quantized_length > 0
+
+
+def test_turboquant_chunked_prefill_and_long_chunks_use_the_workspace(count_paths):
+    """Prefill in chunks: the second chunk is deferred and long, so it goes through assemble_pending + SDPA."""
+    model = _llama()
+    ids, mask = _left_padded_batch(fresh_seed(), lengths=(40, 33))
+    cache_s, cache_t = TurboQuantCache("k4v4", config=model.config, residual_length=4), None
+    logits = {}
+    for impl in ("sdpa", attention.NAME):
+        model.set_attn_implementation(impl)
+        cache = TurboQuantCache("k4v4", config=model.config, residual_length=4)
+        with torch.no_grad():
+            first = model(ids[:, :20], attention_mask=mask[:, :20], past_key_values=cache)
+            second = model(ids[:, 20:], attention_mask=mask, past_key_values=cache)
+            step = model(second.logits[:, -1:].argmax(-1), attention_mask=torch.cat([mask, mask[:, :1] * 0 + 1], 1),
+                         past_key_values=cache)
+        logits[impl] = (first.logits, second.logits, step.logits)
+        cache_s, cache_t = (cache, cache_t) if impl == "sdpa" else (cache_s, cache)
+    assert count_paths["workspace"] == 2  # the second chunk, in each of the 2 layers
+    assert count_paths["fused"] == 2  # the decode step
+    for x, y in zip(logits["sdpa"], logits[attention.NAME]):
+        assert (x - y).abs().max().item() < 1e-4
+    assert cache_t.get_seq_length() == cache_s.get_seq_length() == 41
+
+
+def test_unsupported_head_dim_falls_back_with_a_warning(count_paths, caplog):
+    model = _llama(head_dim=32, heads=4)
+    ids, mask = _left_padded_batch(fresh_seed(), lengths=(21, 17))
+    a, _ = _generate(model, "sdpa", ids, mask, new_tokens=5)
+    with caplog.at_level("WARNING", logger="tq_hf_cache.attention"):
+        attention._warned.clear()
+        b, _ = _generate(model, attention.NAME, ids, mask, new_tokens=5)
+    assert count_paths["fused"] == 0 and count_paths["workspace"] == 2 * 4
+    assert sum("head dim 32" in r.message for r in caplog.records) == 1
+    assert torch.equal(a.sequences, b.sequences)
+
+
+def test_dynamic_cache_and_disarm():
+    """Without a TurboQuantCache the function is plain SDPA; disarm() hands a used cache back to SDPA safely."""
+    from transformers import DynamicCache
+
+    model = _llama()
+    ids, mask = _left_padded_batch(fresh_seed(), lengths=(25, 19))
+    outs = {}
+    for impl in ("sdpa", attention.NAME):
+        model.set_attn_implementation(impl)
+        with torch.no_grad():
+            outs[impl] = model.generate(ids, attention_mask=mask, past_key_values=DynamicCache(), max_new_tokens=4,
+                                        do_sample=False, pad_token_id=0)
+    assert torch.equal(outs["sdpa"], outs[attention.NAME])
+
+    model.set_attn_implementation(attention.NAME)
+    cache = TurboQuantCache("k4v4", config=model.config, residual_length=4)
+    with torch.no_grad():
+        model(ids, attention_mask=mask, past_key_values=cache)
+        assert all(layer._defer_next for layer in cache.layers)
+        attention.disarm(cache)
+        model.set_attn_implementation("sdpa")
+        nxt = torch.full((2, 1), 5)
+        m2 = torch.cat([mask, torch.ones(2, 1, dtype=mask.dtype)], 1)
+        got = model(nxt, attention_mask=m2, past_key_values=cache).logits
+    model.set_attn_implementation("sdpa")
+    ref_cache = TurboQuantCache("k4v4", config=model.config, residual_length=4)
+    with torch.no_grad():
+        model(ids, attention_mask=mask, past_key_values=ref_cache)
+        want = model(nxt, attention_mask=m2, past_key_values=ref_cache).logits
+    assert (got - want).abs().max().item() < 1e-5
+
+
+def test_sliding_window_model_matches_sdpa(count_paths):
+    from transformers import MistralConfig, MistralForCausalLM
+
+    cfg = MistralConfig(
+        vocab_size=128, hidden_size=256, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=64, max_position_embeddings=512, sliding_window=24, pad_token_id=0,
+    )
+    torch.manual_seed(0)
+    model = MistralForCausalLM(cfg).eval()
+    ids, mask = _left_padded_batch(fresh_seed(), lengths=(30, 22))
+    a, _ = _generate(model, "sdpa", ids, mask, new_tokens=8, residual=4)
+    b, cache = _generate(model, attention.NAME, ids, mask, new_tokens=8, residual=4)
+    assert isinstance(cache.layers[0], tq_hf_cache.TurboQuantSlidingLayer)
+    assert count_paths["fused"] == 2 * 7
+    assert torch.equal(a.sequences, b.sequences)
+    assert max((x - y).abs().max().item() for x, y in zip(a.scores, b.scores)) < 1e-4
+
+
+@needs_triton
+def test_generate_through_the_triton_kernel(monkeypatch):
+    """The kernel itself inside generate (interpreted on CPU): same tokens as SDPA on the same cache."""
+    monkeypatch.setattr(attention, "FUSED_BACKEND", "triton")
+    model = _llama(layers=1).to(DEVICE)
+    ids, mask = _left_padded_batch(fresh_seed(), lengths=(19, 12))
+    ids, mask = ids.to(DEVICE), mask.to(DEVICE)
+    a, _ = _generate(model, "sdpa", ids, mask, new_tokens=4, residual=3)
+    b, _ = _generate(model, attention.NAME, ids, mask, new_tokens=4, residual=3)
+    assert torch.equal(a.sequences, b.sequences)
+    worst = max((x - y).abs().max().item() for x, y in zip(a.scores, b.scores))
+    assert worst < 2e-2, worst  # fp32 model; the kernel's packed-segment dot products use fp16 operands

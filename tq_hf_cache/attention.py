@@ -1,0 +1,182 @@
+"""`attn_implementation="turboquant"`: transformers attention that reads TurboQuant-packed K/V directly.
+
+`import tq_hf_cache` registers the name in transformers' `AttentionInterface` and, with the sdpa mask function,
+in `ALL_MASK_ATTENTION_FUNCTIONS` (`register()` does it again, idempotently, e.g. after a transformers reload).
+Nothing here imports Triton until a fused step runs on CUDA.
+
+What the function does, per call:
+- key not from a TurboQuantLayer (DynamicCache, no cache, layers the config keeps in full precision): transformers'
+  own SDPA attention, unchanged.
+- key from a TurboQuantLayer, not deferred (the layer's first step, or a step after the cache was disarmed):
+  SDPA on the tensors given, then `layer.arm_deferred()`.
+- deferred, few queries (n <= 16 and n * query heads per KV head <= 128), supported head dim (64, 128) and bits:
+  the fused kernel (`kernels.decode_attention`, CUDA) or the same rotated-domain math in torch (other devices);
+  then `layer.flush()` and `layer.arm_deferred()`.
+- deferred, anything else (a prefill chunk, another head dim, extra features such as sinks): the layer assembles
+  [history | residual | new] in the workspace (`assemble_pending()`), SDPA runs on it, flush, arm.
+
+The arming rule. A layer is armed only by this function, at the end of a call, for that layer's next update: the
+next step's update then returns the new tokens alone. So the cache must keep meeting this function: if the same
+cache is next used by a model with another attention implementation, that model's first step would see only its
+new tokens (at most one step per layer, since nobody re-arms). Call `disarm(cache)` before handing a cache that
+has run under "turboquant" to another attention implementation; a new cache needs nothing.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+
+NAME = "turboquant"
+MAX_FUSED_QUERIES = 16  # longer queries (prefill chunks) take the workspace path
+FUSED_HEAD_DIMS = (64, 128)
+FUSED_BITS = (2, 3, 4, 8)
+MAX_FUSED_ROWS = 128  # query heads per KV head times queries: the rows of one kernel tile
+_UNSUPPORTED_KWARGS = ("s_aux", "sinks", "softcap", "position_bias", "head_mask")
+
+logger = logging.getLogger(__name__)
+_warned: set = set()
+
+# "auto": the Triton kernel on CUDA, the torch math elsewhere; "triton": the kernel everywhere (CPU needs
+# TRITON_INTERPRET=1 set before triton is imported); "torch": the torch math everywhere.
+FUSED_BACKEND = os.environ.get("TQ_FUSED_BACKEND", "auto")
+
+
+def _sdpa(*args, **kwargs):
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    return sdpa_attention_forward(*args, **kwargs)
+
+
+def _warn_once(key, msg: str) -> None:
+    if key not in _warned:
+        _warned.add(key)
+        logger.warning(msg)
+
+
+def fused_attention_torch(query: torch.Tensor, state: dict, mask: torch.Tensor | None, scale: float | None) -> torch.Tensor:
+    """The kernel's math in torch (fp32): rotated-domain scores and values on the packed part, plain on the rest.
+
+    Returns (B, n, Hq, D) in the query's dtype.
+    """
+    from .packing import unpack_indices
+    from .reference import centroid_lookup
+
+    b, hq, n, d = query.shape
+    rot, kcb, vcb = state["rotation"], state["k_codebook"], state["v_codebook"]
+    hkv, lq = state["k_packed"].shape[1], state["k_packed"].shape[2]
+    g = hq // hkv
+    q = query.float()
+    qr = rot.forward(q)  # Pi q
+    kc = centroid_lookup(unpack_indices(state["k_packed"], kcb.bits, d), kcb)  # (B, Hkv, Lq, D), rotated, unit
+    vc = centroid_lookup(unpack_indices(state["v_packed"], vcb.bits, d), vcb)
+    kn, vn = state["k_norms"].float(), state["v_norms"].float()
+    kf = torch.cat([state["res_k"], state["new_k"]], dim=2).float()
+    vf = torch.cat([state["res_v"], state["new_v"]], dim=2).float()
+    t = lq + kf.shape[2]
+    scale = d**-0.5 if scale is None else scale
+    qr5, q5 = qr.view(b, hkv, g, n, d), q.view(b, hkv, g, n, d)
+    s_packed = torch.einsum("bhgnd,bhtd->bhgnt", qr5, kc) * kn[:, :, None, None, :]
+    s_fp = torch.einsum("bhgnd,bhtd->bhgnt", q5, kf)
+    s = (torch.cat([s_packed, s_fp], dim=-1) * scale).reshape(b, hq, n, t)
+    if mask is None:
+        pos_q = torch.arange(t - n, t, device=q.device).unsqueeze(-1)
+        mask = torch.arange(t, device=q.device).unsqueeze(0) <= pos_q
+    else:
+        mask = mask[..., :t]
+    if mask.dtype == torch.bool:
+        s = s.masked_fill(~mask, float("-inf"))
+    else:
+        s = s + mask.float()
+    p = torch.softmax(s, dim=-1).nan_to_num(0.0).view(b, hkv, g, n, t)
+    y = torch.einsum("bhgnt,bhtd->bhgnd", p[..., :lq] * vn[:, :, None, None, :], vc)
+    out = rot.inverse(y) + torch.einsum("bhgnt,bhtd->bhgnd", p[..., lq:], vf)
+    return out.reshape(b, hq, n, d).transpose(1, 2).to(query.dtype).contiguous()
+
+
+def _fused(query, layer, mask, scale):
+    state = layer.attention_state()
+    backend = FUSED_BACKEND
+    if backend == "torch" or (backend == "auto" and not query.is_cuda):
+        return fused_attention_torch(query, state, mask, scale)
+    from .kernels.decode_attention import decode_attention
+
+    return decode_attention(query, state, mask, scale)
+
+
+def _fusable(query, key, layer, dropout, kwargs) -> bool:
+    if dropout or any(kwargs.get(k) is not None for k in _UNSUPPORTED_KWARGS):
+        return False
+    b, hq, n, d = query.shape
+    hkv = key.shape[1]
+    if n > MAX_FUSED_QUERIES or hq % hkv or (hq // hkv) * n > MAX_FUSED_ROWS:
+        return False
+    if d not in FUSED_HEAD_DIMS or layer.key_bits not in FUSED_BITS or layer.value_bits not in FUSED_BITS:
+        _warn_once(
+            ("unsupported", d, layer.key_bits, layer.value_bits),
+            f"tq_hf_cache: no fused decode attention for head dim {d} with k{layer.key_bits}v{layer.value_bits}; "
+            "those steps use the workspace (dequantize + SDPA) path",
+        )
+        return False
+    return True
+
+
+def turboquant_attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    is_causal: bool | None = None,
+    **kwargs,
+):
+    """transformers attention-function signature; returns (attn_output (B, n, Hq, D), None) like SDPA's."""
+    layer = getattr(key, "_tq_layer", None)
+    if layer is None:
+        return _sdpa(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, is_causal=is_causal, **kwargs)
+    if not getattr(key, "_tq_deferred", False):
+        out = _sdpa(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, is_causal=is_causal, **kwargs)
+        layer.arm_deferred()
+        return out
+    if layer.pending is None:
+        # someone flushed the pending tokens (e.g. read layer.keys) between update and attention
+        k, v = layer.keys, layer.values
+        out = _sdpa(module, query, k, v, attention_mask, dropout=dropout, scaling=scaling, is_causal=is_causal, **kwargs)
+        layer.arm_deferred()
+        return out
+    try:
+        if _fusable(query, key, layer, dropout, kwargs):
+            if kwargs.get("output_attentions", False):
+                _warn_once("output_attentions", "tq_hf_cache: the turboquant attention returns no attention weights")
+            out = (_fused(query, layer, attention_mask, scaling), None)
+        else:
+            k, v = layer.assemble_pending()
+            out = _sdpa(module, query, k, v, attention_mask, dropout=dropout, scaling=scaling, is_causal=is_causal, **kwargs)
+    finally:
+        layer.flush()
+    layer.arm_deferred()
+    return out
+
+
+def disarm(cache) -> None:
+    """Undo the arming of every layer of a cache, before using it with another attention implementation."""
+    for layer in getattr(cache, "layers", []):
+        if hasattr(layer, "arm_deferred"):
+            layer.flush()
+            layer._defer_next = False
+
+
+def register(name: str = NAME) -> None:
+    """Register `name` as an attention implementation (and its mask function: transformers' sdpa mask)."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+
+    AttentionInterface.register(name, turboquant_attention_forward)
+    AttentionMaskInterface.register(name, ALL_MASK_ATTENTION_FUNCTIONS["sdpa"])
+
+
+register()
