@@ -12,7 +12,7 @@ How it works:
   per bin, per layer / kind / KV head). Memory is O(layers * heads * bins), independent of the token count.
 * Tokens are split into a fit part and a held-out part (alternating blocks of `HOLDOUT_BLOCK` positions).
 * For each layer, kind and needed bit width, weighted 1-D k-means (Lloyd-Max) starts from the theoretical
-  codebook, once with one codebook for all heads ("shared") and once per KV head ("per_head").
+  codebook (scaled to the data's RMS, which is 1/sqrt(dim) for unit vectors, so in practice unscaled), once with one codebook for all heads ("shared") and once per KV head ("per_head").
 * Choice rule (held-out relative MSE, measured on the held-out histograms): take "per_head" when it beats
   "shared" by more than `PER_HEAD_MIN_GAIN` (2 %), else "shared"; then keep the calibrated codebook only if it
   beats the theoretical one on held-out data, else record "theoretical" (the cache then uses the theoretical
@@ -467,7 +467,11 @@ def _fit(out, stats, layers, kind_idx, kind, bits, dim, heads, bins, per_head_mo
             cnt, s1 = h[:, 0].sum(1), h[:, 1].sum(1)
         else:
             cnt, s1 = h[:, 0].reshape(L * heads, bins), h[:, 1].reshape(L * heads, bins)
-        c = _lloyd_batched(_grid(cnt, s1, bins), cnt, theo.expand(cnt.shape[0], k))
+        # start from the theoretical codebook scaled to the data's RMS (~1 for unit vectors: mean y^2 = 1/dim)
+        s2 = h[:, 2].sum(1) if shared else h[:, 2].reshape(L * heads, bins)
+        rms = (s2.sum(1) / cnt.sum(1).clamp_min(1) * dim).sqrt()
+        scale = torch.where(rms > 0, rms, torch.ones_like(rms)).unsqueeze(1)
+        c = _lloyd_batched(_grid(cnt, s1, bins), cnt, theo.expand(cnt.shape[0], k) * scale)
         return c if shared else c.view(L, heads, k)
 
     def heldout_rel_mse(c_per_row):  # c_per_row (L, H, k)
