@@ -428,10 +428,10 @@ def test_calibrated_lowers_heldout_error_on_smollm2(smollm2):
     model, tok = smollm2
     cfg = TurboQuantConfig(key_bits=4, value_bits=4)
     torch.manual_seed(0)
-    cb = calibrate(model, package_text(3000), cfg, tokenizer=tok, extra_bits=[2, 3], max_tokens=512, progress=False)
+    cb = calibrate(model, package_text(3000), cfg, tokenizer=tok, extra_bits=[2, 3], max_tokens=384, progress=False)
     held_out = package_text(2000, start=HELD_OUT_START)  # different paragraphs than the calibration text
-    theo = measure_reconstruction(model, held_out, cfg, None, bits=[2, 3, 4], tokenizer=tok, max_tokens=320)
-    cal = measure_reconstruction(model, held_out, cfg, cb, bits=[2, 3, 4], tokenizer=tok, max_tokens=320)
+    theo = measure_reconstruction(model, held_out, cfg, None, bits=[2, 3, 4], tokenizer=tok, max_tokens=256)
+    cal = measure_reconstruction(model, held_out, cfg, cb, bits=[2, 3, 4], tokenizer=tok, max_tokens=256)
     print({k: (round(theo[k], 6), round(cal[k], 6)) for k in theo})
     assert set(theo) == {f"{k}_{b}bit" for k in ("key", "value") for b in (2, 3, 4)}
     for k in theo:

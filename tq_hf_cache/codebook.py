@@ -76,9 +76,11 @@ def lloyd_max(
     w_cum = torch.cat([weights.new_zeros(1), torch.cumsum(weights, 0)])
     xw_cum = torch.cat([weights.new_zeros(1), torch.cumsum(weights * grid, 0)])
     if init is None:
-        # equal-mass start: quantile midpoints of the distribution
-        targets = (torch.arange(k, dtype=torch.float64) + 0.5) / k * w_cum[-1]
-        init = grid[torch.searchsorted(w_cum[1:], targets).clamp(max=grid.numel() - 1)]
+        # start from the high-resolution optimum (point density ~ f^(1/3)): Lloyd from equal-mass cells
+        # needs ~10k iterations at 8 bits, from here a few hundred
+        dens = torch.cumsum(weights.pow(1 / 3), 0)
+        targets = (torch.arange(k, dtype=torch.float64) + 0.5) / k * dens[-1]
+        init = grid[torch.searchsorted(dens, targets).clamp(max=grid.numel() - 1)]
     c = torch.sort(init.double())[0]
     for _ in range(iters):
         b = (c[1:] + c[:-1]) / 2
@@ -88,7 +90,7 @@ def lloyd_max(
         new = torch.where(mass > 0, first / mass.clamp_min(1e-300), c)
         moved = (new - c).abs().max().item()
         c = new
-        if moved < 1e-13:
+        if moved < 1e-12:
             break
     return c
 
@@ -97,7 +99,7 @@ def lloyd_max(
 def _theoretical(bits: int, dim: int) -> torch.Tensor:
     # the mass lies within a few 1/sqrt(dim) of 0; a 12-sigma window keeps the grid dense where it matters
     lim = min(1.0, 12.0 / math.sqrt(dim))
-    grid = torch.linspace(-lim, lim, 400_001, dtype=torch.float64)
+    grid = torch.linspace(-lim, lim, 200_001, dtype=torch.float64)
     c = lloyd_max(grid, coordinate_density(grid, dim), bits)
     c = (c - c.flip(0)) / 2  # the law is symmetric: remove float drift so the codebook is exactly symmetric
     return c.float()

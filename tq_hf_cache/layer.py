@@ -44,8 +44,7 @@ class PackedBuffer:
             self._move(self.packed, self.norms)
             return
         live = self.length + extra
-        cap = live + max(GROW_TOKENS, live // 8)
-        cap = (cap + GROW_TOKENS - 1) // GROW_TOKENS * GROW_TOKENS
+        cap = (live + live // 8 + GROW_TOKENS - 1) // GROW_TOKENS * GROW_TOKENS
         b, h, _, nb = self.packed.shape
         packed = torch.empty(b, h, cap, nb, dtype=torch.uint8, device=self.packed.device)
         norms = torch.empty(b, h, cap, dtype=self.norms.dtype, device=self.norms.device)

@@ -1,0 +1,68 @@
+"""Between steps the cache holds packed buffers + residual windows + one shared workspace, nothing else."""
+
+import torch
+from transformers import LlamaForCausalLM
+
+from conftest import tiny_llama_config
+from tq_hf_cache import TurboQuantCache
+from tq_hf_cache.packing import packed_bytes
+
+
+def reachable_tensors(root):
+    """Every tensor reachable from `root` through attributes, containers and closures, by storage."""
+    seen, storages, stack = set(), {}, [root]
+    while stack:
+        obj = stack.pop()
+        if id(obj) in seen or isinstance(obj, (str, bytes, int, float, bool, type(None), torch.nn.Module)):
+            continue
+        seen.add(id(obj))
+        if isinstance(obj, torch.Tensor):
+            s = obj.untyped_storage()
+            storages[s.data_ptr()] = s.nbytes()
+            continue
+        if isinstance(obj, dict):
+            stack.extend(obj.values())
+        elif isinstance(obj, (list, tuple, set)):
+            stack.extend(obj)
+        if hasattr(obj, "__dict__"):
+            stack.extend(vars(obj).values())
+        if callable(obj) and getattr(obj, "__closure__", None):
+            stack.extend(c.cell_contents for c in obj.__closure__)
+    return storages
+
+
+def test_held_bytes_are_packed_plus_residual_plus_one_workspace():
+    cfg = tiny_llama_config(num_hidden_layers=4, head_dim=64, num_attention_heads=4, num_key_value_heads=2)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(cfg).eval()
+    b, h, d, layers, residual = 2, 2, 64, 4, 16
+    cache = TurboQuantCache("k3v4", residual_length=residual, config=cfg)
+    x = torch.randint(3, 128, (b, 300))
+    model(x[:, :290], past_key_values=cache)
+    for i in range(290, 300):
+        model(x[:, i : i + 1], past_key_values=cache)
+    seq = cache.get_seq_length()
+    assert seq == 300
+
+    held = cache.nbytes()
+    for layer in cache.layers:
+        assert layer.quantized_length == seq - residual and layer.residual_tokens == residual
+        cap = layer.k_buf.capacity
+        # live packed bytes are exactly 3 bits per key coordinate and 4 per value coordinate, plus fp16 norms
+        live = b * h * (seq - residual) * (packed_bytes(d, 3) + packed_bytes(d, 4) + 2 * 2)
+        assert packed_bytes(d, 3) == 24 and live == b * h * (seq - residual) * 60
+        assert layer.nbytes()["packed"] == live * cap // (seq - residual)
+        # capacity grows in chunks: at most 1/8 plus one 256-token chunk beyond what is live
+        assert cap <= (seq - residual) * 9 // 8 + 256
+    fp_token = b * h * d * 4  # one token's K or V in fp32
+    assert held["residual"] == layers * 2 * residual * fp_token
+    assert held["full_precision"] == 0
+    # one workspace for all layers: room for the longest sequence's K and V plus headroom, not one per layer
+    assert 2 * seq * fp_token <= held["workspace"] <= 2 * (seq + 256) * fp_token
+
+    # walking the object graph finds nothing else but small per-layer constants (rotation, codebooks)
+    found = reachable_tensors(cache)
+    constants = sum(found.values()) - (held["packed"] + held["residual"] + held["workspace"])
+    assert 0 <= constants <= layers * (d * d * 4 + d * 4 + 2 * 2 * 16 * 4) + 64
+    # per token and layer: 3-bit keys + 4-bit values + norms = 60 bytes per head vs 256 in fp16
+    assert b * h * (packed_bytes(d, 3) + packed_bytes(d, 4) + 4) * 4.2 < b * h * 2 * d * 2
