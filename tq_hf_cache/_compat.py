@@ -14,7 +14,10 @@ def layer_types_and_kwargs(config) -> tuple[list[str], list[dict]]:
     """The cache layer type of every decoder layer, as `DynamicCache(config=...)` derives it."""
     text_config = config.get_text_config(decoder=True) if IS_V5 else config.get_text_config()
     if hasattr(cache_utils, "get_layer_types_and_kwargs"):
-        return cache_utils.get_layer_types_and_kwargs(text_config)
+        types, kwargs = cache_utils.get_layer_types_and_kwargs(text_config)
+        if isinstance(kwargs, dict):  # transformers <= 5.17: one kwargs dict for every layer
+            kwargs = [dict(kwargs) for _ in types]
+        return list(types), list(kwargs)
     # transformers 4.x: one window for the whole model, shared layers carry no cache
     window = getattr(text_config, "sliding_window", None) or getattr(text_config, "attention_chunk_size", None)
     types = getattr(text_config, "layer_types", None)
