@@ -199,6 +199,21 @@ def test_orthogonal_rotation():
     check_dequant(out, packed, norms, rot, cb, seed)
 
 
+def test_non_unit_last_dim_strides():
+    """x and out with a last-dim stride of 2 (the launchers accept any stride for them)."""
+    seed, g = fresh_gen()
+    rot = make_rotation(64, seed % 1000).to(DEV)
+    cb = shared_codebook(3, 64).to(DEV)
+    x = make_x(g, 1, 3, 7, 128, torch.float16)[..., ::2]
+    packed, norms = quantize_poisoned(x, rot, cb, torch.float16)
+    check_indices(x, rot, cb, packed, seed)
+    check_norms(x, norms, seed)
+    big = torch.full((1, 3, 7, 128), float("nan"), dtype=torch.bfloat16, device=DEV)
+    kernels.dequantize_into(packed, norms, rot, cb, big[..., 1::2])
+    assert torch.isnan(big[..., 0::2]).all(), "wrote between out's strided elements"
+    check_dequant(big[..., 1::2], packed, norms, rot, cb, seed)
+
+
 def test_quantize_kv_equals_two_launches():
     seed, g = fresh_gen()
     rot = make_rotation(128, seed % 1000).to(DEV)

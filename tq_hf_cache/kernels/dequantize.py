@@ -33,7 +33,7 @@ def _dequantize_kernel(
     mat_ptr, sgn_ptr, cen_ptr, sch,
     H, T, out_scale,
     D: tl.constexpr, LOG2D: tl.constexpr, BITS: tl.constexpr, BLOCK_T: tl.constexpr,
-    ROT: tl.constexpr, TERMS: tl.constexpr,
+    ROT: tl.constexpr, TERMS: tl.constexpr, O_UNIT: tl.constexpr,
 ):
     pid_t = tl.program_id(0)
     pid_bh = tl.program_id(1)
@@ -80,7 +80,10 @@ def _dequantize_kernel(
     out = r * (norm * out_scale)[:, None]
 
     o_rows = o_ptr + b * sob + h.to(tl.int64) * soh + t64 * sot
-    tl.store(o_rows[:, None] + d[None, :] * sod, out.to(o_ptr.dtype.element_ty), mask=tmask[:, None])
+    if O_UNIT:  # unit last-dim stride as a constexpr: contiguous, vectorizable rows
+        tl.store(o_rows[:, None] + d[None, :], out.to(o_ptr.dtype.element_ty), mask=tmask[:, None])
+    else:
+        tl.store(o_rows[:, None] + d[None, :] * sod, out.to(o_ptr.dtype.element_ty), mask=tmask[:, None])
 
 
 def dequantize_into(
@@ -146,6 +149,6 @@ def dequantize_into(
         mat, sgn, cen, sch,
         heads, tokens, scale,
         D=dim, LOG2D=dim.bit_length() - 1, BITS=bits, BLOCK_T=bt,
-        ROT=rmode, TERMS=n_terms,
+        ROT=rmode, TERMS=n_terms, O_UNIT=out.stride(-1) == 1,
         num_warps=num_warps if num_warps is not None else 4,
     )

@@ -52,7 +52,7 @@ def _quantize_tile(
     mat_ptr, sgn_ptr, bnd_ptr, sbh,
     pid_t, pid_bh, H, T, inv_sqrt_d,
     D: tl.constexpr, LOG2D: tl.constexpr, BITS: tl.constexpr, BLOCK_T: tl.constexpr,
-    ROT: tl.constexpr, XMODE: tl.constexpr, CLAMP_FP16: tl.constexpr,
+    ROT: tl.constexpr, XMODE: tl.constexpr, CLAMP_FP16: tl.constexpr, X_UNIT: tl.constexpr,
 ):
     b = pid_bh // H
     h = pid_bh % H
@@ -62,7 +62,10 @@ def _quantize_tile(
     d = tl.arange(0, D)
 
     x_rows = x_ptr + b.to(tl.int64) * sxb + h.to(tl.int64) * sxh + t64 * sxt
-    x = tl.load(x_rows[:, None] + d[None, :] * sxd, mask=tmask[:, None], other=0.0)
+    if X_UNIT:  # unit last-dim stride as a constexpr: contiguous, vectorizable rows
+        x = tl.load(x_rows[:, None] + d[None, :], mask=tmask[:, None], other=0.0)
+    else:
+        x = tl.load(x_rows[:, None] + d[None, :] * sxd, mask=tmask[:, None], other=0.0)
     xf = x.to(tl.float32)
     norm = tl.sqrt(tl.sum(xf * xf, axis=1))
     inv = 1.0 / tl.maximum(norm, 1e-30)
@@ -96,7 +99,7 @@ def _quantize_tile(
             idx += (y > tl.load(bnd + k)).to(tl.int32)
     else:
         for s in tl.static_range(BITS):
-            step: tl.constexpr = 1 << (BITS - 1 - s)
+            step = 1 << (BITS - 1 - s)
             bk = tl.load(bnd + idx + (step - 1))
             idx = tl.where(y > bk, idx + step, idx)
 
@@ -123,12 +126,12 @@ def _quantize_kernel(
     x_ptr, sxb, sxh, sxt, sxd, p_ptr, spb, sph, spt, n_ptr, snb, snh, snt,
     mat_ptr, sgn_ptr, bnd_ptr, sbh, H, T, inv_sqrt_d,
     D: tl.constexpr, LOG2D: tl.constexpr, BITS: tl.constexpr, BLOCK_T: tl.constexpr,
-    ROT: tl.constexpr, XMODE: tl.constexpr, CLAMP_FP16: tl.constexpr,
+    ROT: tl.constexpr, XMODE: tl.constexpr, CLAMP_FP16: tl.constexpr, X_UNIT: tl.constexpr,
 ):
     _quantize_tile(
         x_ptr, sxb, sxh, sxt, sxd, p_ptr, spb, sph, spt, n_ptr, snb, snh, snt,
         mat_ptr, sgn_ptr, bnd_ptr, sbh, tl.program_id(0), tl.program_id(1), H, T, inv_sqrt_d,
-        D, LOG2D, BITS, BLOCK_T, ROT, XMODE, CLAMP_FP16,
+        D, LOG2D, BITS, BLOCK_T, ROT, XMODE, CLAMP_FP16, X_UNIT,
     )
 
 
@@ -138,20 +141,20 @@ def _quantize_kv_kernel(
     v_ptr, svb, svh, svt, svd, pv_ptr, spvb, spvh, spvt, nv_ptr, snvb, snvh, snvt, bndv_ptr, sbvh,
     mat_ptr, sgn_ptr, H, T, inv_sqrt_d,
     D: tl.constexpr, LOG2D: tl.constexpr, KBITS: tl.constexpr, VBITS: tl.constexpr, BLOCK_T: tl.constexpr,
-    ROT: tl.constexpr, XMODE: tl.constexpr, CLAMP_FP16: tl.constexpr,
+    ROT: tl.constexpr, XMODE: tl.constexpr, CLAMP_FP16: tl.constexpr, K_UNIT: tl.constexpr, V_UNIT: tl.constexpr,
 ):
     """Keys and values of one layer in one launch (grid axis 2: 0 = keys, 1 = values)."""
     if tl.program_id(2) == 0:
         _quantize_tile(
             k_ptr, skb, skh, skt, skd, pk_ptr, spkb, spkh, spkt, nk_ptr, snkb, snkh, snkt,
             mat_ptr, sgn_ptr, bndk_ptr, sbkh, tl.program_id(0), tl.program_id(1), H, T, inv_sqrt_d,
-            D, LOG2D, KBITS, BLOCK_T, ROT, XMODE, CLAMP_FP16,
+            D, LOG2D, KBITS, BLOCK_T, ROT, XMODE, CLAMP_FP16, K_UNIT,
         )
     else:
         _quantize_tile(
             v_ptr, svb, svh, svt, svd, pv_ptr, spvb, spvh, spvt, nv_ptr, snvb, snvh, snvt,
             mat_ptr, sgn_ptr, bndv_ptr, sbvh, tl.program_id(0), tl.program_id(1), H, T, inv_sqrt_d,
-            D, LOG2D, VBITS, BLOCK_T, ROT, XMODE, CLAMP_FP16,
+            D, LOG2D, VBITS, BLOCK_T, ROT, XMODE, CLAMP_FP16, V_UNIT,
         )
 
 
@@ -229,7 +232,7 @@ def quantize_into(
         mat, sgn, bnd, sbh,
         heads, tokens, dim**-0.5,
         D=dim, LOG2D=dim.bit_length() - 1, BITS=bits, BLOCK_T=bt,
-        ROT=rmode, XMODE=xmode, CLAMP_FP16=norms_out.dtype == torch.float16,
+        ROT=rmode, XMODE=xmode, CLAMP_FP16=norms_out.dtype == torch.float16, X_UNIT=x.stride(-1) == 1,
         num_warps=nw,
     )
 
@@ -274,5 +277,6 @@ def quantize_kv_into(
         mat, mat, heads, tokens, dim**-0.5,
         D=dim, LOG2D=dim.bit_length() - 1, KBITS=kbits, VBITS=vbits, BLOCK_T=bt,
         ROT=rmode, XMODE=xmode, CLAMP_FP16=k_norms.dtype == torch.float16,
+        K_UNIT=k.stride(-1) == 1, V_UNIT=v.stride(-1) == 1,
         num_warps=nw,
     )
