@@ -1,0 +1,183 @@
+"""Tables (markdown) and the quality-vs-bytes plot from result JSON files written by `run_eval`.
+
+    python -m tq_hf_cache.eval.report benchmarks/results/quality_*.json --markdown docs/quality.md \
+        --plot docs/quality_vs_bytes.png
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+
+
+def _fmt(x, spec):
+    return "n/a" if x is None else format(x, spec)
+
+
+def summary_rows(result: dict) -> list[dict]:
+    rows = []
+    for name, e in result["caches"].items():
+        r = {"cache": name, "available": e.get("available", False), "reason": e.get("reason") or e.get("error")}
+        p, n, a, b = e.get("perplexity"), e.get("needle"), e.get("agreement"), e.get("bytes")
+        if p:
+            r.update(ppl=p["ppl"], delta=p["delta_pct"], top1=p.get("top1_agreement"))
+        if n:
+            r.update(needle=f"{n['found']}/{n['total']}", needle_same=f"{n['same_found_as_fp']}/{n['total']}",
+                     needle_answer_same=f"{n['same_answer_as_fp']}/{n['total']}")
+        if a:
+            r.update(prefix=a["prefix_match"], agree=a["top1_agreement"], first_div=a["min_first_divergence"])
+        if b:
+            r.update(bpt_layer=b["formula_fp16_per_token_per_layer"], bits=b["formula_bits_per_coordinate"],
+                     bpt=b["formula_fp16_per_token"],
+                     meas16=(b.get("measured_fp16") or {}).get("per_token"),
+                     meas_eval=b["measured_eval_dtype"]["per_token"])
+        rows.append(r)
+    return rows
+
+
+def markdown_table(result: dict) -> str:
+    m, s = result["model"], result["settings"]
+    lines = [
+        f"**{m['label']}** ({m['architecture']}, {m['num_layers']} layers, {m['num_key_value_heads']} KV heads, "
+        f"head dim {m['head_dim']}{', ' + str(m['full_attention_layers']) + ' full-attention layers, sliding window ' + str(m['sliding_window']) if m['full_attention_layers'] != m['num_layers'] else ''}); "
+        f"model dtype {result['environment']['dtype']}, torch {result['environment']['torch']}, "
+        f"transformers {result['environment']['transformers']}, CPU.",
+        "",
+        f"Perplexity: {s['ppl_tokens']} tokens, chunk {s['chunk']}; needle: lengths {s['needle_lengths']} x depths "
+        f"{s['needle_depths']}; agreement: {s['agreement_prompts']} prompts x {s['agreement_prompt_tokens']} tokens, "
+        f"{s['agreement_new_tokens']} greedy tokens.",
+        "",
+        "| cache | ppl | Δppl vs fp | top-1 = fp (ppl text) | needle found | needle same as fp | greedy prefix match | greedy top-1 agreement | bits/coord | bytes/token/layer (fp16, formula) | bytes/token (fp16, measured @N) | bytes/token (eval dtype, measured) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in summary_rows(result):
+        if not r["available"] or r.get("reason") and "ppl" not in r:
+            lines.append(f"| {r['cache']} | not available: {r['reason']} |" + " |" * 10)
+            continue
+        lines.append(
+            f"| {r['cache']} | {_fmt(r.get('ppl'), '.4f')} | {_fmt(r.get('delta'), '+.2f')}% | {_fmt(r.get('top1'), '.4f')} "
+            f"| {r.get('needle', 'n/a')} | {r.get('needle_same', 'n/a')} | {_fmt(r.get('prefix'), '.3f')} "
+            f"| {_fmt(r.get('agree'), '.4f')} | {_fmt(r.get('bits'), '.2f')} | {_fmt(r.get('bpt_layer'), '.0f')} "
+            f"| {_fmt(r.get('meas16'), '.0f')} | {_fmt(r.get('meas_eval'), '.0f')} |"
+        )
+    bt = (s.get("bytes_tokens") or "n/a")
+    lines += ["", f"Measured fp16 bytes: a fresh cache filled with {bt} tokens of float16 KV states of the model's shapes "
+                  f"(allocated capacity, residual window included). Eval-dtype bytes: the perplexity run's cache after "
+                  f"{s['ppl_tokens']} tokens.", ""]
+    return "\n".join(lines)
+
+
+def update_markdown(path: str, results: list[dict]) -> None:
+    """Replace (or append) the block between `<!-- results:NAME -->` and `<!-- /results:NAME -->` per model."""
+    try:
+        with open(path) as f:
+            text = f.read()
+    except FileNotFoundError:
+        text = "# KV-cache quality\n\n"
+    for res in results:
+        name = res["model"]["name"]
+        tag = re.sub(r"[^A-Za-z0-9_.-]", "_", name)
+        begin, end = f"<!-- results:{tag} -->", f"<!-- /results:{tag} -->"
+        block = f"{begin}\n{markdown_table(res)}\n{end}"
+        if begin in text and end in text:
+            text = text[: text.index(begin)] + block + text[text.index(end) + len(end):]
+        else:
+            text = text.rstrip("\n") + "\n\n" + block + "\n"
+    with open(path, "w") as f:
+        f.write(text)
+
+
+def plot(results: list[dict], path: str) -> None:
+    """Quality vs bytes per token: Δperplexity (%) and greedy top-1 agreement against fp16-formula bits/coordinate."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.8))
+    markers = {"turboquant": "o", "quanto": "s", "hqq": "^", "fp": "*"}
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for mi, res in enumerate(results):
+        color = colors[mi % len(colors)]
+        short = res["model"]["name"]
+        for name, e in res["caches"].items():
+            b = e.get("bytes")
+            if not b:
+                continue
+            x = b["formula_bits_per_coordinate"]
+            fam = e["spec"]["family"]
+            for ax, y in ((axes[0], (e.get("perplexity") or {}).get("delta_pct")),
+                          (axes[1], (e.get("agreement") or {}).get("top1_agreement"))):
+                if y is None:
+                    continue
+                ax.scatter([x], [y], marker=markers.get(fam, "o"), color=color, s=60,
+                           label=f"{short}" if name == "fp" else None)
+                ax.annotate(name, (x, y), textcoords="offset points", xytext=(4, 4), fontsize=7, color=color)
+    axes[0].set_yscale("symlog", linthresh=1.0)
+    axes[0].set_ylabel("perplexity increase vs fp (%)")
+    axes[1].set_ylabel("greedy top-1 agreement with fp (teacher-forced)")
+    for ax in axes:
+        ax.set_xlabel("KV bits per coordinate (fp16 formula; fp16 = 16)")
+        ax.set_xscale("log", base=2)
+        ax.grid(True, alpha=0.3)
+    axes[0].legend(title="model (o TurboQuant, s quanto, ^ HQQ)", fontsize=8)
+    fig.suptitle("KV-cache quality vs size (chunked prefill, CPU)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def merge_results(results: list[dict]) -> list[dict]:
+    """Join runs of one model that ran different tasks or caches (e.g. ppl+bytes over every cache, needle+agreement
+    over a subset) into one result per model; a later file's task entries win."""
+    merged: dict[str, dict] = {}
+    for res in results:
+        name = res["model"]["name"]
+        if name not in merged:
+            merged[name] = json.loads(json.dumps(res))
+            merged[name]["runs"] = [{"command": res.get("command"), "tasks": res.get("tasks"),
+                                     "caches": list(res["caches"]), "seconds_total": res.get("seconds_total")}]
+            continue
+        m = merged[name]
+        m["runs"].append({"command": res.get("command"), "tasks": res.get("tasks"), "caches": list(res["caches"]),
+                          "seconds_total": res.get("seconds_total")})
+        m["tasks"] = sorted(set(m.get("tasks", [])) | set(res.get("tasks", [])))
+        for cname, entry in res["caches"].items():
+            tgt = m["caches"].setdefault(cname, {})
+            seconds = {**tgt.get("seconds", {}), **entry.get("seconds", {})}
+            tgt.update(entry)
+            if seconds:
+                tgt["seconds"] = seconds
+    return list(merged.values())
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m tq_hf_cache.eval.report")
+    ap.add_argument("results", nargs="+", help="result JSON files")
+    ap.add_argument("--markdown", help="markdown file whose result blocks to write/update")
+    ap.add_argument("--plot", help="PNG path for the quality-vs-bytes plot")
+    ap.add_argument("--merged-json", help="write each model's merged result here ('{model}' is replaced by its name)")
+    args = ap.parse_args(argv)
+    results = []
+    for p in args.results:
+        with open(p) as f:
+            results.append(json.load(f))
+    results = merge_results(results)
+    if args.merged_json:
+        for r in results:
+            path = args.merged_json.format(model=r["model"]["name"])
+            with open(path, "w") as f:
+                json.dump(r, f, indent=1)
+    if args.markdown:
+        update_markdown(args.markdown, results)
+    if args.plot:
+        plot(results, args.plot)
+    if not args.markdown and not args.plot:
+        for r in results:
+            print(markdown_table(r))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
