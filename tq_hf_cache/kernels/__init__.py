@@ -42,22 +42,22 @@ def supports(dim: int, bits: int) -> bool:
     return dim in SUPPORTED_DIMS and isinstance(bits, int) and 1 <= bits <= 8
 
 
-def quantize_into(x, rotation, codebook, packed_out, norms_out, **kw) -> None:
+def quantize_into(x, rotation, codebook, packed_out, norms_out, **kw):
     """See `kernels.quantize.quantize_into`."""
     from .quantize import quantize_into as f
 
-    f(x, rotation, codebook, packed_out, norms_out, **kw)
+    return f(x, rotation, codebook, packed_out, norms_out, **kw)
 
 
-def quantize_kv_into(k, v, rotation, k_codebook, v_codebook, k_packed, k_norms, v_packed, v_norms, **kw) -> None:
+def quantize_kv_into(k, v, rotation, k_codebook, v_codebook, k_packed, k_norms, v_packed, v_norms, **kw):
     """See `kernels.quantize.quantize_kv_into`."""
     from .quantize import quantize_kv_into as f
 
-    f(k, v, rotation, k_codebook, v_codebook, k_packed, k_norms, v_packed, v_norms, **kw)
+    return f(k, v, rotation, k_codebook, v_codebook, k_packed, k_norms, v_packed, v_norms, **kw)
 
 
-def dequantize_into(packed, norms, rotation, codebook, out, **kw) -> None:
+def dequantize_into(packed, norms, rotation, codebook, out, **kw):
     """See `kernels.dequantize.dequantize_into`."""
     from .dequantize import dequantize_into as f
 
-    f(packed, norms, rotation, codebook, out, **kw)
+    return f(packed, norms, rotation, codebook, out, **kw)

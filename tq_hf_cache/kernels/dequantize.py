@@ -97,10 +97,11 @@ def dequantize_into(
     terms: int | None = None,
     block_t: int | None = None,
     num_warps: int | None = None,
-) -> None:
+):
     """Dequantize packed (B, H, T, nbytes) + norms (B, H, T) into out (B, H, T, D), in out's dtype and strides.
 
     rot / terms / block_t / num_warps override the defaults (for the benchmark); the cache never passes them.
+    Returns the launched kernel handle (its n_regs / n_spills), or None when there was nothing to do.
     """
     where = "dequantize_into"
     if not isinstance(out, torch.Tensor) or out.dim() != 4:
@@ -115,7 +116,7 @@ def dequantize_into(
     C.check_packed(where, packed, lead, nbytes, dim, bits)
     C.check_norms(where, norms, lead)
     if out.numel() == 0:
-        return
+        return None
     dev = out.device
     cen, _, sch, _ = C.codebook_tables(codebook, heads, dev)
 
@@ -142,7 +143,7 @@ def dequantize_into(
 
     bt = C.block_t(tokens) if block_t is None else block_t
     grid = (triton.cdiv(tokens, bt), bsz * heads)
-    _dequantize_kernel[grid](
+    return _dequantize_kernel[grid](
         packed, *packed.stride()[:3],
         norms, *norms.stride(),
         out, *out.stride(),

@@ -206,15 +206,16 @@ def quantize_into(
     rot: str | None = None,
     block_t: int | None = None,
     num_warps: int | None = None,
-) -> None:
+):
     """Quantize x (B, H, T, D) into packed_out (B, H, T, nbytes) uint8 and norms_out (B, H, T), in place.
 
     rot / block_t / num_warps override the defaults (for the benchmark); the cache never passes them.
+    Returns the launched kernel handle (its n_regs / n_spills), or None when there was nothing to do.
     """
     bits = _check_x("quantize_into", x, rotation, codebook, packed_out, norms_out)
     bsz, heads, tokens, dim = x.shape
     if x.numel() == 0:
-        return
+        return None
     dev = x.device
     rmode, xmode, mdtype = _modes(x.dtype, rotation, rot)
     _, bnd, _, sbh = C.codebook_tables(codebook, heads, dev)
@@ -225,7 +226,7 @@ def quantize_into(
         mat, sgn = C.rotation_operand(rotation, dev, "fwd", mdtype), bnd
     bt, nw = _launch_cfg(tokens, block_t, num_warps)
     grid = (triton.cdiv(tokens, bt), bsz * heads)
-    _quantize_kernel[grid](
+    return _quantize_kernel[grid](
         x, *x.stride(),
         packed_out, *packed_out.stride()[:3],
         norms_out, *norms_out.stride(),
@@ -250,7 +251,7 @@ def quantize_kv_into(
     *,
     block_t: int | None = None,
     num_warps: int | None = None,
-) -> None:
+):
     """`quantize_into` for keys and values of one layer in a single launch (the per-decode-step path)."""
     kbits = _check_x("quantize_kv_into (keys)", k, rotation, k_codebook, k_packed, k_norms)
     vbits = _check_x("quantize_kv_into (values)", v, rotation, v_codebook, v_packed, v_norms)
@@ -263,7 +264,7 @@ def quantize_kv_into(
         raise TypeError(f"quantize_kv_into: key norms are {k_norms.dtype}, value norms {v_norms.dtype}; use one dtype")
     bsz, heads, tokens, dim = k.shape
     if k.numel() == 0:
-        return
+        return None
     dev = k.device
     rmode, xmode, mdtype = _modes(k.dtype, rotation, None)
     mat = C.rotation_operand(rotation, dev, "fwd", mdtype)
@@ -271,7 +272,7 @@ def quantize_kv_into(
     _, bndv, _, sbvh = C.codebook_tables(v_codebook, heads, dev)
     bt, nw = _launch_cfg(tokens, block_t, num_warps)
     grid = (triton.cdiv(tokens, bt), bsz * heads, 2)
-    _quantize_kv_kernel[grid](
+    return _quantize_kv_kernel[grid](
         k, *k.stride(), k_packed, *k_packed.stride()[:3], k_norms, *k_norms.stride(), bndk, sbkh,
         v, *v.stride(), v_packed, *v_packed.stride()[:3], v_norms, *v_norms.stride(), bndv, sbvh,
         mat, mat, heads, tokens, dim**-0.5,
