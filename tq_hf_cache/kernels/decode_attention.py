@@ -62,6 +62,50 @@ def _unpack(base, offs_t, t_ok, stride_t, BITS: tl.constexpr, D: tl.constexpr, B
 
 
 @triton.jit
+def _lookup(cb, idx, LUT: tl.constexpr, BITS: tl.constexpr, BLOCK: tl.constexpr):
+    """Centroid values (BLOCK, D) fp16 of indices idx: LUT 0 gathers from global memory (L1), 1 from a register
+    table (tl.gather), 2 through a select tree (<= 4 bits)."""
+    if LUT == 0:
+        out = tl.load(cb + idx)
+    elif LUT == 1:
+        table = tl.broadcast_to(tl.load(cb + tl.arange(0, 1 << BITS))[None, :], (BLOCK, 1 << BITS))
+        out = tl.gather(table, idx, 1)
+    else:
+        c0 = tl.load(cb)
+        c1 = tl.load(cb + 1)
+        lvl = tl.where((idx & 1) != 0, c1, c0)
+        if BITS >= 2:
+            c2 = tl.load(cb + 2)
+            c3 = tl.load(cb + 3)
+            b0 = (idx & 1) != 0
+            b1 = (idx & 2) != 0
+            lvl = tl.where(b1, tl.where(b0, c3, c2), lvl)
+            if BITS >= 3:
+                c4 = tl.load(cb + 4)
+                c5 = tl.load(cb + 5)
+                c6 = tl.load(cb + 6)
+                c7 = tl.load(cb + 7)
+                b2 = (idx & 4) != 0
+                hi = tl.where(b1, tl.where(b0, c7, c6), tl.where(b0, c5, c4))
+                lvl = tl.where(b2, hi, lvl)
+                if BITS >= 4:
+                    c8 = tl.load(cb + 8)
+                    c9 = tl.load(cb + 9)
+                    c10 = tl.load(cb + 10)
+                    c11 = tl.load(cb + 11)
+                    c12 = tl.load(cb + 12)
+                    c13 = tl.load(cb + 13)
+                    c14 = tl.load(cb + 14)
+                    c15 = tl.load(cb + 15)
+                    b3 = (idx & 8) != 0
+                    lo8 = tl.where(b1, tl.where(b0, c11, c10), tl.where(b0, c9, c8))
+                    hi8 = tl.where(b1, tl.where(b0, c15, c14), tl.where(b0, c13, c12))
+                    lvl = tl.where(b3, tl.where(b2, hi8, lo8), lvl)
+        out = lvl
+    return out.to(tl.float16)
+
+
+@triton.jit
 def _masked_scores(s, pos, t_ok, row_ok, row_i, heads, m_base, smh, smi, smt, causal_limit, MASK_KIND: tl.constexpr):
     """Scores (base 2) with -inf where a key is out of range or masked out."""
     ok = t_ok[None, :] & row_ok[:, None]
@@ -121,7 +165,8 @@ def _partial_kernel(
     acc_ptr, ml_ptr,
     Hkv, Lq, Lr, N, tok_per_split, num_splits, scale_log2,
     G: tl.constexpr, D: tl.constexpr, KBITS: tl.constexpr, VBITS: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, MASK_KIND: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, MASK_KIND: tl.constexpr, KLUT: tl.constexpr, VLUT: tl.constexpr,
+    DIAG: tl.constexpr = 0,
 ):
     pid = tl.program_id(0)
     split = tl.program_id(1)
@@ -157,13 +202,19 @@ def _partial_kernel(
             offs = t0 + tl.arange(0, BLOCK_N)
             t_ok = offs < end
             kidx = _unpack(kp, offs, t_ok, skpt, KBITS, D, BLOCK_N)
-            kcent = tl.load(kc + kidx).to(tl.float16)
+            if DIAG == 1:  # benchmark-only: no centroid gather (wrong values), to time the gather
+                kcent = kidx.to(tl.float16)
+            else:
+                kcent = _lookup(kc, kidx, KLUT, KBITS, BLOCK_N)
             knorm = tl.load(kn + offs * sknt, mask=t_ok, other=0.0).to(tl.float32)
             s = tl.dot(qr, tl.trans(kcent)) * knorm[None, :]
             s = _masked_scores(s, offs, t_ok, row_ok, row_i, heads, m_base, smh, smi, smt, causal_limit, MASK_KIND)
             p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i)
             vidx = _unpack(vp, offs, t_ok, svpt, VBITS, D, BLOCK_N)
-            vcent = tl.load(vc + vidx).to(tl.float16)
+            if DIAG == 1:
+                vcent = vidx.to(tl.float16)
+            else:
+                vcent = _lookup(vc, vidx, VLUT, VBITS, BLOCK_N)
             vnorm = tl.load(vn + offs * svnt, mask=t_ok, other=0.0).to(tl.float32)
             acc = acc * alpha[:, None] + tl.dot((p * vnorm[None, :]).to(tl.float16), vcent)
     else:
@@ -220,6 +271,7 @@ def _reduce_kernel(
 # launcher
 
 _SCRATCH: dict[torch.device, torch.Tensor] = {}
+LAST_COMPILED = None  # the last compiled partial kernel (its n_regs / n_spills, for the benchmark)
 _SM_COUNT: dict[torch.device, int] = {}
 
 
@@ -241,6 +293,14 @@ def _sm_count(device: torch.device) -> int:
     return n
 
 
+DEFAULT_LUT = 1
+
+
+def _lut(lut: int | None, bits: int) -> int:
+    lut = DEFAULT_LUT if lut is None else lut
+    return 0 if (lut == 2 and bits > 4) else lut
+
+
 def supports(head_dim: int, key_bits: int, value_bits: int, n_queries: int, group: int) -> bool:
     return (
         head_dim in SUPPORTED_DIMS
@@ -251,8 +311,9 @@ def supports(head_dim: int, key_bits: int, value_bits: int, n_queries: int, grou
 
 
 def num_splits_for(batch_heads: int, packed_len: int, device: torch.device) -> int:
-    """Splits of the packed history: about two waves of programs, at least MIN_TOKENS_PER_SPLIT tokens each."""
-    want = max(1, (2 * _sm_count(device) + batch_heads - 1) // batch_heads)
+    """Splits of the packed history: about four programs per SM (the loop is latency-bound: more programs in
+    flight hide it; measured on the H100), at least MIN_TOKENS_PER_SPLIT tokens each."""
+    want = max(1, (4 * _sm_count(device) + batch_heads - 1) // batch_heads)
     most = max(1, (packed_len + MIN_TOKENS_PER_SPLIT - 1) // MIN_TOKENS_PER_SPLIT)
     return min(want, most)
 
@@ -268,6 +329,10 @@ def decode_attention(
     scale: float | None = None,
     num_splits: int | None = None,
     out: torch.Tensor | None = None,
+    block_n: int = BLOCK_N,
+    num_warps: int = 4,
+    _diag: int = 0,
+    lut: int | None = None,
 ) -> torch.Tensor:
     """Attention of query (B, Hq, n, D) over [packed | residual | new] of `state` (`TurboQuantLayer.attention_state()`).
 
@@ -293,8 +358,8 @@ def decode_attention(
     if num_splits is None:
         num_splits = num_splits_for(b * hkv, lq, query.device)
     num_splits = max(1, int(num_splits))
-    tok_per_split = max(BLOCK_N, -(-max(lq, 1) // num_splits))
-    tok_per_split = -(-tok_per_split // BLOCK_N) * BLOCK_N
+    tok_per_split = max(block_n, -(-max(lq, 1) // num_splits))
+    tok_per_split = -(-tok_per_split // block_n) * block_n
 
     if mask is None:
         mask_kind, m_arg, ms = 0, query, (0, 0, 0, 0)
@@ -322,7 +387,8 @@ def decode_attention(
     ml = scratch[slots * block_m * d : slots * block_m * (d + 2)]
     if out is None:
         out = torch.empty(b, n, hq, d, dtype=query.dtype, device=query.device)
-    _partial_kernel[(b * hkv, num_splits + 1)](
+    global LAST_COMPILED
+    LAST_COMPILED = _partial_kernel[(b * hkv, num_splits + 1)](
         qv, qv.stride(0), qv.stride(1), qv.stride(2),
         pi,
         kp, kp.stride(0), kp.stride(1), kp.stride(2),
@@ -337,8 +403,8 @@ def decode_attention(
         m_arg, ms[0], ms[1], ms[2], ms[3],
         acc, ml,
         hkv, lq, lr, n, tok_per_split, num_splits, scale * LOG2E,
-        G=group, D=d, KBITS=kcb.bits, VBITS=vcb.bits, BLOCK_M=block_m, BLOCK_N=BLOCK_N, MASK_KIND=mask_kind,
-        num_warps=4,
+        G=group, D=d, KBITS=kcb.bits, VBITS=vcb.bits, BLOCK_M=block_m, BLOCK_N=block_n, MASK_KIND=mask_kind,
+        KLUT=_lut(lut, kcb.bits), VLUT=_lut(lut, vcb.bits), DIAG=_diag, num_warps=num_warps,
     )
     _reduce_kernel[(b * hkv,)](
         acc, ml, pi, out, out.stride(0), out.stride(1), out.stride(2), hkv, n, num_splits,
