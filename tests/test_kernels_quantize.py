@@ -187,6 +187,58 @@ def test_fwht_variant_matches_reference(bits):
     check_dequant(out, packed, norms, rot, cb, seed)
 
 
+@pytest.mark.parametrize("bits,per_head", [(4, False), (5, True), (8, False)])
+def test_search_modes_agree(bits, per_head):
+    """The table search (default above 3 bits), the linear scan and the binary search give identical indices."""
+    seed, g = fresh_gen()
+    rot = make_rotation(64, seed % 1000).to(DEV)
+    cb = (per_head_codebook(g, bits, 3, 64) if per_head else shared_codebook(bits, 64)).to(DEV)
+    x = make_x(g, 1, 3, 7, 64, torch.bfloat16)
+    got = {m: quantize_poisoned(x, rot, cb, torch.float16, search=m)[0] for m in ("lut", "linear", "binary")}
+    assert torch.equal(got["lut"], got["linear"]) and torch.equal(got["lut"], got["binary"]), f"seed {seed}"
+    check_indices(x, rot, cb, got["lut"], seed)
+
+
+def test_search_modes_agree_at_boundaries():
+    """Coordinates on, and one float step either side of, every boundary (and far outside): the three searches see
+    the same rotated values inside the kernel, so they must agree exactly; and they match bucketize up to the ulp
+    the kernel's normalization may move a coordinate by."""
+    from tq_hf_cache.kernels import quantize as Q
+
+    for bits in (4, 6):
+        cb = shared_codebook(bits, 64)
+        b = cb.boundaries
+        y = torch.cat([b, torch.nextafter(b, torch.full_like(b, 9)), torch.nextafter(b, torch.full_like(b, -9)),
+                       torch.tensor([-1.0, 1.0, 0.0, float(b[0]) - 1e-3, float(b[-1]) + 1e-3])])
+        rows = torch.cat([y, torch.zeros((-y.numel()) % 64)]).view(1, 1, -1, 64)
+        rows = rows / rows.norm(dim=-1, keepdim=True)  # unit rows: the kernel's y is rows up to an ulp
+        rot = make_rotation(64, 0, kind="orthogonal")
+        rot._matrix = torch.eye(64)  # identity rotation: y = x / ||x||
+        nb = packed_bytes(64, bits)
+        got = {}
+        for mode in ("lut", "linear", "binary"):
+            p = torch.empty(1, 1, rows.shape[2], nb, dtype=torch.uint8, device=DEV)
+            n = torch.empty(1, 1, rows.shape[2], dtype=torch.float32, device=DEV)
+            Q.quantize_into(rows.to(DEV), rot.to(DEV), cb.to(DEV), p, n, search=mode)
+            got[mode] = unpack_indices(p.cpu(), bits, 64)
+        assert torch.equal(got["lut"], got["linear"]) and torch.equal(got["lut"], got["binary"])
+        assert (got["lut"] - torch.bucketize(rows, b)).abs().max() <= 1
+
+
+def test_tied_centroids_fall_back_to_binary_search():
+    seed, g = fresh_gen()
+    c = shared_codebook(4, 64).centroids.clone()
+    c[5] = c[6] = c[4]  # two equal boundaries (a zero-width cell): no uniform grid separates them
+    cb = Codebook.from_centroids(c, 4)
+    from tq_hf_cache.kernels import _common as Cm
+
+    assert Cm.search_lut(cb, 1, torch.device("cpu")) is None
+    rot = make_rotation(64, seed % 1000).to(DEV)
+    x = make_x(g, 1, 1, 7, 64, torch.float32)
+    packed, _ = quantize_poisoned(x, rot, cb.to(DEV), torch.float16)
+    check_indices(x, rot, cb.to(DEV), packed, seed)
+
+
 def test_orthogonal_rotation():
     seed, g = fresh_gen()
     rot = make_rotation(64, seed % 1000, kind="orthogonal").to(DEV)

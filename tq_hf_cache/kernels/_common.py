@@ -142,3 +142,44 @@ def check_norms(where: str, norms: torch.Tensor, lead: tuple) -> None:
         raise TypeError(f"{where}: norms must be one of {NORM_DTYPES}, got {norms.dtype}")
     if tuple(norms.shape) != tuple(lead):
         raise ValueError(f"{where}: norms must have shape {tuple(lead)}, got {tuple(norms.shape)}")
+
+
+LUT_MAX_CELLS = 4096
+_LUT_CACHE: "weakref.WeakKeyDictionary[Codebook, dict]" = weakref.WeakKeyDictionary()
+
+
+def search_lut(codebook: Codebook, heads: int, device: torch.device):
+    """A uniform-grid table that turns the boundary search into two gathers, or None when the grid would be too fine.
+
+    Cells are half the smallest boundary gap wide, so a cell widened by a 1% margin on each side holds at most one
+    boundary. lut[j] counts the boundaries below cell j's start minus the margin; then for y in cell j the answer is
+    lut[j] + (y > b[lut[j]]), exactly, whatever fp32 rounding does to j (far less than the margin). Returns
+    (lut uint8 (H', N), padded boundaries fp32 (H', 2**bits) ending in +inf, lo (H',), inv_w (H',), N, head stride).
+    """
+    per = _LUT_CACHE.setdefault(codebook, {})
+    key = torch.device(device)
+    if key in per:
+        return per[key]
+    b = codebook.boundaries.detach().to("cpu", torch.float64).reshape(-1, 2**codebook.bits - 1)
+    gaps = b[:, 1:] - b[:, :-1]
+    res = None
+    if b.shape[1] >= 2 and bool((gaps > 0).all()):
+        w = gaps.min(dim=1).values / 2
+        lo = b[:, 0].float().double()  # the kernel subtracts the fp32 value
+        inv_w = (1 / w).float().double()
+        w_eff = 1 / inv_w  # the width the kernel's fp32 inv_w really encodes
+        n = int(((b[:, -1] - lo) * inv_w).ceil().max()) + 2
+        if n <= LUT_MAX_CELLS:
+            starts = lo[:, None] + torch.arange(n, dtype=torch.float64)[None, :] * w_eff[:, None]
+            lut = (b[:, None, :] < (starts - 0.01 * w_eff[:, None])[:, :, None]).sum(-1)
+            bpad = torch.cat([b, torch.full((b.shape[0], 1), float("inf"), dtype=torch.float64)], dim=1)
+            res = (
+                lut.to(torch.uint8).contiguous().to(device),
+                bpad.float().contiguous().to(device),
+                lo.float().to(device),
+                inv_w.float().to(device),
+                n,
+                n if codebook.per_head else 0,
+            )
+    per[key] = res
+    return res

@@ -30,7 +30,6 @@ from ..rotation import Rotation
 from . import _common as C
 
 FP16_MAX = 65504.0
-LINEAR_SEARCH_MAX_BITS = 4
 
 
 @triton.jit
@@ -49,10 +48,10 @@ def _quantize_tile(
     x_ptr, sxb, sxh, sxt, sxd,
     p_ptr, spb, sph, spt,
     n_ptr, snb, snh, snt,
-    mat_ptr, sgn_ptr, bnd_ptr, sbh,
+    mat_ptr, sgn_ptr, bnd_ptr, sbh, lut_ptr, slh, lo_ptr, invw_ptr, hsel, NLUT,
     pid_t, pid_bh, H, T, inv_sqrt_d,
     D: tl.constexpr, LOG2D: tl.constexpr, BITS: tl.constexpr, BLOCK_T: tl.constexpr,
-    ROT: tl.constexpr, XMODE: tl.constexpr, CLAMP_FP16: tl.constexpr, X_UNIT: tl.constexpr,
+    ROT: tl.constexpr, XMODE: tl.constexpr, CLAMP_FP16: tl.constexpr, X_UNIT: tl.constexpr, SEARCH: tl.constexpr,
 ):
     b = pid_bh // H
     h = pid_bh % H
@@ -93,26 +92,51 @@ def _quantize_tile(
 
     # ---- codebook search: number of boundaries strictly below y
     bnd = bnd_ptr + h * sbh
-    idx = tl.zeros((BLOCK_T, D), dtype=tl.int32)
-    if BITS <= 4:
+    if SEARCH == 0:  # linear: one scalar boundary per step (cheapest for <= 3 bits)
+        idx = tl.zeros((BLOCK_T, D), dtype=tl.int32)
         for k in tl.static_range((1 << BITS) - 1):
             idx += (y > tl.load(bnd + k)).to(tl.int32)
-    else:
+    elif SEARCH == 1:  # uniform-grid table + one compare (see _common.search_lut)
+        lo = tl.load(lo_ptr + h * hsel)
+        inv_w = tl.load(invw_ptr + h * hsel)
+        j = tl.minimum(tl.maximum(((y - lo) * inv_w).to(tl.int32), 0), NLUT - 1)
+        g = tl.load(lut_ptr + h * slh + j).to(tl.int32)
+        idx = g + (y > tl.load(bnd + g)).to(tl.int32)
+    else:  # branchless binary search, BITS dependent gathers (fallback for degenerate codebooks)
+        idx = tl.zeros((BLOCK_T, D), dtype=tl.int32)
         for s in tl.static_range(BITS):
             step = 1 << (BITS - 1 - s)
             bk = tl.load(bnd + idx + (step - 1))
             idx = tl.where(y > bk, idx + step, idx)
 
-    # ---- pack: 8 indices of BITS bits = one word of BITS bytes, LSB first
-    G: tl.constexpr = D // 8
-    k8 = tl.arange(0, 8)
-    i3 = tl.reshape(idx, (BLOCK_T, G, 8)).to(tl.int64)
-    word = tl.sum(i3 << (k8 * BITS).to(tl.int64)[None, None, :], axis=2)  # disjoint fields: sum == or
-    byts = ((word[:, :, None] >> (k8 * 8).to(tl.int64)[None, None, :]) & 0xFF).to(tl.uint8)
-    g = tl.arange(0, G)
+    # ---- pack, LSB first (packing.py's layout)
     p_rows = p_ptr + b.to(tl.int64) * spb + h.to(tl.int64) * sph + t64 * spt
-    off = g[None, :, None] * BITS + k8[None, None, :]
-    tl.store(p_rows[:, None, None] + off, byts, mask=tmask[:, None, None] & (k8 < BITS)[None, None, :])
+    if (8 % BITS) == 0:  # whole indices per byte: contiguous full-byte stores
+        PER: tl.constexpr = 8 // BITS
+        NB: tl.constexpr = D // PER
+        if BITS == 8:
+            byts = idx.to(tl.uint8)
+        else:
+            i3 = tl.reshape(idx, (BLOCK_T, NB, PER))
+            byts = tl.sum(i3 << (tl.arange(0, PER) * BITS)[None, None, :], axis=2).to(tl.uint8)
+        tl.store(p_rows[:, None] + tl.arange(0, NB)[None, :], byts, mask=tmask[:, None])
+    else:  # 8 indices = one word of BITS bytes; int32 holds it for 3 bits
+        G: tl.constexpr = D // 8
+        g8 = tl.arange(0, G)
+        if BITS < 4:
+            k4 = tl.arange(0, 4)
+            i3 = tl.reshape(idx, (BLOCK_T, G, 8))
+            word = tl.sum(i3 << (tl.arange(0, 8) * BITS)[None, None, :], axis=2)
+            byts = ((word[:, :, None] >> (k4 * 8)[None, None, :]) & 0xFF).to(tl.uint8)
+            off = g8[None, :, None] * BITS + k4[None, None, :]
+            tl.store(p_rows[:, None, None] + off, byts, mask=tmask[:, None, None] & (k4 < BITS)[None, None, :])
+        else:
+            k8 = tl.arange(0, 8)
+            i3 = tl.reshape(idx, (BLOCK_T, G, 8)).to(tl.int64)
+            word = tl.sum(i3 << (k8 * BITS).to(tl.int64)[None, None, :], axis=2)  # disjoint fields: sum == or
+            byts = ((word[:, :, None] >> (k8 * 8).to(tl.int64)[None, None, :]) & 0xFF).to(tl.uint8)
+            off = g8[None, :, None] * BITS + k8[None, None, :]
+            tl.store(p_rows[:, None, None] + off, byts, mask=tmask[:, None, None] & (k8 < BITS)[None, None, :])
 
     # ---- norm
     if CLAMP_FP16:
@@ -124,37 +148,43 @@ def _quantize_tile(
 @triton.jit
 def _quantize_kernel(
     x_ptr, sxb, sxh, sxt, sxd, p_ptr, spb, sph, spt, n_ptr, snb, snh, snt,
-    mat_ptr, sgn_ptr, bnd_ptr, sbh, H, T, inv_sqrt_d,
+    mat_ptr, sgn_ptr, bnd_ptr, sbh, lut_ptr, slh, lo_ptr, invw_ptr, hsel, NLUT, H, T, inv_sqrt_d,
     D: tl.constexpr, LOG2D: tl.constexpr, BITS: tl.constexpr, BLOCK_T: tl.constexpr,
-    ROT: tl.constexpr, XMODE: tl.constexpr, CLAMP_FP16: tl.constexpr, X_UNIT: tl.constexpr,
+    ROT: tl.constexpr, XMODE: tl.constexpr, CLAMP_FP16: tl.constexpr, X_UNIT: tl.constexpr, SEARCH: tl.constexpr,
 ):
     _quantize_tile(
         x_ptr, sxb, sxh, sxt, sxd, p_ptr, spb, sph, spt, n_ptr, snb, snh, snt,
-        mat_ptr, sgn_ptr, bnd_ptr, sbh, tl.program_id(0), tl.program_id(1), H, T, inv_sqrt_d,
-        D, LOG2D, BITS, BLOCK_T, ROT, XMODE, CLAMP_FP16, X_UNIT,
+        mat_ptr, sgn_ptr, bnd_ptr, sbh, lut_ptr, slh, lo_ptr, invw_ptr, hsel, NLUT,
+        tl.program_id(0), tl.program_id(1), H, T, inv_sqrt_d,
+        D, LOG2D, BITS, BLOCK_T, ROT, XMODE, CLAMP_FP16, X_UNIT, SEARCH,
     )
 
 
 @triton.jit
 def _quantize_kv_kernel(
-    k_ptr, skb, skh, skt, skd, pk_ptr, spkb, spkh, spkt, nk_ptr, snkb, snkh, snkt, bndk_ptr, sbkh,
-    v_ptr, svb, svh, svt, svd, pv_ptr, spvb, spvh, spvt, nv_ptr, snvb, snvh, snvt, bndv_ptr, sbvh,
+    k_ptr, skb, skh, skt, skd, pk_ptr, spkb, spkh, spkt, nk_ptr, snkb, snkh, snkt,
+    bndk_ptr, sbkh, lutk_ptr, slkh, lok_ptr, invwk_ptr, hselk, NLUTK,
+    v_ptr, svb, svh, svt, svd, pv_ptr, spvb, spvh, spvt, nv_ptr, snvb, snvh, snvt,
+    bndv_ptr, sbvh, lutv_ptr, slvh, lov_ptr, invwv_ptr, hselv, NLUTV,
     mat_ptr, sgn_ptr, H, T, inv_sqrt_d,
     D: tl.constexpr, LOG2D: tl.constexpr, KBITS: tl.constexpr, VBITS: tl.constexpr, BLOCK_T: tl.constexpr,
     ROT: tl.constexpr, XMODE: tl.constexpr, CLAMP_FP16: tl.constexpr, K_UNIT: tl.constexpr, V_UNIT: tl.constexpr,
+    KSEARCH: tl.constexpr, VSEARCH: tl.constexpr,
 ):
     """Keys and values of one layer in one launch (grid axis 2: 0 = keys, 1 = values)."""
     if tl.program_id(2) == 0:
         _quantize_tile(
             k_ptr, skb, skh, skt, skd, pk_ptr, spkb, spkh, spkt, nk_ptr, snkb, snkh, snkt,
-            mat_ptr, sgn_ptr, bndk_ptr, sbkh, tl.program_id(0), tl.program_id(1), H, T, inv_sqrt_d,
-            D, LOG2D, KBITS, BLOCK_T, ROT, XMODE, CLAMP_FP16, K_UNIT,
+            mat_ptr, sgn_ptr, bndk_ptr, sbkh, lutk_ptr, slkh, lok_ptr, invwk_ptr, hselk, NLUTK,
+            tl.program_id(0), tl.program_id(1), H, T, inv_sqrt_d,
+            D, LOG2D, KBITS, BLOCK_T, ROT, XMODE, CLAMP_FP16, K_UNIT, KSEARCH,
         )
     else:
         _quantize_tile(
             v_ptr, svb, svh, svt, svd, pv_ptr, spvb, spvh, spvt, nv_ptr, snvb, snvh, snvt,
-            mat_ptr, sgn_ptr, bndv_ptr, sbvh, tl.program_id(0), tl.program_id(1), H, T, inv_sqrt_d,
-            D, LOG2D, VBITS, BLOCK_T, ROT, XMODE, CLAMP_FP16, V_UNIT,
+            mat_ptr, sgn_ptr, bndv_ptr, sbvh, lutv_ptr, slvh, lov_ptr, invwv_ptr, hselv, NLUTV,
+            tl.program_id(0), tl.program_id(1), H, T, inv_sqrt_d,
+            D, LOG2D, VBITS, BLOCK_T, ROT, XMODE, CLAMP_FP16, V_UNIT, VSEARCH,
         )
 
 
@@ -173,6 +203,26 @@ def _modes(x_dtype: torch.dtype, rotation: Rotation, rot: str | None) -> tuple[i
     if x_dtype == torch.float32:
         return C.ROT_PM1_DOT, C.X_SPLIT3, torch.bfloat16
     return C.ROT_PM1_DOT, C.X_NATIVE, x_dtype
+
+
+SEARCHES = {"linear": 0, "lut": 1, "binary": 2}
+
+
+def _search_args(codebook: Codebook, heads: int, dev, search: str | None) -> tuple[tuple, int]:
+    """(bnd, sbh, lut, slh, lo, inv_w, hsel, NLUT) for the kernel, and the SEARCH mode."""
+    if search is None:
+        search = "linear" if codebook.bits <= 3 else "lut"
+    if search not in SEARCHES:
+        raise ValueError(f"search must be None or one of {sorted(SEARCHES)}, got {search!r}")
+    _, bnd, _, sbh = C.codebook_tables(codebook, heads, dev)
+    if search == "lut":
+        t = C.search_lut(codebook, heads, dev)
+        if t is None:  # boundaries too close (or tied) for a small table
+            search = "binary"
+        else:
+            lut, bpad, lo, inv_w, n, slh = t
+            return (bpad, bpad.stride(0) if codebook.per_head else 0, lut, slh, lo, inv_w, int(codebook.per_head), n), 1
+    return (bnd, sbh, bnd, 0, bnd, bnd, 0, 1), SEARCHES[search]
 
 
 def _check_x(where: str, x: torch.Tensor, rotation: Rotation, codebook: Codebook, packed_out, norms_out):
@@ -204,12 +254,13 @@ def quantize_into(
     norms_out: torch.Tensor,
     *,
     rot: str | None = None,
+    search: str | None = None,
     block_t: int | None = None,
     num_warps: int | None = None,
 ):
     """Quantize x (B, H, T, D) into packed_out (B, H, T, nbytes) uint8 and norms_out (B, H, T), in place.
 
-    rot / block_t / num_warps override the defaults (for the benchmark); the cache never passes them.
+    rot / search / block_t / num_warps override the defaults (for the benchmark); the cache never passes them.
     Returns the launched kernel handle (its n_regs / n_spills), or None when there was nothing to do.
     """
     bits = _check_x("quantize_into", x, rotation, codebook, packed_out, norms_out)
@@ -218,7 +269,8 @@ def quantize_into(
         return None
     dev = x.device
     rmode, xmode, mdtype = _modes(x.dtype, rotation, rot)
-    _, bnd, _, sbh = C.codebook_tables(codebook, heads, dev)
+    sargs, smode = _search_args(codebook, heads, dev, search)
+    bnd = sargs[0]
     # the unused one of (matrix, signs) gets any valid pointer: its branch is compiled out
     if rmode == C.ROT_FWHT:
         mat, sgn = bnd, C.rotation_operand(rotation, dev, "signs", torch.float32)
@@ -230,10 +282,11 @@ def quantize_into(
         x, *x.stride(),
         packed_out, *packed_out.stride()[:3],
         norms_out, *norms_out.stride(),
-        mat, sgn, bnd, sbh,
+        mat, sgn, *sargs,
         heads, tokens, dim**-0.5,
         D=dim, LOG2D=dim.bit_length() - 1, BITS=bits, BLOCK_T=bt,
         ROT=rmode, XMODE=xmode, CLAMP_FP16=norms_out.dtype == torch.float16, X_UNIT=x.stride(-1) == 1,
+        SEARCH=smode,
         num_warps=nw,
     )
 
@@ -268,16 +321,16 @@ def quantize_kv_into(
     dev = k.device
     rmode, xmode, mdtype = _modes(k.dtype, rotation, None)
     mat = C.rotation_operand(rotation, dev, "fwd", mdtype)
-    _, bndk, _, sbkh = C.codebook_tables(k_codebook, heads, dev)
-    _, bndv, _, sbvh = C.codebook_tables(v_codebook, heads, dev)
+    kargs, kmode = _search_args(k_codebook, heads, dev, None)
+    vargs, vmode = _search_args(v_codebook, heads, dev, None)
     bt, nw = _launch_cfg(tokens, block_t, num_warps)
     grid = (triton.cdiv(tokens, bt), bsz * heads, 2)
     return _quantize_kv_kernel[grid](
-        k, *k.stride(), k_packed, *k_packed.stride()[:3], k_norms, *k_norms.stride(), bndk, sbkh,
-        v, *v.stride(), v_packed, *v_packed.stride()[:3], v_norms, *v_norms.stride(), bndv, sbvh,
+        k, *k.stride(), k_packed, *k_packed.stride()[:3], k_norms, *k_norms.stride(), *kargs,
+        v, *v.stride(), v_packed, *v_packed.stride()[:3], v_norms, *v_norms.stride(), *vargs,
         mat, mat, heads, tokens, dim**-0.5,
         D=dim, LOG2D=dim.bit_length() - 1, KBITS=kbits, VBITS=vbits, BLOCK_T=bt,
         ROT=rmode, XMODE=xmode, CLAMP_FP16=k_norms.dtype == torch.float16,
-        K_UNIT=k.stride(-1) == 1, V_UNIT=v.stride(-1) == 1,
+        K_UNIT=k.stride(-1) == 1, V_UNIT=v.stride(-1) == 1, KSEARCH=kmode, VSEARCH=vmode,
         num_warps=nw,
     )
