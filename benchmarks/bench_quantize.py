@@ -248,11 +248,14 @@ def main() -> None:
     variants = []
     for bits in (4, 8):
         for qkw, dkw in (
-            ({"rot": "fwht"}, {"rot": "fwht"}),
+            ({"progs_per_sm": 0}, {"progs_per_sm": 0}),  # one program per tile
+            ({"progs_per_sm": 1}, {"progs_per_sm": 1}),
+            ({"progs_per_sm": 4}, {"progs_per_sm": 4}),
+            ({"stages": 1}, {"stages": 1}),
             ({"block_t": 32}, {"block_t": 32}),
-            ({"block_t": 128}, {"block_t": 128}),
             ({"block_t": 128, "num_warps": 8}, {"block_t": 128, "num_warps": 8}),
-            ({"num_warps": 8}, {"terms": 2}),
+            ({"rot": "fwht"}, {"rot": "fwht"}),
+            ({"search": "linear" if bits == 4 else "binary"}, {"terms": 2}),
         ):
             r = time_pair(rot, cbs[bits], 1 if quick else 8, 64 if quick else 32768, qkw, dkw)
             variants.append(r)

@@ -53,6 +53,23 @@ def block_t(tokens: int, cap: int = 64) -> int:
     return max(16, min(cap, next_pow2(tokens)))
 
 
+PROGS_PER_SM = 2
+_SM_COUNT: dict = {}
+
+
+def persistent_grid(n_tiles: int, device: torch.device, progs_per_sm: int | None = None) -> int:
+    """Programs for a persistent launch: a few per SM (0 = one per tile, the plain grid)."""
+    per = PROGS_PER_SM if progs_per_sm is None else progs_per_sm
+    if per == 0:
+        return n_tiles
+    if device.type != "cuda":
+        return min(n_tiles, 4)  # interpreter: a few programs, so the tile loop runs more than once
+    sms = _SM_COUNT.get(device.index)
+    if sms is None:
+        sms = _SM_COUNT[device.index] = torch.cuda.get_device_properties(device).multi_processor_count
+    return max(1, min(n_tiles, sms * per))
+
+
 _ROT_CACHE: "weakref.WeakKeyDictionary[Rotation, dict]" = weakref.WeakKeyDictionary()
 
 

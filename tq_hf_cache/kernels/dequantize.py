@@ -20,7 +20,7 @@ import triton.language as tl
 from ..codebook import Codebook
 from ..rotation import Rotation
 from . import _common as C
-from .quantize import _fwht_rows
+from .quantize import _fwht_rows, _load_rot
 
 C_SCALE = 1024.0  # power of two: exact to apply and to undo
 
@@ -31,12 +31,29 @@ def _dequantize_kernel(
     n_ptr, snb, snh, snt,
     o_ptr, sob, soh, sot, sod,
     mat_ptr, sgn_ptr, cen_ptr, sch,
-    H, T, out_scale,
+    H, T, out_scale, n_t_tiles, n_tiles,
+    D: tl.constexpr, LOG2D: tl.constexpr, BITS: tl.constexpr, BLOCK_T: tl.constexpr,
+    ROT: tl.constexpr, TERMS: tl.constexpr, O_UNIT: tl.constexpr, STAGES: tl.constexpr,
+):
+    """Persistent: the rotation operand is loaded once, then the program walks tiles pid, pid + grid, ..."""
+    rop = _load_rot(mat_ptr, sgn_ptr, D, ROT)
+    for tile in tl.range(tl.program_id(0), n_tiles, tl.num_programs(0), num_stages=STAGES):
+        _dequantize_tile(
+            p_ptr, spb, sph, spt, n_ptr, snb, snh, snt, o_ptr, sob, soh, sot, sod,
+            rop, cen_ptr, sch, tile % n_t_tiles, tile // n_t_tiles, H, T, out_scale,
+            D, LOG2D, BITS, BLOCK_T, ROT, TERMS, O_UNIT,
+        )
+
+
+@triton.jit
+def _dequantize_tile(
+    p_ptr, spb, sph, spt,
+    n_ptr, snb, snh, snt,
+    o_ptr, sob, soh, sot, sod,
+    rop, cen_ptr, sch, pid_t, pid_bh, H, T, out_scale,
     D: tl.constexpr, LOG2D: tl.constexpr, BITS: tl.constexpr, BLOCK_T: tl.constexpr,
     ROT: tl.constexpr, TERMS: tl.constexpr, O_UNIT: tl.constexpr,
 ):
-    pid_t = tl.program_id(0)
-    pid_bh = tl.program_id(1)
     b = (pid_bh // H).to(tl.int64)
     h = pid_bh % H
     t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -79,10 +96,9 @@ def _dequantize_kernel(
 
     # ---- inverse rotation
     if ROT == 1:  # butterflies: Pi^T c = s * fwht(c) / sqrt(D)
-        sg = tl.load(sgn_ptr + d)
-        r = _fwht_rows(c, BLOCK_T, D, LOG2D) * sg[None, :]
+        r = _fwht_rows(c, BLOCK_T, D, LOG2D) * rop[None, :]
     else:
-        m = tl.load(mat_ptr + d[:, None] * D + d[None, :])
+        m = rop
         if ROT == 2:
             r = tl.dot(c, m, input_precision="ieee")
         else:
@@ -114,10 +130,12 @@ def dequantize_into(
     terms: int | None = None,
     block_t: int | None = None,
     num_warps: int | None = None,
+    progs_per_sm: int | None = None,
+    stages: int = 2,
 ):
     """Dequantize packed (B, H, T, nbytes) + norms (B, H, T) into out (B, H, T, D), in out's dtype and strides.
 
-    rot / terms / block_t / num_warps override the defaults (for the benchmark); the cache never passes them.
+    rot / terms / block_t / num_warps / progs_per_sm (0: one program per tile) / stages override the defaults (for the benchmark); the cache never passes them.
     Returns the launched kernel handle (its n_regs / n_spills), or None when there was nothing to do.
     """
     where = "dequantize_into"
@@ -160,14 +178,16 @@ def dequantize_into(
         raise ValueError(f"{where}: rot must be None, 'dot' or 'fwht', got {rot!r}")
 
     bt = C.block_t(tokens) if block_t is None else block_t
-    grid = (triton.cdiv(tokens, bt), bsz * heads)
+    n_t = triton.cdiv(tokens, bt)
+    n_tiles = n_t * bsz * heads
+    grid = (C.persistent_grid(n_tiles, dev, progs_per_sm),)
     return _dequantize_kernel[grid](
         packed, *packed.stride()[:3],
         norms, *norms.stride(),
         out, *out.stride(),
         mat, sgn, cen, sch,
-        heads, tokens, scale,
+        heads, tokens, scale, n_t, n_tiles,
         D=dim, LOG2D=dim.bit_length() - 1, BITS=bits, BLOCK_T=bt,
-        ROT=rmode, TERMS=n_terms, O_UNIT=out.stride(-1) == 1,
+        ROT=rmode, TERMS=n_terms, O_UNIT=out.stride(-1) == 1, STAGES=stages,
         num_warps=num_warps if num_warps is not None else 4,
     )

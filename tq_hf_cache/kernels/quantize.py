@@ -48,11 +48,12 @@ def _quantize_tile(
     x_ptr, sxb, sxh, sxt, sxd,
     p_ptr, spb, sph, spt,
     n_ptr, snb, snh, snt,
-    mat_ptr, sgn_ptr, bnd_ptr, sbh, lut_ptr, slh, lo_ptr, invw_ptr, hsel, NLUT,
+    rop, bnd_ptr, sbh, lut_ptr, slh, lo_ptr, invw_ptr, hsel, NLUT,
     pid_t, pid_bh, H, T, inv_sqrt_d,
     D: tl.constexpr, LOG2D: tl.constexpr, BITS: tl.constexpr, BLOCK_T: tl.constexpr,
     ROT: tl.constexpr, XMODE: tl.constexpr, CLAMP_FP16: tl.constexpr, X_UNIT: tl.constexpr, SEARCH: tl.constexpr,
 ):
+    """One (BLOCK_T, D) tile of one (batch, head); rop is the (D, D) matrix operand, or the (D,) signs for FWHT."""
     b = pid_bh // H
     h = pid_bh % H
     t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -71,10 +72,9 @@ def _quantize_tile(
 
     # ---- rotation: y = Pi (x / norm), row-wise
     if ROT == 1:  # FWHT in registers
-        sg = tl.load(sgn_ptr + d)
-        y = _fwht_rows(xf * sg[None, :], BLOCK_T, D, LOG2D) * (inv * inv_sqrt_d)[:, None]
+        y = _fwht_rows(xf * rop[None, :], BLOCK_T, D, LOG2D) * (inv * inv_sqrt_d)[:, None]
     else:
-        m = tl.load(mat_ptr + d[:, None] * D + d[None, :])  # (D, D) right operand, row-major
+        m = rop
         if ROT == 2:  # dense orthogonal: fp32 ieee dot of the unit vectors
             y = tl.dot(xf * inv[:, None], m, input_precision="ieee")
         else:
@@ -146,18 +146,33 @@ def _quantize_tile(
 
 
 @triton.jit
+def _load_rot(mat_ptr, sgn_ptr, D: tl.constexpr, ROT: tl.constexpr):
+    d = tl.arange(0, D)
+    if ROT == 1:
+        r = tl.load(sgn_ptr + d)
+    else:
+        r = tl.load(mat_ptr + d[:, None] * D + d[None, :])  # (D, D) right operand, row-major
+    return r
+
+
+@triton.jit
 def _quantize_kernel(
     x_ptr, sxb, sxh, sxt, sxd, p_ptr, spb, sph, spt, n_ptr, snb, snh, snt,
     mat_ptr, sgn_ptr, bnd_ptr, sbh, lut_ptr, slh, lo_ptr, invw_ptr, hsel, NLUT, H, T, inv_sqrt_d,
+    n_t_tiles, n_tiles,
     D: tl.constexpr, LOG2D: tl.constexpr, BITS: tl.constexpr, BLOCK_T: tl.constexpr,
     ROT: tl.constexpr, XMODE: tl.constexpr, CLAMP_FP16: tl.constexpr, X_UNIT: tl.constexpr, SEARCH: tl.constexpr,
+    STAGES: tl.constexpr,
 ):
-    _quantize_tile(
-        x_ptr, sxb, sxh, sxt, sxd, p_ptr, spb, sph, spt, n_ptr, snb, snh, snt,
-        mat_ptr, sgn_ptr, bnd_ptr, sbh, lut_ptr, slh, lo_ptr, invw_ptr, hsel, NLUT,
-        tl.program_id(0), tl.program_id(1), H, T, inv_sqrt_d,
-        D, LOG2D, BITS, BLOCK_T, ROT, XMODE, CLAMP_FP16, X_UNIT, SEARCH,
-    )
+    """Persistent: the rotation operand is loaded once, then the program walks tiles pid, pid + grid, ..."""
+    rop = _load_rot(mat_ptr, sgn_ptr, D, ROT)
+    for tile in tl.range(tl.program_id(0), n_tiles, tl.num_programs(0), num_stages=STAGES):
+        _quantize_tile(
+            x_ptr, sxb, sxh, sxt, sxd, p_ptr, spb, sph, spt, n_ptr, snb, snh, snt,
+            rop, bnd_ptr, sbh, lut_ptr, slh, lo_ptr, invw_ptr, hsel, NLUT,
+            tile % n_t_tiles, tile // n_t_tiles, H, T, inv_sqrt_d,
+            D, LOG2D, BITS, BLOCK_T, ROT, XMODE, CLAMP_FP16, X_UNIT, SEARCH,
+        )
 
 
 @triton.jit
@@ -166,24 +181,26 @@ def _quantize_kv_kernel(
     bndk_ptr, sbkh, lutk_ptr, slkh, lok_ptr, invwk_ptr, hselk, NLUTK,
     v_ptr, svb, svh, svt, svd, pv_ptr, spvb, spvh, spvt, nv_ptr, snvb, snvh, snvt,
     bndv_ptr, sbvh, lutv_ptr, slvh, lov_ptr, invwv_ptr, hselv, NLUTV,
-    mat_ptr, sgn_ptr, H, T, inv_sqrt_d,
+    mat_ptr, sgn_ptr, H, T, inv_sqrt_d, n_t_tiles, n_tiles,
     D: tl.constexpr, LOG2D: tl.constexpr, KBITS: tl.constexpr, VBITS: tl.constexpr, BLOCK_T: tl.constexpr,
     ROT: tl.constexpr, XMODE: tl.constexpr, CLAMP_FP16: tl.constexpr, K_UNIT: tl.constexpr, V_UNIT: tl.constexpr,
     KSEARCH: tl.constexpr, VSEARCH: tl.constexpr,
 ):
-    """Keys and values of one layer in one launch (grid axis 2: 0 = keys, 1 = values)."""
-    if tl.program_id(2) == 0:
+    """Keys and values of one layer in one launch (grid axis 1: 0 = keys, 1 = values); not persistent (decode)."""
+    rop = _load_rot(mat_ptr, sgn_ptr, D, ROT)
+    tile = tl.program_id(0)
+    if tl.program_id(1) == 0:
         _quantize_tile(
             k_ptr, skb, skh, skt, skd, pk_ptr, spkb, spkh, spkt, nk_ptr, snkb, snkh, snkt,
-            mat_ptr, sgn_ptr, bndk_ptr, sbkh, lutk_ptr, slkh, lok_ptr, invwk_ptr, hselk, NLUTK,
-            tl.program_id(0), tl.program_id(1), H, T, inv_sqrt_d,
+            rop, bndk_ptr, sbkh, lutk_ptr, slkh, lok_ptr, invwk_ptr, hselk, NLUTK,
+            tile % n_t_tiles, tile // n_t_tiles, H, T, inv_sqrt_d,
             D, LOG2D, KBITS, BLOCK_T, ROT, XMODE, CLAMP_FP16, K_UNIT, KSEARCH,
         )
     else:
         _quantize_tile(
             v_ptr, svb, svh, svt, svd, pv_ptr, spvb, spvh, spvt, nv_ptr, snvb, snvh, snvt,
-            mat_ptr, sgn_ptr, bndv_ptr, sbvh, lutv_ptr, slvh, lov_ptr, invwv_ptr, hselv, NLUTV,
-            tl.program_id(0), tl.program_id(1), H, T, inv_sqrt_d,
+            rop, bndv_ptr, sbvh, lutv_ptr, slvh, lov_ptr, invwv_ptr, hselv, NLUTV,
+            tile % n_t_tiles, tile // n_t_tiles, H, T, inv_sqrt_d,
             D, LOG2D, VBITS, BLOCK_T, ROT, XMODE, CLAMP_FP16, V_UNIT, VSEARCH,
         )
 
@@ -257,10 +274,12 @@ def quantize_into(
     search: str | None = None,
     block_t: int | None = None,
     num_warps: int | None = None,
+    progs_per_sm: int | None = None,
+    stages: int = 2,
 ):
     """Quantize x (B, H, T, D) into packed_out (B, H, T, nbytes) uint8 and norms_out (B, H, T), in place.
 
-    rot / search / block_t / num_warps override the defaults (for the benchmark); the cache never passes them.
+    rot / search / block_t / num_warps / progs_per_sm (0: one program per tile) / stages override the defaults (for the benchmark); the cache never passes them.
     Returns the launched kernel handle (its n_regs / n_spills), or None when there was nothing to do.
     """
     bits = _check_x("quantize_into", x, rotation, codebook, packed_out, norms_out)
@@ -277,16 +296,18 @@ def quantize_into(
     else:
         mat, sgn = C.rotation_operand(rotation, dev, "fwd", mdtype), bnd
     bt, nw = _launch_cfg(tokens, block_t, num_warps)
-    grid = (triton.cdiv(tokens, bt), bsz * heads)
+    n_t = triton.cdiv(tokens, bt)
+    n_tiles = n_t * bsz * heads
+    grid = (C.persistent_grid(n_tiles, dev, progs_per_sm),)
     return _quantize_kernel[grid](
         x, *x.stride(),
         packed_out, *packed_out.stride()[:3],
         norms_out, *norms_out.stride(),
         mat, sgn, *sargs,
-        heads, tokens, dim**-0.5,
+        heads, tokens, dim**-0.5, n_t, n_tiles,
         D=dim, LOG2D=dim.bit_length() - 1, BITS=bits, BLOCK_T=bt,
         ROT=rmode, XMODE=xmode, CLAMP_FP16=norms_out.dtype == torch.float16, X_UNIT=x.stride(-1) == 1,
-        SEARCH=smode,
+        SEARCH=smode, STAGES=stages,
         num_warps=nw,
     )
 
@@ -324,11 +345,12 @@ def quantize_kv_into(
     kargs, kmode = _search_args(k_codebook, heads, dev, None)
     vargs, vmode = _search_args(v_codebook, heads, dev, None)
     bt, nw = _launch_cfg(tokens, block_t, num_warps)
-    grid = (triton.cdiv(tokens, bt), bsz * heads, 2)
+    n_t = triton.cdiv(tokens, bt)
+    grid = (n_t * bsz * heads, 2)
     return _quantize_kv_kernel[grid](
         k, *k.stride(), k_packed, *k_packed.stride()[:3], k_norms, *k_norms.stride(), *kargs,
         v, *v.stride(), v_packed, *v_packed.stride()[:3], v_norms, *v_norms.stride(), *vargs,
-        mat, mat, heads, tokens, dim**-0.5,
+        mat, mat, heads, tokens, dim**-0.5, n_t, n_t * bsz * heads,
         D=dim, LOG2D=dim.bit_length() - 1, KBITS=kbits, VBITS=vbits, BLOCK_T=bt,
         ROT=rmode, XMODE=xmode, CLAMP_FP16=k_norms.dtype == torch.float16,
         K_UNIT=k.stride(-1) == 1, V_UNIT=v.stride(-1) == 1, KSEARCH=kmode, VSEARCH=vmode,
