@@ -52,8 +52,8 @@ def test_held_bytes_are_packed_plus_residual_plus_one_workspace():
         live = b * h * (seq - residual) * (packed_bytes(d, 3) + packed_bytes(d, 4) + 2 * 2)
         assert packed_bytes(d, 3) == 24 and live == b * h * (seq - residual) * 60
         assert layer.nbytes()["packed"] == live * cap // (seq - residual)
-        # capacity grows in chunks: at most 1/8 plus one 256-token chunk beyond what is live
-        assert cap <= (seq - residual) * 9 // 8 + 256
+        # capacity grows in 256-token chunks: at most one chunk beyond what is live
+        assert seq - residual < cap <= seq - residual + 256
     fp_token = b * h * d * 4  # one token's K or V in fp32
     assert held["residual"] == layers * 2 * residual * fp_token
     assert held["full_precision"] == 0
@@ -66,3 +66,20 @@ def test_held_bytes_are_packed_plus_residual_plus_one_workspace():
     assert 0 <= constants <= layers * (d * d * 4 + d * 4 + 2 * 2 * 16 * 4) + 64
     # per token and layer: 3-bit keys + 4-bit values + norms = 60 bytes per head vs 256 in fp16
     assert b * h * (packed_bytes(d, 3) + packed_bytes(d, 4) + 4) * 4.2 < b * h * 2 * d * 2
+
+
+def test_dropping_the_cache_frees_its_buffers_without_the_garbage_collector():
+    import gc
+    import weakref
+
+    for config in (None, tiny_llama_config()):
+        cache = TurboQuantCache(residual_length=0, config=config)
+        cache.update(torch.randn(1, 2, 300, 32), torch.randn(1, 2, 300, 32), 0)
+        cache.update(torch.randn(1, 2, 1, 32), torch.randn(1, 2, 1, 32), 0)
+        packed = weakref.ref(cache.layers[0].k_buf.packed)
+        gc.disable()
+        try:
+            del cache
+            assert packed() is None, "a reference cycle keeps the packed buffers alive"
+        finally:
+            gc.enable()

@@ -33,9 +33,42 @@ def layer_types_and_kwargs(config) -> tuple[list[str], list[dict]]:
 def transformers_layer(layer_type: str, kwargs: dict, layer_idx: int):
     """The layer transformers itself would build for a type that TurboQuant leaves untouched."""
     mapping = getattr(cache_utils, "DYNAMIC_LAYER_TYPE_MAPPING", None)
+    if mapping is None:  # transformers 4.x
+        if layer_type == "full_attention":
+            return cache_utils.DynamicLayer()
+        if layer_type in ("sliding_attention", "chunked_attention"):
+            return cache_utils.DynamicSlidingWindowLayer(sliding_window=kwargs["sliding_window"])
     if mapping is None or layer_type not in mapping:
         raise ValueError(
             f"layer {layer_idx} has layer type {layer_type!r}, which TurboQuantCache does not support with "
             f"transformers {transformers.__version__}"
         )
     return mapping[layer_type](**kwargs)
+
+
+def kv_sharing_producers(config) -> set[int]:
+    """Layers whose returned K/V later layers reuse (KV sharing): they must not return workspace views."""
+    text_config = config.get_text_config(decoder=True) if IS_V5 else config.get_text_config()
+    modes = getattr(text_config, "kv_sharing_modes", None)
+    if modes is not None:
+        return {i for i, mode in enumerate(modes) if mode == "store"}
+    if getattr(text_config, "num_kv_shared_layers", 0):
+        raise ValueError(
+            f"{type(text_config).__name__} shares KV between layers (num_kv_shared_layers="
+            f"{text_config.num_kv_shared_layers}); TurboQuantCache supports KV sharing with transformers >= 5 only, "
+            f"this is {transformers.__version__}"
+        )
+    return set()
+
+
+def hybrid_layer_class():
+    """Linear-attention state + quantized attention KV in one layer (transformers 5.x "hybrid" layers)."""
+    from .layer import hybrid_classes
+
+    return hybrid_classes()[0]
+
+
+def hybrid_sliding_layer_class():
+    from .layer import hybrid_classes
+
+    return hybrid_classes()[1]

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from functools import lru_cache
+from functools import lru_cache, partial
 
 import torch
 from transformers import DynamicCache
-from transformers.cache_utils import Cache, DynamicLayer, DynamicSlidingWindowLayer
+from transformers.cache_utils import Cache, DynamicLayer
 
 from . import _compat
 from .codebook import Codebook, theoretical_codebook
@@ -16,6 +16,8 @@ from .rotation import make_rotation
 from .workspace import Workspace
 
 _NORM_DTYPES = {"float16": torch.float16, "float32": torch.float32}
+_QUANTIZED_TYPES = {"full_attention", "sliding_attention", "chunked_attention", "hybrid", "hybrid_sliding"}
+_UNTOUCHED_TYPES = {"linear_attention", "conv", "dummy"}
 
 
 def resolve_config(tq_config=None, **overrides) -> TurboQuantConfig:
@@ -70,15 +72,23 @@ class TurboQuantCache(DynamicCache):
         layers = None
         if config is not None:
             layer_types, layer_kwargs = _compat.layer_types_and_kwargs(config)
+            stores = _compat.kv_sharing_producers(config)
             self.num_model_layers = len(layer_types)
-            layers = [self._make_layer(i, t, kw) for i, (t, kw) in enumerate(zip(layer_types, layer_kwargs))]
+            layers = [
+                self._make_layer(i, t, kw, private_output=i in stores)
+                for i, (t, kw) in enumerate(zip(layer_types, layer_kwargs))
+            ]
         Cache.__init__(
             self,
             layers=layers,
-            layer_class_to_replicate=None if layers else self._next_full_layer,
+            layer_class_to_replicate=None if layers else DynamicLayer,
             offloading=offloading,
             offload_only_non_sliding=offload_only_non_sliding,
         )
+        if not layers:
+            # grows a config-less cache one full-attention layer at a time; a bound method here would make the
+            # cache a reference cycle that keeps GPU buffers alive until the garbage collector runs
+            self.layer_class_to_replicate = _NextLayer(self.layers, self.tq_config, self.codebooks, self.workspace)
 
     @classmethod
     def from_pretrained(cls, dir_or_model_path, config=None, **overrides) -> "TurboQuantCache":
@@ -101,42 +111,14 @@ class TurboQuantCache(DynamicCache):
             codebooks.check_covers(tq)
         return cls(tq, config=config, codebooks=codebooks)
 
-    def _next_full_layer(self):
-        """Called by `Cache.update` to grow a config-less cache: layers are created in index order."""
-        return self._make_layer(len(self.layers), "full_attention", {})
-
-    def _make_layer(self, idx: int, layer_type: str, kwargs: dict):
-        bits = self.tq_config.bits_for_layer(idx, self.num_model_layers)
-        if layer_type == "full_attention":
-            return DynamicLayer() if bits is None else self._tq_layer(TurboQuantLayer, idx, bits)
-        if layer_type in ("sliding_attention", "chunked_attention"):
-            window = int(kwargs["sliding_window"])
-            if bits is None or window - 1 <= self.tq_config.residual_length:
-                # the whole window fits in the residual: nothing would ever be quantized
-                return DynamicSlidingWindowLayer(sliding_window=window)
-            return self._tq_layer(TurboQuantSlidingLayer, idx, bits, sliding_window=window)
-        return _compat.transformers_layer(layer_type, kwargs, idx)
-
-    def _tq_layer(self, cls, idx: int, bits: tuple[int, int], **extra):
-        cfg = self.tq_config
-        return cls(
-            key_bits=bits[0],
-            value_bits=bits[1],
-            residual_length=cfg.residual_length,
-            rotation_for=lambda dim: _rotation(dim, cfg.seed + idx, cfg.rotation),
-            codebook_for=lambda kind, b, dim: self._codebook(idx, kind, b, dim),
-            workspace=self.workspace,
-            norm_dtype=_NORM_DTYPES[cfg.norm_dtype],
-            layer_idx=idx,
-            **extra,
+    def _make_layer(self, idx: int, layer_type: str, kwargs: dict, private_output: bool = False):
+        return make_layer(
+            self.tq_config, self.codebooks, self.workspace, self.num_model_layers, idx, layer_type, kwargs,
+            private_output,
         )
 
-    def _codebook(self, idx: int, kind: str, bits: int, dim: int) -> Codebook:
-        if self.codebooks is not None:
-            cb = self.codebooks.get(idx, kind, bits)
-            if cb is not None:
-                return cb
-        return theoretical_codebook(bits, dim)
+    def _tq_layer(self, cls, idx: int, bits: tuple[int, int], **extra):
+        return _tq_layer(self.tq_config, self.codebooks, self.workspace, cls, idx, bits, **extra)
 
     @property
     def quantized_layers(self) -> list[TurboQuantLayer]:
@@ -162,6 +144,69 @@ class TurboQuantCache(DynamicCache):
 
     def __repr__(self) -> str:
         return f"TurboQuantCache(k{self.tq_config.key_bits}v{self.tq_config.value_bits}, layers={self.layers})"
+
+
+def make_layer(
+    tq_config, codebooks, workspace, num_model_layers, idx: int, layer_type: str, kwargs: dict,
+    private_output: bool = False,
+):
+    """The cache layer for one decoder layer, by the layer type transformers assigns it."""
+    bits = tq_config.bits_for_layer(idx, num_model_layers, layer_type)
+    extra = {"private_output": True} if private_output else {}
+    if layer_type in _UNTOUCHED_TYPES:  # recurrent / conv state only, or KV-sharing consumers: no KV here
+        return _compat.transformers_layer(layer_type, kwargs, idx)
+    if bits is None:
+        return _compat.transformers_layer(layer_type, kwargs, idx)
+    if layer_type == "full_attention":
+        return _tq_layer(tq_config, codebooks, workspace, TurboQuantLayer, idx, bits, **extra)
+    if layer_type == "hybrid":
+        return _tq_layer(tq_config, codebooks, workspace, _compat.hybrid_layer_class(), idx, bits, **extra, **kwargs)
+    if layer_type in ("sliding_attention", "chunked_attention", "hybrid_sliding"):
+        if int(kwargs["sliding_window"]) - 1 <= tq_config.residual_length:
+            # the whole window fits in the residual: nothing would ever be quantized
+            return _compat.transformers_layer(layer_type, kwargs, idx)
+        cls = TurboQuantSlidingLayer if layer_type != "hybrid_sliding" else _compat.hybrid_sliding_layer_class()
+        return _tq_layer(tq_config, codebooks, workspace, cls, idx, bits, **extra, **kwargs)
+    raise ValueError(
+        f"layer {idx} has layer type {layer_type!r}, which TurboQuantCache cannot quantize (it quantizes "
+        f"{sorted(_QUANTIZED_TYPES)}). Keep such layers in full precision with "
+        f"skip_layer_types=[{layer_type!r}] or skip_layers=[{idx}, ...]."
+    )
+
+
+def _tq_layer(tq_config, codebooks, workspace, cls, idx: int, bits: tuple[int, int], **extra):
+    cfg = tq_config
+    return cls(
+        key_bits=bits[0],
+        value_bits=bits[1],
+        residual_length=cfg.residual_length,
+        rotation_for=partial(_rotation, seed=cfg.seed + idx, kind=cfg.rotation),
+        # no reference back to the cache: layers must not form a cycle that keeps GPU buffers alive until gc
+        codebook_for=partial(_codebook, codebooks, idx),
+        workspace=workspace,
+        norm_dtype=_NORM_DTYPES[cfg.norm_dtype],
+        layer_idx=idx,
+        **extra,
+    )
+
+
+class _NextLayer:
+    """`layer_class_to_replicate` of a config-less cache: builds layer len(layers) as a full-attention layer."""
+
+    def __init__(self, layers: list, tq_config, codebooks, workspace):
+        self.layers, self.tq_config, self.codebooks, self.workspace = layers, tq_config, codebooks, workspace
+
+    def __call__(self):
+        return make_layer(self.tq_config, self.codebooks, self.workspace, None, len(self.layers), "full_attention", {})
+
+
+def _codebook(codebooks, idx: int, kind: str, bits: int, dim: int) -> Codebook:
+    """The calibrated codebook for (layer, kind, bits) when there is one, else the theoretical one."""
+    if codebooks is not None:
+        cb = codebooks.get(idx, kind, bits)
+        if cb is not None:
+            return cb
+    return theoretical_codebook(bits, dim)
 
 
 @lru_cache(maxsize=None)

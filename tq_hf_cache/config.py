@@ -32,6 +32,7 @@ class TurboQuantConfig:
     rotation: "auto" (Hadamard for power-of-two head dims, else orthogonal), "hadamard" or "orthogonal".
     norm_dtype: dtype of the per-vector norms, "float16" or "float32".
     skip_first / skip_last / skip_layers: layers kept in full precision (a plain DynamicLayer).
+    skip_layer_types: layer types kept in full precision, e.g. ["sliding_attention"].
     layer_bits: per-layer {layer_idx: [key_bits, value_bits]} overrides.
     """
 
@@ -44,6 +45,7 @@ class TurboQuantConfig:
     skip_first: int = 0
     skip_last: int = 0
     skip_layers: list[int] = field(default_factory=list)
+    skip_layer_types: list[str] = field(default_factory=list)
     layer_bits: dict[int, list[int]] = field(default_factory=dict)
 
     def __post_init__(self):
@@ -60,6 +62,9 @@ class TurboQuantConfig:
         if self.norm_dtype not in NORM_DTYPES:
             raise ValueError(f"norm_dtype must be one of {NORM_DTYPES}, got {self.norm_dtype!r}")
         self.skip_layers = sorted({self._layer_index(i, "skip_layers") for i in self.skip_layers})
+        if not all(isinstance(t, str) and t for t in self.skip_layer_types):
+            raise ValueError(f"skip_layer_types holds layer type names such as 'sliding_attention', got {self.skip_layer_types!r}")
+        self.skip_layer_types = sorted(set(self.skip_layer_types))
         bits = {}
         for k, v in dict(self.layer_bits).items():
             idx = self._layer_index(int(k) if isinstance(k, str) and k.lstrip("-").isdigit() else k, "layer_bits")
@@ -88,9 +93,11 @@ class TurboQuantConfig:
                 return name
         return None
 
-    def bits_for_layer(self, layer_idx: int, num_layers: int | None = None) -> tuple[int, int] | None:
+    def bits_for_layer(
+        self, layer_idx: int, num_layers: int | None = None, layer_type: str | None = None
+    ) -> tuple[int, int] | None:
         """(key_bits, value_bits) for a layer, or None when the layer stays in full precision."""
-        if layer_idx in self.skip_layers or layer_idx < self.skip_first:
+        if layer_idx in self.skip_layers or layer_idx < self.skip_first or layer_type in self.skip_layer_types:
             return None
         if self.skip_last:
             if num_layers is None:

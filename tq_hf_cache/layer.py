@@ -44,7 +44,9 @@ class PackedBuffer:
             self._move(self.packed, self.norms)
             return
         live = self.length + extra
-        cap = (live + live // 8 + GROW_TOKENS - 1) // GROW_TOKENS * GROW_TOKENS
+        # 1 to GROW_TOKENS spare slots: re-copying the packed bytes every 256 decode steps costs little,
+        # proportional headroom would cost context length
+        cap = (live // GROW_TOKENS + 1) * GROW_TOKENS
         b, h, _, nb = self.packed.shape
         packed = torch.empty(b, h, cap, nb, dtype=torch.uint8, device=self.packed.device)
         norms = torch.empty(b, h, cap, dtype=self.norms.dtype, device=self.norms.device)
@@ -104,13 +106,16 @@ class TurboQuantLayer(DynamicLayer):
         workspace: Workspace,
         norm_dtype: torch.dtype = torch.float16,
         layer_idx: int | None = None,
+        private_output: bool = False,
     ):
-        super().__init__()
+        DynamicLayer.__init__(self)
         self.key_bits, self.value_bits = key_bits, value_bits
         self.residual_length = residual_length
         self.norm_dtype = norm_dtype
         self.layer_idx = layer_idx
         self.workspace = workspace
+        # KV-sharing producers: later layers keep what update returns, so it cannot live in the shared workspace
+        self.private_output = private_output
         self._rotation_for = rotation_for  # dim -> Rotation
         self._codebook_for = codebook_for  # (kind, bits, dim) -> Codebook
         self._clear()
@@ -249,7 +254,11 @@ class TurboQuantLayer(DynamicLayer):
             if lr == 0:
                 return key_states, value_states
             return torch.cat([self.res_k, key_states], dim=2), torch.cat([self.res_v, value_states], dim=2)
-        wk, wv = self.workspace.views(self.batch, self.heads, lq + lr + n, self.head_dim, self.dtype, self.device)
+        if self.private_output:
+            wk = key_states.new_empty(self.batch, self.heads, lq + lr + n, self.head_dim)
+            wv = value_states.new_empty(self.batch, self.heads, lq + lr + n, self.head_dim)
+        else:
+            wk, wv = self.workspace.views(self.batch, self.heads, lq + lr + n, self.head_dim, self.dtype, self.device)
         pk, nk = self.k_buf.live()
         pv, nv = self.v_buf.live()
         ops.dequantize_into(pk, nk, self.rotation, self.k_codebook, wk[:, :, :lq])
@@ -385,7 +394,7 @@ class TurboQuantSlidingLayer(TurboQuantLayer):
     is_croppable = False
 
     def __init__(self, *, sliding_window: int, **kwargs):
-        super().__init__(**kwargs)
+        TurboQuantLayer.__init__(self, **kwargs)
         self.sliding_window = int(sliding_window)
 
     def _trim(self, fp_k: torch.Tensor, fp_v: torch.Tensor):
@@ -419,6 +428,62 @@ class TurboQuantSlidingLayer(TurboQuantLayer):
                 f"({self.sliding_window}): the older states are gone"
             )
         super().crop(max_length)
+
+
+_HYBRID_CLASSES = None
+
+
+def hybrid_classes():
+    """(full, sliding) layers holding a linear-attention state and quantized attention KV, built on first use
+    because transformers 4.x has no LinearAttentionLayer."""
+    global _HYBRID_CLASSES
+    if _HYBRID_CLASSES is not None:
+        return _HYBRID_CLASSES
+    from transformers.cache_utils import LinearAttentionLayer
+
+    def make(base, name):
+        def __init__(self, number_of_states: int = 1, **kwargs):
+            base.__init__(self, **kwargs)
+            LinearAttentionLayer.__init__(self, number_of_states=number_of_states)
+
+        def lazy_initialization(self, *args, **kwargs):
+            # attention `update` passes (keys, values) positionally; the linear-attention updates pass keywords
+            if args:
+                base.lazy_initialization(self, *args, **kwargs)
+            else:
+                LinearAttentionLayer.lazy_initialization(self, **kwargs)
+
+        def both(method):
+            def run(self, *args):
+                getattr(LinearAttentionLayer, method)(self, *args)
+                getattr(base, method)(self, *args)
+
+            run.__name__ = method
+            return run
+
+        def crop(self, tokens_to_remove: int):
+            LinearAttentionLayer.crop(self, tokens_to_remove)
+            base.crop(self, tokens_to_remove)
+
+        attrs = {
+            "__init__": __init__,
+            "lazy_initialization": lazy_initialization,
+            "offload": both("offload"),
+            "prefetch": both("prefetch"),
+            "reset": both("reset"),
+            "reorder_cache": both("reorder_cache"),
+            "crop": crop,
+            "is_compileable": False,
+            "supports_early_init": True,
+            "__doc__": f"{base.__name__} plus the untouched linear-attention (conv/recurrent) states of a hybrid layer.",
+        }
+        return type(name, (LinearAttentionLayer, base), attrs)
+
+    _HYBRID_CLASSES = (
+        make(TurboQuantLayer, "TurboQuantLinearHybridLayer"),
+        make(TurboQuantSlidingLayer, "TurboQuantLinearHybridSlidingLayer"),
+    )
+    return _HYBRID_CLASSES
 
 
 def _tag(t: torch.Tensor, layer: TurboQuantLayer, deferred: bool) -> torch.Tensor:
