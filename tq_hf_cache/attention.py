@@ -123,6 +123,7 @@ def _fusable(query, key, layer, dropout, kwargs) -> bool:
     return True
 
 
+@torch.compiler.disable
 def turboquant_attention_forward(
     module: torch.nn.Module,
     query: torch.Tensor,

@@ -198,6 +198,9 @@ class TurboQuantLayer(DynamicLayer):
     def residual_tokens(self) -> int:
         return self.res_k.shape[2] if self.is_initialized else 0
 
+    # torch.compile: the cache step stays eager (a graph break) instead of being traced, since its shapes and
+    # buffers change every step; the model's projections and MLPs around it still compile
+    @torch.compiler.disable
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         self.flush()
         if not self.is_initialized:
