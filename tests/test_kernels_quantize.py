@@ -135,7 +135,9 @@ def dequantize_poisoned(packed, norms, rotation, cb, dtype, layout="bhtd", **kw)
 def check_dequant(out, packed, norms, rot, cb, seed):
     want = reference.dequantize(packed, norms, rot, cb, torch.float32)
     rms = float(want.pow(2).mean().sqrt()) + 1e-30
-    tol = {torch.float32: 2e-6, torch.float16: 1e-3, torch.bfloat16: 8e-3}[out.dtype]
+    # fp32: a 128-term sum in another order (dot vs butterflies) differs by a few 1e-6 where terms cancel;
+    # 16-bit outputs: about one ulp of the output dtype
+    tol = {torch.float32: 1e-5, torch.float16: 1e-3, torch.bfloat16: 8e-3}[out.dtype]
     torch.testing.assert_close(
         out.float(), want.to(out.dtype).float(), rtol=tol, atol=tol * rms, msg=lambda m: f"seed {seed}: {m}"
     )

@@ -131,7 +131,7 @@ def dequantize_into(
     block_t: int | None = None,
     num_warps: int | None = None,
     progs_per_sm: int | None = None,
-    stages: int = 2,
+    stages: int = 1,
 ):
     """Dequantize packed (B, H, T, nbytes) + norms (B, H, T) into out (B, H, T, D), in out's dtype and strides.
 

@@ -275,7 +275,7 @@ def quantize_into(
     block_t: int | None = None,
     num_warps: int | None = None,
     progs_per_sm: int | None = None,
-    stages: int = 2,
+    stages: int = 1,
 ):
     """Quantize x (B, H, T, D) into packed_out (B, H, T, nbytes) uint8 and norms_out (B, H, T), in place.
 
