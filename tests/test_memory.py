@@ -46,16 +46,19 @@ def test_held_bytes_are_packed_plus_residual_plus_one_workspace():
 
     held = cache.nbytes()
     for layer in cache.layers:
-        assert layer.quantized_length == seq - residual and layer.residual_tokens == residual
+        # prefill left `residual` tokens in full precision; the 10 decode tokens wait in the window's slack
+        assert (layer.quantized_length, layer.residual_tokens) == (290 - residual, residual + 10)
+        assert layer.residual_capacity == 2 * residual
+        q = layer.quantized_length
         cap = layer.k_buf.capacity
         # live packed bytes are exactly 3 bits per key coordinate and 4 per value coordinate, plus fp16 norms
-        live = b * h * (seq - residual) * (packed_bytes(d, 3) + packed_bytes(d, 4) + 2 * 2)
-        assert packed_bytes(d, 3) == 24 and live == b * h * (seq - residual) * 60
-        assert layer.nbytes()["packed"] == live * cap // (seq - residual)
+        live = b * h * q * (packed_bytes(d, 3) + packed_bytes(d, 4) + 2 * 2)
+        assert packed_bytes(d, 3) == 24 and live == b * h * q * 60
+        assert layer.nbytes()["packed"] == live * cap // q
         # capacity grows in 256-token chunks: at most one chunk beyond what is live
-        assert seq - residual < cap <= seq - residual + 256
+        assert q < cap <= q + 256
     fp_token = b * h * d * 4  # one token's K or V in fp32
-    assert held["residual"] == layers * 2 * residual * fp_token
+    assert held["residual"] == layers * 2 * 2 * residual * fp_token
     assert held["full_precision"] == 0
     # one workspace for all layers: room for the longest sequence's K and V plus headroom, not one per layer
     assert 2 * seq * fp_token <= held["workspace"] <= 2 * (seq + 256) * fp_token

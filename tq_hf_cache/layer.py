@@ -17,6 +17,9 @@ from .rotation import Rotation
 from .workspace import Workspace
 
 GROW_TOKENS = 256
+# During decode the residual window may run up to this many tokens past residual_length before its oldest
+# tokens are quantized together: one quantize launch and no allocation per FLUSH_BLOCK decode steps
+FLUSH_BLOCK = 32
 MODEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
@@ -125,10 +128,24 @@ class TurboQuantLayer(DynamicLayer):
         self.cumulative_length = 0
         self.k_buf: PackedBuffer | None = None
         self.v_buf: PackedBuffer | None = None
-        self.res_k: torch.Tensor | None = None
-        self.res_v: torch.Tensor | None = None
+        self._rk: torch.Tensor | None = None  # residual buffers (B, H, capacity, D); the first _rlen are live
+        self._rv: torch.Tensor | None = None
+        self._rlen = 0
         self._defer_next = False
         self._pending: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    @property
+    def res_k(self) -> torch.Tensor | None:
+        """The full-precision residual window of keys, oldest first (a view)."""
+        return None if self._rk is None else self._rk[:, :, : self._rlen]
+
+    @property
+    def res_v(self) -> torch.Tensor | None:
+        return None if self._rv is None else self._rv[:, :, : self._rlen]
+
+    @property
+    def residual_capacity(self) -> int:
+        return self.residual_length + min(FLUSH_BLOCK, self.residual_length)
 
     # DynamicLayer keeps `keys`/`values` tensors; here they are materialized on demand from the packed state.
     @property
@@ -172,8 +189,9 @@ class TurboQuantLayer(DynamicLayer):
                 )
         self.k_buf = PackedBuffer(b, h, d, self.key_bits, self.norm_dtype, self.device)
         self.v_buf = PackedBuffer(b, h, d, self.value_bits, self.norm_dtype, self.device)
-        self.res_k = key_states.new_empty(b, h, 0, d)
-        self.res_v = key_states.new_empty(b, h, 0, d)
+        self._rk = key_states.new_empty(b, h, self.residual_capacity, d)
+        self._rv = key_states.new_empty(b, h, self.residual_capacity, d)
+        self._rlen = 0
         self.is_initialized = True
 
     def _check_states(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -196,7 +214,7 @@ class TurboQuantLayer(DynamicLayer):
 
     @property
     def residual_tokens(self) -> int:
-        return self.res_k.shape[2] if self.is_initialized else 0
+        return self._rlen if self.is_initialized else 0
 
     # torch.compile: the cache step stays eager (a graph break) instead of being traced, since its shapes and
     # buffers change every step; the model's projections and MLPs around it still compile
@@ -274,20 +292,29 @@ class TurboQuantLayer(DynamicLayer):
         return wk, wv
 
     def _push(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        """Append the new tokens to the residual window and quantize what overflows it."""
-        fp_k = torch.cat([self.res_k, key_states], dim=2) if self.res_k.shape[2] else key_states
-        fp_v = torch.cat([self.res_v, value_states], dim=2) if self.res_v.shape[2] else value_states
-        fp_k, fp_v = self._trim(fp_k, fp_v)
+        """Append the new tokens to the residual window; quantize the oldest ones once it overflows."""
+        n, lr = key_states.shape[2], self._rlen
+        drop = self._drop_old(lr + n)
+        if drop == 0 and lr + n <= self.residual_capacity:  # the common decode step: two small copies
+            self._rk[:, :, lr : lr + n].copy_(key_states)
+            self._rv[:, :, lr : lr + n].copy_(value_states)
+            self._rlen = lr + n
+            return
+        fp_k = torch.cat([self.res_k, key_states], dim=2) if lr else key_states
+        fp_v = torch.cat([self.res_v, value_states], dim=2) if lr else value_states
+        fp_k, fp_v = fp_k[:, :, drop:], fp_v[:, :, drop:]
         overflow = fp_k.shape[2] - self.residual_length
         if overflow > 0:
             self._quantize_append(fp_k[:, :, :overflow], fp_v[:, :, :overflow])
             fp_k, fp_v = fp_k[:, :, overflow:], fp_v[:, :, overflow:]
-        # own copies: a slice would keep the caller's whole (prefill-sized) tensor alive
-        self.res_k, self.res_v = fp_k.clone(), fp_v.clone()
+        keep = fp_k.shape[2]
+        self._rk[:, :, :keep].copy_(fp_k)
+        self._rv[:, :, :keep].copy_(fp_v)
+        self._rlen = keep
 
-    def _trim(self, fp_k: torch.Tensor, fp_v: torch.Tensor):
-        """Full-attention layers keep everything; sliding layers drop what left the window."""
-        return fp_k, fp_v
+    def _drop_old(self, fp_tokens: int) -> int:
+        """Full-attention layers keep everything; sliding layers drop what left the window (see there)."""
+        return 0
 
     def _quantize_append(self, k: torch.Tensor, v: torch.Tensor) -> None:
         n = k.shape[2]
@@ -336,11 +363,11 @@ class TurboQuantLayer(DynamicLayer):
         target = max(target, 0)
         lq = self.k_buf.length
         if target >= lq:
-            self.res_k, self.res_v = self.res_k[:, :, : target - lq].clone(), self.res_v[:, :, : target - lq].clone()
+            self._rlen = target - lq
         else:
             self.k_buf.truncate(target)
             self.v_buf.truncate(target)
-            self.res_k, self.res_v = self.res_k[:, :, :0], self.res_v[:, :, :0]
+            self._rlen = 0
         self.cumulative_length = target
 
     def _map_batch(self, fn) -> None:
@@ -349,8 +376,8 @@ class TurboQuantLayer(DynamicLayer):
             return
         self.k_buf.map_batch(fn)
         self.v_buf.map_batch(fn)
-        self.res_k, self.res_v = fn(self.res_k), fn(self.res_v)
-        self.batch = self.res_k.shape[0]
+        self._rk, self._rv = fn(self._rk), fn(self._rv)
+        self.batch = self._rk.shape[0]
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         idx = beam_idx.to(self.device) if self.is_initialized else beam_idx
@@ -367,20 +394,20 @@ class TurboQuantLayer(DynamicLayer):
         if self.is_initialized:
             for buf in (self.k_buf, self.v_buf):
                 buf.to("cpu")
-            self.res_k, self.res_v = self.res_k.to("cpu", non_blocking=True), self.res_v.to("cpu", non_blocking=True)
+            self._rk, self._rv = self._rk.to("cpu", non_blocking=True), self._rv.to("cpu", non_blocking=True)
 
     def prefetch(self) -> None:
-        if self.is_initialized and self.res_k.device != self.device:
+        if self.is_initialized and self._rk.device != self.device:
             for buf in (self.k_buf, self.v_buf):
                 buf.to(self.device)
-            self.res_k, self.res_v = self.res_k.to(self.device, non_blocking=True), self.res_v.to(self.device, non_blocking=True)
+            self._rk, self._rv = self._rk.to(self.device, non_blocking=True), self._rv.to(self.device, non_blocking=True)
 
     def nbytes(self) -> dict[str, int]:
-        """Bytes held between steps: packed buffers (allocated capacity) and the residual window."""
+        """Bytes held between steps: packed buffers and residual window buffers (allocated capacity)."""
         self.flush()
         if not self.is_initialized:
             return {"packed": 0, "residual": 0}
-        res = (self.res_k.numel() + self.res_v.numel()) * self.res_k.element_size()
+        res = (self._rk.numel() + self._rv.numel()) * self._rk.element_size()
         return {"packed": self.k_buf.nbytes() + self.v_buf.nbytes(), "residual": res}
 
     def __repr__(self) -> str:
@@ -400,16 +427,16 @@ class TurboQuantSlidingLayer(TurboQuantLayer):
         TurboQuantLayer.__init__(self, **kwargs)
         self.sliding_window = int(sliding_window)
 
-    def _trim(self, fp_k: torch.Tensor, fp_v: torch.Tensor):
-        """Drop the oldest tokens beyond `sliding_window - 1`, from the packed front first, before quantizing."""
-        excess = self.k_buf.length + fp_k.shape[2] - (self.sliding_window - 1)
+    def _drop_old(self, fp_tokens: int) -> int:
+        """Drop tokens beyond `sliding_window - 1` from the packed front; return how many of the oldest
+        full-precision tokens (residual, then new) must go too."""
+        excess = self.k_buf.length + fp_tokens - (self.sliding_window - 1)
         if excess <= 0:
-            return fp_k, fp_v
+            return 0
         from_packed = min(excess, self.k_buf.length)
         self.k_buf.drop_front(from_packed)
         self.v_buf.drop_front(from_packed)
-        rest = excess - from_packed
-        return fp_k[:, :, rest:], fp_v[:, :, rest:]
+        return excess - from_packed
 
     def get_mask_sizes(self, query_length_or_cache_position, *args) -> tuple[int, int]:
         q = _query_length(query_length_or_cache_position)

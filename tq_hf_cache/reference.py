@@ -32,7 +32,7 @@ def bucketize(y: torch.Tensor, codebook: Codebook) -> torch.Tensor:
     if not codebook.per_head:
         return torch.bucketize(y, b)
     _per_head(b, y)
-    return torch.stack([torch.bucketize(y[:, h], b[h]) for h in range(b.shape[0])], dim=1)
+    return torch.stack([torch.bucketize(y[:, h].contiguous(), b[h]) for h in range(b.shape[0])], dim=1)
 
 
 def centroid_lookup(idx: torch.Tensor, codebook: Codebook) -> torch.Tensor:
