@@ -6,8 +6,8 @@ scales by the norm and stores in out's own dtype at out's strides: no fp32 copy,
 
 Inverse rotation (hadamard): out_row = c_row @ Pi = (c_row @ S) / sqrt(D) with S = sqrt(D) * Pi of +-1
 entries. The centroids are fp32; they enter a 16-bit tensor-core dot as fp16 terms, scaled by 2**10 so that
-the low term stays a normal fp16 number: one term (~2**-12 relative, under the half-ulp of a bf16/fp16
-output) for 16-bit outputs, hi + lo (~2**-22) for fp32 outputs. A butterfly FWHT in registers is the
+the low term stays a normal fp16 number: one term (~2**-12 relative, under a bf16 ulp) for bf16 outputs,
+hi + lo (~2**-22) for fp16 and fp32 outputs (one term missed fp16's ulp on the H100 test). A butterfly FWHT in registers is the
 benchmark's alternative (rot="fwht"); orthogonal rotations use an fp32 ieee dot against Pi.
 """
 

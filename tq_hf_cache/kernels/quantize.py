@@ -6,17 +6,23 @@ torch.bucketize), packs the indices LSB-first (packing.py's layout) and stores b
 caller's strided slots. No intermediate tensor goes through global memory.
 
 Rotation. For the randomized Hadamard rotation Pi = H diag(s) / sqrt(D), sqrt(D) * Pi holds only +-1, so
-the rotation is one tensor-core dot of the raw x tile against that +-1 matrix (ROT_PM1_DOT): fp16/bf16 x
-is exact in its own type and every product is exact, leaving only fp32 accumulation rounding (the
-reference has the same order of rounding); the 1/(sqrt(D) * norm) scale is applied to the fp32 result.
-A fast Walsh-Hadamard transform in registers (ROT_FWHT) is also here: its log2(D) butterfly stages need a
-layout shuffle each in Triton, and on the H100 it was slower than the dot (see docs/performance.md, which
-the benchmark's "rotation" rows reproduce), so the dot is the default. fp32 x is split into three bf16
-terms that sum to it exactly (three dots). Orthogonal rotations (no +-1 form) use an fp32 ieee dot.
+the rotation is one tensor-core dot (wgmma on Hopper) of the raw x tile against that +-1 matrix
+(ROT_PM1_DOT): fp16/bf16 x is exact in its own type and every product is exact, leaving only fp32
+accumulation rounding (the reference has the same order of rounding); the 1/(sqrt(D) * norm) scale is
+applied to the fp32 result. A fast Walsh-Hadamard transform in registers (rot="fwht") is kept for
+comparison: each of its log2(D) butterfly stages is a register-layout shuffle in Triton, and on the H100 it
+was slower than the dot where the rotation mattered (4 bits, B=8, T=32768: quantize 334 vs 527 GB/s,
+dequantize 1196 vs 1327 GB/s; benchmarks/results/bench_quantize_v1.json), so the dot is the default. fp32 x
+is split into three bf16 terms that sum to it exactly (three dots). Orthogonal rotations (no +-1 form) use
+an fp32 ieee dot.
 
-Codebook search: for <= 4 bits an unrolled compare against each boundary (<= 15 scalar loads per
-program); above, a branchless binary search gathering from the (L1-resident) boundary table. Per-head
+Codebook search (measured, see search defaults in _search_args): up to 4 bits an unrolled compare against
+each boundary (<= 15 scalar loads per tile); above, a uniform-grid table (_common.search_lut) that needs
+two gathers per coordinate; a branchless binary search is the fallback for degenerate codebooks. Per-head
 codebooks are one pointer offset (head stride 0 for a shared codebook).
+
+Grid: persistent, a few programs per SM, each loading the (D, D) operand once and walking tiles; the
+cache's decode step can use `quantize_kv_into`, one launch for a layer's keys and values.
 """
 
 from __future__ import annotations
@@ -228,7 +234,9 @@ SEARCHES = {"linear": 0, "lut": 1, "binary": 2}
 def _search_args(codebook: Codebook, heads: int, dev, search: str | None) -> tuple[tuple, int]:
     """(bnd, sbh, lut, slh, lo, inv_w, hsel, NLUT) for the kernel, and the SEARCH mode."""
     if search is None:
-        search = "linear" if codebook.bits <= 3 else "lut"
+        # measured on the H100 (benchmarks/results/bench_quantize.json, B=8 T=32768): at 4 bits the linear scan
+        # ran at 651 GB/s and the table at 220; at 8 bits the table ran at 888 and the binary search at 220
+        search = "linear" if codebook.bits <= 4 else "lut"
     if search not in SEARCHES:
         raise ValueError(f"search must be None or one of {sorted(SEARCHES)}, got {search!r}")
     _, bnd, _, sbh = C.codebook_tables(codebook, heads, dev)
