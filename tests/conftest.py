@@ -5,6 +5,10 @@ import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+# Without CUDA the Triton kernels are tested in the interpreter, which must be chosen before anything in the
+# session imports triton (the kernel test modules set it too, but only for runs that start with them).
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 def tiny_llama_config(**overrides):
