@@ -319,9 +319,8 @@ class TurboQuantLayer(DynamicLayer):
     def _quantize_append(self, k: torch.Tensor, v: torch.Tensor) -> None:
         n = k.shape[2]
         pk, nk = self.k_buf.append_slots(n)
-        ops.quantize_into(k, self.rotation, self.k_codebook, pk, nk)
         pv, nv = self.v_buf.append_slots(n)
-        ops.quantize_into(v, self.rotation, self.v_codebook, pv, nv)
+        ops.quantize_kv_into(k, v, self.rotation, self.k_codebook, self.v_codebook, pk, nk, pv, nv)
 
     def _materialize(self, kind: str) -> torch.Tensor | None:
         self.flush()
