@@ -179,26 +179,32 @@ def test_unavailable_backend_is_reported(tiny, monkeypatch):
 
 # --- CI subset of the quality floors on the real model ----------------------------------------------------
 
-@pytest.fixture(scope="module")
-def smollm2_model():
-    pytest.importorskip("gguf")
-    from tq_hf_cache.eval.models import load_model
+K4V4_PPL_BOUND_PCT = 2.0
 
-    try:
-        model, tok, info = load_model("smollm2")
-    except FileNotFoundError as e:
-        pytest.skip(str(e))
-    return model, tok, info
+
+@pytest.fixture(scope="module")
+def smollm2_model(smollm2):
+    """The session's SmolLM2 (tests/conftest.py) plus the eval's model description."""
+    from tq_hf_cache.eval.models import model_shape
+
+    model, tok = smollm2
+    return model, tok, {"name": "smollm2", "label": "SmolLM2-135M-Instruct", **model_shape(model.config)}
 
 
 @pytest.fixture(scope="module")
 def smollm2_quality(smollm2_model):
-    """One small run shared by the floor tests: 640 tokens of package text, chunk 128, needle at 640 tokens."""
+    """One small run shared by the floor tests: 512 tokens of package text, chunk 128, a needle at 512 tokens,
+    32 greedy tokens after a 256-token prompt."""
     model, tok, info = smollm2_model
-    specs = [all_specs()[n] for n in ("fp", "k8v4", "k4v4", "k3v3")]
-    s = EvalSettings(ppl_tokens=640, chunk=128, needle_lengths=[640], needle_depths=[0.5], needle_new_tokens=8,
+    specs = [all_specs()[n] for n in ("fp", "k8v4", "k4v4")]
+    s = EvalSettings(ppl_tokens=512, chunk=128, needle_lengths=[512], needle_depths=[0.5], needle_new_tokens=6,
                      agreement_prompts=1, agreement_prompt_tokens=256, agreement_new_tokens=32, bytes_tokens=0)
-    return run_eval(model, tok, info, specs, tasks_to_run=("ppl", "needle", "agreement"), settings=s, log=None)
+    res = run_eval(model, tok, info, specs, tasks_to_run=("ppl", "needle", "agreement"), settings=s, log=None)
+    for name, e in res["caches"].items():  # shown with `pytest -s` and in failure reports
+        print(f"{name}: ppl {e['perplexity']['ppl']:.4f} ({e['perplexity']['delta_pct']:+.3f}%), needle "
+              f"{e['needle']['found']}/{e['needle']['total']}, agreement top1 {e['agreement']['top1_agreement']:.3f} "
+              f"prefix {e['agreement']['prefix_match']:.3f}")
+    return res
 
 
 @pytest.mark.model
@@ -206,10 +212,10 @@ def test_smollm2_perplexity_floors(smollm2_quality):
     c = smollm2_quality["caches"]
     # k8v4: within 0.5% of fp (the 4-bit-K+V floor, met here by the 8-bit-key preset)
     assert c["k8v4"]["perplexity"]["delta_pct"] < 0.5, c["k8v4"]["perplexity"]
-    # k4v4 / k3v3: honest bounds from measurements at this size (see docs/quality.md for the 4k-token figures)
-    assert c["k4v4"]["perplexity"]["delta_pct"] < 2.0, c["k4v4"]["perplexity"]
-    assert c["k3v3"]["perplexity"]["delta_pct"] < 6.0, c["k3v3"]["perplexity"]
-    assert c["k8v4"]["perplexity"]["delta_pct"] < c["k3v3"]["perplexity"]["delta_pct"]
+    # k4v4: the 0.5% floor is missed at 4k tokens (+0.95%, docs/eval_findings.md); this is the bound measured
+    # at this size with margin, so that a regression of the 4-bit path fails here
+    assert c["k4v4"]["perplexity"]["delta_pct"] < K4V4_PPL_BOUND_PCT, c["k4v4"]["perplexity"]
+    assert abs(c["k8v4"]["perplexity"]["delta_pct"]) < abs(c["k4v4"]["perplexity"]["delta_pct"])
 
 
 @pytest.mark.model

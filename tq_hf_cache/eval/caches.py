@@ -45,10 +45,13 @@ class CacheSpec:
         if self.family in ("quanto", "hqq"):
             from transformers import QuantizedCache
 
+            axis = self.overrides.get("axis")  # None: transformers' default (0)
             return QuantizedCache(
                 backend=self.family,
                 config=model_config,
                 nbits=self.key_bits,
+                axis_key=axis,
+                axis_value=axis,
                 q_group_size=QUANTIZED_CACHE_GROUP,
                 residual_length=QUANTIZED_CACHE_RESIDUAL,
             )
@@ -99,9 +102,17 @@ def all_specs() -> dict[str, CacheSpec]:
     for p in PRESETS:
         specs[p] = turboquant_spec(p)
     specs["k4v4-r0"] = CacheSpec("k4v4-r0", "turboquant", 4, 4, {"preset": "k4v4", "residual_length": 0})
-    for backend in ("quanto", "hqq"):
-        for b in (2, 4):
+    # rotation / seed sensitivity (docs/eval_findings.md)
+    for p in ("k4v4", "k3v3"):
+        specs[f"{p}-orthogonal"] = CacheSpec(f"{p}-orthogonal", "turboquant", *PRESETS[p], {"preset": p, "rotation": "orthogonal"})
+    specs["k4v4-seed1"] = CacheSpec("k4v4-seed1", "turboquant", 4, 4, {"preset": "k4v4", "seed": 1})
+    for b in (2, 4):
+        for backend in ("quanto", "hqq"):
             specs[f"{backend}-int{b}"] = CacheSpec(f"{backend}-int{b}", backend, b, b)
+    for b in (2, 4):
+        # HQQ's default axis 0 groups 64 elements strided across tokens and channels of the flattened states;
+        # axis 1 groups the 64 coordinates of one head vector (the layout quanto's axis 0 has)
+        specs[f"hqq-int{b}-axis1"] = CacheSpec(f"hqq-int{b}-axis1", "hqq", b, b, {"axis": 1})
     return specs
 
 

@@ -17,7 +17,14 @@ def _fmt(x, spec):
 
 def summary_rows(result: dict) -> list[dict]:
     rows = []
-    for name, e in result["caches"].items():
+    fam = {"fp": 0, "turboquant": 1, "quanto": 2, "hqq": 3}
+
+    def order(item):
+        name, e = item
+        sp = e.get("spec", {})
+        return (fam.get(sp.get("family"), 9), -sp.get("key_bits", 0), -sp.get("value_bits", 0), name)
+
+    for name, e in sorted(result["caches"].items(), key=order):
         r = {"cache": name, "available": e.get("available", False), "reason": e.get("reason") or e.get("error")}
         p, n, a, b = e.get("perplexity"), e.get("needle"), e.get("agreement"), e.get("bytes")
         if p:
