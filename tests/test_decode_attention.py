@@ -357,3 +357,91 @@ def test_generate_through_the_triton_kernel(monkeypatch):
     assert torch.equal(a.sequences, b.sequences)
     worst = max((x - y).abs().max().item() for x, y in zip(a.scores, b.scores))
     assert worst < 2e-2, worst  # fp32 model; the kernel's packed-segment dot products use fp16 operands
+
+
+# ------------------------------------------------------------------------------------------------------------
+# the single-launch kernel's variants and the per-layer cached launch (decode_attention_layer)
+
+
+@needs_triton
+@pytest.mark.parametrize("prefetch", [1, 2])
+def test_kernel_prefetch_variants_match_reference(prefetch):
+    """The hand-pipelined loop variants (tile loads issued early / one tile ahead) compute the same function."""
+    for kbits, vbits, d, group, n, lq, lr, splits in ((4, 4, 128, 4, 1, 301, 17, None), (3, 2, 64, 3, 2, 130, 5, 2)):
+        seed = fresh_seed()
+        state, kf, vf = make_state(2, 2, lq, lr, n, d, kbits, vbits, torch.float16, seed)
+        q = make_query(2, 2 * group, n, d, torch.float16, seed)
+        out = torch.full((2, n, 2 * group, d), float("nan"), dtype=torch.float16, device=DEVICE)
+        decode_attention(q, state, None, None, num_splits=splits, out=out, prefetch=prefetch)
+        assert torch.isfinite(out).all(), f"seed {seed}: unwritten outputs"
+        assert rel_err(out, _oracle(q, kf, vf, None, None)) < TOL[torch.float16], f"seed {seed}"
+
+
+@needs_triton
+def test_single_split_single_launch_and_counters_reset():
+    """num_splits == 1 (one packed program + the residual program merge in the same launch), repeated launches
+    (the arrival counters must be back at zero after each), and an empty packed history."""
+    from tq_hf_cache.kernels import decode_attention as da
+
+    for lq, lr in ((40, 3), (0, 5), (200, 0)):
+        seed = fresh_seed()
+        state, kf, vf = make_state(3, 2, lq, lr, 1, 64, 4, 4, torch.bfloat16, seed)
+        q = make_query(3, 8, 1, 64, torch.bfloat16, seed)
+        ref = _oracle(q, kf, vf, None, None)
+        for _ in range(2):
+            out = torch.full((3, 1, 8, 64), float("nan"), dtype=torch.bfloat16, device=DEVICE)
+            decode_attention(q, state, None, None, num_splits=1, out=out)
+            assert torch.isfinite(out).all(), f"seed {seed}"
+            assert rel_err(out, ref) < TOL[torch.bfloat16], f"seed {seed}"
+        assert int(da._COUNTERS[torch.device(DEVICE) if DEVICE == "cpu" else out.device][:6].abs().sum()) == 0
+
+
+@needs_triton
+@pytest.mark.parametrize("preset,group,n", [("k4v4", 4, 1), ("k3v3", 2, 3)])
+def test_layer_launch_matches_state_launch_across_flushes_and_growth(preset, group, n):
+    """decode_attention_layer (cached plan; on CUDA the direct launcher) against decode_attention on the layer's
+    state dict (poisoned output) and the oracle, over steps that cross a residual flush (FLUSH_BLOCK) and a
+    packed-buffer growth (GROW_TOKENS), which rebuild the plan's split and buffer parts."""
+    from tq_hf_cache.kernels import decode_attention as da
+    from tq_hf_cache.layer import FLUSH_BLOCK, GROW_TOKENS
+
+    seed = fresh_seed()
+    g = torch.Generator().manual_seed(seed)
+    b, hkv, d, res = 2, 2, 64, 6
+    model = _llama(head_dim=d, layers=1, heads=hkv * group, kv_heads=hkv)
+    cache = TurboQuantCache(preset, config=model.config, residual_length=res)
+    dtype = torch.float16
+    pre = GROW_TOKENS - 10  # the first flush after the prefill grows the packed buffers
+    k0 = torch.randn(b, hkv, pre, d, generator=g).to(dtype).to(DEVICE)
+    cache.update(k0, torch.randn(b, hkv, pre, d, generator=g).to(dtype).to(DEVICE), 0)
+    layer = cache.layers[0]
+    caps, lqs = set(), set()
+    for step in range((FLUSH_BLOCK + n) // n + 2):
+        layer.arm_deferred()
+        k = torch.randn(b, hkv, n, d, generator=g).to(dtype).to(DEVICE)
+        v = torch.randn(b, hkv, n, d, generator=g).to(dtype).to(DEVICE)
+        cache.update(k, v, 0)
+        assert da.layer_fast_path_ok(layer)
+        q = make_query(b, hkv * group, n, d, dtype, seed + step)
+        scale = 0.9 * d**-0.5
+        out = da.decode_attention_layer(q, layer, scale)
+        state = layer.attention_state()
+        ref_out = torch.full_like(out, float("nan"))
+        da.decode_attention(q, state, None, scale, out=ref_out)
+        assert torch.isfinite(out).all()
+        assert (out.float() - ref_out.float()).abs().max().item() < 2e-3, f"seed {seed}, step {step}"
+        rot = state["rotation"].to("cpu")
+        kf, vf = (
+            torch.cat([reference.dequantize(state[f"{x}_packed"].cpu(), state[f"{x}_norms"].cpu(), rot,
+                                            state[f"{x}_codebook"].to("cpu")),
+                       state[f"res_{x}"].float().cpu(), state[f"new_{x}"].float().cpu()], dim=2)
+            for x in ("k", "v")
+        )
+        assert rel_err(out, _oracle(q, kf, vf, None, scale)) < TOL[dtype], f"seed {seed}, step {step}"
+        caps.add(layer.k_buf.capacity)
+        lqs.add(layer.k_buf.length)
+        layer.flush()
+    assert len(caps) >= 2 and len(lqs) >= 2  # the run did cross a growth and a flush
+    if DEVICE == "cuda":  # after the plan's first (JIT) launch, later ones go through the launcher directly
+        assert da._DIRECT["ok"] is True, da._DIRECT
+        assert layer._tq_decode_plan.launch is not None

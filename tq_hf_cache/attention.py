@@ -97,13 +97,17 @@ def fused_attention_torch(query: torch.Tensor, state: dict, mask: torch.Tensor |
 
 
 def _fused(query, layer, mask, scale):
-    state = layer.attention_state()
     backend = FUSED_BACKEND
     if backend == "torch" or (backend == "auto" and not query.is_cuda):
-        return fused_attention_torch(query, state, mask, scale)
-    from .kernels.decode_attention import decode_attention
+        return fused_attention_torch(query, layer.attention_state(), mask, scale)
+    from .kernels import decode_attention as da
 
-    return decode_attention(query, state, mask, scale)
+    if mask is None:
+        # the common decode step: launch arguments cached on the layer, no state dict
+        out = da.decode_attention_layer(query, layer, scale)
+        if out is not None:
+            return out
+    return da.decode_attention(query, layer.attention_state(), mask, scale)
 
 
 def _fusable(query, key, layer, dropout, kwargs) -> bool:

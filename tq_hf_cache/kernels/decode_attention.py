@@ -33,28 +33,34 @@ MIN_TOKENS_PER_SPLIT = 256
 
 
 @triton.jit
-def _unpack(base, offs_t, t_ok, stride_t, BITS: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr):
-    """Indices (BLOCK, D) int32 of BLOCK packed vectors (LSB-first bitstream, see packing.py)."""
-    rows = base + offs_t[:, None] * stride_t
-    if BITS == 8:
-        cols = tl.arange(0, D)
-        idx = tl.load(rows + cols[None, :], mask=t_ok[:, None], other=0).to(tl.int32)
-    elif BITS == 4:
-        cols = tl.arange(0, D // 2)
-        v = tl.load(rows + cols[None, :], mask=t_ok[:, None], other=0).to(tl.int32)
-        idx = tl.reshape(tl.join(v & 15, v >> 4), (BLOCK, D))
-    elif BITS == 2:
-        cols = tl.arange(0, D // 4)
-        v = tl.load(rows + cols[None, :], mask=t_ok[:, None], other=0).to(tl.int32)
-        lo = tl.join(v & 3, (v >> 4) & 3)
-        hi = tl.join((v >> 2) & 3, (v >> 6) & 3)
-        idx = tl.reshape(tl.join(lo, hi), (BLOCK, D))
-    else:  # 3 bits: 8 indices in every 3 bytes
+def _load_packed(base, offs_t, t_ok, BITS: tl.constexpr, D: tl.constexpr, STRIDE_T: tl.constexpr):
+    """The raw packed bytes of len(offs_t) vectors (row stride STRIDE_T bytes) as int32; 3 bits: 24-bit words."""
+    rows = base + offs_t[:, None] * STRIDE_T
+    if BITS == 3:
         grp = tl.arange(0, D // 8) * 3
         b0 = tl.load(rows + grp[None, :], mask=t_ok[:, None], other=0).to(tl.int32)
         b1 = tl.load(rows + grp[None, :] + 1, mask=t_ok[:, None], other=0).to(tl.int32)
         b2 = tl.load(rows + grp[None, :] + 2, mask=t_ok[:, None], other=0).to(tl.int32)
-        w = b0 | (b1 << 8) | (b2 << 16)
+        v = b0 | (b1 << 8) | (b2 << 16)
+    else:
+        cols = tl.arange(0, (D * BITS) // 8)
+        v = tl.load(rows + cols[None, :], mask=t_ok[:, None], other=0).to(tl.int32)
+    return v
+
+
+@triton.jit
+def _expand(v, BITS: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr):
+    """Indices (BLOCK, D) int32 from `_load_packed`'s raw tile (LSB-first bitstream, see packing.py)."""
+    if BITS == 8:
+        idx = v
+    elif BITS == 4:
+        idx = tl.reshape(tl.join(v & 15, v >> 4), (BLOCK, D))
+    elif BITS == 2:
+        lo = tl.join(v & 3, (v >> 4) & 3)
+        hi = tl.join((v >> 2) & 3, (v >> 6) & 3)
+        idx = tl.reshape(tl.join(lo, hi), (BLOCK, D))
+    else:  # 3 bits: 8 indices in every 24-bit word
+        w = v
         e = tl.join(tl.join(w & 7, (w >> 12) & 7), tl.join((w >> 6) & 7, (w >> 18) & 7))
         o = tl.join(tl.join((w >> 3) & 7, (w >> 15) & 7), tl.join((w >> 9) & 7, (w >> 21) & 7))
         idx = tl.reshape(tl.join(e, o), (BLOCK, D))
@@ -148,26 +154,31 @@ def _fp_segment(q, acc, m_i, l_i, k_base, v_base, sk, sv, length, pos0, scale_lo
     return acc, m_i, l_i
 
 
-@triton.jit(do_not_specialize=["Lq", "Lr", "N", "tok_per_split", "num_splits"])
-def _partial_kernel(
+@triton.jit(do_not_specialize=["Lq", "Lr", "N", "P0", "tok_per_split", "num_splits"])
+def _decode_kernel(
     q_ptr, sqb, sqh, sqn,
     pi_ptr,
-    kp_ptr, skpb, skph, skpt,
-    kn_ptr, sknb, sknh, sknt,
-    vp_ptr, svpb, svph, svpt,
-    vn_ptr, svnb, svnh, svnt,
-    kc_ptr, kc_sh, vc_ptr, vc_sh,
-    rk_ptr, srkb, srkh, srkt,
-    rv_ptr, srvb, srvh, srvt,
+    kp_ptr, skpb, skph, kn_ptr, sknb, sknh,
+    vp_ptr, svpb, svph, vn_ptr, svnb, svnh,
+    kc_ptr, vc_ptr,
+    rk_ptr, srkb, srkh, rv_ptr, srvb, srvh,
     nk_ptr, snkb, snkh, snkt,
     nv_ptr, snvb, snvh, snvt,
     m_ptr, smb, smh, smi, smt,
-    acc_ptr, ml_ptr,
-    Hkv, Lq, Lr, N, tok_per_split, num_splits, scale_log2,
+    o_ptr, sob, son, soh,
+    acc_ptr, ml_ptr, cnt_ptr,
+    Hkv, Lq, Lr, N, P0, tok_per_split, num_splits, scale_log2,
     G: tl.constexpr, D: tl.constexpr, KBITS: tl.constexpr, VBITS: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, MASK_KIND: tl.constexpr, KLUT: tl.constexpr, VLUT: tl.constexpr,
+    KPT: tl.constexpr, VPT: tl.constexpr, KC_SH: tl.constexpr, VC_SH: tl.constexpr,
+    BLOCK_M: tl.constexpr, R: tl.constexpr, SC: tl.constexpr, BLOCK_N: tl.constexpr,
+    MASK_KIND: tl.constexpr, KLUT: tl.constexpr, VLUT: tl.constexpr, PREFETCH: tl.constexpr,
     DIAG: tl.constexpr = 0,
 ):
+    """One launch: programs (pid, split) write partial (m, l, acc) for their slice, all in the unrotated domain
+    (the packed splits rotate their accumulator back themselves); the last program of a (batch, KV head) to
+    finish, found with an acq_rel counter, merges the S + 1 partials and writes the output, then re-zeroes the
+    counter. Packed buffers are (B, H, capacity, bytes) with live tokens from P0 on (token strides KPT / VPT
+    bytes, norms 1 element); the residual buffers' token stride is D."""
     pid = tl.program_id(0)
     split = tl.program_id(1)
     b = (pid // Hkv).to(tl.int64)
@@ -192,87 +203,124 @@ def _partial_kernel(
         qr = (tl.dot(q, pit) * scale_log2).to(tl.float16)
         start = split * tok_per_split
         end = tl.minimum(start + tok_per_split, Lq)
-        kp = kp_ptr + b * skpb + h * skph
-        vp = vp_ptr + b * svpb + h * svph
-        kn = kn_ptr + b * sknb + h * sknh
-        vn = vn_ptr + b * svnb + h * svnh
-        kc = kc_ptr + h * kc_sh
-        vc = vc_ptr + h * vc_sh
+        kp = kp_ptr + b * skpb + h * skph + P0.to(tl.int64) * KPT
+        vp = vp_ptr + b * svpb + h * svph + P0.to(tl.int64) * VPT
+        kn = kn_ptr + b * sknb + h * sknh + P0
+        vn = vn_ptr + b * svnb + h * svnh + P0
+        kc = kc_ptr + h * KC_SH
+        vc = vc_ptr + h * VC_SH
+        if PREFETCH == 2:  # software pipelining by hand: the next tile's bytes load during this tile's math
+            offs = start + tl.arange(0, BLOCK_N)
+            t_ok = offs < end
+            kraw = _load_packed(kp, offs, t_ok, KBITS, D, KPT)
+            vraw = _load_packed(vp, offs, t_ok, VBITS, D, VPT)
+            knorm = tl.load(kn + offs, mask=t_ok, other=0.0).to(tl.float32)
+            vnorm = tl.load(vn + offs, mask=t_ok, other=0.0).to(tl.float32)
         for t0 in range(start, end, BLOCK_N):
             offs = t0 + tl.arange(0, BLOCK_N)
             t_ok = offs < end
-            kidx = _unpack(kp, offs, t_ok, skpt, KBITS, D, BLOCK_N)
+            if PREFETCH == 2:
+                k_cur, v_cur, kn_cur, vn_cur = kraw, vraw, knorm, vnorm
+                offs2 = offs + BLOCK_N
+                t_ok2 = offs2 < end
+                kraw = _load_packed(kp, offs2, t_ok2, KBITS, D, KPT)
+                vraw = _load_packed(vp, offs2, t_ok2, VBITS, D, VPT)
+                knorm = tl.load(kn + offs2, mask=t_ok2, other=0.0).to(tl.float32)
+                vnorm = tl.load(vn + offs2, mask=t_ok2, other=0.0).to(tl.float32)
+            elif PREFETCH == 1:  # both tiles' loads issued together, before any math
+                k_cur = _load_packed(kp, offs, t_ok, KBITS, D, KPT)
+                v_cur = _load_packed(vp, offs, t_ok, VBITS, D, VPT)
+                kn_cur = tl.load(kn + offs, mask=t_ok, other=0.0).to(tl.float32)
+                vn_cur = tl.load(vn + offs, mask=t_ok, other=0.0).to(tl.float32)
+            else:
+                k_cur = _load_packed(kp, offs, t_ok, KBITS, D, KPT)
+                kn_cur = tl.load(kn + offs, mask=t_ok, other=0.0).to(tl.float32)
+            kidx = _expand(k_cur, KBITS, D, BLOCK_N)
             if DIAG == 1:  # benchmark-only: no centroid gather (wrong values), to time the gather
                 kcent = kidx.to(tl.float16)
             else:
                 kcent = _lookup(kc, kidx, KLUT, KBITS, BLOCK_N)
-            knorm = tl.load(kn + offs * sknt, mask=t_ok, other=0.0).to(tl.float32)
-            s = tl.dot(qr, tl.trans(kcent)) * knorm[None, :]
+            s = tl.dot(qr, tl.trans(kcent)) * kn_cur[None, :]
             s = _masked_scores(s, offs, t_ok, row_ok, row_i, heads, m_base, smh, smi, smt, causal_limit, MASK_KIND)
             p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i)
-            vidx = _unpack(vp, offs, t_ok, svpt, VBITS, D, BLOCK_N)
+            if PREFETCH == 0:
+                v_cur = _load_packed(vp, offs, t_ok, VBITS, D, VPT)
+                vn_cur = tl.load(vn + offs, mask=t_ok, other=0.0).to(tl.float32)
+            vidx = _expand(v_cur, VBITS, D, BLOCK_N)
             if DIAG == 1:
                 vcent = vidx.to(tl.float16)
             else:
                 vcent = _lookup(vc, vidx, VLUT, VBITS, BLOCK_N)
-            vnorm = tl.load(vn + offs * svnt, mask=t_ok, other=0.0).to(tl.float32)
-            acc = acc * alpha[:, None] + tl.dot((p * vnorm[None, :]).to(tl.float16), vcent)
+            acc = acc * alpha[:, None] + tl.dot((p * vn_cur[None, :]).to(tl.float16), vcent)
+        # back from the rotated domain here, so that every partial is unrotated: y @ Pi = Pi^T y
+        pi = tl.load(pi_ptr + d[:, None] * D + d[None, :])
+        acc = tl.dot(acc, pi)
     else:
         # full-precision residual window, then the pending new tokens, unrotated
         acc, m_i, l_i = _fp_segment(q, acc, m_i, l_i, rk_ptr + b * srkb + h * srkh, rv_ptr + b * srvb + h * srvh,
-                                    srkt, srvt, Lr, Lq, scale_log2, row_ok, row_i, heads, m_base, smh, smi, smt,
+                                    D, D, Lr, Lq, scale_log2, row_ok, row_i, heads, m_base, smh, smi, smt,
                                     causal_limit, D, BLOCK_N, MASK_KIND)
         acc, m_i, l_i = _fp_segment(q, acc, m_i, l_i, nk_ptr + b * snkb + h * snkh, nv_ptr + b * snvb + h * snvh,
                                     snkt, snvt, N, Lq + Lr, scale_log2, row_ok, row_i, heads, m_base, smh, smi, smt,
                                     causal_limit, D, BLOCK_N, MASK_KIND)
-    slot = pid.to(tl.int64) * (num_splits + 1) + split
-    tl.store(acc_ptr + (slot * BLOCK_M + r[:, None]) * D + d[None, :], acc)
-    tl.store(ml_ptr + slot * 2 * BLOCK_M + r, m_i)
-    tl.store(ml_ptr + slot * 2 * BLOCK_M + BLOCK_M + r, l_i)
-
-
-@triton.jit(do_not_specialize=["N", "num_splits"])
-def _reduce_kernel(
-    acc_ptr, ml_ptr, pi_ptr, o_ptr, sob, son, soh, Hkv, N, num_splits,
-    G: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr,
-):
-    pid = tl.program_id(0)
-    b = (pid // Hkv).to(tl.int64)
-    h = (pid % Hkv).to(tl.int64)
-    r = tl.arange(0, BLOCK_M)
-    d = tl.arange(0, D)
-    row_ok = r < G * N
+    # partials: only the R (>= G * N) live rows of the tile
     base = pid.to(tl.int64) * (num_splits + 1)
-    m = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
-    for s in range(0, num_splits + 1):
-        m = tl.maximum(m, tl.load(ml_ptr + (base + s) * 2 * BLOCK_M + r))
-    m_safe = tl.where(m == float("-inf"), 0.0, m)
-    l = tl.zeros((BLOCK_M,), dtype=tl.float32)
-    acc = tl.zeros((BLOCK_M, D), dtype=tl.float32)
-    for s in range(0, num_splits):
-        w = tl.exp2(tl.load(ml_ptr + (base + s) * 2 * BLOCK_M + r) - m_safe)
-        l += w * tl.load(ml_ptr + (base + s) * 2 * BLOCK_M + BLOCK_M + r)
-        acc += w[:, None] * tl.load(acc_ptr + ((base + s) * BLOCK_M + r[:, None]) * D + d[None, :])
-    pi = tl.load(pi_ptr + d[:, None] * D + d[None, :])
-    out = tl.dot(acc, pi)  # back from the rotated domain: y @ Pi = Pi^T y
-    last = base + num_splits
-    w = tl.exp2(tl.load(ml_ptr + last * 2 * BLOCK_M + r) - m_safe)
-    l += w * tl.load(ml_ptr + last * 2 * BLOCK_M + BLOCK_M + r)
-    out += w[:, None] * tl.load(acc_ptr + (last * BLOCK_M + r[:, None]) * D + d[None, :])
-    out = out / tl.where(l > 0, l, 1.0)[:, None]
-    g = r // N
-    row_i = r % N
-    heads = h * G + g
-    tl.store(o_ptr + b * sob + row_i[:, None] * son + heads[:, None] * soh + d[None, :],
-             out.to(o_ptr.dtype.element_ty), mask=row_ok[:, None])
+    slot = base + split
+    keep = r < R
+    tl.store(acc_ptr + (slot * R + r[:, None]) * D + d[None, :], acc, mask=keep[:, None])
+    tl.store(ml_ptr + slot * 2 * R + r, m_i, mask=keep)
+    tl.store(ml_ptr + slot * 2 * R + R + r, l_i, mask=keep)
+    # the last program of this (batch, KV head) to get here merges: the barrier orders every thread's stores
+    # before the release of the counter; the acquire orders the merge's (L2, .cg) loads after all of them
+    tl.debug_barrier()
+    arrived = tl.atomic_add(cnt_ptr + pid, 1, sem="acq_rel", scope="gpu")
+    if arrived == num_splits:
+        tl.atomic_xchg(cnt_ptr + pid, 0, sem="relaxed", scope="gpu")  # ready for the next launch
+        rr = tl.arange(0, R)
+        sc = tl.arange(0, SC)
+        m = tl.full((R,), float("-inf"), dtype=tl.float32)
+        for s0 in range(0, num_splits + 1, SC):
+            sl = s0 + sc
+            ok = sl < num_splits + 1
+            mv = tl.load(ml_ptr + (base + sl)[:, None] * 2 * R + rr[None, :], mask=ok[:, None],
+                         other=float("-inf"), cache_modifier=".cg")
+            m = tl.maximum(m, tl.max(mv, 0))
+        m_safe = tl.where(m == float("-inf"), 0.0, m)
+        l = tl.zeros((R,), dtype=tl.float32)
+        out = tl.zeros((R, D), dtype=tl.float32)
+        for s0 in range(0, num_splits + 1, SC):
+            sl = s0 + sc
+            ok = sl < num_splits + 1
+            mv = tl.load(ml_ptr + (base + sl)[:, None] * 2 * R + rr[None, :], mask=ok[:, None],
+                         other=float("-inf"), cache_modifier=".cg")
+            lv = tl.load(ml_ptr + (base + sl)[:, None] * 2 * R + R + rr[None, :], mask=ok[:, None],
+                         other=0.0, cache_modifier=".cg")
+            w = tl.exp2(mv - m_safe[None, :])  # (SC, R); 0 for empty or missing splits
+            l += tl.sum(w * lv, 0)
+            av = tl.load(acc_ptr + ((base + sl)[:, None, None] * R + rr[None, :, None]) * D + d[None, None, :],
+                         mask=ok[:, None, None], other=0.0, cache_modifier=".cg")
+            out += tl.sum(w[:, :, None] * av, 0)
+        out = out / tl.where(l > 0, l, 1.0)[:, None]
+        gg = rr // N
+        ri = rr % N
+        hh = h * G + gg
+        tl.store(o_ptr + b * sob + ri[:, None] * son + hh[:, None] * soh + d[None, :],
+                 out.to(o_ptr.dtype.element_ty), mask=(rr < G * N)[:, None])
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# launcher
+# launchers: `decode_attention` (any state dict, every check) and `decode_attention_layer` (a TurboQuantLayer's
+# decode step, with its launch arguments cached per layer)
 
 _SCRATCH: dict[torch.device, torch.Tensor] = {}
-LAST_COMPILED = None  # the last compiled partial kernel (its n_regs / n_spills, for the benchmark)
+_COUNTERS: dict[torch.device, torch.Tensor] = {}
+LAST_COMPILED = None  # the last compiled kernel (its n_regs / n_spills, for the benchmark)
 _SM_COUNT: dict[torch.device, int] = {}
+DEFAULT_LUT = 1
+DEFAULT_PREFETCH = 2  # measured on the H100 (diag_decode_kernel_h100_run3.json): 3-6% faster than 0, no spills
+DEFAULT_WARPS = 4
+DEFAULT_STAGES = None  # None: triton's default
+MERGE_ROWS = 64  # splits merged per step of the final merge: SC * R tile rows
 
 
 def _scratch(device: torch.device, numel: int) -> torch.Tensor:
@@ -285,15 +333,21 @@ def _scratch(device: torch.device, numel: int) -> torch.Tensor:
     return buf
 
 
+def _counters(device: torch.device, n: int) -> torch.Tensor:
+    """Arrival counters, one int32 per (batch, KV head); zero between launches (the merging program resets its own)."""
+    buf = _COUNTERS.get(device)
+    if buf is None or buf.numel() < n:
+        buf = torch.zeros(max(n, 1024), dtype=torch.int32, device=device)
+        _COUNTERS[device] = buf
+    return buf
+
+
 def _sm_count(device: torch.device) -> int:
     n = _SM_COUNT.get(device)
     if n is None:
         n = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
         _SM_COUNT[device] = n
     return n
-
-
-DEFAULT_LUT = 1
 
 
 def _lut(lut: int | None, bits: int) -> int:
@@ -318,8 +372,44 @@ def num_splits_for(batch_heads: int, packed_len: int, device: torch.device) -> i
     return min(want, most)
 
 
+def _split_plan(batch_heads: int, lq: int, device, num_splits, block_n: int) -> tuple[int, int]:
+    if num_splits is None:
+        num_splits = num_splits_for(batch_heads, lq, device)
+    num_splits = max(1, int(num_splits))
+    tok_per_split = max(block_n, -(-max(lq, 1) // num_splits))
+    tok_per_split = -(-tok_per_split // block_n) * block_n
+    return num_splits, tok_per_split
+
+
+def _rows(group: int, n: int) -> tuple[int, int, int]:
+    """(BLOCK_M, R, SC): tile rows (>= 16 for tl.dot), stored rows (a power of 2 >= group * n), merge chunk."""
+    rows = triton.next_power_of_2(group * n)
+    return max(16, rows), rows, max(1, MERGE_ROWS // rows)
+
+
+def _tokens_last(t: torch.Tensor, stride_t: int) -> torch.Tensor:
+    """t with unit last-dim stride and token stride stride_t (dim 2), copying only if it has another layout."""
+    if t.stride(-1) == 1 and (t.shape[2] <= 1 or t.stride(2) == stride_t):
+        return t
+    return t.contiguous()
+
+
 def _row(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def _mask_args(mask, b, hq, n, t, query):
+    if mask is None:
+        return 0, query, (0, 0, 0, 0)
+    if mask.dim() != 4:
+        raise ValueError(f"mask must be 4-D (B, 1 or Hq, n, T), got shape {tuple(mask.shape)}")
+    mk = mask[..., :t]  # transformers 4.x may hand a mask longer than the keys
+    mk = mk.expand(b, hq, n, t)
+    if mk.dtype == torch.bool:
+        kind, m_arg = 1, mk.view(torch.uint8)
+    else:
+        kind, m_arg = 2, mk
+    return kind, m_arg, m_arg.stride()
 
 
 def decode_attention(
@@ -330,9 +420,11 @@ def decode_attention(
     num_splits: int | None = None,
     out: torch.Tensor | None = None,
     block_n: int = BLOCK_N,
-    num_warps: int = 4,
+    num_warps: int | None = None,
     _diag: int = 0,
     lut: int | None = None,
+    prefetch: int | None = None,
+    num_stages: int | None = None,
 ) -> torch.Tensor:
     """Attention of query (B, Hq, n, D) over [packed | residual | new] of `state` (`TurboQuantLayer.attention_state()`).
 
@@ -354,60 +446,229 @@ def decode_attention(
         raise ValueError(f"decode_attention does not support head dim {d}, bits k{kcb.bits}v{vcb.bits}, {group}x{n} rows")
     t = lq + lr + n
     scale = d**-0.5 if scale is None else float(scale)
-    block_m = max(16, triton.next_power_of_2(group * n))
-    if num_splits is None:
-        num_splits = num_splits_for(b * hkv, lq, query.device)
-    num_splits = max(1, int(num_splits))
-    tok_per_split = max(block_n, -(-max(lq, 1) // num_splits))
-    tok_per_split = -(-tok_per_split // block_n) * block_n
-
-    if mask is None:
-        mask_kind, m_arg, ms = 0, query, (0, 0, 0, 0)
-    else:
-        if mask.dim() != 4:
-            raise ValueError(f"mask must be 4-D (B, 1 or Hq, n, T), got shape {tuple(mask.shape)}")
-        mk = mask[..., :t]  # transformers 4.x may hand a mask longer than the keys
-        mk = mk.expand(b, hq, n, t)
-        if mk.dtype == torch.bool:
-            mask_kind, m_arg = 1, mk.view(torch.uint8)
-        else:
-            mask_kind, m_arg = 2, mk
-        ms = m_arg.stride()
+    block_m, rows, sc = _rows(group, n)
+    num_splits, tok_per_split = _split_plan(b * hkv, lq, query.device, num_splits, block_n)
+    mask_kind, m_arg, ms = _mask_args(mask, b, hq, n, t, query)
     qv = _row(query)
-    rk, rv, nk, nv = _row(rk), _row(rv), _row(nk), _row(nv)
-    kp, vp = _row(kp), _row(vp)
+    kp, vp = _tokens_last(kp, kp.shape[-1]), _tokens_last(vp, vp.shape[-1])
+    kn, vn = _tokens_last(kn.unsqueeze(-1), 1).squeeze(-1), _tokens_last(vn.unsqueeze(-1), 1).squeeze(-1)
+    rk, rv = _tokens_last(rk, d), _tokens_last(rv, d)
+    nk, nv = _row(nk), _row(nv)
     pi = rot.matrix
     if pi.device != query.device:
         pi = pi.to(query.device)
     kc = kcb.centroids.contiguous()
     vc = vcb.centroids.contiguous()
     slots = b * hkv * (num_splits + 1)
-    scratch = _scratch(query.device, slots * block_m * (d + 2))
-    acc = scratch[: slots * block_m * d]
-    ml = scratch[slots * block_m * d : slots * block_m * (d + 2)]
+    scratch = _scratch(query.device, slots * rows * (d + 2))
+    acc = scratch[: slots * rows * d]
+    ml = scratch[slots * rows * d : slots * rows * (d + 2)]
+    cnt = _counters(query.device, b * hkv)
     if out is None:
         out = torch.empty(b, n, hq, d, dtype=query.dtype, device=query.device)
+    elif out.shape != (b, n, hq, d) or out.stride(-1) != 1:
+        raise ValueError(f"out must be ({b}, {n}, {hq}, {d}) with unit last stride")
+    extra = {} if num_stages is None and DEFAULT_STAGES is None else {"num_stages": num_stages or DEFAULT_STAGES}
     global LAST_COMPILED
-    LAST_COMPILED = _partial_kernel[(b * hkv, num_splits + 1)](
+    LAST_COMPILED = _decode_kernel[(b * hkv, num_splits + 1)](
         qv, qv.stride(0), qv.stride(1), qv.stride(2),
         pi,
-        kp, kp.stride(0), kp.stride(1), kp.stride(2),
-        kn, kn.stride(0), kn.stride(1), kn.stride(2),
-        vp, vp.stride(0), vp.stride(1), vp.stride(2),
-        vn, vn.stride(0), vn.stride(1), vn.stride(2),
-        kc, kc.shape[-1] if kc.dim() == 2 else 0, vc, vc.shape[-1] if vc.dim() == 2 else 0,
-        rk, rk.stride(0), rk.stride(1), rk.stride(2),
-        rv, rv.stride(0), rv.stride(1), rv.stride(2),
+        kp, kp.stride(0), kp.stride(1), kn, kn.stride(0), kn.stride(1),
+        vp, vp.stride(0), vp.stride(1), vn, vn.stride(0), vn.stride(1),
+        kc, vc,
+        rk, rk.stride(0), rk.stride(1), rv, rv.stride(0), rv.stride(1),
         nk, nk.stride(0), nk.stride(1), nk.stride(2),
         nv, nv.stride(0), nv.stride(1), nv.stride(2),
         m_arg, ms[0], ms[1], ms[2], ms[3],
-        acc, ml,
-        hkv, lq, lr, n, tok_per_split, num_splits, scale * LOG2E,
-        G=group, D=d, KBITS=kcb.bits, VBITS=vcb.bits, BLOCK_M=block_m, BLOCK_N=block_n, MASK_KIND=mask_kind,
-        KLUT=_lut(lut, kcb.bits), VLUT=_lut(lut, vcb.bits), DIAG=_diag, num_warps=num_warps,
-    )
-    _reduce_kernel[(b * hkv,)](
-        acc, ml, pi, out, out.stride(0), out.stride(1), out.stride(2), hkv, n, num_splits,
-        G=group, D=d, BLOCK_M=block_m, num_warps=4,
+        out, out.stride(0), out.stride(1), out.stride(2),
+        acc, ml, cnt,
+        hkv, lq, lr, n, 0, tok_per_split, num_splits, scale * LOG2E,
+        G=group, D=d, KBITS=kcb.bits, VBITS=vcb.bits, KPT=kp.shape[-1], VPT=vp.shape[-1],
+        KC_SH=kc.shape[-1] if kc.dim() == 2 else 0, VC_SH=vc.shape[-1] if vc.dim() == 2 else 0,
+        BLOCK_M=block_m, R=rows, SC=sc, BLOCK_N=block_n, MASK_KIND=mask_kind,
+        KLUT=_lut(lut, kcb.bits), VLUT=_lut(lut, vcb.bits),
+        PREFETCH=DEFAULT_PREFETCH if prefetch is None else prefetch, DIAG=_diag,
+        num_warps=num_warps or DEFAULT_WARPS, **extra,
     )
     return out
+
+
+# --- the per-layer fast path ------------------------------------------------------------------------------------
+# What changes between two decode steps of one layer: the query, the pending new K/V and the output (new tensors
+# of the same layout), the packed and residual lengths, and the packed buffers after a growth (every 256 tokens).
+# Everything else (strides, codebooks, rotation, scratch, constexprs, the compiled kernel) is cached in a plan on
+# the layer. After a plan's first (JIT) launch, later launches call the compiled kernel's launcher directly,
+# skipping triton's argument binding and specialization (their results are fixed by the plan's key: the
+# per-step pointers' 16-byte alignment is checked every call); that direct call is checked once per process
+# against the JIT launch, bit for bit, and abandoned (with a warning) if they differ.
+
+_PARAMS = list(_decode_kernel.arg_names)
+_I_Q, _I_NK, _I_NV, _I_OUT, _I_ACC, _I_ML = (_PARAMS.index(x) for x in ("q_ptr", "nk_ptr", "nv_ptr", "o_ptr", "acc_ptr", "ml_ptr"))
+_I_LQ, _I_LR, _I_N, _I_P0, _I_TOK, _I_SPLITS = (_PARAMS.index(x) for x in ("Lq", "Lr", "N", "P0", "tok_per_split", "num_splits"))
+_N_RUNTIME = _PARAMS.index("G")  # arguments before the constexprs
+_DIRECT = {"ok": None}  # None: not yet checked; True / False after the check
+
+
+class _Plan:
+    __slots__ = ("kpk", "vpk", "kpn", "vpn", "rk", "rv", "qshape", "qstride", "nkstride", "nvstride", "dtype",
+                 "scale", "args", "consts", "hkv", "bh", "d", "rows", "lq", "grid", "device", "dev_index",
+                 "out_shape", "ck", "launch", "function", "metadata")
+
+
+def _build_plan(query, layer, nk, nv, scale):
+    kb, vb = layer.k_buf, layer.v_buf
+    b, hq, n, d = query.shape
+    hkv = kb.packed.shape[1]
+    group = hq // hkv
+    kcb, vcb = layer.k_codebook, layer.v_codebook
+    block_m, rows, sc = _rows(group, n)
+    p = _Plan()
+    p.kpk, p.vpk, p.kpn, p.vpn, p.rk, p.rv = kb.packed, vb.packed, kb.norms, vb.norms, layer._rk, layer._rv
+    p.qshape, p.qstride, p.nkstride, p.nvstride = query.shape, query.stride(), nk.stride(), nv.stride()
+    p.dtype, p.scale = query.dtype, scale
+    p.hkv, p.bh, p.d, p.rows, p.lq, p.grid = hkv, b * hkv, d, rows, -1, None
+    p.device, p.dev_index = query.device, query.device.index
+    p.out_shape = (b, n, hq, d)
+    p.ck = p.launch = p.function = p.metadata = None
+    pi = layer.rotation.matrix
+    kc, vc = kcb.centroids.contiguous(), vcb.centroids.contiguous()
+    kpk, kpn, vpk, vpn, rk, rv = p.kpk, p.kpn, p.vpk, p.vpn, p.rk, p.rv
+    sc_ = d**-0.5 if scale is None else float(scale)
+    args = [
+        None, query.stride(0), query.stride(1), query.stride(2),
+        pi,
+        kpk, kpk.stride(0), kpk.stride(1), kpn, kpn.stride(0), kpn.stride(1),
+        vpk, vpk.stride(0), vpk.stride(1), vpn, vpn.stride(0), vpn.stride(1),
+        kc, vc,
+        rk, rk.stride(0), rk.stride(1), rv, rv.stride(0), rv.stride(1),
+        None, nk.stride(0), nk.stride(1), nk.stride(2),
+        None, nv.stride(0), nv.stride(1), nv.stride(2),
+        query, 0, 0, 0, 0,
+        None, n * hq * d, hq * d, d,
+        None, None, _counters(query.device, b * hkv),
+        hkv, None, None, n, None, None, None, sc_ * LOG2E,
+    ]
+    assert len(args) == _N_RUNTIME and args[_I_OUT] is None and args[_I_NK] is None and args[_I_NV] is None
+    consts = dict(
+        G=group, D=d, KBITS=kcb.bits, VBITS=vcb.bits, KPT=kpk.shape[-1], VPT=vpk.shape[-1],
+        KC_SH=kc.shape[-1] if kc.dim() == 2 else 0, VC_SH=vc.shape[-1] if vc.dim() == 2 else 0,
+        BLOCK_M=block_m, R=rows, SC=sc, BLOCK_N=BLOCK_N, MASK_KIND=0,
+        KLUT=_lut(None, kcb.bits), VLUT=_lut(None, vcb.bits), PREFETCH=DEFAULT_PREFETCH, DIAG=0,
+    )
+    p.args, p.consts = args, consts
+    return p
+
+
+def _plan_fits(p, query, layer, nk, nv, scale) -> bool:
+    kb, vb = layer.k_buf, layer.v_buf
+    return (
+        p.kpk is kb.packed and p.vpk is vb.packed and p.kpn is kb.norms and p.vpn is vb.norms
+        and p.rk is layer._rk and p.rv is layer._rv and p.qshape == query.shape and p.qstride == query.stride()
+        and p.nkstride == nk.stride() and p.nvstride == nv.stride() and p.dtype is query.dtype and p.scale == scale
+    )
+
+
+def layer_fast_path_ok(layer) -> bool:
+    """Whether `decode_attention_layer` can serve this layer (the TurboQuantLayer internals it reads exist and
+    its packed buffers hold the layout the kernel assumes)."""
+    kb, vb = getattr(layer, "k_buf", None), getattr(layer, "v_buf", None)
+    rk = getattr(layer, "_rk", None)
+    if kb is None or vb is None or rk is None or getattr(layer, "_pending", None) is None:
+        return False
+    if kb.start != vb.start or kb.length != vb.length:
+        return False
+    for t in (kb.packed, vb.packed):
+        if t.stride(3) != 1 or t.stride(2) != t.shape[3]:
+            return False
+    for t in (kb.norms, vb.norms):
+        if t.stride(2) != 1:
+            return False
+    return rk.stride(3) == 1 and rk.stride(2) == rk.shape[3] and layer._rv.stride() == rk.stride()
+
+
+def decode_attention_layer(query: torch.Tensor, layer, scale: float | None = None) -> torch.Tensor | None:
+    """`decode_attention` for a TurboQuantLayer's deferred step without a mask (causal), with its launch cached.
+
+    The caller checks the shapes (`supports`). Returns (B, n, Hq, D), or None where the layer's state does not
+    have the layout this path assumes (the caller then uses `decode_attention` on `layer.attention_state()`)."""
+    pending = getattr(layer, "_pending", None)
+    if pending is None:
+        return None
+    nk, nv = pending
+    p = getattr(layer, "_tq_decode_plan", None)
+    if p is None or not _plan_fits(p, query, layer, nk, nv, scale):
+        if not layer_fast_path_ok(layer):
+            return None
+        p = _build_plan(query, layer, nk, nv, scale)
+        layer._tq_decode_plan = p
+    elif layer.k_buf.start != layer.v_buf.start or layer.k_buf.length != layer.v_buf.length:
+        return None
+    kb = layer.k_buf
+    lq = kb.length
+    a = p.args
+    if lq != p.lq:  # every FLUSH_BLOCK steps: the split plan and the scratch views
+        splits, tok = _split_plan(p.bh, lq, p.device, None, BLOCK_N)
+        slots = p.bh * (splits + 1)
+        rows, d = p.rows, p.d
+        scratch = _scratch(p.device, slots * rows * (d + 2))
+        a[_I_ACC] = scratch[: slots * rows * d]
+        a[_I_ML] = scratch[slots * rows * d : slots * rows * (d + 2)]
+        a[_I_TOK], a[_I_SPLITS], a[_I_LQ] = tok, splits, lq
+        p.grid, p.lq = (p.bh, splits + 1), lq
+    out = torch.empty(p.out_shape, dtype=query.dtype, device=query.device)
+    a = a.copy()
+    a[_I_Q], a[_I_NK], a[_I_NV], a[_I_OUT] = query, nk, nv, out
+    a[_I_LR], a[_I_P0] = layer._rlen, kb.start
+    if (
+        p.launch is not None
+        and not ((query.data_ptr() | nk.data_ptr() | nv.data_ptr()) & 15)
+        and torch._C._cuda_getDevice() == p.dev_index
+    ):
+        g = p.grid
+        p.launch(g[0], g[1], 1, torch._C._cuda_getCurrentRawStream(p.dev_index), p.function, p.metadata,
+                 None, None, None, *a, *p.consts.values())
+        return out
+    ck = _decode_kernel[p.grid](*a, **p.consts, num_warps=DEFAULT_WARPS,
+                                **({} if DEFAULT_STAGES is None else {"num_stages": DEFAULT_STAGES}))
+    if p.launch is None and query.is_cuda and ck is not None and hasattr(ck, "run"):
+        _enable_direct(p, ck, a, out)
+    return out
+
+
+def _enable_direct(p, ck, a, out) -> None:
+    """Adopt the compiled kernel's launcher for this plan, once the direct call is known to give the JIT result."""
+    try:
+        from triton import knobs
+
+        for hook in (knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook):
+            # None (older triton) or an empty HookChain (newer): no hook; else a profiler hook is installed and
+            # triton's own launch keeps feeding it
+            if hook is not None and getattr(hook, "calls", True):
+                return
+    except Exception:
+        pass
+    if _DIRECT["ok"] is False:
+        return
+    launch, function, metadata = ck.run, ck.function, ck.packed_metadata
+    if _DIRECT["ok"] is None:
+        if torch.cuda.is_current_stream_capturing():
+            return
+        check = torch.full_like(out, float("nan"))
+        b = list(a)
+        b[_I_OUT] = check
+        g = p.grid
+        try:
+            launch(g[0], g[1], 1, torch._C._cuda_getCurrentRawStream(p.dev_index), function, metadata,
+                   None, None, None, *b, *p.consts.values())
+            _DIRECT["ok"] = bool(torch.equal(check, out))
+        except Exception as e:  # another triton's launcher convention
+            _DIRECT["ok"] = False
+            _DIRECT["error"] = f"{type(e).__name__}: {e}"
+        if not _DIRECT["ok"]:
+            import logging
+
+            logging.getLogger(__name__).warning(
+                "tq_hf_cache: the direct kernel launch did not reproduce triton's launch; using triton's (slower) path"
+            )
+            return
+    p.ck, p.launch, p.function, p.metadata = ck, launch, function, metadata
