@@ -95,24 +95,40 @@ def main(argv=None) -> int:
         print("  " + tok.decode(outputs[name], skip_special_tokens=True).strip().replace("\n", "\n  "))
 
     (dyn_name, dyn_out), (tq_name, tq_out) = outputs.items()
-    n = min(len(dyn_out), len(tq_out))
-    same = (dyn_out[:n] == tq_out[:n]).tolist()
-    first_diff = same.index(False) if False in same else None
-    tq_tokens = caches[tq_name].get_seq_length()
+    tq_cache = caches[tq_name]
+    layer = next(layer for layer in tq_cache.layers if hasattr(layer, "quantized_length"))
+    per_token_packed = tq_cache.nbytes()["packed"] / max(layer.quantized_length, 1)
     dyn_per_token = kv_bytes[dyn_name] / caches[dyn_name].get_seq_length()
     fp16_per_token = dyn_per_token * 2 / torch.tensor([], dtype=model.dtype).element_size()
-    tq_per_token = kv_bytes[tq_name] / tq_tokens
     print(
-        f"\nmemory per token: {dyn_name} ({model.dtype}) {dyn_per_token:.0f} B, as fp16 {fp16_per_token:.0f} B, "
-        f"{tq_name} {tq_per_token:.0f} B -> {dyn_per_token / tq_per_token:.2f}x less than this model's dtype, "
-        f"{fp16_per_token / tq_per_token:.2f}x less than fp16 (the newest {args.residual_length} tokens stay in "
-        f"{model.dtype} in the residual window)"
+        f"\nmemory: {dyn_name} {kv_bytes[dyn_name] / 2**20:.2f} MiB, {tq_name} {kv_bytes[tq_name] / 2**20:.2f} MiB "
+        f"({kv_bytes[dyn_name] / kv_bytes[tq_name]:.2f}x less, both in {model.dtype}; the newest "
+        f"{args.residual_length} tokens per layer stay in full precision)"
     )
-    if first_diff is None and len(dyn_out) == len(tq_out):
-        print(f"quality: the {n} generated tokens are identical")
-    else:
-        where = "lengths differ" if first_diff is None else f"first difference at token {first_diff}"
-        print(f"quality: {sum(same)}/{n} tokens agree position by position; {where}")
+    print(
+        f"memory per token past that window: {per_token_packed:.0f} B packed vs {dyn_per_token:.0f} B in "
+        f"{model.dtype} ({dyn_per_token / per_token_packed:.1f}x) and {fp16_per_token:.0f} B in fp16 "
+        f"({fp16_per_token / per_token_packed:.1f}x): the factor that sets how much longer a context fits"
+    )
+
+    # quality: feed DynamicCache's own continuation through a fresh TurboQuantCache and count the steps where
+    # its next-token choice is the same (a free-running comparison stops meaning anything after one divergence)
+    check = TurboQuantCache(args.preset, config=model.config, residual_length=args.residual_length)
+    with torch.no_grad():
+        logits = model(ids, attention_mask=mask, past_key_values=check).logits[:, -1]
+        same, m = [], mask
+        for tok in dyn_out:
+            same.append(int(logits.argmax(-1)) == int(tok))
+            m = torch.cat([m, m.new_ones(1, 1)], dim=1)
+            logits = model(tok.view(1, 1), attention_mask=m, past_key_values=check).logits[:, -1]
+    n = min(len(dyn_out), len(tq_out))
+    first_diff = next((i for i in range(n) if dyn_out[i] != tq_out[i]), None)
+    print(
+        f"quality: {tq_name} picks the same next token as {dyn_name} at {sum(same)}/{len(same)} steps "
+        f"({100 * sum(same) / len(same):.0f}%) of {dyn_name}'s continuation; the free-running generations "
+        + ("are identical" if first_diff is None and len(dyn_out) == len(tq_out) else
+           f"first differ at token {first_diff if first_diff is not None else n}")
+    )
     return 0
 
 
