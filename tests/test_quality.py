@@ -179,7 +179,7 @@ def test_unavailable_backend_is_reported(tiny, monkeypatch):
 
 # --- CI subset of the quality floors on the real model ----------------------------------------------------
 
-K4V4_PPL_BOUND_PCT = 2.0
+K4V4_PPL_BOUND_PCT = 1.0  # measured +0.40 % at this size (+0.95 % at 4096 tokens)
 
 
 @pytest.fixture(scope="module")
@@ -194,11 +194,11 @@ def smollm2_model(smollm2):
 @pytest.fixture(scope="module")
 def smollm2_quality(smollm2_model):
     """One small run shared by the floor tests: 512 tokens of package text, chunk 128, a needle at 512 tokens,
-    32 greedy tokens after a 256-token prompt."""
+    64 greedy tokens after a 256-token prompt."""
     model, tok, info = smollm2_model
     specs = [all_specs()[n] for n in ("fp", "k8v4", "k4v4")]
     s = EvalSettings(ppl_tokens=512, chunk=128, needle_lengths=[512], needle_depths=[0.5], needle_new_tokens=6,
-                     agreement_prompts=1, agreement_prompt_tokens=256, agreement_new_tokens=32, bytes_tokens=0)
+                     agreement_prompts=1, agreement_prompt_tokens=256, agreement_new_tokens=64, bytes_tokens=0)
     res = run_eval(model, tok, info, specs, tasks_to_run=("ppl", "needle", "agreement"), settings=s, log=None)
     for name, e in res["caches"].items():  # shown with `pytest -s` and in failure reports
         print(f"{name}: ppl {e['perplexity']['ppl']:.4f} ({e['perplexity']['delta_pct']:+.3f}%), needle "
@@ -228,5 +228,7 @@ def test_smollm2_needle_found_by_fp_and_k4v4(smollm2_quality):
 
 @pytest.mark.model
 def test_smollm2_greedy_agreement_at_8_bit(smollm2_quality):
+    # teacher-forced top-1 agreement over 64 steps (docs/quality.md); the free-running prefix is not asserted:
+    # one near-tied step in fp's own logits ends it (at 32 tokens it ended at step 3 for k8v4 and k4v4 alike)
     a = smollm2_quality["caches"]["k8v4"]["agreement"]
     assert a["top1_agreement"] >= 0.95, a

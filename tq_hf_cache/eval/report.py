@@ -15,6 +15,19 @@ def _fmt(x, spec):
     return "n/a" if x is None else format(x, spec)
 
 
+def _formula(result: dict, entry: dict):
+    """(bytes/token/layer, bits/coordinate) from the cache's spec and the model shape (fp16 formula)."""
+    from .caches import CacheSpec
+
+    sp, m = entry.get("spec"), result["model"]
+    if not sp or "num_key_value_heads" not in m:
+        return None, None
+    spec = CacheSpec(sp["name"], sp["family"], sp["key_bits"], sp["value_bits"], sp.get("overrides") or {})
+    h, d = m["num_key_value_heads"], m["head_dim"]
+    per_layer = spec.formula_bytes_per_token_layer(h, d)
+    return per_layer, per_layer * 8 / (2 * h * d)
+
+
 def summary_rows(result: dict) -> list[dict]:
     rows = []
     fam = {"fp": 0, "turboquant": 1, "quanto": 2, "hqq": 3}
@@ -34,10 +47,9 @@ def summary_rows(result: dict) -> list[dict]:
                      needle_answer_same=f"{n['same_answer_as_fp']}/{n['total']}")
         if a:
             r.update(prefix=a["prefix_match"], agree=a["top1_agreement"], first_div=a["min_first_divergence"])
+        r["bpt_layer"], r["bits"] = _formula(result, e)
         if b:
-            r.update(bpt_layer=b["formula_fp16_per_token_per_layer"], bits=b["formula_bits_per_coordinate"],
-                     bpt=b["formula_fp16_per_token"],
-                     meas16=(b.get("measured_fp16") or {}).get("per_token"),
+            r.update(meas16=(b.get("measured_fp16") or {}).get("per_token"),
                      meas_eval=b["measured_eval_dtype"]["per_token"])
         rows.append(r)
     return rows
@@ -68,6 +80,10 @@ def markdown_table(result: dict) -> str:
             f"| {_fmt(r.get('agree'), '.4f')} | {_fmt(r.get('bits'), '.2f')} | {_fmt(r.get('bpt_layer'), '.0f')} "
             f"| {_fmt(r.get('meas16'), '.0f')} | {_fmt(r.get('meas_eval'), '.0f')} |"
         )
+    errors = [(n, e["error"]) for n, e in result["caches"].items() if e.get("error") and e.get("perplexity")]
+    if errors:
+        lines.append("")
+        lines += [f"- `{n}`: a task failed after the perplexity run: {err}" for n, err in errors]
     bt = (s.get("bytes_tokens") or "n/a")
     lines += ["", f"Measured fp16 bytes: a fresh cache filled with {bt} tokens of float16 KV states of the model's shapes "
                   f"(allocated capacity, residual window included). Eval-dtype bytes: the perplexity run's cache after "
@@ -109,10 +125,9 @@ def plot(results: list[dict], path: str) -> None:
         color = colors[mi % len(colors)]
         short = res["model"]["name"]
         for name, e in res["caches"].items():
-            b = e.get("bytes")
-            if not b:
+            x = _formula(res, e)[1]
+            if x is None or not e.get("available", False):
                 continue
-            x = b["formula_bits_per_coordinate"]
             fam = e["spec"]["family"]
             for ax, y in ((axes[0], (e.get("perplexity") or {}).get("delta_pct")),
                           (axes[1], (e.get("agreement") or {}).get("top1_agreement"))):
@@ -149,6 +164,15 @@ def merge_results(results: list[dict]) -> list[dict]:
         m = merged[name]
         m["runs"].append({"command": res.get("command"), "tasks": res.get("tasks"), "caches": list(res["caches"]),
                           "seconds_total": res.get("seconds_total")})
+        # the settings a task ran with come from the run that ran it
+        keys = {"ppl": ("ppl_tokens", "chunk", "text_start"), "bytes": ("bytes_tokens",),
+                "needle": ("needle_lengths", "needle_depths", "needle_new_tokens", "seed"),
+                "agreement": ("agreement_prompts", "agreement_prompt_tokens", "agreement_new_tokens")}
+        for task in res.get("tasks", []):
+            if task not in m.get("tasks", []):
+                for k in keys.get(task, ()):
+                    if k in res["settings"]:
+                        m["settings"][k] = res["settings"][k]
         m["tasks"] = sorted(set(m.get("tasks", [])) | set(res.get("tasks", [])))
         for cname, entry in res["caches"].items():
             tgt = m["caches"].setdefault(cname, {})
