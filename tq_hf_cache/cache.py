@@ -120,10 +120,6 @@ class TurboQuantCache(DynamicCache):
     def _tq_layer(self, cls, idx: int, bits: tuple[int, int], **extra):
         return _tq_layer(self.tq_config, self.codebooks, self.workspace, cls, idx, bits, **extra)
 
-    @property
-    def quantized_layers(self) -> list[TurboQuantLayer]:
-        return [layer for layer in self.layers if isinstance(layer, TurboQuantLayer)]
-
     def nbytes(self) -> dict[str, int]:
         """Device bytes the cache holds between steps, by kind. `full_precision` counts unquantized layers."""
         out = {"packed": 0, "residual": 0, "full_precision": 0, "workspace": self.workspace.nbytes()}
