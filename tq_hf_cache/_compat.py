@@ -60,15 +60,3 @@ def kv_sharing_producers(config) -> set[int]:
         )
     return set()
 
-
-def hybrid_layer_class():
-    """Linear-attention state + quantized attention KV in one layer (transformers 5.x "hybrid" layers)."""
-    from .layer import hybrid_classes
-
-    return hybrid_classes()[0]
-
-
-def hybrid_sliding_layer_class():
-    from .layer import hybrid_classes
-
-    return hybrid_classes()[1]

@@ -11,7 +11,7 @@ from transformers.cache_utils import Cache, DynamicLayer
 from . import _compat
 from .codebook import Codebook, theoretical_codebook
 from .config import TurboQuantConfig
-from .layer import TurboQuantLayer, TurboQuantSlidingLayer
+from .layer import TurboQuantLayer, TurboQuantSlidingLayer, hybrid_classes
 from .rotation import make_rotation
 from .workspace import Workspace
 
@@ -156,12 +156,12 @@ def make_layer(
     if layer_type == "full_attention":
         return _tq_layer(tq_config, codebooks, workspace, TurboQuantLayer, idx, bits, **extra)
     if layer_type == "hybrid":
-        return _tq_layer(tq_config, codebooks, workspace, _compat.hybrid_layer_class(), idx, bits, **extra, **kwargs)
+        return _tq_layer(tq_config, codebooks, workspace, hybrid_classes()[0], idx, bits, **extra, **kwargs)
     if layer_type in ("sliding_attention", "chunked_attention", "hybrid_sliding"):
         if int(kwargs["sliding_window"]) - 1 <= tq_config.residual_length:
             # the whole window fits in the residual: nothing would ever be quantized
             return _compat.transformers_layer(layer_type, kwargs, idx)
-        cls = TurboQuantSlidingLayer if layer_type != "hybrid_sliding" else _compat.hybrid_sliding_layer_class()
+        cls = TurboQuantSlidingLayer if layer_type != "hybrid_sliding" else hybrid_classes()[1]
         return _tq_layer(tq_config, codebooks, workspace, cls, idx, bits, **extra, **kwargs)
     raise ValueError(
         f"layer {idx} has layer type {layer_type!r}, which TurboQuantCache cannot quantize (it quantizes "
