@@ -189,25 +189,27 @@ def test_fwht_variant_matches_reference(bits):
     check_dequant(out, packed, norms, rot, cb, seed)
 
 
-@pytest.mark.parametrize("bits,per_head", [(4, False), (5, True), (8, False)])
+@pytest.mark.parametrize("bits,per_head", [(2, False), (3, False), (4, False), (5, True), (8, False)])
 def test_search_modes_agree(bits, per_head):
     """The table search (default above 3 bits), the linear scan and the binary search give identical indices."""
     seed, g = fresh_gen()
     rot = make_rotation(64, seed % 1000).to(DEV)
     cb = (per_head_codebook(g, bits, 3, 64) if per_head else shared_codebook(bits, 64)).to(DEV)
     x = make_x(g, 1, 3, 7, 64, torch.bfloat16)
-    got = {m: quantize_poisoned(x, rot, cb, torch.float16, search=m)[0] for m in ("lut", "linear", "binary")}
-    assert torch.equal(got["lut"], got["linear"]) and torch.equal(got["lut"], got["binary"]), f"seed {seed}"
+    modes = ("lut", "linear", "binary") + (("sat",) if bits <= 4 and not per_head else ())
+    got = {m: quantize_poisoned(x, rot, cb, torch.float16, search=m)[0] for m in modes}
+    assert all(torch.equal(got["lut"], got[m]) for m in modes), f"seed {seed}"
     check_indices(x, rot, cb, got["lut"], seed)
 
 
 def test_search_modes_agree_at_boundaries():
-    """Coordinates on, and one float step either side of, every boundary (and far outside): the three searches see
-    the same rotated values inside the kernel, so they must agree exactly; and they match bucketize up to the ulp
-    the kernel's normalization may move a coordinate by."""
+    """Coordinates on, and one float step either side of, every boundary (and far outside): the searches see the same
+    rotated values inside the kernel, so they must agree exactly, except that 'sat' files a coordinate exactly equal
+    to a negative boundary one cell up (nearer zero; both centroids are equally near); and they match bucketize up to
+    the ulp the kernel's normalization may move a coordinate by."""
     from tq_hf_cache.kernels import quantize as Q
 
-    for bits in (4, 6):
+    for bits in (2, 3, 4, 6):
         cb = shared_codebook(bits, 64)
         b = cb.boundaries
         y = torch.cat([b, torch.nextafter(b, torch.full_like(b, 9)), torch.nextafter(b, torch.full_like(b, -9)),
@@ -218,13 +220,18 @@ def test_search_modes_agree_at_boundaries():
         rot._matrix = torch.eye(64)  # identity rotation: y = x / ||x||
         nb = packed_bytes(64, bits)
         got = {}
-        for mode in ("lut", "linear", "binary"):
+        modes = ("lut", "linear", "binary") + (("sat",) if bits <= 4 else ())
+        for mode in modes:
             p = torch.empty(1, 1, rows.shape[2], nb, dtype=torch.uint8, device=DEV)
             n = torch.empty(1, 1, rows.shape[2], dtype=torch.float32, device=DEV)
             Q.quantize_into(rows.to(DEV), rot.to(DEV), cb.to(DEV), p, n, search=mode)
             got[mode] = unpack_indices(p.cpu(), bits, 64)
-        assert torch.equal(got["lut"], got["linear"]) and torch.equal(got["lut"], got["binary"])
+        assert all(torch.equal(got["lut"], got[m]) for m in modes if m != "sat"), f"bits {bits}"
         assert (got["lut"] - torch.bucketize(rows, b)).abs().max() <= 1
+        if "sat" in got:
+            diff = got["sat"] - got["lut"]
+            near_neg = ((rows[..., None] - b[b < 0]).abs() <= 2 * torch.finfo(torch.float32).eps * b.abs().max()).any(-1)
+            assert ((diff == 0) | ((diff == 1) & near_neg)).all(), f"bits {bits}: sat differs away from a negative tie"
 
 
 def test_tied_centroids_fall_back_to_binary_search():
@@ -373,3 +380,39 @@ def test_gpu_fallback_warns_once():
     assert sum("falls back" in str(w.message) for w in rec) == 1
     ref_p, _ = reference.quantize(x, rot, cb)
     assert torch.equal(p, ref_p)
+
+
+def test_sat_search_per_head_alignment_and_refusal():
+    """The saturated-FMA search serves per-head symmetric codebooks (each head its own boundaries), refuses asymmetric
+    codebooks and more than 4 bits by name, and needs word-aligned packed rows: the default falls back to the linear
+    scan on a misaligned view (same indices), an explicit 'sat' refuses it."""
+    from tq_hf_cache.kernels import quantize as Q
+
+    seed, g = fresh_gen()
+    rot = make_rotation(64, seed % 1000).to(DEV)
+    base = shared_codebook(4, 64).centroids
+    scale = 0.5 + torch.rand(3, 1, generator=g)
+    sym = Codebook.from_centroids(base.unsqueeze(0) * scale, 4).to(DEV)  # (3, 16), each row mirrored around 0
+    assert Q.is_symmetric(sym)
+    x = make_x(g, 1, 3, 9, 64, torch.bfloat16)
+    got = {m: quantize_poisoned(x, rot, sym, torch.float16, search=m)[0] for m in ("sat", "linear")}
+    assert torch.equal(got["sat"], got["linear"]), f"seed {seed}"
+    check_indices(x, rot, sym, got["sat"], seed)
+    skew = per_head_codebook(g, 4, 3, 64).to(DEV)
+    assert not Q.is_symmetric(skew)
+    with pytest.raises(ValueError, match="symmetric"):
+        quantize_poisoned(x, rot, skew, torch.float16, search="sat")
+    with pytest.raises(ValueError, match="at most 4 bits"):
+        quantize_poisoned(x, rot, shared_codebook(5, 64).to(DEV), torch.float16, search="sat")
+    for bits in (3, 4):  # rows 1 byte off a word: 32 + 1 byte stride
+        cb = shared_codebook(bits, 64).to(DEV)
+        nb = packed_bytes(64, bits)
+        big = torch.full((1, 3, 9, nb + 1), 0xA5, dtype=torch.uint8, device=DEV)
+        view = big[..., 1:]
+        n = torch.empty(1, 3, 9, dtype=torch.float16, device=DEV)
+        assert not Q._store_aligned(view, bits, 64)
+        Q.quantize_into(x, rot, cb, view, n)
+        check_indices(x, rot, cb, view, seed)
+        assert (big[..., 0] == 0xA5).all(), "the byte before each misaligned row was overwritten"
+        with pytest.raises(ValueError, match="aligned"):
+            Q.quantize_into(x, rot, cb, view, n, search="sat")

@@ -70,13 +70,23 @@ def persistent_grid(n_tiles: int, device: torch.device, progs_per_sm: int | None
     return max(1, min(n_tiles, sms * per))
 
 
+def mma_column_order(dim: int) -> torch.Tensor:
+    """The coordinate each dot output column computes: column 8j + 2q + e -> q * dim/4 + 2j + e.
+
+    In the tensor-core accumulator layout (Hopper wgmma and Ampere mma alike) lane q = lane % 4 of a row's quad
+    owns columns {8j + 2q + e}; with this order those are dim/4 consecutive coordinates."""
+    n = torch.arange(dim)
+    return (n % 8 // 2) * (dim // 4) + (n // 8) * 2 + n % 2
+
+
 _ROT_CACHE: "weakref.WeakKeyDictionary[Rotation, dict]" = weakref.WeakKeyDictionary()
 
 
 def rotation_operand(rotation: Rotation, device: torch.device, what: str, dtype: torch.dtype) -> torch.Tensor:
     """Device copy of one rotation operand, built once per (rotation, device, what, dtype).
 
-    what: "fwd" = the (D, D) right operand of y_row = x_row @ Pi^T; "inv" = that of out_row = c_row @ Pi;
+    what: "fwd" = the (D, D) right operand of y_row = x_row @ Pi^T; "fwd_mma" = the same with its columns in
+    mma_column_order(D); "inv" = that of out_row = c_row @ Pi;
     "signs" = the (D,) random signs. For hadamard, fwd/inv are scaled by sqrt(D) so every entry is exactly +-1
     (then a 16-bit dot of 16-bit data is exact up to fp32 accumulation); the kernels apply 1/sqrt(D).
     """
@@ -89,7 +99,9 @@ def rotation_operand(rotation: Rotation, device: torch.device, what: str, dtype:
     if what == "signs":
         t = rotation.signs.detach().to("cpu", torch.float32)
     else:
-        m = pi.T if what == "fwd" else pi
+        m = pi.T if what in ("fwd", "fwd_mma") else pi
+        if what == "fwd_mma":
+            m = m[:, mma_column_order(rotation.dim)]
         if rotation.kind == "hadamard":
             s = m * math.sqrt(rotation.dim)
             r = s.round()
@@ -198,5 +210,33 @@ def search_lut(codebook: Codebook, heads: int, device: torch.device):
                 n,
                 n if codebook.per_head else 0,
             )
+    per[key] = res
+    return res
+
+
+_SAT_CACHE: "weakref.WeakKeyDictionary[Codebook, dict]" = weakref.WeakKeyDictionary()
+
+
+def sat_table(codebook: Codebook, heads: int, device: torch.device) -> tuple[torch.Tensor, int]:
+    """Per head [-B_0 K, ..., -B_{m-1} K, K] over the m = 2**(bits-1) - 1 positive boundaries of a symmetric codebook.
+
+    K = 2**k is chosen so that K * (|y| - B_j), rounded, is >= 2 whenever |y| > B_j (the gap is at least one ulp of the
+    smallest positive boundary) and <= -2 whenever |y| < B_j; so min(max(|y| K - B_j K, 0), 1), one saturated FMA, is
+    exactly [|y| > B_j]. Both products are exact (K is a power of two). Returns the table and its head stride.
+    """
+    per = _SAT_CACHE.setdefault(codebook, {})
+    key = torch.device(device)
+    if key in per:
+        return per[key]
+    half = 2 ** (codebook.bits - 1)
+    b = codebook.boundaries.detach().to("cpu", torch.float32).reshape(-1, 2 * half - 1)
+    pos = b[:, half:]
+    if pos.numel():
+        _, e = torch.frexp(pos.min())  # min = m 2**e, m in [0.5, 1): its ulp is 2**(e - 24)
+        k = 2.0 ** (25 - int(e))
+    else:
+        k = 1.0
+    tab = torch.cat([-pos.double() * k, torch.full((b.shape[0], 1), k, dtype=torch.float64)], dim=1).float()
+    res = (tab.contiguous().to(device), half if codebook.per_head else 0)
     per[key] = res
     return res

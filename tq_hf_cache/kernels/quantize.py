@@ -1,31 +1,40 @@
 """Fused TurboQuant quantize: x (B, H, T, D) -> packed indices + norm, one pass, nothing but them written.
 
-One program takes BLOCK_T tokens of one (batch, head): it loads the (BLOCK_T, D) tile once, takes the fp32
-norms, rotates, finds each coordinate's cell (the number of codebook boundaries strictly below it, like
-torch.bucketize), packs the indices LSB-first (packing.py's layout) and stores bytes and norms at the
+One program takes BLOCK_T tokens of one (batch, head): it loads the (BLOCK_T, D) tile once, rotates it, takes
+the norms, finds each coordinate's cell (the number of codebook boundaries strictly below it, like
+torch.bucketize), packs the indices LSB-first (packing.py's layout) and stores words and norms at the
 caller's strided slots. No intermediate tensor goes through global memory.
 
 Rotation. For the randomized Hadamard rotation Pi = H diag(s) / sqrt(D), sqrt(D) * Pi holds only +-1, so
 the rotation is one tensor-core dot (wgmma on Hopper) of the raw x tile against that +-1 matrix
 (ROT_PM1_DOT): fp16/bf16 x is exact in its own type and every product is exact, leaving only fp32
-accumulation rounding (the reference has the same order of rounding); the 1/(sqrt(D) * norm) scale is
-applied to the fp32 result. A fast Walsh-Hadamard transform in registers (rot="fwht") is kept for
-comparison: each of its log2(D) butterfly stages is a register-layout shuffle in Triton, and on the H100 it
-was slower than the dot where the rotation mattered (4 bits, B=8, T=32768: quantize 334 vs 527 GB/s,
-dequantize 1196 vs 1327 GB/s; benchmarks/results/bench_quantize_v1.json), so the dot is the default. fp32 x
-is split into three bf16 terms that sum to it exactly (three dots). Orthogonal rotations (no +-1 form) use
-an fp32 ieee dot.
+accumulation rounding. The norm comes from the rotated rows (||x M|| = sqrt(D) ||x||), so x feeds the dot
+only. The matrix's columns are in `_common.mma_column_order`: each thread of the accumulator layout then
+holds D/4 consecutive coordinates and packs them in registers. fp32 x is split into three bf16 terms that
+sum to it exactly (three dots). A fast Walsh-Hadamard transform in registers (rot="fwht") is kept for
+comparison (slower on the H100: benchmarks/results/bench_quantize_v1.json); orthogonal rotations (no +-1
+form) use an fp32 ieee dot.
 
-Codebook search (measured, see search defaults in _search_args): up to 4 bits an unrolled compare against
-each boundary (<= 15 scalar loads per tile); above, a uniform-grid table (_common.search_lut) that needs
-two gathers per coordinate; a branchless binary search is the fallback for degenerate codebooks. Per-head
-codebooks are one pointer offset (head stride 0 for a shared codebook).
+Codebook search. The H100 runs this kernel out of integer/compare issue slots long before it runs out of
+bytes: a compare-and-count costs 2-3 instructions on the half-rate ALU pipe. So for symmetric codebooks up
+to 4 bits (the theoretical ones) the default 'sat' search counts on the FMA pipe instead: with K a power of
+two, min(max(|y| K - B_j K, 0), 1) is one saturated FMA (FFMA.SAT) and exactly [|y| > B_j] (see
+_common.sat_table), summed over the 2**(BITS-1) - 1 positive boundaries; y's sign picks the half. The
+indices are whole numbers in fp32, so packing is a weighted sum on the FMA pipe too, stored as 16-bit words
+(32-bit at 3 bits). A coordinate exactly equal to a negative boundary (equidistant from two centroids)
+lands one cell nearer zero than bucketize puts it. Measured on the H100 at 4 bits, B=8, T=32768: 'sat'
+1937 GB/s, a select tree on |y| (tried, dropped) 1665, the linear scan 647 (benchmarks/results/sweep_quantize_h100.json).
+Other codebooks up to 4 bits scan every boundary; above 4 bits a uniform-grid table (_common.search_lut)
+needs two gathers per coordinate; a branchless binary search is the fallback for degenerate codebooks.
+Per-head codebooks are one pointer offset (head stride 0 for a shared codebook).
 
-Grid: persistent, a few programs per SM, each loading the (D, D) operand once and walking tiles; the
-cache's decode step can use `quantize_kv_into`, one launch for a layer's keys and values.
+Grid: persistent, PROGS_PER_SM programs per SM, each loading the (D, D) operand once and walking tiles;
+the cache's decode step can use `quantize_kv_into`, one launch for a layer's keys and values.
 """
 
 from __future__ import annotations
+
+import weakref
 
 import torch
 import triton
@@ -36,6 +45,7 @@ from ..rotation import Rotation
 from . import _common as C
 
 FP16_MAX = 65504.0
+PROGS_PER_SM = 8  # best of 4/6/8 on the H100 at 2-4 bits (benchmarks/results/sweep_quantize_h100.json)
 
 
 @triton.jit
@@ -58,6 +68,7 @@ def _quantize_tile(
     pid_t, pid_bh, H, T, inv_sqrt_d,
     D: tl.constexpr, LOG2D: tl.constexpr, BITS: tl.constexpr, BLOCK_T: tl.constexpr,
     ROT: tl.constexpr, XMODE: tl.constexpr, CLAMP_FP16: tl.constexpr, X_UNIT: tl.constexpr, SEARCH: tl.constexpr,
+    PERM: tl.constexpr,
 ):
     """One (BLOCK_T, D) tile of one (batch, head); rop is the (D, D) matrix operand, or the (D,) signs for FWHT."""
     b = pid_bh // H
@@ -72,29 +83,32 @@ def _quantize_tile(
         x = tl.load(x_rows[:, None] + d[None, :], mask=tmask[:, None], other=0.0)
     else:
         x = tl.load(x_rows[:, None] + d[None, :] * sxd, mask=tmask[:, None], other=0.0)
-    xf = x.to(tl.float32)
-    norm = tl.sqrt(tl.sum(xf * xf, axis=1))
-    inv = 1.0 / tl.maximum(norm, 1e-30)
-
     # ---- rotation: y = Pi (x / norm), row-wise
-    if ROT == 1:  # FWHT in registers
-        y = _fwht_rows(xf * rop[None, :], BLOCK_T, D, LOG2D) * (inv * inv_sqrt_d)[:, None]
-    else:
+    if ROT == 0:
+        # +-1 dot of the raw rows; ||x|| comes from the rotated rows (||x @ M|| = sqrt(D) ||x||), so x feeds the dot
+        # only and can go global -> shared memory without a pass through registers
         m = rop
-        if ROT == 2:  # dense orthogonal: fp32 ieee dot of the unit vectors
-            y = tl.dot(xf * inv[:, None], m, input_precision="ieee")
-        else:
-            if XMODE == 0:  # fp16/bf16 x, +-1 matrix in the same dtype: exact products
-                acc = tl.dot(x, m)
-            elif XMODE == 1:  # fp32 operands (interpreter)
-                acc = tl.dot(xf, m, input_precision="ieee")
-            else:  # fp32 x = hi + mid + lo exactly, three bf16 dots
-                hi = xf.to(tl.bfloat16)
-                r = xf - hi.to(tl.float32)
-                mid = r.to(tl.bfloat16)
-                lo = (r - mid.to(tl.float32)).to(tl.bfloat16)
-                acc = tl.dot(hi, m) + tl.dot(mid, m) + tl.dot(lo, m)
-            y = acc * (inv * inv_sqrt_d)[:, None]
+        if XMODE == 0:  # fp16/bf16 x, +-1 matrix in the same dtype: exact products
+            acc = tl.dot(x, m)
+        elif XMODE == 1:  # fp32 operands (interpreter)
+            acc = tl.dot(x.to(tl.float32), m, input_precision="ieee")
+        else:  # fp32 x = hi + mid + lo exactly, three bf16 dots
+            xf = x.to(tl.float32)
+            hi = xf.to(tl.bfloat16)
+            r = xf - hi.to(tl.float32)
+            mid = r.to(tl.bfloat16)
+            lo = (r - mid.to(tl.float32)).to(tl.bfloat16)
+            acc = tl.dot(hi, m) + tl.dot(mid, m) + tl.dot(lo, m)
+        norm = tl.sqrt(tl.sum(acc * acc, axis=1)) * inv_sqrt_d
+        y = acc * (inv_sqrt_d / tl.maximum(norm, 1e-30))[:, None]
+    else:
+        xf = x.to(tl.float32)
+        norm = tl.sqrt(tl.sum(xf * xf, axis=1))
+        inv = 1.0 / tl.maximum(norm, 1e-30)
+        if ROT == 1:  # FWHT in registers
+            y = _fwht_rows(xf * rop[None, :], BLOCK_T, D, LOG2D) * (inv * inv_sqrt_d)[:, None]
+        else:  # dense orthogonal: fp32 ieee dot of the unit vectors
+            y = tl.dot(xf * inv[:, None], rop, input_precision="ieee")
 
     # ---- codebook search: number of boundaries strictly below y
     bnd = bnd_ptr + h * sbh
@@ -108,6 +122,17 @@ def _quantize_tile(
         j = tl.minimum(tl.maximum(((y - lo) * inv_w).to(tl.int32), 0), NLUT - 1)
         g = tl.load(lut_ptr + h * slh + j).to(tl.int32)
         idx = g + (y > tl.load(bnd + g)).to(tl.int32)
+    elif SEARCH == 4:  # symmetric codebook, BITS <= 4: count on the FMA pipe (see the module docstring)
+        HALF_S: tl.constexpr = 1 << (BITS - 1)
+        satk = tl.load(lut_ptr + h * slh + (HALF_S - 1))  # 2**k that lifts any nonzero |y| - B_j to >= 2 in size
+        a = tl.abs(y)
+        cnt = tl.full((BLOCK_T, D), 0.5, tl.float32)
+        for j in tl.static_range(HALF_S - 1):  # + 1 per positive boundary B_j < |y|: one saturated FMA each
+            cnt += tl.minimum(tl.maximum(a * satk + tl.load(lut_ptr + h * slh + j), 0.0), 1.0)
+        # v = +-(c + 0.5) with y's sign: index = v + HALF - 0.5, i.e. HALF + c above 0 and HALF - 1 - c at or below
+        # (y minus the least denormal carries the sign of y, except that +0 turns negative, as bucketize files it)
+        sgn = (y - 1.401298464324817e-45).to(tl.uint32, bitcast=True) & 0x80000000
+        v = (cnt.to(tl.uint32, bitcast=True) | sgn).to(tl.float32, bitcast=True)
     else:  # branchless binary search, BITS dependent gathers (fallback for degenerate codebooks)
         idx = tl.zeros((BLOCK_T, D), dtype=tl.int32)
         for s in tl.static_range(BITS):
@@ -115,9 +140,43 @@ def _quantize_tile(
             bk = tl.load(bnd + idx + (step - 1))
             idx = tl.where(y > bk, idx + step, idx)
 
+    if PERM and SEARCH == 4:
+        v = tl.reshape(tl.permute(tl.reshape(v, (BLOCK_T, D // 8, 4, 2)), (0, 2, 1, 3)), (BLOCK_T, D))
+    if PERM and SEARCH != 4:
+        # The +-1 operand's columns come in MMA order (_common.mma_column_order): dot column 8j + 2q + e holds
+        # coordinate q * D/4 + 2j + e, so the thread that owns columns {8j + 2q + e} (q = lane % 4 in the tensor-core
+        # accumulator layout) holds D/4 consecutive coordinates. This reshape/permute only renames registers, and
+        # each thread packs and stores one contiguous run of bytes, with no shuffle through shared memory.
+        idx = tl.reshape(tl.permute(tl.reshape(idx, (BLOCK_T, D // 8, 4, 2)), (0, 2, 1, 3)), (BLOCK_T, D))
+
     # ---- pack, LSB first (packing.py's layout)
     p_rows = p_ptr + b.to(tl.int64) * spb + h.to(tl.int64) * sph + t64 * spt
-    if (8 % BITS) == 0:  # whole indices per byte: contiguous full-byte stores
+    if SEARCH == 4:
+        # Indices are whole numbers in fp32: sum idx_k * 2**(BITS k) over a 16-bit (24-bit at 3 bits) group on the FMA
+        # pipe, exact below 2**24, then store whole 16/32-bit words (the launcher checks their alignment).
+        HALF_P: tl.constexpr = 1 << (BITS - 1)
+        if BITS == 3:
+            v3 = tl.reshape(v, (BLOCK_T, D // 8, 8))
+            g = (tl.sum(v3 * (1 << (tl.arange(0, 8) * 3)).to(tl.float32)[None, None, :], axis=2)
+                 + (HALF_P - 0.5) * 2396745.0).to(tl.int32)  # 2396745 = sum of 8**k, k < 8
+            g4 = tl.reshape(g, (BLOCK_T, D // 32, 2, 2))
+            g02, g13 = tl.split(g4)
+            g0, g2 = tl.split(g02)
+            g1, g3 = tl.split(g13)
+            w_rows = (p_rows.to(tl.pointer_type(tl.int32), bitcast=True))[:, None] + tl.arange(0, D // 32)[None, :] * 3
+            tl.store(w_rows, g0 | (g1 << 24), mask=tmask[:, None])
+            tl.store(w_rows + 1, (g1 >> 8) | (g2 << 16), mask=tmask[:, None])
+            tl.store(w_rows + 2, (g2 >> 16) | (g3 << 8), mask=tmask[:, None])
+        else:
+            PER16: tl.constexpr = 16 // BITS
+            v3 = tl.reshape(v, (BLOCK_T, D // PER16, PER16))
+            wgt = (1 << (tl.arange(0, PER16) * BITS)).to(tl.float32)
+            # + 2**23: the fp32 bits of 2**23 + n end in n, so truncating them to 16 bits is the word
+            wf = (tl.sum(v3 * wgt[None, None, :], axis=2) + (HALF_P - 0.5) * (65535.0 / ((1 << BITS) - 1))) + 8388608.0
+            h_rows = p_rows.to(tl.pointer_type(tl.uint16), bitcast=True)
+            tl.store(h_rows[:, None] + tl.arange(0, D // PER16)[None, :], wf.to(tl.int32, bitcast=True).to(tl.uint16),
+                     mask=tmask[:, None])
+    elif (8 % BITS) == 0:  # whole indices per byte: contiguous full-byte stores
         PER: tl.constexpr = 8 // BITS
         NB: tl.constexpr = D // PER
         if BITS == 8:
@@ -168,7 +227,7 @@ def _quantize_kernel(
     n_t_tiles, n_tiles,
     D: tl.constexpr, LOG2D: tl.constexpr, BITS: tl.constexpr, BLOCK_T: tl.constexpr,
     ROT: tl.constexpr, XMODE: tl.constexpr, CLAMP_FP16: tl.constexpr, X_UNIT: tl.constexpr, SEARCH: tl.constexpr,
-    STAGES: tl.constexpr,
+    STAGES: tl.constexpr, PERM: tl.constexpr,
 ):
     """Persistent: the rotation operand is loaded once, then the program walks tiles pid, pid + grid, ..."""
     rop = _load_rot(mat_ptr, sgn_ptr, D, ROT)
@@ -177,7 +236,7 @@ def _quantize_kernel(
             x_ptr, sxb, sxh, sxt, sxd, p_ptr, spb, sph, spt, n_ptr, snb, snh, snt,
             rop, bnd_ptr, sbh, lut_ptr, slh, lo_ptr, invw_ptr, hsel, NLUT,
             tile % n_t_tiles, tile // n_t_tiles, H, T, inv_sqrt_d,
-            D, LOG2D, BITS, BLOCK_T, ROT, XMODE, CLAMP_FP16, X_UNIT, SEARCH,
+            D, LOG2D, BITS, BLOCK_T, ROT, XMODE, CLAMP_FP16, X_UNIT, SEARCH, PERM,
         )
 
 
@@ -190,7 +249,7 @@ def _quantize_kv_kernel(
     mat_ptr, sgn_ptr, H, T, inv_sqrt_d, n_t_tiles, n_tiles,
     D: tl.constexpr, LOG2D: tl.constexpr, KBITS: tl.constexpr, VBITS: tl.constexpr, BLOCK_T: tl.constexpr,
     ROT: tl.constexpr, XMODE: tl.constexpr, CLAMP_FP16: tl.constexpr, K_UNIT: tl.constexpr, V_UNIT: tl.constexpr,
-    KSEARCH: tl.constexpr, VSEARCH: tl.constexpr,
+    KSEARCH: tl.constexpr, VSEARCH: tl.constexpr, PERM: tl.constexpr,
 ):
     """Keys and values of one layer in one launch (grid axis 1: 0 = keys, 1 = values); not persistent (decode)."""
     rop = _load_rot(mat_ptr, sgn_ptr, D, ROT)
@@ -200,14 +259,14 @@ def _quantize_kv_kernel(
             k_ptr, skb, skh, skt, skd, pk_ptr, spkb, spkh, spkt, nk_ptr, snkb, snkh, snkt,
             rop, bndk_ptr, sbkh, lutk_ptr, slkh, lok_ptr, invwk_ptr, hselk, NLUTK,
             tile % n_t_tiles, tile // n_t_tiles, H, T, inv_sqrt_d,
-            D, LOG2D, KBITS, BLOCK_T, ROT, XMODE, CLAMP_FP16, K_UNIT, KSEARCH,
+            D, LOG2D, KBITS, BLOCK_T, ROT, XMODE, CLAMP_FP16, K_UNIT, KSEARCH, PERM,
         )
     else:
         _quantize_tile(
             v_ptr, svb, svh, svt, svd, pv_ptr, spvb, spvh, spvt, nv_ptr, snvb, snvh, snvt,
             rop, bndv_ptr, sbvh, lutv_ptr, slvh, lov_ptr, invwv_ptr, hselv, NLUTV,
             tile % n_t_tiles, tile // n_t_tiles, H, T, inv_sqrt_d,
-            D, LOG2D, VBITS, BLOCK_T, ROT, XMODE, CLAMP_FP16, V_UNIT, VSEARCH,
+            D, LOG2D, VBITS, BLOCK_T, ROT, XMODE, CLAMP_FP16, V_UNIT, VSEARCH, PERM,
         )
 
 
@@ -228,18 +287,57 @@ def _modes(x_dtype: torch.dtype, rotation: Rotation, rot: str | None) -> tuple[i
     return C.ROT_PM1_DOT, C.X_NATIVE, x_dtype
 
 
-SEARCHES = {"linear": 0, "lut": 1, "binary": 2}
+SEARCHES = {"linear": 0, "lut": 1, "binary": 2, "sat": 4}
 
 
-def _search_args(codebook: Codebook, heads: int, dev, search: str | None) -> tuple[tuple, int]:
-    """(bnd, sbh, lut, slh, lo, inv_w, hsel, NLUT) for the kernel, and the SEARCH mode."""
+_SYM_CACHE: "weakref.WeakKeyDictionary[Codebook, bool]" = weakref.WeakKeyDictionary()
+
+
+def is_symmetric(codebook: Codebook) -> bool:
+    """Boundaries exactly mirrored around an exact 0 (the theoretical codebooks; calibrated ones rarely are).
+
+    Cached per codebook: the check reads the boundaries on the host, which must not happen on every launch."""
+    sym = _SYM_CACHE.get(codebook)
+    if sym is None:
+        b = codebook.boundaries.detach().to("cpu", torch.float32)
+        sym = _SYM_CACHE[codebook] = bool(torch.equal(b, -b.flip(-1)) and (b[..., (b.shape[-1] - 1) // 2] == 0).all())
+    return sym
+
+
+def _store_aligned(packed: torch.Tensor, bits: int, dim: int) -> bool:
+    """Whether every packed row starts on the word the 'sat' search stores (2 bytes; 4 at 3 bits, with dim % 32 == 0)."""
+    unit = 4 if bits == 3 else 2
+    if bits == 3 and dim % 32:
+        return False
+    return packed.data_ptr() % unit == 0 and all(
+        st % unit == 0 for st, n in zip(packed.stride()[:3], packed.shape[:3]) if n > 1
+    )
+
+
+def _search_args(codebook: Codebook, heads: int, dev, search: str | None, packed: torch.Tensor) -> tuple[tuple, int]:
+    """(bnd, sbh, table, table head stride, lo, inv_w, hsel, NLUT) for the kernel, and the SEARCH mode.
+
+    Default: symmetric codebooks up to 4 bits count on the FMA pipe ('sat'; the packed rows must be word-aligned, as
+    the cache's buffers are); other codebooks up to 4 bits compare linearly; wider ones use the table ('lut').
+    """
+    bits, dim = codebook.bits, packed.shape[-1] * 8 // codebook.bits
+    sym = bits <= 4 and is_symmetric(codebook)
     if search is None:
-        # measured on the H100 (benchmarks/results/bench_quantize.json, B=8 T=32768): at 4 bits the linear scan
-        # ran at 651 GB/s and the table at 220; at 8 bits the table ran at 888 and the binary search at 220
-        search = "linear" if codebook.bits <= 4 else "lut"
+        if bits > 4:
+            search = "lut"
+        else:
+            search = "sat" if sym and _store_aligned(packed, bits, dim) else "linear"
     if search not in SEARCHES:
         raise ValueError(f"search must be None or one of {sorted(SEARCHES)}, got {search!r}")
+    if search == "sat" and not sym:
+        raise ValueError(f"search={search!r} needs a symmetric codebook of at most 4 bits, got {bits} bits"
+                         + ("" if is_symmetric(codebook) else ", not symmetric"))
+    if search == "sat" and not _store_aligned(packed, bits, dim):
+        raise ValueError("search='sat' stores whole 16-bit (32-bit at 3 bits) words: packed rows must be aligned to them")
     _, bnd, _, sbh = C.codebook_tables(codebook, heads, dev)
+    if search == "sat":
+        tab, sth = C.sat_table(codebook, heads, dev)
+        return (bnd, sbh, tab, sth, bnd, bnd, 0, 1), SEARCHES["sat"]
     if search == "lut":
         t = C.search_lut(codebook, heads, dev)
         if t is None:  # boundaries too close (or tied) for a small table
@@ -296,17 +394,17 @@ def quantize_into(
         return None
     dev = x.device
     rmode, xmode, mdtype = _modes(x.dtype, rotation, rot)
-    sargs, smode = _search_args(codebook, heads, dev, search)
+    sargs, smode = _search_args(codebook, heads, dev, search, packed_out)
     bnd = sargs[0]
     # the unused one of (matrix, signs) gets any valid pointer: its branch is compiled out
     if rmode == C.ROT_FWHT:
         mat, sgn = bnd, C.rotation_operand(rotation, dev, "signs", torch.float32)
     else:
-        mat, sgn = C.rotation_operand(rotation, dev, "fwd", mdtype), bnd
+        mat, sgn = C.rotation_operand(rotation, dev, "fwd_mma" if rmode == C.ROT_PM1_DOT else "fwd", mdtype), bnd
     bt, nw = _launch_cfg(tokens, block_t, num_warps)
     n_t = triton.cdiv(tokens, bt)
     n_tiles = n_t * bsz * heads
-    grid = (C.persistent_grid(n_tiles, dev, progs_per_sm),)
+    grid = (C.persistent_grid(n_tiles, dev, PROGS_PER_SM if progs_per_sm is None else progs_per_sm),)
     return _quantize_kernel[grid](
         x, *x.stride(),
         packed_out, *packed_out.stride()[:3],
@@ -315,7 +413,7 @@ def quantize_into(
         heads, tokens, dim**-0.5, n_t, n_tiles,
         D=dim, LOG2D=dim.bit_length() - 1, BITS=bits, BLOCK_T=bt,
         ROT=rmode, XMODE=xmode, CLAMP_FP16=norms_out.dtype == torch.float16, X_UNIT=x.stride(-1) == 1,
-        SEARCH=smode, STAGES=stages,
+        SEARCH=smode, STAGES=stages, PERM=rmode == C.ROT_PM1_DOT,
         num_warps=nw,
     )
 
@@ -349,9 +447,9 @@ def quantize_kv_into(
         return None
     dev = k.device
     rmode, xmode, mdtype = _modes(k.dtype, rotation, None)
-    mat = C.rotation_operand(rotation, dev, "fwd", mdtype)
-    kargs, kmode = _search_args(k_codebook, heads, dev, None)
-    vargs, vmode = _search_args(v_codebook, heads, dev, None)
+    mat = C.rotation_operand(rotation, dev, "fwd_mma" if rmode == C.ROT_PM1_DOT else "fwd", mdtype)
+    kargs, kmode = _search_args(k_codebook, heads, dev, None, k_packed)
+    vargs, vmode = _search_args(v_codebook, heads, dev, None, v_packed)
     bt, nw = _launch_cfg(tokens, block_t, num_warps)
     n_t = triton.cdiv(tokens, bt)
     grid = (n_t * bsz * heads, 2)
@@ -362,5 +460,5 @@ def quantize_kv_into(
         D=dim, LOG2D=dim.bit_length() - 1, KBITS=kbits, VBITS=vbits, BLOCK_T=bt,
         ROT=rmode, XMODE=xmode, CLAMP_FP16=k_norms.dtype == torch.float16,
         K_UNIT=k.stride(-1) == 1, V_UNIT=v.stride(-1) == 1, KSEARCH=kmode, VSEARCH=vmode,
-        num_warps=nw,
+        PERM=rmode == C.ROT_PM1_DOT, num_warps=nw,
     )
