@@ -262,3 +262,50 @@ def test_reset_and_reuse(tiny_llama):
     assert cache.get_seq_length() == 0 and cache.nbytes()["total"] == 0
     tiny_llama(ids(2, 5), past_key_values=cache)
     assert cache.get_seq_length() == 5
+
+
+def test_attention_sinks_stay_exact_through_quantization_crop_and_batch_ops():
+    """The first `sink_tokens` tokens come back exact once quantized (everywhere the history is read: keys/values,
+    the workspace update returns); later tokens are dequantized; crop below them and re-feeding refills them; the
+    batch operations carry them along; sink_tokens=0 turns them off; sliding layers keep none."""
+    torch.manual_seed(0)
+    b, h, d = 3, 2, 64
+    k = torch.randn(b, h, 40, d)
+    v = torch.randn(b, h, 40, d)
+    cache = TurboQuantCache("k3v3", residual_length=8)
+    assert cache.tq_config.sink_tokens == 4
+    cache.update(k[:, :, :2], v[:, :, :2], 0)  # sinks arrive over two updates
+    cache.update(k[:, :, 2:30], v[:, :, 2:30], 0)
+    layer = cache.layers[0]
+    assert layer.quantized_length == 22 and layer.exact_sinks == 4
+    ko, vo = cache.update(k[:, :, 30:31], v[:, :, 30:31], 0)  # [history | residual | new], in the workspace
+    cache.crop(30)
+    for got, want in ((ko, k), (vo, v), (layer.keys, k), (layer.values, v)):
+        assert torch.equal(got[:, :, :4], want[:, :, :4])
+        assert not torch.equal(got[:, :, 4:22], want[:, :, 4:22])  # quantized
+        assert torch.equal(got[:, :, 22:30], want[:, :, 22:30])  # residual window
+    plain = TurboQuantCache("k3v3", residual_length=8, sink_tokens=0)
+    plain.update(k[:, :, :30], v[:, :, :30], 0)
+    assert plain.layers[0].exact_sinks == 0 and plain.nbytes()["sinks"] == 0
+    assert not torch.equal(plain.layers[0].keys[:, :, :4], k[:, :, :4])
+    assert torch.equal(plain.layers[0].keys[:, :, 4:], layer.keys[:, :, 4:])  # nothing else differs
+
+    cache.crop(2)  # below the sinks: two remain, the next tokens refill the other two
+    assert layer.exact_sinks == layer._slen == 2 and torch.equal(layer.keys, k[:, :, :2])
+    k2 = torch.randn(b, h, 20, d)
+    cache.update(k2, k2, 0)
+    assert layer.exact_sinks == 4
+    assert torch.equal(layer.keys[:, :, :2], k[:, :, :2]) and torch.equal(layer.keys[:, :, 2:4], k2[:, :, :2])
+    keys = layer.keys
+    cache.reorder_cache(torch.tensor([2, 0, 0]))
+    assert torch.equal(layer.keys, keys[[2, 0, 0]])
+    cache.batch_select_indices(torch.tensor([1]))
+    assert torch.equal(layer.keys[:, :, :4], keys[[0], :, :4])
+
+    sliding = TurboQuantSlidingLayer(
+        sliding_window=16, key_bits=4, value_bits=4, residual_length=4, rotation_for=layer._rotation_for,
+        codebook_for=layer._codebook_for, workspace=layer.workspace, sink_tokens=4,
+    )
+    assert sliding.sink_tokens == 0
+    with pytest.raises(ValueError, match="sink_tokens"):
+        TurboQuantCache(sink_tokens=-1)

@@ -39,8 +39,9 @@ def codebook(bits, d):
     return theoretical_codebook(bits, d)
 
 
-def make_state(b, hkv, lq, lr, n, d, kbits, vbits, dtype, seed, per_head=False, device=DEVICE):
-    """A random [packed | residual | new] state as TurboQuantLayer.attention_state() gives, plus the oracle's K, V."""
+def make_state(b, hkv, lq, lr, n, d, kbits, vbits, dtype, seed, per_head=False, device=DEVICE, sinks=0):
+    """A random [packed | residual | new] state as TurboQuantLayer.attention_state() gives, plus the oracle's K, V.
+    With `sinks`, the first packed tokens also have exact copies (attention sinks), which the oracle uses."""
     g = torch.Generator().manual_seed(seed)
     rot = make_rotation(d, seed % 1000)
     kcb, vcb = codebook(kbits, d), codebook(vbits, d)
@@ -72,6 +73,13 @@ def make_state(b, hkv, lq, lr, n, d, kbits, vbits, dtype, seed, per_head=False, 
     }
     kf = torch.cat([reference.dequantize(kp, kn, rot, kcb), k[:, :, lq:].float()], dim=2)
     vf = torch.cat([reference.dequantize(vp, vn, rot, vcb), v[:, :, lq:].float()], dim=2)
+    if sinks:
+        # exact copies in slices of bigger buffers, as the layer's sink buffers give them
+        sk = torch.randn(b, hkv, sinks + 2, d, generator=g).to(dtype)
+        sv = torch.randn(b, hkv, sinks + 2, d, generator=g).to(dtype)
+        sk[:, :, :sinks], sv[:, :, :sinks] = k[:, :, :sinks], v[:, :, :sinks]
+        state["sink_k"], state["sink_v"] = sk[:, :, :sinks].to(device), sv[:, :, :sinks].to(device)
+        kf[:, :, :sinks], vf[:, :, :sinks] = k[:, :, :sinks].float(), v[:, :, :sinks].float()
     return state, kf, vf
 
 
@@ -142,6 +150,40 @@ def test_kernel_matches_reference(case):
     ref = _oracle(q, kf, vf, mask, scale)
     err = rel_err(out, ref)
     assert err < TOL[dtype], f"seed {seed}: relative error {err:.2e}"
+
+
+SINK_CASES = [  # (kbits, vbits, d, group, n, lq, lr, dtype, mask, splits, sinks)
+    (4, 4, 128, 4, 1, 301, 17, torch.bfloat16, None, None, 4),
+    (3, 3, 64, 1, 5, 77, 1, torch.bfloat16, "bool", 3, 2),  # the mask's hole at 1:3 covers a sink
+    (2, 2, 64, 4, 2, 150, 9, torch.float16, "additive", 4, 4),
+    (4, 4, 64, 2, 1, 3, 0, torch.float16, None, 2, 3),  # every packed token is a sink
+]
+
+
+@needs_triton
+@pytest.mark.parametrize("case", SINK_CASES, ids=lambda c: f"k{c[0]}v{c[1]}-d{c[2]}-lq{c[5]}-{c[8]}-sinks{c[10]}")
+def test_kernel_and_torch_path_use_exact_sinks(case):
+    """The first packed tokens' exact copies replace them, in the kernel and in the torch path alike."""
+    kbits, vbits, d, group, n, lq, lr, dtype, mask_kind, splits, sinks = case
+    seed = fresh_seed()
+    b, hkv = 2, 2
+    hq = hkv * group
+    t = lq + lr + n
+    state, kf, vf = make_state(b, hkv, lq, lr, n, d, kbits, vbits, dtype, seed, sinks=sinks)
+    q = make_query(b, hq, n, d, dtype, seed)
+    mask = None if mask_kind is None else padding_mask(b, 1, n, t, [1, 0], mask_kind)
+    out = torch.full((b, n, hq, d), float("nan"), dtype=dtype, device=DEVICE)
+    decode_attention(q, state, mask, None, num_splits=splits, out=out)
+    ref = _oracle(q, kf, vf, mask, None)
+    assert rel_err(out, ref) < TOL[dtype], f"seed {seed}: relative error {rel_err(out, ref):.2e}"
+    state32, kf32, vf32 = make_state(b, hkv, lq, lr, n, d, kbits, vbits, torch.float32, seed, device="cpu", sinks=sinks)
+    q32 = q.float().cpu()
+    m32 = None if mask is None else mask.cpu()
+    out32 = attention.fused_attention_torch(q32, state32, m32, None)
+    assert rel_err(out32, reference.attention(q32, kf32, vf32, mask=m32).transpose(1, 2)) < 1e-5, f"seed {seed}"
+    # and the sinks matter: the quantized copies give a different answer
+    no_sinks = {k: v for k, v in state.items() if not k.startswith("sink")}
+    assert rel_err(decode_attention(q, no_sinks, mask, None, num_splits=splits), ref) > 0
 
 
 @needs_triton
@@ -437,6 +479,9 @@ def test_layer_launch_matches_state_launch_across_flushes_and_growth(preset, gro
                        state[f"res_{x}"].float().cpu(), state[f"new_{x}"].float().cpu()], dim=2)
             for x in ("k", "v")
         )
+        ns = state["sink_k"].shape[2]  # the layer keeps exact copies of the first tokens
+        assert ns == min(cache.tq_config.sink_tokens, layer.k_buf.length) > 0
+        kf[:, :, :ns], vf[:, :, :ns] = state["sink_k"].float().cpu(), state["sink_v"].float().cpu()
         assert rel_err(out, _oracle(q, kf, vf, None, scale)) < TOL[dtype], f"seed {seed}, step {step}"
         caps.add(layer.k_buf.capacity)
         lqs.add(layer.k_buf.length)

@@ -59,13 +59,15 @@ def test_held_bytes_are_packed_plus_residual_plus_one_workspace():
         assert q < cap <= q + 256
     fp_token = b * h * d * 4  # one token's K or V in fp32
     assert held["residual"] == layers * 2 * 2 * residual * fp_token
+    sinks = cache.tq_config.sink_tokens
+    assert sinks > 0 and held["sinks"] == layers * 2 * sinks * fp_token  # exact K and V of the first tokens
     assert held["full_precision"] == 0
     # one workspace for all layers: room for the longest sequence's K and V plus headroom, not one per layer
     assert 2 * seq * fp_token <= held["workspace"] <= 2 * (seq + 256) * fp_token
 
     # walking the object graph finds nothing else but small per-layer constants (rotation, codebooks)
     found = reachable_tensors(cache)
-    constants = sum(found.values()) - (held["packed"] + held["residual"] + held["workspace"])
+    constants = sum(found.values()) - (held["packed"] + held["residual"] + held["sinks"] + held["workspace"])
     assert 0 <= constants <= layers * (d * d * 4 + d * 4 + 2 * 2 * 16 * 4) + 64
     # per token and layer: 3-bit keys + 4-bit values + norms = 60 bytes per head vs 256 in fp16
     assert b * h * (packed_bytes(d, 3) + packed_bytes(d, 4) + 4) * 4.2 < b * h * 2 * d * 2

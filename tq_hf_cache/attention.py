@@ -57,7 +57,8 @@ def _warn_once(key, msg: str) -> None:
 
 
 def fused_attention_torch(query: torch.Tensor, state: dict, mask: torch.Tensor | None, scale: float | None) -> torch.Tensor:
-    """The kernel's math in torch (fp32): rotated-domain scores and values on the packed part, plain on the rest.
+    """The kernel's math in torch (fp32): rotated-domain scores and values on the packed part, plain on the rest
+    (the exact sink copies replace the first packed tokens).
 
     Returns (B, n, Hq, D) in the query's dtype.
     """
@@ -79,6 +80,10 @@ def fused_attention_torch(query: torch.Tensor, state: dict, mask: torch.Tensor |
     scale = d**-0.5 if scale is None else scale
     qr5, q5 = qr.view(b, hkv, g, n, d), q.view(b, hkv, g, n, d)
     s_packed = torch.einsum("bhgnd,bhtd->bhgnt", qr5, kc) * kn[:, :, None, None, :]
+    sk, sv = state.get("sink_k"), state.get("sink_v")  # exact copies of the first packed tokens
+    sk, sv = (kf[:, :, :0], vf[:, :, :0]) if sk is None else (sk.float(), sv.float())
+    ns = sk.shape[2]
+    s_packed[..., :ns] = torch.einsum("bhgnd,bhtd->bhgnt", q5, sk)
     s_fp = torch.einsum("bhgnd,bhtd->bhgnt", q5, kf)
     s = (torch.cat([s_packed, s_fp], dim=-1) * scale).reshape(b, hq, n, t)
     if mask is None:
@@ -91,8 +96,9 @@ def fused_attention_torch(query: torch.Tensor, state: dict, mask: torch.Tensor |
     else:
         s = s + mask.float()
     p = torch.softmax(s, dim=-1).nan_to_num(0.0).view(b, hkv, g, n, t)
-    y = torch.einsum("bhgnt,bhtd->bhgnd", p[..., :lq] * vn[:, :, None, None, :], vc)
+    y = torch.einsum("bhgnt,bhtd->bhgnd", p[..., ns:lq] * vn[:, :, None, None, ns:], vc[:, :, ns:])
     out = rot.inverse(y) + torch.einsum("bhgnt,bhtd->bhgnd", p[..., lq:], vf)
+    out = out + torch.einsum("bhgnt,bhtd->bhgnd", p[..., :ns], sv)
     return out.reshape(b, hq, n, d).transpose(1, 2).to(query.dtype).contiguous()
 
 

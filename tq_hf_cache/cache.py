@@ -122,7 +122,7 @@ class TurboQuantCache(DynamicCache):
 
     def nbytes(self) -> dict[str, int]:
         """Device bytes the cache holds between steps, by kind. `full_precision` counts unquantized layers."""
-        out = {"packed": 0, "residual": 0, "full_precision": 0, "workspace": self.workspace.nbytes()}
+        out = {"packed": 0, "residual": 0, "sinks": 0, "full_precision": 0, "workspace": self.workspace.nbytes()}
         for layer in self.layers:
             if isinstance(layer, TurboQuantLayer):
                 for k, v in layer.nbytes().items():
@@ -176,6 +176,7 @@ def _tq_layer(tq_config, codebooks, workspace, cls, idx: int, bits: tuple[int, i
         key_bits=bits[0],
         value_bits=bits[1],
         residual_length=cfg.residual_length,
+        sink_tokens=cfg.sink_tokens,
         rotation_for=partial(_rotation, seed=cfg.seed + idx, kind=cfg.rotation),
         # no reference back to the cache: layers must not form a cycle that keeps GPU buffers alive until gc
         codebook_for=partial(_codebook, codebooks, idx),

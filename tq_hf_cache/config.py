@@ -28,6 +28,8 @@ class TurboQuantConfig:
 
     key_bits / value_bits: 1..8 bits per rotated coordinate.
     residual_length: newest tokens per layer kept in full precision (0 allowed).
+    sink_tokens: the sequence's first tokens, of which full-attention layers keep exact copies (attention sinks;
+        0 turns it off).
     seed: seeds every layer's rotation (layer i uses seed + i).
     rotation: "auto" (Hadamard for power-of-two head dims, else orthogonal), "hadamard" or "orthogonal".
     norm_dtype: dtype of the per-vector norms, "float16" or "float32".
@@ -39,6 +41,7 @@ class TurboQuantConfig:
     key_bits: int = PRESETS[DEFAULT_PRESET][0]
     value_bits: int = PRESETS[DEFAULT_PRESET][1]
     residual_length: int = 128
+    sink_tokens: int = 4
     seed: int = 0
     rotation: str = "auto"
     norm_dtype: str = "float16"
@@ -51,7 +54,7 @@ class TurboQuantConfig:
     def __post_init__(self):
         check_bits(self.key_bits, "key_bits")
         check_bits(self.value_bits, "value_bits")
-        for name in ("residual_length", "skip_first", "skip_last"):
+        for name in ("residual_length", "sink_tokens", "skip_first", "skip_last"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 0:
                 raise ValueError(f"{name} must be an integer >= 0, got {v!r}")

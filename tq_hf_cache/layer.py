@@ -3,6 +3,11 @@
 Tokens enter the residual window; those pushed out of it are quantized once, appended to the packed
 buffers, and never re-quantized. `update` returns [dequantized history | residual | new tokens], the
 history being written into the cache's shared workspace.
+
+Attention sinks: the first `sink_tokens` tokens of the sequence draw a large share of the attention while
+often having small keys, so their quantization error costs more than anyone else's (benchmarks/
+key_fix_study.py). A full-attention layer keeps an exact copy of them and writes it over their dequantized
+slots; they are quantized and packed like every other token, so nothing else changes shape.
 """
 
 from __future__ import annotations
@@ -110,8 +115,10 @@ class TurboQuantLayer(DynamicLayer):
         norm_dtype: torch.dtype = torch.float16,
         layer_idx: int | None = None,
         private_output: bool = False,
+        sink_tokens: int = 0,
     ):
         DynamicLayer.__init__(self)
+        self.sink_tokens = 0 if self.is_sliding else int(sink_tokens)
         self.key_bits, self.value_bits = key_bits, value_bits
         self.residual_length = residual_length
         self.norm_dtype = norm_dtype
@@ -131,6 +138,9 @@ class TurboQuantLayer(DynamicLayer):
         self._rk: torch.Tensor | None = None  # residual buffers (B, H, capacity, D); the first _rlen are live
         self._rv: torch.Tensor | None = None
         self._rlen = 0
+        self._sk: torch.Tensor | None = None  # exact copies of the first sink_tokens tokens (B, H, sink_tokens, D)
+        self._sv: torch.Tensor | None = None
+        self._slen = 0  # how many of them the layer has seen
         self._defer_next = False
         self._pending: tuple[torch.Tensor, torch.Tensor] | None = None
 
@@ -142,6 +152,11 @@ class TurboQuantLayer(DynamicLayer):
     @property
     def res_v(self) -> torch.Tensor | None:
         return None if self._rv is None else self._rv[:, :, : self._rlen]
+
+    @property
+    def exact_sinks(self) -> int:
+        """Sink tokens whose packed slots the exact copies overwrite (those already quantized)."""
+        return min(self._slen, self.k_buf.length) if self.is_initialized else 0
 
     @property
     def residual_capacity(self) -> int:
@@ -192,6 +207,9 @@ class TurboQuantLayer(DynamicLayer):
         self._rk = key_states.new_empty(b, h, self.residual_capacity, d)
         self._rv = key_states.new_empty(b, h, self.residual_capacity, d)
         self._rlen = 0
+        self._sk = key_states.new_empty(b, h, self.sink_tokens, d)
+        self._sv = key_states.new_empty(b, h, self.sink_tokens, d)
+        self._slen = 0
         self.is_initialized = True
 
     def _check_states(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -256,9 +274,11 @@ class TurboQuantLayer(DynamicLayer):
         pk, nk = self.k_buf.live()
         pv, nv = self.v_buf.live()
         new_k, new_v = self._pending if self._pending is not None else (self.res_k[:, :, :0], self.res_v[:, :, :0])
+        ns = self.exact_sinks
         return {
             "k_packed": pk, "k_norms": nk, "v_packed": pv, "v_norms": nv,
             "res_k": self.res_k, "res_v": self.res_v, "new_k": new_k, "new_v": new_v,
+            "sink_k": self._sk[:, :, :ns], "sink_v": self._sv[:, :, :ns],
             "rotation": self.rotation, "k_codebook": self.k_codebook, "v_codebook": self.v_codebook,
         }
 
@@ -284,6 +304,10 @@ class TurboQuantLayer(DynamicLayer):
         pv, nv = self.v_buf.live()
         ops.dequantize_into(pk, nk, self.rotation, self.k_codebook, wk[:, :, :lq])
         ops.dequantize_into(pv, nv, self.rotation, self.v_codebook, wv[:, :, :lq])
+        ns = self.exact_sinks
+        if ns:
+            wk[:, :, :ns].copy_(self._sk[:, :, :ns])
+            wv[:, :, :ns].copy_(self._sv[:, :, :ns])
         if lr:
             wk[:, :, lq : lq + lr].copy_(self.res_k)
             wv[:, :, lq : lq + lr].copy_(self.res_v)
@@ -294,6 +318,11 @@ class TurboQuantLayer(DynamicLayer):
     def _push(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         """Append the new tokens to the residual window; quantize the oldest ones once it overflows."""
         n, lr = key_states.shape[2], self._rlen
+        if self._slen < self.sink_tokens:  # the sequence's first tokens: keep exact copies
+            take = min(self.sink_tokens - self._slen, n)
+            self._sk[:, :, self._slen : self._slen + take].copy_(key_states[:, :, :take])
+            self._sv[:, :, self._slen : self._slen + take].copy_(value_states[:, :, :take])
+            self._slen += take
         drop = self._drop_old(lr + n)
         if drop == 0 and lr + n <= self.residual_capacity:  # the common decode step: two small copies
             self._rk[:, :, lr : lr + n].copy_(key_states)
@@ -331,6 +360,8 @@ class TurboQuantLayer(DynamicLayer):
         out = res.new_empty(self.batch, self.heads, buf.length + res.shape[2], self.head_dim)
         if buf.length:
             ops.dequantize_into(packed, norms, self.rotation, cb, out[:, :, : buf.length])
+            ns = self.exact_sinks
+            out[:, :, :ns].copy_((self._sk if kind == "key" else self._sv)[:, :, :ns])
         out[:, :, buf.length :].copy_(res)
         return out
 
@@ -367,6 +398,7 @@ class TurboQuantLayer(DynamicLayer):
             self.k_buf.truncate(target)
             self.v_buf.truncate(target)
             self._rlen = 0
+        self._slen = min(self._slen, target)
         self.cumulative_length = target
 
     def _map_batch(self, fn) -> None:
@@ -376,6 +408,7 @@ class TurboQuantLayer(DynamicLayer):
         self.k_buf.map_batch(fn)
         self.v_buf.map_batch(fn)
         self._rk, self._rv = fn(self._rk), fn(self._rv)
+        self._sk, self._sv = fn(self._sk), fn(self._sv)
         self.batch = self._rk.shape[0]
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
@@ -394,20 +427,23 @@ class TurboQuantLayer(DynamicLayer):
             for buf in (self.k_buf, self.v_buf):
                 buf.to("cpu")
             self._rk, self._rv = self._rk.to("cpu", non_blocking=True), self._rv.to("cpu", non_blocking=True)
+            self._sk, self._sv = self._sk.to("cpu", non_blocking=True), self._sv.to("cpu", non_blocking=True)
 
     def prefetch(self) -> None:
         if self.is_initialized and self._rk.device != self.device:
             for buf in (self.k_buf, self.v_buf):
                 buf.to(self.device)
             self._rk, self._rv = self._rk.to(self.device, non_blocking=True), self._rv.to(self.device, non_blocking=True)
+            self._sk, self._sv = self._sk.to(self.device, non_blocking=True), self._sv.to(self.device, non_blocking=True)
 
     def nbytes(self) -> dict[str, int]:
-        """Bytes held between steps: packed buffers and residual window buffers (allocated capacity)."""
+        """Bytes held between steps: packed buffers, residual window buffers (allocated capacity), sink copies."""
         self.flush()
         if not self.is_initialized:
-            return {"packed": 0, "residual": 0}
+            return {"packed": 0, "residual": 0, "sinks": 0}
         res = (self._rk.numel() + self._rv.numel()) * self._rk.element_size()
-        return {"packed": self.k_buf.nbytes() + self.v_buf.nbytes(), "residual": res}
+        sinks = (self._sk.numel() + self._sv.numel()) * self._sk.element_size()
+        return {"packed": self.k_buf.nbytes() + self.v_buf.nbytes(), "residual": res, "sinks": sinks}
 
     def __repr__(self) -> str:
         return (

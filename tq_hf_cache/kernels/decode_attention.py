@@ -154,7 +154,7 @@ def _fp_segment(q, acc, m_i, l_i, k_base, v_base, sk, sv, length, pos0, scale_lo
     return acc, m_i, l_i
 
 
-@triton.jit(do_not_specialize=["Lq", "Lr", "N", "P0", "tok_per_split", "num_splits"])
+@triton.jit(do_not_specialize=["Lq", "Lr", "N", "P0", "Ls", "tok_per_split", "num_splits"])
 def _decode_kernel(
     q_ptr, sqb, sqh, sqn,
     pi_ptr,
@@ -162,12 +162,13 @@ def _decode_kernel(
     vp_ptr, svpb, svph, vn_ptr, svnb, svnh,
     kc_ptr, vc_ptr,
     rk_ptr, srkb, srkh, rv_ptr, srvb, srvh,
+    sk_ptr, sskb, sskh, sv_ptr, ssvb, ssvh,
     nk_ptr, snkb, snkh, snkt,
     nv_ptr, snvb, snvh, snvt,
     m_ptr, smb, smh, smi, smt,
     o_ptr, sob, son, soh,
     acc_ptr, ml_ptr, cnt_ptr,
-    Hkv, Lq, Lr, N, P0, tok_per_split, num_splits, scale_log2,
+    Hkv, Lq, Lr, N, P0, Ls, tok_per_split, num_splits, scale_log2,
     G: tl.constexpr, D: tl.constexpr, KBITS: tl.constexpr, VBITS: tl.constexpr,
     KPT: tl.constexpr, VPT: tl.constexpr, KC_SH: tl.constexpr, VC_SH: tl.constexpr,
     BLOCK_M: tl.constexpr, R: tl.constexpr, SC: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -178,7 +179,8 @@ def _decode_kernel(
     (the packed splits rotate their accumulator back themselves); the last program of a (batch, KV head) to
     finish, found with an acq_rel counter, merges the S + 1 partials and writes the output, then re-zeroes the
     counter. Packed buffers are (B, H, capacity, bytes) with live tokens from P0 on (token strides KPT / VPT
-    bytes, norms 1 element); the residual buffers' token stride is D."""
+    bytes, norms 1 element); the residual and sink buffers' token stride is D. The first Ls packed tokens are
+    skipped: their exact copies (the attention sinks) are attended to with the residual window instead."""
     pid = tl.program_id(0)
     split = tl.program_id(1)
     b = (pid // Hkv).to(tl.int64)
@@ -218,7 +220,7 @@ def _decode_kernel(
             vnorm = tl.load(vn + offs, mask=t_ok, other=0.0).to(tl.float32)
         for t0 in range(start, end, BLOCK_N):
             offs = t0 + tl.arange(0, BLOCK_N)
-            t_ok = offs < end
+            t_ok = (offs < end) & (offs >= Ls)
             if PREFETCH == 2:
                 k_cur, v_cur, kn_cur, vn_cur = kraw, vraw, knorm, vnorm
                 offs2 = offs + BLOCK_N
@@ -256,7 +258,10 @@ def _decode_kernel(
         pi = tl.load(pi_ptr + d[:, None] * D + d[None, :])
         acc = tl.dot(acc, pi)
     else:
-        # full-precision residual window, then the pending new tokens, unrotated
+        # full-precision sinks, residual window, then the pending new tokens, unrotated
+        acc, m_i, l_i = _fp_segment(q, acc, m_i, l_i, sk_ptr + b * sskb + h * sskh, sv_ptr + b * ssvb + h * ssvh,
+                                    D, D, Ls, 0, scale_log2, row_ok, row_i, heads, m_base, smh, smi, smt,
+                                    causal_limit, D, BLOCK_N, MASK_KIND)
         acc, m_i, l_i = _fp_segment(q, acc, m_i, l_i, rk_ptr + b * srkb + h * srkh, rv_ptr + b * srvb + h * srvh,
                                     D, D, Lr, Lq, scale_log2, row_ok, row_i, heads, m_base, smh, smi, smt,
                                     causal_limit, D, BLOCK_N, MASK_KIND)
@@ -435,6 +440,9 @@ def decode_attention(
     b, hq, n, d = query.shape
     kp, kn, vp, vn = state["k_packed"], state["k_norms"], state["v_packed"], state["v_norms"]
     rk, rv, nk, nv = state["res_k"], state["res_v"], state["new_k"], state["new_v"]
+    sk, sv = state.get("sink_k"), state.get("sink_v")
+    if sk is None:
+        sk, sv = rk[:, :, :0], rv[:, :, :0]
     rot, kcb, vcb = state["rotation"], state["k_codebook"], state["v_codebook"]
     hkv, lq, lr = kp.shape[1], kp.shape[2], rk.shape[2]
     if nk.shape[2] != n:
@@ -453,6 +461,10 @@ def decode_attention(
     kp, vp = _tokens_last(kp, kp.shape[-1]), _tokens_last(vp, vp.shape[-1])
     kn, vn = _tokens_last(kn.unsqueeze(-1), 1).squeeze(-1), _tokens_last(vn.unsqueeze(-1), 1).squeeze(-1)
     rk, rv = _tokens_last(rk, d), _tokens_last(rv, d)
+    ls = sk.shape[2]
+    if ls > lq:
+        raise ValueError(f"the state holds {ls} sink tokens but only {lq} packed ones")
+    sk, sv = _tokens_last(sk, d), _tokens_last(sv, d)
     nk, nv = _row(nk), _row(nv)
     pi = rot.matrix
     if pi.device != query.device:
@@ -477,12 +489,13 @@ def decode_attention(
         vp, vp.stride(0), vp.stride(1), vn, vn.stride(0), vn.stride(1),
         kc, vc,
         rk, rk.stride(0), rk.stride(1), rv, rv.stride(0), rv.stride(1),
+        sk, sk.stride(0), sk.stride(1), sv, sv.stride(0), sv.stride(1),
         nk, nk.stride(0), nk.stride(1), nk.stride(2),
         nv, nv.stride(0), nv.stride(1), nv.stride(2),
         m_arg, ms[0], ms[1], ms[2], ms[3],
         out, out.stride(0), out.stride(1), out.stride(2),
         acc, ml, cnt,
-        hkv, lq, lr, n, 0, tok_per_split, num_splits, scale * LOG2E,
+        hkv, lq, lr, n, 0, ls, tok_per_split, num_splits, scale * LOG2E,
         G=group, D=d, KBITS=kcb.bits, VBITS=vcb.bits, KPT=kp.shape[-1], VPT=vp.shape[-1],
         KC_SH=kc.shape[-1] if kc.dim() == 2 else 0, VC_SH=vc.shape[-1] if vc.dim() == 2 else 0,
         BLOCK_M=block_m, R=rows, SC=sc, BLOCK_N=block_n, MASK_KIND=mask_kind,
@@ -504,13 +517,15 @@ def decode_attention(
 
 _PARAMS = list(_decode_kernel.arg_names)
 _I_Q, _I_NK, _I_NV, _I_OUT, _I_ACC, _I_ML = (_PARAMS.index(x) for x in ("q_ptr", "nk_ptr", "nv_ptr", "o_ptr", "acc_ptr", "ml_ptr"))
-_I_LQ, _I_LR, _I_N, _I_P0, _I_TOK, _I_SPLITS = (_PARAMS.index(x) for x in ("Lq", "Lr", "N", "P0", "tok_per_split", "num_splits"))
+_I_LQ, _I_LR, _I_N, _I_P0, _I_LS, _I_TOK, _I_SPLITS = (
+    _PARAMS.index(x) for x in ("Lq", "Lr", "N", "P0", "Ls", "tok_per_split", "num_splits")
+)
 _N_RUNTIME = _PARAMS.index("G")  # arguments before the constexprs
 _DIRECT = {"ok": None}  # None: not yet checked; True / False after the check
 
 
 class _Plan:
-    __slots__ = ("kpk", "vpk", "kpn", "vpn", "rk", "rv", "qshape", "qstride", "nkstride", "nvstride", "dtype",
+    __slots__ = ("kpk", "vpk", "kpn", "vpn", "rk", "rv", "sk", "sv", "qshape", "qstride", "nkstride", "nvstride", "dtype",
                  "scale", "args", "consts", "hkv", "bh", "d", "rows", "lq", "grid", "device", "dev_index",
                  "out_shape", "ck", "launch", "function", "metadata")
 
@@ -524,6 +539,7 @@ def _build_plan(query, layer, nk, nv, scale):
     block_m, rows, sc = _rows(group, n)
     p = _Plan()
     p.kpk, p.vpk, p.kpn, p.vpn, p.rk, p.rv = kb.packed, vb.packed, kb.norms, vb.norms, layer._rk, layer._rv
+    p.sk, p.sv = layer._sk, layer._sv
     p.qshape, p.qstride, p.nkstride, p.nvstride = query.shape, query.stride(), nk.stride(), nv.stride()
     p.dtype, p.scale = query.dtype, scale
     p.hkv, p.bh, p.d, p.rows, p.lq, p.grid = hkv, b * hkv, d, rows, -1, None
@@ -532,7 +548,7 @@ def _build_plan(query, layer, nk, nv, scale):
     p.ck = p.launch = p.function = p.metadata = None
     pi = layer.rotation.matrix
     kc, vc = kcb.centroids.contiguous(), vcb.centroids.contiguous()
-    kpk, kpn, vpk, vpn, rk, rv = p.kpk, p.kpn, p.vpk, p.vpn, p.rk, p.rv
+    kpk, kpn, vpk, vpn, rk, rv, sk, sv = p.kpk, p.kpn, p.vpk, p.vpn, p.rk, p.rv, p.sk, p.sv
     sc_ = d**-0.5 if scale is None else float(scale)
     args = [
         None, query.stride(0), query.stride(1), query.stride(2),
@@ -541,12 +557,13 @@ def _build_plan(query, layer, nk, nv, scale):
         vpk, vpk.stride(0), vpk.stride(1), vpn, vpn.stride(0), vpn.stride(1),
         kc, vc,
         rk, rk.stride(0), rk.stride(1), rv, rv.stride(0), rv.stride(1),
+        sk, sk.stride(0), sk.stride(1), sv, sv.stride(0), sv.stride(1),
         None, nk.stride(0), nk.stride(1), nk.stride(2),
         None, nv.stride(0), nv.stride(1), nv.stride(2),
         query, 0, 0, 0, 0,
         None, n * hq * d, hq * d, d,
         None, None, _counters(query.device, b * hkv),
-        hkv, None, None, n, None, None, None, sc_ * LOG2E,
+        hkv, None, None, n, None, None, None, None, sc_ * LOG2E,
     ]
     assert len(args) == _N_RUNTIME and args[_I_OUT] is None and args[_I_NK] is None and args[_I_NV] is None
     consts = dict(
@@ -563,7 +580,7 @@ def _plan_fits(p, query, layer, nk, nv, scale) -> bool:
     kb, vb = layer.k_buf, layer.v_buf
     return (
         p.kpk is kb.packed and p.vpk is vb.packed and p.kpn is kb.norms and p.vpn is vb.norms
-        and p.rk is layer._rk and p.rv is layer._rv and p.qshape == query.shape and p.qstride == query.stride()
+        and p.rk is layer._rk and p.rv is layer._rv and p.sk is layer._sk and p.sv is layer._sv and p.qshape == query.shape and p.qstride == query.stride()
         and p.nkstride == nk.stride() and p.nvstride == nv.stride() and p.dtype is query.dtype and p.scale == scale
     )
 
@@ -583,6 +600,9 @@ def layer_fast_path_ok(layer) -> bool:
     for t in (kb.norms, vb.norms):
         if t.stride(2) != 1:
             return False
+    sk = getattr(layer, "_sk", None)
+    if sk is None or sk.stride(3) != 1 or sk.stride(2) != sk.shape[3] or layer._sv.stride() != sk.stride():
+        return False
     return rk.stride(3) == 1 and rk.stride(2) == rk.shape[3] and layer._rv.stride() == rk.stride()
 
 
@@ -618,7 +638,7 @@ def decode_attention_layer(query: torch.Tensor, layer, scale: float | None = Non
     out = torch.empty(p.out_shape, dtype=query.dtype, device=query.device)
     a = a.copy()
     a[_I_Q], a[_I_NK], a[_I_NV], a[_I_OUT] = query, nk, nv, out
-    a[_I_LR], a[_I_P0] = layer._rlen, kb.start
+    a[_I_LR], a[_I_P0], a[_I_LS] = layer._rlen, kb.start, layer.exact_sinks
     if (
         p.launch is not None
         and not ((query.data_ptr() | nk.data_ptr() | nv.data_ptr()) & 15)
