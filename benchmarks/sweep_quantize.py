@@ -21,21 +21,13 @@ import triton
 from triton.testing import do_bench
 
 from tq_hf_cache import reference
-from tq_hf_cache.codebook import Codebook, theoretical_codebook
 from tq_hf_cache.kernels import quantize as Q
 from tq_hf_cache.packing import packed_bytes, unpack_indices
 from tq_hf_cache.rotation import make_rotation
 
-H, D = 8, 128
+from bench_quantize import D, H, codebook  # the same layer shape and codebooks as the main benchmark
+
 DEV = torch.device("cuda")
-
-
-def codebook(bits: int) -> Codebook:
-    if bits < 8:
-        return theoretical_codebook(bits, D)
-    k = 2**bits
-    q = torch.special.ndtri((torch.arange(k, dtype=torch.float64) + 0.5) / k) / D**0.5
-    return Codebook.from_centroids(q.float(), bits)
 
 
 def check(rot, cb, cfg) -> dict:
