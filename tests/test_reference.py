@@ -27,15 +27,17 @@ def test_measured_distortion_reproduces_paper_table(bits):
 @pytest.mark.parametrize("bits", range(1, 9))
 def test_round_trip_every_bit_width_and_head_dim(dim, bits):
     g = torch.Generator().manual_seed(torch.seed() % 2**31)
-    x = torch.randn(2, 3, 11, dim, generator=g) * 5
+    # 768 vectors: over 66, a rare coordinate beyond the outermost centroid swung the mean error up to 1.7x the
+    # expected distortion at 6-7 bits (about 1 seed in 200); over 768 the worst of 300 seeds was 1.15x
+    x = torch.randn(2, 3, 128, dim, generator=g) * 5
     rot = make_rotation(dim, seed=bits)
     cb = theoretical_codebook(bits, dim)
     packed, norms = reference.quantize(x, rot, cb, torch.float32)
-    assert packed.shape == (2, 3, 11, (dim * bits + 7) // 8) and norms.shape == (2, 3, 11)
+    assert packed.shape == (2, 3, 128, (dim * bits + 7) // 8) and norms.shape == (2, 3, 128)
     assert torch.allclose(norms, x.norm(dim=-1), rtol=1e-5)
     x_hat = reference.dequantize(packed, norms, rot, cb, torch.float32)
     rel = ((x - x_hat) ** 2).sum(-1) / (x**2).sum(-1)
-    # the mean relative error is the codebook's expected distortion, up to sampling noise over 66 vectors
+    # the mean relative error is the codebook's expected distortion, up to sampling noise
     assert rel.mean() < 1.35 * expected_mse(cb, dim) + 1e-5
     # quantizing the dequantized vector again is (nearly) idempotent
     p2, _ = reference.quantize(x_hat, rot, cb, torch.float32)
