@@ -60,6 +60,17 @@ def _fwht_rows(y, BLOCK_T: tl.constexpr, D: tl.constexpr, LOG2D: tl.constexpr):
 
 
 @triton.jit
+def _in_coordinate_order(t, BLOCK_T: tl.constexpr, D: tl.constexpr):
+    """(BLOCK_T, D) dot columns in MMA order (_common.mma_column_order) -> coordinate order.
+
+    Dot column 8j + 2q + e holds coordinate q * D/4 + 2j + e, so the thread that owns columns {8j + 2q + e}
+    (q = lane % 4 in the tensor-core accumulator layout) holds D/4 consecutive coordinates. This reshape/permute
+    only renames registers, and each thread packs and stores one contiguous run, with no shuffle through shared
+    memory."""
+    return tl.reshape(tl.permute(tl.reshape(t, (BLOCK_T, D // 8, 4, 2)), (0, 2, 1, 3)), (BLOCK_T, D))
+
+
+@triton.jit
 def _quantize_tile(
     x_ptr, sxb, sxh, sxt, sxd,
     p_ptr, spb, sph, spt,
@@ -140,14 +151,11 @@ def _quantize_tile(
             bk = tl.load(bnd + idx + (step - 1))
             idx = tl.where(y > bk, idx + step, idx)
 
-    if PERM and SEARCH == 4:
-        v = tl.reshape(tl.permute(tl.reshape(v, (BLOCK_T, D // 8, 4, 2)), (0, 2, 1, 3)), (BLOCK_T, D))
-    if PERM and SEARCH != 4:
-        # The +-1 operand's columns come in MMA order (_common.mma_column_order): dot column 8j + 2q + e holds
-        # coordinate q * D/4 + 2j + e, so the thread that owns columns {8j + 2q + e} (q = lane % 4 in the tensor-core
-        # accumulator layout) holds D/4 consecutive coordinates. This reshape/permute only renames registers, and
-        # each thread packs and stores one contiguous run of bytes, with no shuffle through shared memory.
-        idx = tl.reshape(tl.permute(tl.reshape(idx, (BLOCK_T, D // 8, 4, 2)), (0, 2, 1, 3)), (BLOCK_T, D))
+    if PERM:  # back from the MMA column order (see _in_coordinate_order)
+        if SEARCH == 4:
+            v = _in_coordinate_order(v, BLOCK_T, D)
+        else:
+            idx = _in_coordinate_order(idx, BLOCK_T, D)
 
     # ---- pack, LSB first (packing.py's layout)
     p_rows = p_ptr + b.to(tl.int64) * spb + h.to(tl.int64) * sph + t64 * spt
