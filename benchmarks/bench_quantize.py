@@ -35,12 +35,8 @@ DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # cpu: --qui
 
 
 def codebook(bits: int) -> Codebook:
-    """Lloyd-Max for D=128 (8 bits takes ~30 s on the CPU to build; Gaussian quantiles are as good a timing input)."""
-    if bits < 8:
-        return theoretical_codebook(bits, D)
-    k = 2**bits
-    q = torch.special.ndtri((torch.arange(k, dtype=torch.float64) + 0.5) / k) / D**0.5
-    return Codebook.from_centroids(q.float(), bits)
+    """The Lloyd-Max codebook for D=128, what the presets use."""
+    return theoretical_codebook(bits, D)
 
 
 def sync() -> None:

@@ -6,7 +6,8 @@ For each bit width: every configuration is first checked against the torch refer
 (index mismatches only at near-boundary ties, norms within fp16 rounding), then timed at B=8, T=32768 with
 triton.testing.do_bench (median, L2 flushed) and reported as bytes read + written per second and as % of a
 device-to-device copy measured in the same run. 4 bits gets the full grid (pipeline stages x programs per SM x
-tokens per program x warps); the other widths get the best few 4-bit configurations.
+tokens per program x warps); the other widths get the best few 4-bit configurations, except those in --wide
+(default 8 bits, where the search gathers from a table): each search that serves them x tile shapes x programs per SM.
 """
 
 from __future__ import annotations
@@ -64,6 +65,7 @@ def main() -> None:
     ap.add_argument("--out", default=os.environ.get("OUT", "benchmarks/results"))
     ap.add_argument("--bits", default="4,2,3,8")
     ap.add_argument("--top", type=int, default=3)
+    ap.add_argument("--wide", default="8", help="bit widths that get the search x tile x residency grid")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
     a = torch.randn(1 << 30, device=DEV, dtype=torch.bfloat16)
@@ -77,10 +79,14 @@ def main() -> None:
     print(f"copy {copy:.0f} GB/s", flush=True)
     grid = [dict(stages=s, progs_per_sm=p, block_t=bt, num_warps=w)
             for s, p, (bt, w) in itertools.product((1, 3), (4, 6, 8), ((64, 4), (128, 8)))]
+    # widths whose search is gather-bound: every search that serves them x tile shapes x residency
+    wide = [dict(search=m, stages=1, progs_per_sm=p, block_t=bt, num_warps=w, **({"maxnreg": r} if r else {}))
+            for m, p, (bt, w, r) in itertools.product(("poly", "lut"), (4, 8), ((64, 4, None), (64, 4, 128), (64, 8, None)))]
+    wide_bits = {int(v) for v in args.wide.split(",") if v}
     best4 = None
     for bits in [int(v) for v in args.bits.split(",")]:
         cb = codebook(bits).to(DEV)
-        cfgs = grid if best4 is None else best4
+        cfgs = wide if bits in wide_bits else (grid if best4 is None else best4)
         rows = []
         for cfg in cfgs:
             row = {"bits": bits, **cfg}
@@ -97,13 +103,13 @@ def main() -> None:
                   f"{'ok' if row['ok'] else 'CHECK FAILED ' + str(row)}"), flush=True)
             with open(os.path.join(args.out, "sweep_quantize.json"), "w") as f:
                 json.dump(res, f, indent=1)
-        if best4 is None:
+        if best4 is None and bits not in wide_bits:
             good = sorted((r for r in rows if r.get("ok")), key=lambda r: -r["GBps"])[: args.top]
             if not good:
-                raise SystemExit("no 4-bit configuration passed its check")
+                raise SystemExit(f"no {bits}-bit configuration passed its check")
             best4 = [{k: r[k] for k in ("stages", "progs_per_sm", "block_t", "num_warps")} for r in good]
-            for search in ("sym", "linear"):  # the other searches at the best configuration, for the record
-                cfg = dict(best4[0], search=search)
+            if bits <= 4:  # the linear scan at the best configuration, for the record
+                cfg = dict(best4[0], search="linear")
                 row = {"bits": bits, **cfg}
                 row.update(check(rot, cb, cfg))
                 row.update(timed(rot, cb, cfg))
@@ -112,11 +118,11 @@ def main() -> None:
                 print(f"bits={bits} {cfg}: {row['GBps']:.0f} GB/s {row['pct_copy']:.0f}% {'ok' if row['ok'] else 'CHECK FAILED'}")
     print("\nbest per bit width:")
     for bits in sorted({r["bits"] for r in res["rows"]}):
-        ok = [r for r in res["rows"] if r["bits"] == bits and r.get("ok") and "search" not in r]
+        ok = [r for r in res["rows"] if r["bits"] == bits and r.get("ok") and r.get("search") != "linear"]
         if ok:
             r = max(ok, key=lambda r: r["GBps"])
             print(f"  {bits} bits: {r['GBps']:.0f} GB/s = {r['pct_copy']:.0f}% of copy, stages {r['stages']} "
-                  f"progs/SM {r['progs_per_sm']} block_t {r['block_t']} warps {r['num_warps']}")
+                  f"progs/SM {r['progs_per_sm']} block_t {r['block_t']} warps {r['num_warps']} search {r.get('search')}")
     print("all checks OK" if all(r.get("ok") for r in res["rows"] if "error" not in r) else "SOME CHECKS FAILED")
 
 

@@ -11,6 +11,7 @@ case (adjacent cells, coordinate within 1e-5 of the boundary between them), and 
 
 from __future__ import annotations
 
+import math
 import os
 import warnings
 
@@ -57,12 +58,7 @@ def make_x(g, b, h, t, d, dtype, scale=1.0, lead=2, tail=3):
 
 
 def shared_codebook(bits, d) -> Codebook:
-    """The Lloyd-Max codebook, except at 8 bits (~30 s to build): Gaussian quantiles, as fine a test of the search."""
-    if bits < 8:
-        return theoretical_codebook(bits, d)
-    k = 2**bits
-    q = torch.special.ndtri((torch.arange(k, dtype=torch.float64) + 0.5) / k) / d**0.5
-    return Codebook.from_centroids(q.float(), bits)
+    return theoretical_codebook(bits, d)
 
 
 def per_head_codebook(g, bits, heads, d) -> Codebook:
@@ -167,10 +163,12 @@ def test_quantize_and_dequantize_match_reference(bits, d, dt, shape, nd, per_hea
     packed, norms = quantize_poisoned(x, rot, cb, NORM_DTYPES[nd])
     ref_p = check_indices(x, rot, cb, packed, seed)
     check_norms(x, norms, seed)
-    # what the cache returns: the kernel's packed data, dequantized, is the reference's up to rare ties
+    # what the cache returns: the kernel's packed data, dequantized, is the reference's (on vectors without a tie:
+    # one tied coordinate, checked above, moves its vector by a whole centroid gap)
     a = reference.dequantize(packed, norms, rot, cb)
     b_ = reference.dequantize(ref_p, reference.store_norm(x.float().norm(dim=-1), norms.dtype), rot, cb)
-    assert float((a - b_).norm() / b_.norm().clamp_min(1e-30)) < 1e-3, f"seed {seed}"
+    same = (unpack_indices(packed, bits, d) == unpack_indices(ref_p, bits, d)).all(-1)
+    assert float((a - b_)[same].norm() / b_[same].norm().clamp_min(1e-30)) < 1e-3, f"seed {seed}"
     # dequantize the reference's packed data into every model dtype
     for out_dt in (torch.float32, torch.float16, torch.bfloat16):
         out = dequantize_poisoned(ref_p, norms, rot, cb, out_dt, layout)
@@ -189,49 +187,86 @@ def test_fwht_variant_matches_reference(bits):
     check_dequant(out, packed, norms, rot, cb, seed)
 
 
-@pytest.mark.parametrize("bits,per_head", [(2, False), (3, False), (4, False), (5, True), (8, False)])
+@pytest.mark.parametrize("bits,per_head", [(2, False), (3, False), (4, False), (5, True), (6, False), (8, False)])
 def test_search_modes_agree(bits, per_head):
-    """The table search (default above 3 bits), the linear scan and the binary search give identical indices."""
+    """Every search that serves the codebook gives identical indices on random data ('sat' and 'poly' differ from the
+    others only at exact negative ties, which random data does not hit)."""
     seed, g = fresh_gen()
     rot = make_rotation(64, seed % 1000).to(DEV)
     cb = (per_head_codebook(g, bits, 3, 64) if per_head else shared_codebook(bits, 64)).to(DEV)
     x = make_x(g, 1, 3, 7, 64, torch.bfloat16)
-    modes = ("lut", "linear", "binary") + (("sat",) if bits <= 4 and not per_head else ())
+    modes = ("lut", "linear", "binary") + ((("sat",) if bits <= 4 else ("poly",)) if not per_head else ())
     got = {m: quantize_poisoned(x, rot, cb, torch.float16, search=m)[0] for m in modes}
     assert all(torch.equal(got["lut"], got[m]) for m in modes), f"seed {seed}"
     check_indices(x, rot, cb, got["lut"], seed)
 
 
+def dyadic_codebook(bits: int, d: int, grid: int = 4096) -> Codebook:
+    """The Lloyd-Max boundaries scaled to [-1/2, 1/2] and rounded to multiples of 1/grid: rows made of such values
+    can have a norm of exactly 1 (every square and partial sum is exact), so the kernel's y is exactly its input."""
+    pos = theoretical_codebook(bits, d).boundaries[2 ** (bits - 1):].double()
+    pos = torch.round(pos / pos[-1] * grid / 2) / grid if pos.numel() else pos
+    assert pos.numel() == 0 or (pos.diff() > 0).all() and pos[0] > 0
+    bnd = torch.cat([-pos.flip(0), torch.zeros(1, dtype=torch.float64), pos]).float()
+    gap = 1.0 / grid
+    cen = torch.cat([bnd[:1] - gap, (bnd[1:] + bnd[:-1]) / 2, bnd[-1:] + gap])
+    return Codebook(bits, cen, bnd)
+
+
+def unit_rows_through(values: torch.Tensor, d: int, grid: int = 4096) -> torch.Tensor:
+    """One row per value v (a multiple of 1/grid, |v| <= 1/2): v first, then whole multiples of 1/grid whose squares
+    fill 1 - v**2 exactly (greedy sum of squares), zeros elsewhere: ||row|| = 1 exactly."""
+    rows = torch.zeros(values.numel(), d, dtype=torch.float64)
+    for i, v in enumerate(values.double().tolist()):
+        k = round(v * grid)
+        rest, j = grid * grid - k * k, 1
+        rows[i, 0] = k
+        while rest:
+            m = math.isqrt(rest)
+            rows[i, j], rest, j = m, rest - m * m, j + 1
+        assert j <= d
+    return (rows / grid).float()
+
+
 def test_search_modes_agree_at_boundaries():
-    """Coordinates on, and one float step either side of, every boundary (and far outside): the searches see the same
-    rotated values inside the kernel, so they must agree exactly, except that 'sat' files a coordinate exactly equal
-    to a negative boundary one cell up (nearer zero; both centroids are equally near); and they match bucketize up to
-    the ulp the kernel's normalization may move a coordinate by."""
+    """Coordinates exactly on every boundary (unit rows: the kernel's y is exactly the row), one float step either
+    side of each, and far outside: the searches see the same y inside the kernel, so 'lut', 'linear' and 'binary'
+    agree exactly and equal bucketize on the exact rows; 'sat' and 'poly' file a coordinate exactly equal to a
+    negative boundary one cell up (nearer zero; both centroids are equally near) and agree everywhere else."""
     from tq_hf_cache.kernels import quantize as Q
 
-    for bits in (2, 3, 4, 6):
-        cb = shared_codebook(bits, 64)
+    rot = make_rotation(64, 0, kind="orthogonal")
+    rot._matrix = torch.eye(64)  # identity rotation: y = x / ||x||
+    for bits in (2, 3, 4, 6, 8):
+        cb = dyadic_codebook(bits, 64)
         b = cb.boundaries
-        y = torch.cat([b, torch.nextafter(b, torch.full_like(b, 9)), torch.nextafter(b, torch.full_like(b, -9)),
-                       torch.tensor([-1.0, 1.0, 0.0, float(b[0]) - 1e-3, float(b[-1]) + 1e-3])])
-        rows = torch.cat([y, torch.zeros((-y.numel()) % 64)]).view(1, 1, -1, 64)
-        rows = rows / rows.norm(dim=-1, keepdim=True)  # unit rows: the kernel's y is rows up to an ulp
-        rot = make_rotation(64, 0, kind="orthogonal")
-        rot._matrix = torch.eye(64)  # identity rotation: y = x / ||x||
+        exact = unit_rows_through(b, 64)
+        assert torch.equal(exact.double().pow(2).sum(-1), torch.ones(b.numel(), dtype=torch.float64))
+        up, down = exact.clone(), exact.clone()
+        up[:, 0], down[:, 0] = torch.nextafter(b, torch.full_like(b, 9)), torch.nextafter(b, torch.full_like(b, -9))
+        far = torch.zeros(3, 64)
+        far[0, 0], far[1, 0], far[2, :2] = -1.0, 1.0, torch.tensor([float(b[0]) - 1e-3, float(b[-1]) + 1e-3])
+        rows = torch.cat([exact, up, down, far + 1e-3]).view(1, 1, -1, 64)
         nb = packed_bytes(64, bits)
         got = {}
-        modes = ("lut", "linear", "binary") + (("sat",) if bits <= 4 else ())
+        modes = ("lut", "linear", "binary") + (("sat",) if bits <= 4 else ("poly",))
         for mode in modes:
             p = torch.empty(1, 1, rows.shape[2], nb, dtype=torch.uint8, device=DEV)
             n = torch.empty(1, 1, rows.shape[2], dtype=torch.float32, device=DEV)
             Q.quantize_into(rows.to(DEV), rot.to(DEV), cb.to(DEV), p, n, search=mode)
             got[mode] = unpack_indices(p.cpu(), bits, 64)
-        assert all(torch.equal(got["lut"], got[m]) for m in modes if m != "sat"), f"bits {bits}"
+        assert all(torch.equal(got["lut"], got[m]) for m in ("linear", "binary")), f"bits {bits}"
+        n_exact = exact.shape[0]
+        assert torch.equal(got["lut"][0, 0, :n_exact], torch.bucketize(exact, b)), f"bits {bits}"
         assert (got["lut"] - torch.bucketize(rows, b)).abs().max() <= 1
-        if "sat" in got:
-            diff = got["sat"] - got["lut"]
-            near_neg = ((rows[..., None] - b[b < 0]).abs() <= 2 * torch.finfo(torch.float32).eps * b.abs().max()).any(-1)
-            assert ((diff == 0) | ((diff == 1) & near_neg)).all(), f"bits {bits}: sat differs away from a negative tie"
+        neg_tie = (rows[..., None] == b[b < 0]).any(-1)
+        neg_tie[:, :, n_exact:] = False  # only the unit rows reach the kernel's y unchanged
+        near_neg = ((rows[..., None] - b[b < 0]).abs() <= 2 * torch.finfo(torch.float32).eps * b.abs().max()).any(-1)
+        assert neg_tie[0, 0, :n_exact, 0].sum() == (b < 0).sum(), "every negative boundary must be hit exactly"
+        m = "sat" if bits <= 4 else "poly"
+        diff = got[m] - got["lut"]
+        assert (diff[neg_tie] == 1).all(), f"bits {bits}: {m} must file exact negative ties one cell up"
+        assert ((diff == 0) | ((diff == 1) & near_neg)).all(), f"bits {bits}: {m} differs away from a negative tie"
 
 
 def test_tied_centroids_fall_back_to_binary_search():
@@ -416,3 +451,35 @@ def test_sat_search_per_head_alignment_and_refusal():
         assert (big[..., 0] == 0xA5).all(), "the byte before each misaligned row was overwritten"
         with pytest.raises(ValueError, match="aligned"):
             Q.quantize_into(x, rot, cb, view, n, search="sat")
+
+
+def test_poly_search_table_default_and_refusals():
+    """'poly' is the default above 4 bits for symmetric codebooks (per-head ones too: each head its own polynomial) and
+    matches the table search; its fit check rejects a polynomial off by 0.6 of an index; asymmetric codebooks keep
+    the table (or the binary search), and an explicit 'poly' on them, or at 4 bits, is refused by name."""
+    from tq_hf_cache.kernels import quantize as Q
+
+    seed, g = fresh_gen()
+    rot = make_rotation(64, seed % 1000).to(DEV)
+    x = make_x(g, 1, 3, 9, 64, torch.bfloat16)
+    base = shared_codebook(8, 64).centroids
+    sym = Codebook.from_centroids(base.unsqueeze(0) * (0.5 + torch.rand(3, 1, generator=g)), 8).to(DEV)
+    nb = packed_bytes(64, 8)
+    assert Q._search_args(sym, 3, x.device, None, torch.empty(1, 3, 9, nb, dtype=torch.uint8, device=DEV))[1] == Q.SEARCHES["poly"]
+    got = {m: quantize_poisoned(x, rot, sym, torch.float16, search=m)[0] for m in ("poly", "lut")}
+    assert torch.equal(got["poly"], got["lut"]), f"seed {seed}"
+    check_indices(x, rot, sym, got["poly"], seed)
+
+    tab, _ = _common.poly_table(shared_codebook(8, 64), 1, torch.device("cpu"))
+    n = _common.POLY_DEG + 1
+    coef, pos = tab[0, :n].double(), tab[0, n + 1 :].double()
+    assert _common._poly_ok(coef, pos, _common.POLY_MARGIN)
+    assert not _common._poly_ok(coef + torch.eye(n, dtype=torch.float64)[-1] * 0.6, pos, _common.POLY_MARGIN)
+
+    skew = per_head_codebook(g, 8, 3, 64).to(DEV)
+    packed = torch.empty(1, 3, 9, nb, dtype=torch.uint8, device=DEV)
+    assert Q._search_args(skew, 3, x.device, None, packed)[1] in (Q.SEARCHES["lut"], Q.SEARCHES["binary"])
+    with pytest.raises(ValueError, match="symmetric"):
+        quantize_poisoned(x, rot, skew, torch.float16, search="poly")
+    with pytest.raises(ValueError, match="5 to 8 bits"):
+        quantize_poisoned(x, rot, shared_codebook(4, 64).to(DEV), torch.float16, search="poly")

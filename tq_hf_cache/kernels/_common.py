@@ -16,6 +16,7 @@ from ..packing import packed_bytes
 from ..rotation import Rotation
 
 import triton  # noqa: E402  (the package imports this module only after checking triton imports)
+import triton.language as tl  # noqa: E402
 
 try:  # triton >= 3.4 exposes its settings as knobs; the env var is what older ones read
     INTERPRET = bool(triton.knobs.runtime.interpret)
@@ -240,3 +241,114 @@ def sat_table(codebook: Codebook, heads: int, device: torch.device) -> tuple[tor
     res = (tab.contiguous().to(device), half if codebook.per_head else 0)
     per[key] = res
     return res
+
+
+
+POLY_DEG = 5
+POLY_MARGIN = 0.05
+_POLY_CACHE: "weakref.WeakKeyDictionary[Codebook, dict]" = weakref.WeakKeyDictionary()
+
+
+def _horner(coef: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    f = torch.zeros_like(t)
+    for c in coef.tolist():
+        f = f * t + c
+    return f
+
+
+def _poly_ok(coef: torch.Tensor, pos: torch.Tensor, margin: float) -> bool:
+    """Whether trunc(F(min(a, hi))) is c(a) - 1 or c(a) for every a >= 0 (c(a): boundaries strictly below a).
+
+    That holds iff F lies in [c - 1, c + 1) on each cell (in (-1, 1) below the first boundary) and in [m - 1, m) at
+    hi, the last of the m boundaries. Checked with `margin` to spare at every boundary, one fp32 step either side of
+    it, and on a grid fine enough that F cannot move by the margin between two samples. pos: fp32 values, float64."""
+    m, hi = pos.numel(), float(pos[-1])
+    deriv = coef[:-1] * torch.arange(coef.numel() - 1, 0, -1, dtype=torch.float64)
+    slope = float(_horner(deriv, torch.linspace(0.0, hi, 4097, dtype=torch.float64)).abs().max())
+    n = int(min(max(1.5 * slope * hi / margin, 65536), 1 << 22)) + 1
+    p32 = pos.float()
+    a = torch.cat([torch.linspace(0.0, hi, n, dtype=torch.float64).float(), p32,
+                   torch.nextafter(p32, torch.full_like(p32, math.inf)), torch.nextafter(p32, torch.zeros_like(p32))])
+    a = torch.minimum(a, p32[-1])
+    f = _horner(coef, a.double())
+    c = torch.searchsorted(pos, a.double(), right=False).double()  # boundaries strictly below a
+    lo = torch.where(a == p32[-1], m - 1.0, torch.where(c == 0, -1.0, c - 1.0)) + margin
+    return bool(((f >= lo) & (f < c + 1.0 - margin)).all())
+
+
+def poly_table(codebook: Codebook, heads: int, device: torch.device):
+    """The 'poly' search table of a symmetric codebook, or None when no degree-POLY_DEG polynomial fits it.
+
+    Over the m = 2**(bits-1) - 1 positive boundaries P_j, a polynomial F of u = min(|y|, P_{m-1}) follows the count of
+    boundaries below |y| closely enough (`_poly_ok`) that g = trunc(F) is that count or one less; the count is then
+    g + (|y| > P_g): one gather instead of the table's two. Lloyd-Max codebooks are smooth in j: degree 5 is within
+    ~0.2 of an index at 8 bits. Per head, fp32: [F's coefficients (highest first), P_{m-1}, P_0 .. P_{m-1}].
+    Returns (table, head stride), or None.
+    """
+    per = _POLY_CACHE.setdefault(codebook, {})
+    key = torch.device(device)
+    if key in per:
+        return per[key]
+    half = 2 ** (codebook.bits - 1)
+    b = codebook.boundaries.detach().to("cpu", torch.float32).reshape(-1, 2 * half - 1)
+    rows = []
+    for pos in b[:, half:].double():
+        if pos.numel() < 2 or not bool((pos.diff() > 0).all()) or float(pos[0]) <= 0:
+            rows = None
+            break
+        hi = float(pos[-1])
+        # least squares on the piecewise-linear count through (0, 0) and (P_j, j + 1/2), reweighted towards minimax;
+        # fitted in t = u / hi (well conditioned), evaluated in u
+        xs = torch.linspace(0.0, hi, 8193, dtype=torch.float64)
+        knots = torch.cat([torch.zeros(1, dtype=torch.float64), pos])
+        vals = torch.cat([torch.zeros(1, dtype=torch.float64), torch.arange(pos.numel(), dtype=torch.float64) + 0.5])
+        j = torch.searchsorted(knots, xs, right=True).clamp(1, knots.numel() - 1)
+        frac = (xs - knots[j - 1]) / (knots[j] - knots[j - 1])
+        target = vals[j - 1] + frac * (vals[j] - vals[j - 1])
+        powers = torch.arange(POLY_DEG, -1, -1, dtype=torch.float64)
+        v = (xs[:, None] / hi) ** powers
+        w = torch.ones_like(xs)
+        for _ in range(40):
+            coef = torch.linalg.lstsq(v * w[:, None], (target * w)[:, None]).solution[:, 0]
+            err = (v @ coef - target).abs()
+            w = w * (1 + err / err.max().clamp_min(1e-30))
+        coef = (coef / hi**powers).float().double()
+        if not _poly_ok(coef, pos, POLY_MARGIN):
+            rows = None
+            break
+        rows.append(torch.cat([coef, torch.tensor([hi], dtype=torch.float64), pos]))
+    res = None
+    if rows is not None:
+        tab = torch.stack(rows).float().contiguous()
+        res = (tab.to(device), tab.shape[1] if codebook.per_head else 0)
+    per[key] = res
+    return res
+
+
+_PTX_GATHER: tl.constexpr = tl.constexpr(not INTERPRET)
+
+
+@triton.jit
+def gather(base, offs):
+    """tl.load(base + offs) for a gather (no mask) from a small L1-resident fp32 or uint8 table (uint8 comes back as
+    int32), kept in the layout of `offs`: base is a scalar pointer, offs a non-negative int32 tile.
+
+    A tl.load of a pointer tile is re-laid out by Triton's coalescing pass (a blocked layout), costing two layout
+    conversions through shared memory when the tile lives in the MMA layout: more than all the rest of the quantize
+    kernel at 8 bits. An elementwise inline PTX load has no layout of its own, and forms the address in one
+    mad.wide from the 32-bit offset. The interpreter takes tl.load."""
+    if _PTX_GATHER:
+        if base.dtype.element_ty == tl.float32:
+            out = tl.inline_asm_elementwise(
+                "{ .reg .u64 a; mad.wide.u32 a, $1, 4, $2; ld.global.nc.f32 $0, [a]; }", "=r,r,l", [offs, base],
+                dtype=tl.float32, is_pure=True, pack=1)
+        else:
+            tl.static_assert(base.dtype.element_ty == tl.uint8, "gather serves fp32 and uint8 tables")
+            out = tl.inline_asm_elementwise(
+                "{ .reg .u64 a; mad.wide.u32 a, $1, 1, $2; ld.global.nc.u8 $0, [a]; }", "=r,r,l", [offs, base],
+                dtype=tl.int32, is_pure=True, pack=1)
+    else:
+        out = tl.load(base + offs)
+        if base.dtype.element_ty == tl.uint8:
+            out = out.to(tl.int32)
+    return out

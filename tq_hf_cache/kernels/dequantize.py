@@ -89,7 +89,7 @@ def _dequantize_tile(
             i3 = ((word[:, :, None] >> (k8 * BITS).to(tl.int64)[None, None, :]) & ((1 << BITS) - 1)).to(tl.int32)
         idx = tl.reshape(i3, (BLOCK_T, D))
 
-    c = tl.load(cen_ptr + h * sch + idx)  # (BLOCK_T, D) fp32 gather from a 2**BITS table
+    c = C.gather(cen_ptr + h * sch, idx)  # (BLOCK_T, D) fp32 gather from a 2**BITS table
 
     n_rows = n_ptr + b * snb + h.to(tl.int64) * snh + t64 * snt
     norm = tl.load(n_rows, mask=tmask, other=0.0).to(tl.float32)

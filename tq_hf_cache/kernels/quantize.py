@@ -24,8 +24,10 @@ indices are whole numbers in fp32, so packing is a weighted sum on the FMA pipe 
 (32-bit at 3 bits). A coordinate exactly equal to a negative boundary (equidistant from two centroids)
 lands one cell nearer zero than bucketize puts it. Measured on the H100 at 4 bits, B=8, T=32768: 'sat'
 1937 GB/s, a select tree on |y| (tried, dropped) 1665, the linear scan 647 (benchmarks/results/sweep_quantize_h100.json).
-Other codebooks up to 4 bits scan every boundary; above 4 bits a uniform-grid table (_common.search_lut)
-needs two gathers per coordinate; a branchless binary search is the fallback for degenerate codebooks.
+Other codebooks up to 4 bits scan every boundary. Above 4 bits, symmetric codebooks take 'poly': a degree-5
+polynomial of |y| (fitted and checked per codebook, _common.poly_table) gives the cell or the one below it and a
+single gather of a boundary decides; other codebooks use a uniform-grid table (_common.search_lut), two dependent
+gathers per coordinate; a branchless binary search is the fallback for degenerate codebooks.
 Per-head codebooks are one pointer offset (head stride 0 for a shared codebook).
 
 Grid: persistent, PROGS_PER_SM programs per SM, each loading the (D, D) operand once and walking tiles;
@@ -45,6 +47,11 @@ from ..rotation import Rotation
 from . import _common as C
 
 FP16_MAX = 65504.0
+POLY_NC: tl.constexpr = tl.constexpr(C.POLY_DEG + 1)
+# The table and polynomial searches (above 4 bits) keep more values live: capped at 128 registers, 4 programs of 4
+# warps fit an SM instead of 3, and 8 bits goes from 52% to 71% of copy on the H100
+# (benchmarks/results/sweep_quantize_8bit_h100_3_maxnreg.json)
+MAXNREG_WIDE = 128
 PROGS_PER_SM = 8  # best of 4/6/8 on the H100 at 2-4 bits (benchmarks/results/sweep_quantize_h100.json)
 
 
@@ -79,7 +86,7 @@ def _quantize_tile(
     pid_t, pid_bh, H, T, inv_sqrt_d,
     D: tl.constexpr, LOG2D: tl.constexpr, BITS: tl.constexpr, BLOCK_T: tl.constexpr,
     ROT: tl.constexpr, XMODE: tl.constexpr, CLAMP_FP16: tl.constexpr, X_UNIT: tl.constexpr, SEARCH: tl.constexpr,
-    PERM: tl.constexpr,
+    PERM: tl.constexpr, WORDS: tl.constexpr,
 ):
     """One (BLOCK_T, D) tile of one (batch, head); rop is the (D, D) matrix operand, or the (D,) signs for FWHT."""
     b = pid_bh // H
@@ -131,8 +138,8 @@ def _quantize_tile(
         lo = tl.load(lo_ptr + h * hsel)
         inv_w = tl.load(invw_ptr + h * hsel)
         j = tl.minimum(tl.maximum(((y - lo) * inv_w).to(tl.int32), 0), NLUT - 1)
-        g = tl.load(lut_ptr + h * slh + j).to(tl.int32)
-        idx = g + (y > tl.load(bnd + g)).to(tl.int32)
+        g = C.gather(lut_ptr + h * slh, j)
+        idx = g + (y > C.gather(bnd, g)).to(tl.int32)
     elif SEARCH == 4:  # symmetric codebook, BITS <= 4: count on the FMA pipe (see the module docstring)
         HALF_S: tl.constexpr = 1 << (BITS - 1)
         satk = tl.load(lut_ptr + h * slh + (HALF_S - 1))  # 2**k that lifts any nonzero |y| - B_j to >= 2 in size
@@ -144,6 +151,17 @@ def _quantize_tile(
         # (y minus the least denormal carries the sign of y, except that +0 turns negative, as bucketize files it)
         sgn = (y - 1.401298464324817e-45).to(tl.uint32, bitcast=True) & 0x80000000
         v = (cnt.to(tl.uint32, bitcast=True) | sgn).to(tl.float32, bitcast=True)
+    elif SEARCH == 5:  # symmetric codebook above 4 bits: polynomial guess + one gather (see _common.poly_table)
+        HALF_Q: tl.constexpr = 1 << (BITS - 1)
+        tb = lut_ptr + h * slh
+        a = tl.abs(y)
+        u = tl.minimum(a, tl.load(tb + POLY_NC))
+        f = u * tl.load(tb) + tl.load(tb + 1)
+        for k in tl.static_range(2, POLY_NC):
+            f = f * u + tl.load(tb + k)
+        g = f.to(tl.int32)  # the count of positive boundaries below |y|, or one less
+        cnt = g + (a > C.gather(tb + (POLY_NC + 1), g)).to(tl.int32)
+        idx = tl.where(y > 0, HALF_Q + cnt, (HALF_Q - 1) - cnt)
     else:  # branchless binary search, BITS dependent gathers (fallback for degenerate codebooks)
         idx = tl.zeros((BLOCK_T, D), dtype=tl.int32)
         for s in tl.static_range(BITS):
@@ -184,6 +202,11 @@ def _quantize_tile(
             h_rows = p_rows.to(tl.pointer_type(tl.uint16), bitcast=True)
             tl.store(h_rows[:, None] + tl.arange(0, D // PER16)[None, :], wf.to(tl.int32, bitcast=True).to(tl.uint16),
                      mask=tmask[:, None])
+    elif BITS == 8 and WORDS:  # four indices per int32 word, packed in registers (a uint8 tile store changes layout)
+        i4 = tl.reshape(idx, (BLOCK_T, D // 4, 4))
+        wrd = tl.sum(i4 << (tl.arange(0, 4) * 8)[None, None, :], axis=2)
+        w_rows = p_rows.to(tl.pointer_type(tl.int32), bitcast=True)
+        tl.store(w_rows[:, None] + tl.arange(0, D // 4)[None, :], wrd, mask=tmask[:, None])
     elif (8 % BITS) == 0:  # whole indices per byte: contiguous full-byte stores
         PER: tl.constexpr = 8 // BITS
         NB: tl.constexpr = D // PER
@@ -235,7 +258,7 @@ def _quantize_kernel(
     n_t_tiles, n_tiles,
     D: tl.constexpr, LOG2D: tl.constexpr, BITS: tl.constexpr, BLOCK_T: tl.constexpr,
     ROT: tl.constexpr, XMODE: tl.constexpr, CLAMP_FP16: tl.constexpr, X_UNIT: tl.constexpr, SEARCH: tl.constexpr,
-    STAGES: tl.constexpr, PERM: tl.constexpr,
+    STAGES: tl.constexpr, PERM: tl.constexpr, WORDS: tl.constexpr,
 ):
     """Persistent: the rotation operand is loaded once, then the program walks tiles pid, pid + grid, ..."""
     rop = _load_rot(mat_ptr, sgn_ptr, D, ROT)
@@ -244,7 +267,7 @@ def _quantize_kernel(
             x_ptr, sxb, sxh, sxt, sxd, p_ptr, spb, sph, spt, n_ptr, snb, snh, snt,
             rop, bnd_ptr, sbh, lut_ptr, slh, lo_ptr, invw_ptr, hsel, NLUT,
             tile % n_t_tiles, tile // n_t_tiles, H, T, inv_sqrt_d,
-            D, LOG2D, BITS, BLOCK_T, ROT, XMODE, CLAMP_FP16, X_UNIT, SEARCH, PERM,
+            D, LOG2D, BITS, BLOCK_T, ROT, XMODE, CLAMP_FP16, X_UNIT, SEARCH, PERM, WORDS,
         )
 
 
@@ -257,7 +280,7 @@ def _quantize_kv_kernel(
     mat_ptr, sgn_ptr, H, T, inv_sqrt_d, n_t_tiles, n_tiles,
     D: tl.constexpr, LOG2D: tl.constexpr, KBITS: tl.constexpr, VBITS: tl.constexpr, BLOCK_T: tl.constexpr,
     ROT: tl.constexpr, XMODE: tl.constexpr, CLAMP_FP16: tl.constexpr, K_UNIT: tl.constexpr, V_UNIT: tl.constexpr,
-    KSEARCH: tl.constexpr, VSEARCH: tl.constexpr, PERM: tl.constexpr,
+    KSEARCH: tl.constexpr, VSEARCH: tl.constexpr, PERM: tl.constexpr, KWORDS: tl.constexpr, VWORDS: tl.constexpr,
 ):
     """Keys and values of one layer in one launch (grid axis 1: 0 = keys, 1 = values); not persistent (decode)."""
     rop = _load_rot(mat_ptr, sgn_ptr, D, ROT)
@@ -267,14 +290,14 @@ def _quantize_kv_kernel(
             k_ptr, skb, skh, skt, skd, pk_ptr, spkb, spkh, spkt, nk_ptr, snkb, snkh, snkt,
             rop, bndk_ptr, sbkh, lutk_ptr, slkh, lok_ptr, invwk_ptr, hselk, NLUTK,
             tile % n_t_tiles, tile // n_t_tiles, H, T, inv_sqrt_d,
-            D, LOG2D, KBITS, BLOCK_T, ROT, XMODE, CLAMP_FP16, K_UNIT, KSEARCH, PERM,
+            D, LOG2D, KBITS, BLOCK_T, ROT, XMODE, CLAMP_FP16, K_UNIT, KSEARCH, PERM, KWORDS,
         )
     else:
         _quantize_tile(
             v_ptr, svb, svh, svt, svd, pv_ptr, spvb, spvh, spvt, nv_ptr, snvb, snvh, snvt,
             rop, bndv_ptr, sbvh, lutv_ptr, slvh, lov_ptr, invwv_ptr, hselv, NLUTV,
             tile % n_t_tiles, tile // n_t_tiles, H, T, inv_sqrt_d,
-            D, LOG2D, VBITS, BLOCK_T, ROT, XMODE, CLAMP_FP16, V_UNIT, VSEARCH, PERM,
+            D, LOG2D, VBITS, BLOCK_T, ROT, XMODE, CLAMP_FP16, V_UNIT, VSEARCH, PERM, VWORDS,
         )
 
 
@@ -295,7 +318,7 @@ def _modes(x_dtype: torch.dtype, rotation: Rotation, rot: str | None) -> tuple[i
     return C.ROT_PM1_DOT, C.X_NATIVE, x_dtype
 
 
-SEARCHES = {"linear": 0, "lut": 1, "binary": 2, "sat": 4}
+SEARCHES = {"linear": 0, "lut": 1, "binary": 2, "sat": 4, "poly": 5}
 
 
 _SYM_CACHE: "weakref.WeakKeyDictionary[Codebook, bool]" = weakref.WeakKeyDictionary()
@@ -313,8 +336,9 @@ def is_symmetric(codebook: Codebook) -> bool:
 
 
 def _store_aligned(packed: torch.Tensor, bits: int, dim: int) -> bool:
-    """Whether every packed row starts on the word the 'sat' search stores (2 bytes; 4 at 3 bits, with dim % 32 == 0)."""
-    unit = 4 if bits == 3 else 2
+    """Whether every packed row starts on the word the kernel stores whole: 2 bytes for 'sat' at 1, 2, 4 bits; 4 at 3
+    bits (with dim % 32 == 0) and at 8 bits."""
+    unit = 4 if bits in (3, 8) else 2
     if bits == 3 and dim % 32:
         return False
     return packed.data_ptr() % unit == 0 and all(
@@ -326,26 +350,33 @@ def _search_args(codebook: Codebook, heads: int, dev, search: str | None, packed
     """(bnd, sbh, table, table head stride, lo, inv_w, hsel, NLUT) for the kernel, and the SEARCH mode.
 
     Default: symmetric codebooks up to 4 bits count on the FMA pipe ('sat'; the packed rows must be word-aligned, as
-    the cache's buffers are); other codebooks up to 4 bits compare linearly; wider ones use the table ('lut').
+    the cache's buffers are); other codebooks up to 4 bits compare linearly; wider symmetric ones take a polynomial
+    guess and one gather ('poly'), other wider ones the table ('lut').
     """
     bits, dim = codebook.bits, packed.shape[-1] * 8 // codebook.bits
-    sym = bits <= 4 and is_symmetric(codebook)
+    sym = is_symmetric(codebook)
+    poly = C.poly_table(codebook, heads, dev) if bits > 4 and sym else None
     if search is None:
         if bits > 4:
-            search = "lut"
+            search = "lut" if poly is None else "poly"
         else:
             search = "sat" if sym and _store_aligned(packed, bits, dim) else "linear"
     if search not in SEARCHES:
         raise ValueError(f"search must be None or one of {sorted(SEARCHES)}, got {search!r}")
-    if search == "sat" and not sym:
+    if search == "sat" and not (sym and bits <= 4):
         raise ValueError(f"search={search!r} needs a symmetric codebook of at most 4 bits, got {bits} bits"
-                         + ("" if is_symmetric(codebook) else ", not symmetric"))
+                         + ("" if sym else ", not symmetric"))
     if search == "sat" and not _store_aligned(packed, bits, dim):
         raise ValueError("search='sat' stores whole 16-bit (32-bit at 3 bits) words: packed rows must be aligned to them")
+    if search == "poly" and poly is None:
+        raise ValueError(f"search='poly' needs a symmetric codebook of 5 to 8 bits with strictly increasing boundaries, "
+                         f"got {bits} bits" + ("" if sym else ", not symmetric"))
     _, bnd, _, sbh = C.codebook_tables(codebook, heads, dev)
     if search == "sat":
         tab, sth = C.sat_table(codebook, heads, dev)
         return (bnd, sbh, tab, sth, bnd, bnd, 0, 1), SEARCHES["sat"]
+    if search == "poly":
+        return (bnd, sbh, poly[0], poly[1], bnd, bnd, 0, 1), SEARCHES["poly"]
     if search == "lut":
         t = C.search_lut(codebook, heads, dev)
         if t is None:  # boundaries too close (or tied) for a small table
@@ -390,10 +421,12 @@ def quantize_into(
     num_warps: int | None = None,
     progs_per_sm: int | None = None,
     stages: int = 1,
+    maxnreg: int | None = None,
 ):
     """Quantize x (B, H, T, D) into packed_out (B, H, T, nbytes) uint8 and norms_out (B, H, T), in place.
 
-    rot / search / block_t / num_warps / progs_per_sm (0: one program per tile) / stages override the defaults (for the benchmark); the cache never passes them.
+    rot / search / block_t / num_warps / progs_per_sm (0: one program per tile) / stages / maxnreg (a register cap per
+    thread) override the defaults (for the benchmark); the cache never passes them.
     Returns the launched kernel handle (its n_regs / n_spills), or None when there was nothing to do.
     """
     bits = _check_x("quantize_into", x, rotation, codebook, packed_out, norms_out)
@@ -410,6 +443,8 @@ def quantize_into(
     else:
         mat, sgn = C.rotation_operand(rotation, dev, "fwd_mma" if rmode == C.ROT_PM1_DOT else "fwd", mdtype), bnd
     bt, nw = _launch_cfg(tokens, block_t, num_warps)
+    if maxnreg is None and smode in (SEARCHES["poly"], SEARCHES["lut"]) and not C.INTERPRET:
+        maxnreg = MAXNREG_WIDE
     n_t = triton.cdiv(tokens, bt)
     n_tiles = n_t * bsz * heads
     grid = (C.persistent_grid(n_tiles, dev, PROGS_PER_SM if progs_per_sm is None else progs_per_sm),)
@@ -421,8 +456,8 @@ def quantize_into(
         heads, tokens, dim**-0.5, n_t, n_tiles,
         D=dim, LOG2D=dim.bit_length() - 1, BITS=bits, BLOCK_T=bt,
         ROT=rmode, XMODE=xmode, CLAMP_FP16=norms_out.dtype == torch.float16, X_UNIT=x.stride(-1) == 1,
-        SEARCH=smode, STAGES=stages, PERM=rmode == C.ROT_PM1_DOT,
-        num_warps=nw,
+        SEARCH=smode, STAGES=stages, PERM=rmode == C.ROT_PM1_DOT, WORDS=bits == 8 and _store_aligned(packed_out, bits, dim),
+        num_warps=nw, **({} if maxnreg is None else {"maxnreg": maxnreg}),
     )
 
 
@@ -468,5 +503,6 @@ def quantize_kv_into(
         D=dim, LOG2D=dim.bit_length() - 1, KBITS=kbits, VBITS=vbits, BLOCK_T=bt,
         ROT=rmode, XMODE=xmode, CLAMP_FP16=k_norms.dtype == torch.float16,
         K_UNIT=k.stride(-1) == 1, V_UNIT=v.stride(-1) == 1, KSEARCH=kmode, VSEARCH=vmode,
-        PERM=rmode == C.ROT_PM1_DOT, num_warps=nw,
+        PERM=rmode == C.ROT_PM1_DOT, KWORDS=kbits == 8 and _store_aligned(k_packed, kbits, dim),
+        VWORDS=vbits == 8 and _store_aligned(v_packed, vbits, dim), num_warps=nw,
     )
