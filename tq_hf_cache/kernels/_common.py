@@ -5,6 +5,7 @@ Kept free of kernel code so that the checks stay readable and both launchers rai
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import weakref
@@ -174,10 +175,25 @@ def check_norms(where: str, norms: torch.Tensor, lead: tuple) -> None:
         raise ValueError(f"{where}: norms must have shape {tuple(lead)}, got {tuple(norms.shape)}")
 
 
+def _per_codebook_and_device(build):
+    """Cache build(codebook, heads, device) per codebook (weakly) and device: the tables are read on the host once."""
+    cache: "weakref.WeakKeyDictionary[Codebook, dict]" = weakref.WeakKeyDictionary()
+
+    @functools.wraps(build)
+    def cached(codebook: Codebook, heads: int, device: torch.device):
+        per = cache.setdefault(codebook, {})
+        key = torch.device(device)
+        if key not in per:
+            per[key] = build(codebook, heads, key)
+        return per[key]
+
+    return cached
+
+
 LUT_MAX_CELLS = 4096
-_LUT_CACHE: "weakref.WeakKeyDictionary[Codebook, dict]" = weakref.WeakKeyDictionary()
 
 
+@_per_codebook_and_device
 def search_lut(codebook: Codebook, heads: int, device: torch.device):
     """A uniform-grid table that turns the boundary search into two gathers, or None when the grid would be too fine.
 
@@ -186,10 +202,6 @@ def search_lut(codebook: Codebook, heads: int, device: torch.device):
     lut[j] + (y > b[lut[j]]), exactly, whatever fp32 rounding does to j (far less than the margin). Returns
     (lut uint8 (H', N), padded boundaries fp32 (H', 2**bits) ending in +inf, lo (H',), inv_w (H',), N, head stride).
     """
-    per = _LUT_CACHE.setdefault(codebook, {})
-    key = torch.device(device)
-    if key in per:
-        return per[key]
     b = codebook.boundaries.detach().to("cpu", torch.float64).reshape(-1, 2**codebook.bits - 1)
     gaps = b[:, 1:] - b[:, :-1]
     res = None
@@ -211,13 +223,16 @@ def search_lut(codebook: Codebook, heads: int, device: torch.device):
                 n,
                 n if codebook.per_head else 0,
             )
-    per[key] = res
     return res
 
 
-_SAT_CACHE: "weakref.WeakKeyDictionary[Codebook, dict]" = weakref.WeakKeyDictionary()
+def _positive_boundaries(codebook: Codebook) -> torch.Tensor:
+    """(H', 2**(bits-1) - 1) fp32 on the host: the boundaries above the middle one (0 in a symmetric codebook)."""
+    half = 2 ** (codebook.bits - 1)
+    return codebook.boundaries.detach().to("cpu", torch.float32).reshape(-1, 2 * half - 1)[:, half:]
 
 
+@_per_codebook_and_device
 def sat_table(codebook: Codebook, heads: int, device: torch.device) -> tuple[torch.Tensor, int]:
     """Per head [-B_0 K, ..., -B_{m-1} K, K] over the m = 2**(bits-1) - 1 positive boundaries of a symmetric codebook.
 
@@ -225,28 +240,18 @@ def sat_table(codebook: Codebook, heads: int, device: torch.device) -> tuple[tor
     smallest positive boundary) and <= -2 whenever |y| < B_j; so min(max(|y| K - B_j K, 0), 1), one saturated FMA, is
     exactly [|y| > B_j]. Both products are exact (K is a power of two). Returns the table and its head stride.
     """
-    per = _SAT_CACHE.setdefault(codebook, {})
-    key = torch.device(device)
-    if key in per:
-        return per[key]
-    half = 2 ** (codebook.bits - 1)
-    b = codebook.boundaries.detach().to("cpu", torch.float32).reshape(-1, 2 * half - 1)
-    pos = b[:, half:]
+    pos = _positive_boundaries(codebook)
     if pos.numel():
         _, e = torch.frexp(pos.min())  # min = m 2**e, m in [0.5, 1): its ulp is 2**(e - 24)
         k = 2.0 ** (25 - int(e))
     else:
         k = 1.0
-    tab = torch.cat([-pos.double() * k, torch.full((b.shape[0], 1), k, dtype=torch.float64)], dim=1).float()
-    res = (tab.contiguous().to(device), half if codebook.per_head else 0)
-    per[key] = res
-    return res
-
+    tab = torch.cat([-pos.double() * k, torch.full((pos.shape[0], 1), k, dtype=torch.float64)], dim=1).float()
+    return tab.contiguous().to(device), tab.shape[1] if codebook.per_head else 0
 
 
 POLY_DEG = 5
 POLY_MARGIN = 0.05
-_POLY_CACHE: "weakref.WeakKeyDictionary[Codebook, dict]" = weakref.WeakKeyDictionary()
 
 
 def _horner(coef: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
@@ -276,6 +281,7 @@ def _poly_ok(coef: torch.Tensor, pos: torch.Tensor, margin: float) -> bool:
     return bool(((f >= lo) & (f < c + 1.0 - margin)).all())
 
 
+@_per_codebook_and_device
 def poly_table(codebook: Codebook, heads: int, device: torch.device):
     """The 'poly' search table of a symmetric codebook, or None when no degree-POLY_DEG polynomial fits it.
 
@@ -285,17 +291,10 @@ def poly_table(codebook: Codebook, heads: int, device: torch.device):
     ~0.2 of an index at 8 bits. Per head, fp32: [F's coefficients (highest first), P_{m-1}, P_0 .. P_{m-1}].
     Returns (table, head stride), or None.
     """
-    per = _POLY_CACHE.setdefault(codebook, {})
-    key = torch.device(device)
-    if key in per:
-        return per[key]
-    half = 2 ** (codebook.bits - 1)
-    b = codebook.boundaries.detach().to("cpu", torch.float32).reshape(-1, 2 * half - 1)
     rows = []
-    for pos in b[:, half:].double():
+    for pos in _positive_boundaries(codebook).double():
         if pos.numel() < 2 or not bool((pos.diff() > 0).all()) or float(pos[0]) <= 0:
-            rows = None
-            break
+            return None
         hi = float(pos[-1])
         # least squares on the piecewise-linear count through (0, 0) and (P_j, j + 1/2), reweighted towards minimax;
         # fitted in t = u / hi (well conditioned), evaluated in u
@@ -314,15 +313,10 @@ def poly_table(codebook: Codebook, heads: int, device: torch.device):
             w = w * (1 + err / err.max().clamp_min(1e-30))
         coef = (coef / hi**powers).float().double()
         if not _poly_ok(coef, pos, POLY_MARGIN):
-            rows = None
-            break
+            return None
         rows.append(torch.cat([coef, torch.tensor([hi], dtype=torch.float64), pos]))
-    res = None
-    if rows is not None:
-        tab = torch.stack(rows).float().contiguous()
-        res = (tab.to(device), tab.shape[1] if codebook.per_head else 0)
-    per[key] = res
-    return res
+    tab = torch.stack(rows).float().contiguous()
+    return tab.to(device), tab.shape[1] if codebook.per_head else 0
 
 
 _PTX_GATHER: tl.constexpr = tl.constexpr(not INTERPRET)
