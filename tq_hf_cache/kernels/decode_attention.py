@@ -417,6 +417,36 @@ def _mask_args(mask, b, hq, n, t, query):
     return kind, m_arg, m_arg.stride()
 
 
+def _runtime_args(q, qs, pi, kp, kn, vp, vn, kc, vc, rk, rv, sk, sv, nk, nks, nv, nvs, m_arg, ms, out, os_, acc, ml, cnt,
+                  hkv, lq, lr, n, p0, ls, tok_per_split, num_splits, scale_log2) -> list:
+    """_decode_kernel's runtime arguments in order (the general launcher and the per-layer plan both build them here;
+    qs / nks / nvs / ms / os_ are the strides the kernel takes of q, new K, new V, the mask and out)."""
+    return [
+        q, *qs,
+        pi,
+        kp, kp.stride(0), kp.stride(1), kn, kn.stride(0), kn.stride(1),
+        vp, vp.stride(0), vp.stride(1), vn, vn.stride(0), vn.stride(1),
+        kc, vc,
+        rk, rk.stride(0), rk.stride(1), rv, rv.stride(0), rv.stride(1),
+        sk, sk.stride(0), sk.stride(1), sv, sv.stride(0), sv.stride(1),
+        nk, *nks,
+        nv, *nvs,
+        m_arg, *ms,
+        out, *os_,
+        acc, ml, cnt,
+        hkv, lq, lr, n, p0, ls, tok_per_split, num_splits, scale_log2,
+    ]
+
+
+def _constexprs(group, d, kcb, vcb, kp, vp, kc, vc, block_m, rows, sc, block_n, mask_kind, klut, vlut, prefetch, diag):
+    return dict(
+        G=group, D=d, KBITS=kcb.bits, VBITS=vcb.bits, KPT=kp.shape[-1], VPT=vp.shape[-1],
+        KC_SH=kc.shape[-1] if kc.dim() == 2 else 0, VC_SH=vc.shape[-1] if vc.dim() == 2 else 0,
+        BLOCK_M=block_m, R=rows, SC=sc, BLOCK_N=block_n, MASK_KIND=mask_kind,
+        KLUT=klut, VLUT=vlut, PREFETCH=prefetch, DIAG=diag,
+    )
+
+
 def decode_attention(
     query: torch.Tensor,
     state: dict,
@@ -483,24 +513,13 @@ def decode_attention(
     extra = {} if num_stages is None and DEFAULT_STAGES is None else {"num_stages": num_stages or DEFAULT_STAGES}
     global LAST_COMPILED
     LAST_COMPILED = _decode_kernel[(b * hkv, num_splits + 1)](
-        qv, qv.stride(0), qv.stride(1), qv.stride(2),
-        pi,
-        kp, kp.stride(0), kp.stride(1), kn, kn.stride(0), kn.stride(1),
-        vp, vp.stride(0), vp.stride(1), vn, vn.stride(0), vn.stride(1),
-        kc, vc,
-        rk, rk.stride(0), rk.stride(1), rv, rv.stride(0), rv.stride(1),
-        sk, sk.stride(0), sk.stride(1), sv, sv.stride(0), sv.stride(1),
-        nk, nk.stride(0), nk.stride(1), nk.stride(2),
-        nv, nv.stride(0), nv.stride(1), nv.stride(2),
-        m_arg, ms[0], ms[1], ms[2], ms[3],
-        out, out.stride(0), out.stride(1), out.stride(2),
-        acc, ml, cnt,
-        hkv, lq, lr, n, 0, ls, tok_per_split, num_splits, scale * LOG2E,
-        G=group, D=d, KBITS=kcb.bits, VBITS=vcb.bits, KPT=kp.shape[-1], VPT=vp.shape[-1],
-        KC_SH=kc.shape[-1] if kc.dim() == 2 else 0, VC_SH=vc.shape[-1] if vc.dim() == 2 else 0,
-        BLOCK_M=block_m, R=rows, SC=sc, BLOCK_N=block_n, MASK_KIND=mask_kind,
-        KLUT=_lut(lut, kcb.bits), VLUT=_lut(lut, vcb.bits),
-        PREFETCH=DEFAULT_PREFETCH if prefetch is None else prefetch, DIAG=_diag,
+        *_runtime_args(
+            qv, qv.stride()[:3], pi, kp, kn, vp, vn, kc, vc, rk, rv, sk, sv, nk, nk.stride()[:3], nv, nv.stride()[:3],
+            m_arg, ms, out, out.stride()[:3], acc, ml, cnt, hkv, lq, lr, n, 0, ls, tok_per_split, num_splits,
+            scale * LOG2E,
+        ),
+        **_constexprs(group, d, kcb, vcb, kp, vp, kc, vc, block_m, rows, sc, block_n, mask_kind, _lut(lut, kcb.bits),
+                      _lut(lut, vcb.bits), DEFAULT_PREFETCH if prefetch is None else prefetch, _diag),
         num_warps=num_warps or DEFAULT_WARPS, **extra,
     )
     return out
@@ -550,28 +569,14 @@ def _build_plan(query, layer, nk, nv, scale):
     kc, vc = kcb.centroids.contiguous(), vcb.centroids.contiguous()
     kpk, kpn, vpk, vpn, rk, rv, sk, sv = p.kpk, p.kpn, p.vpk, p.vpn, p.rk, p.rv, p.sk, p.sv
     sc_ = d**-0.5 if scale is None else float(scale)
-    args = [
-        None, query.stride(0), query.stride(1), query.stride(2),
-        pi,
-        kpk, kpk.stride(0), kpk.stride(1), kpn, kpn.stride(0), kpn.stride(1),
-        vpk, vpk.stride(0), vpk.stride(1), vpn, vpn.stride(0), vpn.stride(1),
-        kc, vc,
-        rk, rk.stride(0), rk.stride(1), rv, rv.stride(0), rv.stride(1),
-        sk, sk.stride(0), sk.stride(1), sv, sv.stride(0), sv.stride(1),
-        None, nk.stride(0), nk.stride(1), nk.stride(2),
-        None, nv.stride(0), nv.stride(1), nv.stride(2),
-        query, 0, 0, 0, 0,
-        None, n * hq * d, hq * d, d,
-        None, None, _counters(query.device, b * hkv),
+    args = _runtime_args(
+        None, query.stride()[:3], pi, kpk, kpn, vpk, vpn, kc, vc, rk, rv, sk, sv, None, nk.stride()[:3], None,
+        nv.stride()[:3], query, (0, 0, 0, 0), None, (n * hq * d, hq * d, d), None, None, _counters(query.device, b * hkv),
         hkv, None, None, n, None, None, None, None, sc_ * LOG2E,
-    ]
-    assert len(args) == _N_RUNTIME and args[_I_OUT] is None and args[_I_NK] is None and args[_I_NV] is None
-    consts = dict(
-        G=group, D=d, KBITS=kcb.bits, VBITS=vcb.bits, KPT=kpk.shape[-1], VPT=vpk.shape[-1],
-        KC_SH=kc.shape[-1] if kc.dim() == 2 else 0, VC_SH=vc.shape[-1] if vc.dim() == 2 else 0,
-        BLOCK_M=block_m, R=rows, SC=sc, BLOCK_N=BLOCK_N, MASK_KIND=0,
-        KLUT=_lut(None, kcb.bits), VLUT=_lut(None, vcb.bits), PREFETCH=DEFAULT_PREFETCH, DIAG=0,
     )
+    assert len(args) == _N_RUNTIME and args[_I_OUT] is None and args[_I_NK] is None and args[_I_NV] is None
+    consts = _constexprs(group, d, kcb, vcb, kpk, vpk, kc, vc, block_m, rows, sc, BLOCK_N, 0, _lut(None, kcb.bits),
+                         _lut(None, vcb.bits), DEFAULT_PREFETCH, 0)
     p.args, p.consts = args, consts
     return p
 
