@@ -420,7 +420,7 @@ def test_gpu_fallback_warns_once():
 def test_sat_search_per_head_alignment_and_refusal():
     """The saturated-FMA search serves per-head symmetric codebooks (each head its own boundaries), refuses asymmetric
     codebooks and more than 4 bits by name, and needs word-aligned packed rows: the default falls back to the linear
-    scan on a misaligned view (same indices), an explicit 'sat' refuses it."""
+    scan on a misaligned view (same indices), an explicit 'sat' refuses it. 8-bit rows off a word get byte stores."""
     from tq_hf_cache.kernels import quantize as Q
 
     seed, g = fresh_gen()
@@ -451,6 +451,15 @@ def test_sat_search_per_head_alignment_and_refusal():
         assert (big[..., 0] == 0xA5).all(), "the byte before each misaligned row was overwritten"
         with pytest.raises(ValueError, match="aligned"):
             Q.quantize_into(x, rot, cb, view, n, search="sat")
+    # 8 bits stores int32 words when rows are aligned, single bytes otherwise
+    cb = shared_codebook(8, 64).to(DEV)
+    big = torch.full((1, 3, 9, 64 + 1), 0xA5, dtype=torch.uint8, device=DEV)
+    view = big[..., 1:]
+    n = torch.empty(1, 3, 9, dtype=torch.float16, device=DEV)
+    assert not Q._store_aligned(view, 8, 64)
+    Q.quantize_into(x, rot, cb, view, n)
+    check_indices(x, rot, cb, view, seed)
+    assert (big[..., 0] == 0xA5).all(), "the byte before each misaligned 8-bit row was overwritten"
 
 
 def test_poly_search_table_default_and_refusals():
