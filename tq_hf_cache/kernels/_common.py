@@ -329,8 +329,8 @@ def gather(base, offs):
 
     A tl.load of a pointer tile is re-laid out by Triton's coalescing pass (a blocked layout), costing two layout
     conversions through shared memory when the tile lives in the MMA layout: more than all the rest of the quantize
-    kernel at 8 bits. An elementwise inline PTX load has no layout of its own, and forms the address in one
-    mad.wide from the 32-bit offset. The interpreter takes tl.load."""
+    kernel at 8 bits. An elementwise inline PTX load has no layout of its own; it forms the address from the
+    32-bit offset itself (ptxas emits two LEAs for the mad.wide). The interpreter takes tl.load."""
     if _PTX_GATHER:
         if base.dtype.element_ty == tl.float32:
             out = tl.inline_asm_elementwise(
