@@ -119,6 +119,12 @@ CASES = [
     (2, 3, 64, 1, 1, 0, 6, torch.float16, None, None, False),
     (8, 2, 64, 4, 16, 70, 3, torch.float16, "bool", 2, False),
     (4, 3, 64, 3, 4, 97, 0, torch.bfloat16, "additive", 3, True),
+    # the BITS-byte group widths (8 indices per group, int64 words above 3 bits)
+    (5, 3, 128, 4, 1, 203, 7, torch.bfloat16, None, None, False),
+    (5, 3, 64, 3, 2, 150, 5, torch.float16, "bool", 3, True),
+    (6, 7, 64, 2, 1, 93, 4, torch.float16, "additive", 2, False),
+    (7, 1, 128, 1, 3, 71, 2, torch.bfloat16, None, 1, False),
+    (1, 5, 64, 4, 1, 66, 0, torch.float16, None, 2, True),
 ]
 
 
@@ -215,6 +221,26 @@ def test_kernel_fully_masked_rows_give_zeros_and_mask_wider_than_keys():
     assert torch.isfinite(out).all()
     assert (out[1, 0] == 0).all()
     assert rel_err(out, ref) < TOL[torch.float16], f"seed {seed}"
+
+
+@needs_triton
+@pytest.mark.parametrize("kbits", [5, 3])
+def test_kernel_copies_packed_rows_off_a_word(kbits):
+    """3/5/6-bit rows are read as int32 words: a packed buffer that starts off a 4-byte boundary is copied first,
+    and the result is the same."""
+    seed = fresh_seed()
+    b, hkv, group, n, d, lq, lr = 1, 2, 2, 1, 64, 70, 3
+    state, kf, vf = make_state(b, hkv, lq, lr, n, d, kbits, 4, torch.float16, seed)
+    q = make_query(b, hkv * group, n, d, torch.float16, seed)
+    kp = state["k_packed"]
+    raw = torch.empty(kp.numel() + 1, dtype=torch.uint8, device=kp.device)
+    odd = raw[1:].view(kp.shape)
+    odd.copy_(kp)
+    assert odd.data_ptr() % 4 != 0
+    out_odd = decode_attention(q, {**state, "k_packed": odd}, None, None)
+    out = decode_attention(q, state, None, None)
+    assert torch.equal(out_odd, out), f"seed {seed}"
+    assert rel_err(out, _oracle(q, kf, vf, None, None)) < TOL[torch.float16], f"seed {seed}"
 
 
 @pytest.mark.parametrize("case", CASES[:5], ids=_case_id)

@@ -32,7 +32,7 @@ import torch
 NAME = "turboquant"
 MAX_FUSED_QUERIES = 16  # longer queries (prefill chunks) take the workspace path
 FUSED_HEAD_DIMS = (64, 128)
-FUSED_BITS = (2, 3, 4, 8)
+FUSED_BITS = tuple(range(1, 9))
 MAX_FUSED_ROWS = 128  # query heads per KV head times queries: the rows of one kernel tile
 _UNSUPPORTED_KWARGS = ("s_aux", "sinks", "softcap", "position_bias", "head_mask")
 

@@ -34,17 +34,27 @@ MIN_TOKENS_PER_SPLIT = 256
 
 @triton.jit
 def _load_packed(base, offs_t, t_ok, BITS: tl.constexpr, D: tl.constexpr, STRIDE_T: tl.constexpr):
-    """The raw packed bytes of len(offs_t) vectors (row stride STRIDE_T bytes) as int32; 3 bits: 24-bit words."""
+    """The raw packed bytes of len(offs_t) vectors (row stride STRIDE_T bytes): one int32 element per byte for 2, 4
+    and 8 bits, else one element per group of 8 indices (BITS bytes). At 3, 5 and 6 bits a group is cut from two
+    aligned int32 words (rows are whole words: the launchers check the base's alignment) into an int64; at 1 and 7
+    bits it is assembled from its bytes."""
     rows = base + offs_t[:, None] * STRIDE_T
-    if BITS == 3:
-        grp = tl.arange(0, D // 8) * 3
-        b0 = tl.load(rows + grp[None, :], mask=t_ok[:, None], other=0).to(tl.int32)
-        b1 = tl.load(rows + grp[None, :] + 1, mask=t_ok[:, None], other=0).to(tl.int32)
-        b2 = tl.load(rows + grp[None, :] + 2, mask=t_ok[:, None], other=0).to(tl.int32)
-        v = b0 | (b1 << 8) | (b2 << 16)
-    else:
+    if BITS == 2 or BITS == 4 or BITS == 8:
         cols = tl.arange(0, (D * BITS) // 8)
         v = tl.load(rows + cols[None, :], mask=t_ok[:, None], other=0).to(tl.int32)
+    elif BITS == 3 or BITS == 5 or BITS == 6:
+        wrows = rows.to(tl.pointer_type(tl.int32), bitcast=True)
+        bit0 = tl.arange(0, D // 8) * (8 * BITS)
+        j0 = bit0 // 32
+        sh = (bit0 % 32).to(tl.int64)
+        w0 = tl.load(wrows + j0[None, :], mask=t_ok[:, None], other=0)
+        w1 = tl.load(wrows + j0[None, :] + 1, mask=t_ok[:, None] & ((bit0 % 32 + 8 * BITS) > 32)[None, :], other=0)
+        v = ((w1.to(tl.int64) << 32) | (w0.to(tl.int64) & 0xFFFFFFFF)) >> sh[None, :]
+    else:
+        grp = rows + (tl.arange(0, D // 8) * BITS)[None, :]
+        v = tl.load(grp, mask=t_ok[:, None], other=0).to(tl.int64)
+        for j in tl.static_range(1, BITS):
+            v = v | (tl.load(grp + j, mask=t_ok[:, None], other=0).to(tl.int64) << (8 * j))
     return v
 
 
@@ -59,11 +69,12 @@ def _expand(v, BITS: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr):
         lo = tl.join(v & 3, (v >> 4) & 3)
         hi = tl.join((v >> 2) & 3, (v >> 6) & 3)
         idx = tl.reshape(tl.join(lo, hi), (BLOCK, D))
-    else:  # 3 bits: 8 indices in every 24-bit word
+    else:  # 8 indices in every BITS-byte group; the join tree puts index j of a group at position j
         w = v
-        e = tl.join(tl.join(w & 7, (w >> 12) & 7), tl.join((w >> 6) & 7, (w >> 18) & 7))
-        o = tl.join(tl.join((w >> 3) & 7, (w >> 15) & 7), tl.join((w >> 9) & 7, (w >> 21) & 7))
-        idx = tl.reshape(tl.join(e, o), (BLOCK, D))
+        m = (1 << BITS) - 1
+        e = tl.join(tl.join(w & m, (w >> (4 * BITS)) & m), tl.join((w >> (2 * BITS)) & m, (w >> (6 * BITS)) & m))
+        o = tl.join(tl.join((w >> BITS) & m, (w >> (5 * BITS)) & m), tl.join((w >> (3 * BITS)) & m, (w >> (7 * BITS)) & m))
+        idx = tl.reshape(tl.join(e, o), (BLOCK, D)).to(tl.int32)
     return idx
 
 
@@ -399,6 +410,17 @@ def _tokens_last(t: torch.Tensor, stride_t: int) -> torch.Tensor:
     return t.contiguous()
 
 
+def _word_aligned(t: torch.Tensor) -> bool:
+    """Whether every row of a packed (B, H, T, bytes) buffer starts on a 4-byte boundary (`_load_packed` reads
+    3-, 5- and 6-bit rows as int32 words)."""
+    return t.data_ptr() % 4 == 0 and all(st % 4 == 0 for st in t.stride()[:3])
+
+
+def _packed(t: torch.Tensor) -> torch.Tensor:
+    t = _tokens_last(t, t.shape[-1])
+    return t if _word_aligned(t) else t.clone(memory_format=torch.contiguous_format)
+
+
 def _row(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
@@ -488,7 +510,7 @@ def decode_attention(
     num_splits, tok_per_split = _split_plan(b * hkv, lq, query.device, num_splits, block_n)
     mask_kind, m_arg, ms = _mask_args(mask, b, hq, n, t, query)
     qv = _row(query)
-    kp, vp = _tokens_last(kp, kp.shape[-1]), _tokens_last(vp, vp.shape[-1])
+    kp, vp = _packed(kp), _packed(vp)
     kn, vn = _tokens_last(kn.unsqueeze(-1), 1).squeeze(-1), _tokens_last(vn.unsqueeze(-1), 1).squeeze(-1)
     rk, rv = _tokens_last(rk, d), _tokens_last(rv, d)
     ls = sk.shape[2]
@@ -600,7 +622,7 @@ def layer_fast_path_ok(layer) -> bool:
     if kb.start != vb.start or kb.length != vb.length:
         return False
     for t in (kb.packed, vb.packed):
-        if t.stride(3) != 1 or t.stride(2) != t.shape[3]:
+        if t.stride(3) != 1 or t.stride(2) != t.shape[3] or not _word_aligned(t):
             return False
     for t in (kb.norms, vb.norms):
         if t.stride(2) != 1:
