@@ -5,7 +5,7 @@
 (a) correctness on CUDA against the torch reference (index mismatch fraction, norms, dequantized error);
 (b) a device-to-device copy (bytes read + written) as the bandwidth ceiling, then each kernel's median time
     (triton.testing.do_bench) and achieved bandwidth, bytes read + written, over B in {1, 8}, T in {4096,
-    32768}, bits in {2, 3, 4, 8}; rotation / block-size / centroid-term variants at one size;
+    32768}, bits in --bits (default {2, 3, 4, 5, 8}); rotation / block-size / centroid-term variants at one size;
 (c) the decode step: 32 layers x (K, V) quantize of one token, host wall time per step and GPU time of a
     captured CUDA graph of it;
 (d) JSON and a PNG plot in --out.
@@ -212,7 +212,9 @@ def main() -> None:
     ap.add_argument("--out", default=os.environ.get("OUT", "benchmarks/results"))
     ap.add_argument("--quick", action="store_true", help="tiny sizes, to dry-run the script (CPU interpreter)")
     ap.add_argument("--plot-only", help="make the PNG from an existing JSON and exit")
+    ap.add_argument("--bits", default="2,3,4,5,8", help="widths of the size grid (comma-separated)")
     args = ap.parse_args()
+    widths = [int(b) for b in args.bits.split(",")]
     os.makedirs(args.out, exist_ok=True)
     if args.plot_only:
         with open(args.plot_only) as f:
@@ -220,7 +222,7 @@ def main() -> None:
         return
     torch.manual_seed(int.from_bytes(os.urandom(4), "little"))
     rot = make_rotation(D, 0).to(DEV)
-    cbs = {b: codebook(b).to(DEV) for b in (2, 3, 4, 8)}
+    cbs = {b: codebook(b).to(DEV) for b in sorted({*widths, 4, 8})}
     result = {
         "device": torch.cuda.get_device_name() if DEV.type == "cuda" else "cpu (interpreter dry run)", "torch": torch.__version__, "triton": triton.__version__,
         "python": platform.python_version(), "H": H, "D": D, "dtype": "bfloat16", "norm_dtype": "float16",
@@ -234,7 +236,7 @@ def main() -> None:
     grid = []
     for bsz in (1,) if quick else (1, 8):
         for tokens in (64,) if quick else (4096, 32768):
-            for bits in (2, 3, 4, 8):
+            for bits in widths:
                 r = time_pair(rot, cbs[bits], bsz, tokens)
                 grid.append(r)
                 print(f"B={bsz} T={tokens} bits={bits}: quant {r['quant_ms'] * 1e3:.1f} us {r['quant_GBps']:.0f} GB/s, "

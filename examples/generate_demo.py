@@ -19,7 +19,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import torch  # noqa: E402
 from transformers import DynamicCache  # noqa: E402
 
-from tq_hf_cache import PRESETS, TurboQuantCache  # noqa: E402
+from tq_hf_cache import DEFAULT_PRESET, PRESETS, TurboQuantCache  # noqa: E402
 from tq_hf_cache.texts import package_text  # noqa: E402
 
 
@@ -49,7 +49,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", help="a local transformers model folder (default: embedded SmolLM2-135M-Instruct)")
     p.add_argument("--gguf-file", help="GGUF file name inside --model")
-    p.add_argument("--preset", default="k4v4", choices=sorted(PRESETS))
+    p.add_argument("--preset", default=DEFAULT_PRESET, choices=sorted(PRESETS))
     p.add_argument("--residual-length", type=int, default=128)
     p.add_argument("--context-chars", type=int, default=6000, help="characters of package text in the prompt")
     p.add_argument("--new-tokens", type=int, default=64)

@@ -6,11 +6,11 @@ from tq_hf_cache import PRESETS, TurboQuantCache, TurboQuantConfig
 
 
 def test_presets():
-    assert set(PRESETS) >= {"k8v4", "k4v4", "k3v4", "k3v3", "k2v2"}
+    assert set(PRESETS) >= {"k8v4", "k5v3", "k4v4", "k3v4", "k4v2", "k3v3", "k2v2"}
     cfg = TurboQuantConfig.from_preset("k3v4", residual_length=64)
     assert (cfg.key_bits, cfg.value_bits, cfg.residual_length) == (3, 4, 64)
     assert cfg.preset == "k3v4"
-    assert TurboQuantConfig().preset == "k4v4"
+    assert TurboQuantConfig().preset == "k5v3"
 
 
 def test_json_round_trip():
@@ -62,7 +62,7 @@ def test_bad_json_and_presets():
 def test_layer_policy():
     cfg = TurboQuantConfig(skip_first=1, skip_last=2, skip_layers=[4], layer_bits={2: [8, 8]})
     assert [cfg.bits_for_layer(i, 8) for i in range(8)] == [
-        None, (4, 4), (8, 8), (4, 4), None, (4, 4), None, None
+        None, (5, 3), (8, 8), (5, 3), None, (5, 3), None, None
     ]
     with pytest.raises(ValueError, match="skip_last needs the model's layer count"):
         cfg.bits_for_layer(3)

@@ -3,13 +3,14 @@
 from . import attention  # noqa: F401  (registers attn_implementation="turboquant")
 from .cache import TurboQuantCache
 from .codebook import Codebook, theoretical_codebook
-from .config import PRESETS, TurboQuantConfig
+from .config import DEFAULT_PRESET, PRESETS, TurboQuantConfig
 from .layer import TurboQuantLayer, TurboQuantSlidingLayer
 from .rotation import Rotation, make_rotation
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "DEFAULT_PRESET",
     "PRESETS",
     "Codebook",
     "Rotation",

@@ -43,8 +43,8 @@ class TurboQuantCache(DynamicCache):
     """Drop-in for `DynamicCache` that keeps the KV history as rotated, Lloyd-Max-quantized, bit-packed codes.
 
     Args:
-        tq_config: a `TurboQuantConfig`, a preset name ("k8v4", "k4v4", "k3v4", "k3v3", "k2v2"), a dict, or None
-            for the default preset (k4v4).
+        tq_config: a `TurboQuantConfig`, a preset name (`PRESETS`: "k5v3", "k4v4", "k4v2", ...), a dict, or None
+            for the default preset (k5v3: 4 bits per coordinate, 5 for keys and 3 for values).
         config: the model's config. As for `DynamicCache`, it lets the cache build one layer per layer type
             (sliding-window layers keep their window) and resolves per-layer policies such as `skip_last`.
         codebooks: optional calibrated codebooks, an object with `get(layer_idx, kind, bits) -> Codebook | None`

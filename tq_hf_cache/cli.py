@@ -1,6 +1,6 @@
 """`tq-hf-cache` command line: calibrate codebooks for a model, show what a folder stores, evaluate.
 
-    tq-hf-cache calibrate MODEL_DIR [--text FILE] [--gguf-file NAME] [--preset k4v4 | --key-bits K --value-bits V]
+    tq-hf-cache calibrate MODEL_DIR [--text FILE] [--gguf-file NAME] [--preset k5v3 | --key-bits K --value-bits V]
                           [--out DIR] [--max-tokens N] [--extra-bits 2 3 ...]
     tq-hf-cache info DIR [--json]
     tq-hf-cache eval ...           (delegates to tq_hf_cache.eval.cli)
@@ -17,7 +17,7 @@ import json
 import os
 import sys
 
-from .config import PRESETS, TURBOQUANT_CONFIG_NAME, TurboQuantConfig
+from .config import DEFAULT_PRESET, PRESETS, TURBOQUANT_CONFIG_NAME, TurboQuantConfig
 
 EMBEDDED_MODEL = "smollm2"
 
@@ -30,7 +30,7 @@ def _build_parser() -> argparse.ArgumentParser:
     c.add_argument("model_dir", help=f"checkpoint folder, or {EMBEDDED_MODEL!r} for the embedded SmolLM2-135M GGUF")
     c.add_argument("--text", help="UTF-8 text file to calibrate on (default: prose shipped with Python, see tq_hf_cache.texts)")
     c.add_argument("--gguf-file", help="GGUF file name inside MODEL_DIR")
-    c.add_argument("--preset", choices=sorted(PRESETS), help="bit preset (default k4v4)")
+    c.add_argument("--preset", choices=sorted(PRESETS), help=f"bit preset (default {DEFAULT_PRESET})")
     c.add_argument("--key-bits", type=int, help="key bits (1..8); excludes --preset")
     c.add_argument("--value-bits", type=int, help="value bits (1..8); excludes --preset")
     c.add_argument("--extra-bits", type=int, nargs="*", default=[], help="also fit these bit widths (both kinds)")
