@@ -420,7 +420,8 @@ def test_gpu_fallback_warns_once():
 def test_sat_search_per_head_alignment_and_refusal():
     """The saturated-FMA search serves per-head symmetric codebooks (each head its own boundaries), refuses asymmetric
     codebooks and more than 4 bits by name, and needs word-aligned packed rows: the default falls back to the linear
-    scan on a misaligned view (same indices), an explicit 'sat' refuses it. 8-bit rows off a word get byte stores."""
+    scan on a misaligned view (same indices), an explicit 'sat' refuses it. 5- and 8-bit rows off a word get byte
+    stores, and dequantize reads them back."""
     from tq_hf_cache.kernels import quantize as Q
 
     seed, g = fresh_gen()
@@ -451,15 +452,23 @@ def test_sat_search_per_head_alignment_and_refusal():
         assert (big[..., 0] == 0xA5).all(), "the byte before each misaligned row was overwritten"
         with pytest.raises(ValueError, match="aligned"):
             Q.quantize_into(x, rot, cb, view, n, search="sat")
-    # 8 bits stores int32 words when rows are aligned, single bytes otherwise
-    cb = shared_codebook(8, 64).to(DEV)
-    big = torch.full((1, 3, 9, 64 + 1), 0xA5, dtype=torch.uint8, device=DEV)
-    view = big[..., 1:]
-    n = torch.empty(1, 3, 9, dtype=torch.float16, device=DEV)
-    assert not Q._store_aligned(view, 8, 64)
-    Q.quantize_into(x, rot, cb, view, n)
-    check_indices(x, rot, cb, view, seed)
-    assert (big[..., 0] == 0xA5).all(), "the byte before each misaligned 8-bit row was overwritten"
+    # 5 and 8 bits store int32 words when rows are aligned, single bytes otherwise; dequantize reads 3- and 5-bit
+    # rows as words when aligned, as bytes otherwise
+    from tq_hf_cache.kernels import dequantize as DQ
+
+    for bits in (5, 8):
+        cb = shared_codebook(bits, 64).to(DEV)
+        nb = packed_bytes(64, bits)
+        big = torch.full((1, 3, 9, nb + 1), 0xA5, dtype=torch.uint8, device=DEV)
+        view = big[..., 1:]
+        n = torch.empty(1, 3, 9, dtype=torch.float16, device=DEV)
+        assert not Q._store_aligned(view, bits, 64)
+        Q.quantize_into(x, rot, cb, view, n)
+        check_indices(x, rot, cb, view, seed)
+        assert (big[..., 0] == 0xA5).all(), f"the byte before each misaligned {bits}-bit row was overwritten"
+        out = torch.full((1, 3, 9, 64), float("nan"), device=DEV)
+        DQ.dequantize_into(view, n, rot, cb, out)
+        check_dequant(out, view, n, rot, cb, seed)
 
 
 def test_poly_search_table_default_and_refusals():

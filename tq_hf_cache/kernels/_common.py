@@ -346,3 +346,43 @@ def gather(base, offs):
         if base.dtype.element_ty == tl.uint8:
             out = out.to(tl.int32)
     return out
+
+
+def words_aligned(packed: torch.Tensor) -> bool:
+    """Whether every packed row of a (B, H, T, bytes) buffer starts on a 4-byte boundary, so that `load_groups` may
+    read it as int32 words."""
+    return packed.data_ptr() % 4 == 0 and all(
+        st % 4 == 0 for st, n in zip(packed.stride()[:3], packed.shape[:3]) if n > 1
+    )
+
+
+@triton.jit
+def load_groups(rows, ok, BITS: tl.constexpr, D: tl.constexpr, WORDS: tl.constexpr):
+    """The packed groups of 8 indices (BITS bytes each, packing.py's LSB-first layout) of the rows at uint8
+    pointers `rows` (BLOCK,), as an int64 (BLOCK, D // 8) tile, for widths that do not divide 8.
+
+    WORDS (rows start on 4-byte boundaries, see `words_aligned`), at 3, 5 and 6 bits: each group is cut from the
+    two int32 words it overlaps, two loads instead of BITS byte loads; otherwise the bytes are assembled."""
+    if WORDS and (BITS == 3 or BITS == 5 or BITS == 6):
+        wrows = rows.to(tl.pointer_type(tl.int32), bitcast=True)
+        bit0 = tl.arange(0, D // 8) * (8 * BITS)
+        j0 = bit0 // 32
+        w0 = tl.load(wrows[:, None] + j0[None, :], mask=ok[:, None], other=0)
+        w1 = tl.load(wrows[:, None] + j0[None, :] + 1, mask=ok[:, None] & ((bit0 % 32 + 8 * BITS) > 32)[None, :],
+                     other=0)
+        v = ((w1.to(tl.int64) << 32) | (w0.to(tl.int64) & 0xFFFFFFFF)) >> (bit0 % 32).to(tl.int64)[None, :]
+    else:
+        grp = rows[:, None] + (tl.arange(0, D // 8) * BITS)[None, :]
+        v = tl.load(grp, mask=ok[:, None], other=0).to(tl.int64)
+        for j in tl.static_range(1, BITS):
+            v = v | (tl.load(grp + j, mask=ok[:, None], other=0).to(tl.int64) << (8 * j))
+    return v
+
+
+@triton.jit
+def expand_groups(v, BITS: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr):
+    """(BLOCK, D) int32 indices from `load_groups`' groups: the join tree puts index j of a group at position j."""
+    m = (1 << BITS) - 1
+    e = tl.join(tl.join(v & m, (v >> (4 * BITS)) & m), tl.join((v >> (2 * BITS)) & m, (v >> (6 * BITS)) & m))
+    o = tl.join(tl.join((v >> BITS) & m, (v >> (5 * BITS)) & m), tl.join((v >> (3 * BITS)) & m, (v >> (7 * BITS)) & m))
+    return tl.reshape(tl.join(e, o), (BLOCK, D)).to(tl.int32)

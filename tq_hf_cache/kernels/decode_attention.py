@@ -26,6 +26,7 @@ import triton.language as tl
 from ..attention import FUSED_BITS as SUPPORTED_BITS
 from ..attention import FUSED_HEAD_DIMS as SUPPORTED_DIMS
 from ..attention import MAX_FUSED_ROWS as MAX_ROWS
+from . import _common as C
 
 LOG2E = 1.4426950408889634
 BLOCK_N = 64
@@ -35,26 +36,13 @@ MIN_TOKENS_PER_SPLIT = 256
 @triton.jit
 def _load_packed(base, offs_t, t_ok, BITS: tl.constexpr, D: tl.constexpr, STRIDE_T: tl.constexpr):
     """The raw packed bytes of len(offs_t) vectors (row stride STRIDE_T bytes): one int32 element per byte for 2, 4
-    and 8 bits, else one element per group of 8 indices (BITS bytes). At 3, 5 and 6 bits a group is cut from two
-    aligned int32 words (rows are whole words: the launchers check the base's alignment) into an int64; at 1 and 7
-    bits it is assembled from its bytes."""
-    rows = base + offs_t[:, None] * STRIDE_T
+    and 8 bits, else one int64 per group of 8 indices (`_common.load_groups`; rows are whole words: the launchers
+    check the base's alignment)."""
     if BITS == 2 or BITS == 4 or BITS == 8:
         cols = tl.arange(0, (D * BITS) // 8)
-        v = tl.load(rows + cols[None, :], mask=t_ok[:, None], other=0).to(tl.int32)
-    elif BITS == 3 or BITS == 5 or BITS == 6:
-        wrows = rows.to(tl.pointer_type(tl.int32), bitcast=True)
-        bit0 = tl.arange(0, D // 8) * (8 * BITS)
-        j0 = bit0 // 32
-        sh = (bit0 % 32).to(tl.int64)
-        w0 = tl.load(wrows + j0[None, :], mask=t_ok[:, None], other=0)
-        w1 = tl.load(wrows + j0[None, :] + 1, mask=t_ok[:, None] & ((bit0 % 32 + 8 * BITS) > 32)[None, :], other=0)
-        v = ((w1.to(tl.int64) << 32) | (w0.to(tl.int64) & 0xFFFFFFFF)) >> sh[None, :]
+        v = tl.load(base + offs_t[:, None] * STRIDE_T + cols[None, :], mask=t_ok[:, None], other=0).to(tl.int32)
     else:
-        grp = rows + (tl.arange(0, D // 8) * BITS)[None, :]
-        v = tl.load(grp, mask=t_ok[:, None], other=0).to(tl.int64)
-        for j in tl.static_range(1, BITS):
-            v = v | (tl.load(grp + j, mask=t_ok[:, None], other=0).to(tl.int64) << (8 * j))
+        v = C.load_groups(base + offs_t * STRIDE_T, t_ok, BITS, D, True)
     return v
 
 
@@ -69,12 +57,8 @@ def _expand(v, BITS: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr):
         lo = tl.join(v & 3, (v >> 4) & 3)
         hi = tl.join((v >> 2) & 3, (v >> 6) & 3)
         idx = tl.reshape(tl.join(lo, hi), (BLOCK, D))
-    else:  # 8 indices in every BITS-byte group; the join tree puts index j of a group at position j
-        w = v
-        m = (1 << BITS) - 1
-        e = tl.join(tl.join(w & m, (w >> (4 * BITS)) & m), tl.join((w >> (2 * BITS)) & m, (w >> (6 * BITS)) & m))
-        o = tl.join(tl.join((w >> BITS) & m, (w >> (5 * BITS)) & m), tl.join((w >> (3 * BITS)) & m, (w >> (7 * BITS)) & m))
-        idx = tl.reshape(tl.join(e, o), (BLOCK, D)).to(tl.int32)
+    else:
+        idx = C.expand_groups(v, BITS, D, BLOCK)
     return idx
 
 
@@ -410,15 +394,9 @@ def _tokens_last(t: torch.Tensor, stride_t: int) -> torch.Tensor:
     return t.contiguous()
 
 
-def _word_aligned(t: torch.Tensor) -> bool:
-    """Whether every row of a packed (B, H, T, bytes) buffer starts on a 4-byte boundary (`_load_packed` reads
-    3-, 5- and 6-bit rows as int32 words)."""
-    return t.data_ptr() % 4 == 0 and all(st % 4 == 0 for st in t.stride()[:3])
-
-
 def _packed(t: torch.Tensor) -> torch.Tensor:
     t = _tokens_last(t, t.shape[-1])
-    return t if _word_aligned(t) else t.clone(memory_format=torch.contiguous_format)
+    return t if C.words_aligned(t) else t.clone(memory_format=torch.contiguous_format)
 
 
 def _row(t: torch.Tensor) -> torch.Tensor:
@@ -622,7 +600,7 @@ def layer_fast_path_ok(layer) -> bool:
     if kb.start != vb.start or kb.length != vb.length:
         return False
     for t in (kb.packed, vb.packed):
-        if t.stride(3) != 1 or t.stride(2) != t.shape[3] or not _word_aligned(t):
+        if t.stride(3) != 1 or t.stride(2) != t.shape[3] or not C.words_aligned(t):
             return False
     for t in (kb.norms, vb.norms):
         if t.stride(2) != 1:

@@ -33,7 +33,7 @@ def _dequantize_kernel(
     mat_ptr, sgn_ptr, cen_ptr, sch,
     H, T, out_scale, n_t_tiles, n_tiles,
     D: tl.constexpr, LOG2D: tl.constexpr, BITS: tl.constexpr, BLOCK_T: tl.constexpr,
-    ROT: tl.constexpr, TERMS: tl.constexpr, O_UNIT: tl.constexpr, STAGES: tl.constexpr,
+    ROT: tl.constexpr, TERMS: tl.constexpr, O_UNIT: tl.constexpr, STAGES: tl.constexpr, WORDS: tl.constexpr,
 ):
     """Persistent: the rotation operand is loaded once, then the program walks tiles pid, pid + grid, ..."""
     rop = _load_rot(mat_ptr, sgn_ptr, D, ROT)
@@ -41,7 +41,7 @@ def _dequantize_kernel(
         _dequantize_tile(
             p_ptr, spb, sph, spt, n_ptr, snb, snh, snt, o_ptr, sob, soh, sot, sod,
             rop, cen_ptr, sch, tile % n_t_tiles, tile // n_t_tiles, H, T, out_scale,
-            D, LOG2D, BITS, BLOCK_T, ROT, TERMS, O_UNIT,
+            D, LOG2D, BITS, BLOCK_T, ROT, TERMS, O_UNIT, WORDS,
         )
 
 
@@ -52,7 +52,7 @@ def _dequantize_tile(
     o_ptr, sob, soh, sot, sod,
     rop, cen_ptr, sch, pid_t, pid_bh, H, T, out_scale,
     D: tl.constexpr, LOG2D: tl.constexpr, BITS: tl.constexpr, BLOCK_T: tl.constexpr,
-    ROT: tl.constexpr, TERMS: tl.constexpr, O_UNIT: tl.constexpr,
+    ROT: tl.constexpr, TERMS: tl.constexpr, O_UNIT: tl.constexpr, WORDS: tl.constexpr,
 ):
     b = (pid_bh // H).to(tl.int64)
     h = pid_bh % H
@@ -72,22 +72,8 @@ def _dequantize_tile(
         else:
             i3 = (byts[:, :, None] >> (tl.arange(0, PER) * BITS)[None, None, :]) & ((1 << BITS) - 1)
             idx = tl.reshape(i3, (BLOCK_T, D))
-    else:  # 8 indices = one word of BITS bytes; int32 holds it for 3 bits
-        G: tl.constexpr = D // 8
-        g8 = tl.arange(0, G)
-        k8 = tl.arange(0, 8)
-        if BITS < 4:
-            k4 = tl.arange(0, 4)
-            off = g8[None, :, None] * BITS + k4[None, None, :]
-            byts = tl.load(p_rows[:, None, None] + off, mask=tmask[:, None, None] & (k4 < BITS)[None, None, :], other=0)
-            word = tl.sum(byts.to(tl.int32) << (k4 * 8)[None, None, :], axis=2)
-            i3 = (word[:, :, None] >> (k8 * BITS)[None, None, :]) & ((1 << BITS) - 1)
-        else:
-            off = g8[None, :, None] * BITS + k8[None, None, :]
-            byts = tl.load(p_rows[:, None, None] + off, mask=tmask[:, None, None] & (k8 < BITS)[None, None, :], other=0)
-            word = tl.sum(byts.to(tl.int64) << (k8 * 8).to(tl.int64)[None, None, :], axis=2)
-            i3 = ((word[:, :, None] >> (k8 * BITS).to(tl.int64)[None, None, :]) & ((1 << BITS) - 1)).to(tl.int32)
-        idx = tl.reshape(i3, (BLOCK_T, D))
+    else:  # 8 indices = one group of BITS bytes
+        idx = C.expand_groups(C.load_groups(p_rows, tmask, BITS, D, WORDS), BITS, D, BLOCK_T)
 
     c = C.gather(cen_ptr + h * sch, idx)  # (BLOCK_T, D) fp32 gather from a 2**BITS table
 
@@ -188,6 +174,6 @@ def dequantize_into(
         mat, sgn, cen, sch,
         heads, tokens, scale, n_t, n_tiles,
         D=dim, LOG2D=dim.bit_length() - 1, BITS=bits, BLOCK_T=bt,
-        ROT=rmode, TERMS=n_terms, O_UNIT=out.stride(-1) == 1, STAGES=stages,
+        ROT=rmode, TERMS=n_terms, O_UNIT=out.stride(-1) == 1, STAGES=stages, WORDS=C.words_aligned(packed),
         num_warps=num_warps if num_warps is not None else 4,
     )

@@ -202,6 +202,18 @@ def _quantize_tile(
             h_rows = p_rows.to(tl.pointer_type(tl.uint16), bitcast=True)
             tl.store(h_rows[:, None] + tl.arange(0, D // PER16)[None, :], wf.to(tl.int32, bitcast=True).to(tl.uint16),
                      mask=tmask[:, None])
+    elif BITS == 5 and WORDS:  # 32 indices = four 40-bit groups = five int32 words
+        i5 = tl.reshape(idx, (BLOCK_T, D // 32, 4, 8)).to(tl.int64)
+        grp = tl.sum(i5 << (tl.arange(0, 8) * 5).to(tl.int64)[None, None, None, :], axis=3)  # disjoint fields
+        g02, g13 = tl.split(tl.reshape(grp, (BLOCK_T, D // 32, 2, 2)))
+        g0, g2 = tl.split(g02)
+        g1, g3 = tl.split(g13)
+        w_rows = (p_rows.to(tl.pointer_type(tl.int32), bitcast=True))[:, None] + tl.arange(0, D // 32)[None, :] * 5
+        tl.store(w_rows, g0.to(tl.int32), mask=tmask[:, None])
+        tl.store(w_rows + 1, ((g0 >> 32) | (g1 << 8)).to(tl.int32), mask=tmask[:, None])
+        tl.store(w_rows + 2, ((g1 >> 24) | (g2 << 16)).to(tl.int32), mask=tmask[:, None])
+        tl.store(w_rows + 3, ((g2 >> 16) | (g3 << 24)).to(tl.int32), mask=tmask[:, None])
+        tl.store(w_rows + 4, (g3 >> 8).to(tl.int32), mask=tmask[:, None])
     elif BITS == 8 and WORDS:  # four indices per int32 word, packed in registers (a uint8 tile store changes layout)
         i4 = tl.reshape(idx, (BLOCK_T, D // 4, 4))
         wrd = tl.sum(i4 << (tl.arange(0, 4) * 8)[None, None, :], axis=2)
@@ -337,9 +349,9 @@ def is_symmetric(codebook: Codebook) -> bool:
 
 def _store_aligned(packed: torch.Tensor, bits: int, dim: int) -> bool:
     """Whether every packed row starts on the word the kernel stores whole: 2 bytes for 'sat' at 1, 2, 4 bits; 4 at 3
-    bits (with dim % 32 == 0) and at 8 bits."""
-    unit = 4 if bits in (3, 8) else 2
-    if bits == 3 and dim % 32:
+    and 5 bits (with dim % 32 == 0) and at 8 bits."""
+    unit = 4 if bits in (3, 5, 8) else 2
+    if bits in (3, 5) and dim % 32:
         return False
     return packed.data_ptr() % unit == 0 and all(
         st % unit == 0 for st, n in zip(packed.stride()[:3], packed.shape[:3]) if n > 1
@@ -456,7 +468,7 @@ def quantize_into(
         heads, tokens, dim**-0.5, n_t, n_tiles,
         D=dim, LOG2D=dim.bit_length() - 1, BITS=bits, BLOCK_T=bt,
         ROT=rmode, XMODE=xmode, CLAMP_FP16=norms_out.dtype == torch.float16, X_UNIT=x.stride(-1) == 1,
-        SEARCH=smode, STAGES=stages, PERM=rmode == C.ROT_PM1_DOT, WORDS=bits == 8 and _store_aligned(packed_out, bits, dim),
+        SEARCH=smode, STAGES=stages, PERM=rmode == C.ROT_PM1_DOT, WORDS=bits in (5, 8) and _store_aligned(packed_out, bits, dim),
         num_warps=nw, **({} if maxnreg is None else {"maxnreg": maxnreg}),
     )
 
@@ -503,6 +515,6 @@ def quantize_kv_into(
         D=dim, LOG2D=dim.bit_length() - 1, KBITS=kbits, VBITS=vbits, BLOCK_T=bt,
         ROT=rmode, XMODE=xmode, CLAMP_FP16=k_norms.dtype == torch.float16,
         K_UNIT=k.stride(-1) == 1, V_UNIT=v.stride(-1) == 1, KSEARCH=kmode, VSEARCH=vmode,
-        PERM=rmode == C.ROT_PM1_DOT, KWORDS=kbits == 8 and _store_aligned(k_packed, kbits, dim),
-        VWORDS=vbits == 8 and _store_aligned(v_packed, vbits, dim), num_warps=nw,
+        PERM=rmode == C.ROT_PM1_DOT, KWORDS=kbits in (5, 8) and _store_aligned(k_packed, kbits, dim),
+        VWORDS=vbits in (5, 8) and _store_aligned(v_packed, vbits, dim), num_warps=nw,
     )
