@@ -440,23 +440,11 @@ def test_sat_search_per_head_alignment_and_refusal():
         quantize_poisoned(x, rot, skew, torch.float16, search="sat")
     with pytest.raises(ValueError, match="at most 4 bits"):
         quantize_poisoned(x, rot, shared_codebook(5, 64).to(DEV), torch.float16, search="sat")
-    for bits in (3, 4):  # rows 1 byte off a word: 32 + 1 byte stride
-        cb = shared_codebook(bits, 64).to(DEV)
-        nb = packed_bytes(64, bits)
-        big = torch.full((1, 3, 9, nb + 1), 0xA5, dtype=torch.uint8, device=DEV)
-        view = big[..., 1:]
-        n = torch.empty(1, 3, 9, dtype=torch.float16, device=DEV)
-        assert not Q._store_aligned(view, bits, 64)
-        Q.quantize_into(x, rot, cb, view, n)
-        check_indices(x, rot, cb, view, seed)
-        assert (big[..., 0] == 0xA5).all(), "the byte before each misaligned row was overwritten"
-        with pytest.raises(ValueError, match="aligned"):
-            Q.quantize_into(x, rot, cb, view, n, search="sat")
-    # 5 and 8 bits store int32 words when rows are aligned, single bytes otherwise; dequantize reads 3- and 5-bit
-    # rows as words when aligned, as bytes otherwise
+    # rows 1 byte off a word (nb + 1 byte stride): 'sat' (<= 4 bits) refuses them, the default scans; 5 and 8 bits
+    # store bytes instead of int32 words; dequantize reads them back as bytes (3 and 5 bits read words when aligned)
     from tq_hf_cache.kernels import dequantize as DQ
 
-    for bits in (5, 8):
+    for bits in (3, 4, 5, 8):
         cb = shared_codebook(bits, 64).to(DEV)
         nb = packed_bytes(64, bits)
         big = torch.full((1, 3, 9, nb + 1), 0xA5, dtype=torch.uint8, device=DEV)
@@ -466,6 +454,9 @@ def test_sat_search_per_head_alignment_and_refusal():
         Q.quantize_into(x, rot, cb, view, n)
         check_indices(x, rot, cb, view, seed)
         assert (big[..., 0] == 0xA5).all(), f"the byte before each misaligned {bits}-bit row was overwritten"
+        if bits <= 4:
+            with pytest.raises(ValueError, match="aligned"):
+                Q.quantize_into(x, rot, cb, view, n, search="sat")
         out = torch.full((1, 3, 9, 64), float("nan"), device=DEV)
         DQ.dequantize_into(view, n, rot, cb, out)
         check_dequant(out, view, n, rot, cb, seed)
