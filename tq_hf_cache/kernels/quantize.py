@@ -202,18 +202,28 @@ def _quantize_tile(
             h_rows = p_rows.to(tl.pointer_type(tl.uint16), bitcast=True)
             tl.store(h_rows[:, None] + tl.arange(0, D // PER16)[None, :], wf.to(tl.int32, bitcast=True).to(tl.uint16),
                      mask=tmask[:, None])
-    elif BITS == 5 and WORDS:  # 32 indices = four 40-bit groups = five int32 words
-        i5 = tl.reshape(idx, (BLOCK_T, D // 32, 4, 8)).to(tl.int64)
-        grp = tl.sum(i5 << (tl.arange(0, 8) * 5).to(tl.int64)[None, None, None, :], axis=3)  # disjoint fields
-        g02, g13 = tl.split(tl.reshape(grp, (BLOCK_T, D // 32, 2, 2)))
-        g0, g2 = tl.split(g02)
-        g1, g3 = tl.split(g13)
-        w_rows = (p_rows.to(tl.pointer_type(tl.int32), bitcast=True))[:, None] + tl.arange(0, D // 32)[None, :] * 5
-        tl.store(w_rows, g0.to(tl.int32), mask=tmask[:, None])
-        tl.store(w_rows + 1, ((g0 >> 32) | (g1 << 8)).to(tl.int32), mask=tmask[:, None])
-        tl.store(w_rows + 2, ((g1 >> 24) | (g2 << 16)).to(tl.int32), mask=tmask[:, None])
-        tl.store(w_rows + 3, ((g2 >> 16) | (g3 << 24)).to(tl.int32), mask=tmask[:, None])
-        tl.store(w_rows + 4, (g3 >> 8).to(tl.int32), mask=tmask[:, None])
+    elif BITS == 5 and WORDS:  # 32 indices = eight 20-bit quads = five int32 words, in int32 throughout
+        q8 = tl.sum(tl.reshape(idx, (BLOCK_T, D // 32, 8, 4)) << (tl.arange(0, 4) * 5)[None, None, None, :], axis=3)
+        ev, od = tl.split(tl.reshape(q8, (BLOCK_T, D // 32, 4, 2)))
+        q04, q26 = tl.split(tl.reshape(ev, (BLOCK_T, D // 32, 2, 2)))
+        q15, q37 = tl.split(tl.reshape(od, (BLOCK_T, D // 32, 2, 2)))
+        q0, q4 = tl.split(q04)
+        q2, q6 = tl.split(q26)
+        q1, q5 = tl.split(q15)
+        q3, q7 = tl.split(q37)
+        w0 = q0 | (q1 << 20)
+        w1 = (q1 >> 12) | (q2 << 8) | (q3 << 28)
+        w2 = (q3 >> 4) | (q4 << 16)
+        w3 = (q4 >> 16) | (q5 << 4) | (q6 << 24)
+        w4 = (q6 >> 8) | (q7 << 12)
+        # one (BLOCK_T, D // 32, 8) tile, lanes 5-7 masked: one layout conversion for the store instead of five
+        z = tl.zeros_like(w0)
+        wt = tl.reshape(tl.join(tl.join(tl.join(w0, w4), tl.join(w2, z)), tl.join(tl.join(w1, z), tl.join(w3, z))),
+                        (BLOCK_T, D // 32, 8))
+        lane = tl.arange(0, 8)
+        w_rows = p_rows.to(tl.pointer_type(tl.int32), bitcast=True)
+        tl.store(w_rows[:, None, None] + (tl.arange(0, D // 32) * 5)[None, :, None] + lane[None, None, :], wt,
+                 mask=tmask[:, None, None] & (lane < 5)[None, None, :])
     elif BITS == 8 and WORDS:  # four indices per int32 word, packed in registers (a uint8 tile store changes layout)
         i4 = tl.reshape(idx, (BLOCK_T, D // 4, 4))
         wrd = tl.sum(i4 << (tl.arange(0, 4) * 8)[None, None, :], axis=2)
