@@ -348,11 +348,11 @@ def gather(base, offs):
     return out
 
 
-def words_aligned(packed: torch.Tensor) -> bool:
-    """Whether every packed row of a (B, H, T, bytes) buffer starts on a 4-byte boundary, so that `load_groups` may
-    read it as int32 words."""
-    return packed.data_ptr() % 4 == 0 and all(
-        st % 4 == 0 for st, n in zip(packed.stride()[:3], packed.shape[:3]) if n > 1
+def rows_aligned(packed: torch.Tensor, unit: int = 4) -> bool:
+    """Whether every packed row of a (B, H, T, bytes) buffer starts on a `unit`-byte boundary, so that a kernel may
+    read (`load_groups`) or write it in whole words."""
+    return packed.data_ptr() % unit == 0 and all(
+        st % unit == 0 for st, n in zip(packed.stride()[:3], packed.shape[:3]) if n > 1
     )
 
 
@@ -361,7 +361,7 @@ def load_groups(rows, ok, BITS: tl.constexpr, D: tl.constexpr, WORDS: tl.constex
     """The packed groups of 8 indices (BITS bytes each, packing.py's LSB-first layout) of the rows at uint8
     pointers `rows` (BLOCK,), as an int64 (BLOCK, D // 8) tile, for widths that do not divide 8.
 
-    WORDS (rows start on 4-byte boundaries, see `words_aligned`), at 3, 5 and 6 bits: each group is cut from the
+    WORDS (rows start on 4-byte boundaries, see `rows_aligned`), at 3, 5 and 6 bits: each group is cut from the
     two int32 words it overlaps, two loads instead of BITS byte loads; otherwise the bytes are assembled."""
     if WORDS and (BITS == 3 or BITS == 5 or BITS == 6):
         wrows = rows.to(tl.pointer_type(tl.int32), bitcast=True)

@@ -396,7 +396,7 @@ def _tokens_last(t: torch.Tensor, stride_t: int) -> torch.Tensor:
 
 def _packed(t: torch.Tensor) -> torch.Tensor:
     t = _tokens_last(t, t.shape[-1])
-    return t if C.words_aligned(t) else t.clone(memory_format=torch.contiguous_format)
+    return t if C.rows_aligned(t) else t.clone(memory_format=torch.contiguous_format)
 
 
 def _row(t: torch.Tensor) -> torch.Tensor:
@@ -600,7 +600,7 @@ def layer_fast_path_ok(layer) -> bool:
     if kb.start != vb.start or kb.length != vb.length:
         return False
     for t in (kb.packed, vb.packed):
-        if t.stride(3) != 1 or t.stride(2) != t.shape[3] or not C.words_aligned(t):
+        if t.stride(3) != 1 or t.stride(2) != t.shape[3] or not C.rows_aligned(t):
             return False
     for t in (kb.norms, vb.norms):
         if t.stride(2) != 1:

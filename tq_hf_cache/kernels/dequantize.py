@@ -174,6 +174,6 @@ def dequantize_into(
         mat, sgn, cen, sch,
         heads, tokens, scale, n_t, n_tiles,
         D=dim, LOG2D=dim.bit_length() - 1, BITS=bits, BLOCK_T=bt,
-        ROT=rmode, TERMS=n_terms, O_UNIT=out.stride(-1) == 1, STAGES=stages, WORDS=C.words_aligned(packed),
+        ROT=rmode, TERMS=n_terms, O_UNIT=out.stride(-1) == 1, STAGES=stages, WORDS=C.rows_aligned(packed),
         num_warps=num_warps if num_warps is not None else 4,
     )

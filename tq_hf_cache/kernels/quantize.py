@@ -360,12 +360,14 @@ def is_symmetric(codebook: Codebook) -> bool:
 def _store_aligned(packed: torch.Tensor, bits: int, dim: int) -> bool:
     """Whether every packed row starts on the word the kernel stores whole: 2 bytes for 'sat' at 1, 2, 4 bits; 4 at 3
     and 5 bits (with dim % 32 == 0) and at 8 bits."""
-    unit = 4 if bits in (3, 5, 8) else 2
     if bits in (3, 5) and dim % 32:
         return False
-    return packed.data_ptr() % unit == 0 and all(
-        st % unit == 0 for st, n in zip(packed.stride()[:3], packed.shape[:3]) if n > 1
-    )
+    return C.rows_aligned(packed, 4 if bits in (3, 5, 8) else 2)
+
+
+def _word_stores(packed: torch.Tensor, bits: int, dim: int) -> bool:
+    """Whether the kernel packs 5- and 8-bit indices into int32 words before storing (constexpr WORDS)."""
+    return bits in (5, 8) and _store_aligned(packed, bits, dim)
 
 
 def _search_args(codebook: Codebook, heads: int, dev, search: str | None, packed: torch.Tensor) -> tuple[tuple, int]:
@@ -478,7 +480,7 @@ def quantize_into(
         heads, tokens, dim**-0.5, n_t, n_tiles,
         D=dim, LOG2D=dim.bit_length() - 1, BITS=bits, BLOCK_T=bt,
         ROT=rmode, XMODE=xmode, CLAMP_FP16=norms_out.dtype == torch.float16, X_UNIT=x.stride(-1) == 1,
-        SEARCH=smode, STAGES=stages, PERM=rmode == C.ROT_PM1_DOT, WORDS=bits in (5, 8) and _store_aligned(packed_out, bits, dim),
+        SEARCH=smode, STAGES=stages, PERM=rmode == C.ROT_PM1_DOT, WORDS=_word_stores(packed_out, bits, dim),
         num_warps=nw, **({} if maxnreg is None else {"maxnreg": maxnreg}),
     )
 
@@ -525,6 +527,6 @@ def quantize_kv_into(
         D=dim, LOG2D=dim.bit_length() - 1, KBITS=kbits, VBITS=vbits, BLOCK_T=bt,
         ROT=rmode, XMODE=xmode, CLAMP_FP16=k_norms.dtype == torch.float16,
         K_UNIT=k.stride(-1) == 1, V_UNIT=v.stride(-1) == 1, KSEARCH=kmode, VSEARCH=vmode,
-        PERM=rmode == C.ROT_PM1_DOT, KWORDS=kbits in (5, 8) and _store_aligned(k_packed, kbits, dim),
-        VWORDS=vbits in (5, 8) and _store_aligned(v_packed, vbits, dim), num_warps=nw,
+        PERM=rmode == C.ROT_PM1_DOT, KWORDS=_word_stores(k_packed, kbits, dim),
+        VWORDS=_word_stores(v_packed, vbits, dim), num_warps=nw,
     )
