@@ -38,9 +38,10 @@ def test_held_bytes_are_packed_plus_residual_plus_one_workspace():
     b, h, d, layers, residual = 2, 2, 64, 4, 16
     cache = TurboQuantCache("k3v4", residual_length=residual, config=cfg)
     x = torch.randint(3, 128, (b, 300))
-    model(x[:, :290], past_key_values=cache)
-    for i in range(290, 300):
-        model(x[:, i : i + 1], past_key_values=cache)
+    with torch.no_grad():  # under grad, update returns private tensors for autograd instead of workspace views
+        model(x[:, :290], past_key_values=cache)
+        for i in range(290, 300):
+            model(x[:, i : i + 1], past_key_values=cache)
     seq = cache.get_seq_length()
     assert seq == 300
 

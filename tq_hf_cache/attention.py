@@ -16,16 +16,18 @@ What the function does, per call:
   [history | residual | new] in the workspace (`assemble_pending()`), SDPA runs on it, flush, arm.
 
 The arming rule. A layer is armed only by this function, at the end of a call, for that layer's next update: the
-next step's update then returns the new tokens alone. So the cache must keep meeting this function: if the same
-cache is next used by a model with another attention implementation, that model's first step would see only its
-new tokens (at most one step per layer, since nobody re-arms). Call `disarm(cache)` before handing a cache that
-has run under "turboquant" to another attention implementation; a new cache needs nothing.
+next step's update then returns the new tokens alone. The arming remembers the calling module's config, so after
+`model.set_attn_implementation("sdpa")` (or "eager") that update is a normal one. A cache handed to another model
+with another attention implementation is caught instead (`layer.DeferredLedger`): the next update of any layer
+refuses the step, takes its tokens back out and clears the arming, so that the step run again is right (with a
+single quantized layer, one step's output is wrong before the refusal). `disarm(cache)` clears the arming up front.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+from functools import partial
 
 import torch
 
@@ -63,7 +65,7 @@ def fused_attention_torch(query: torch.Tensor, state: dict, mask: torch.Tensor |
     Returns (B, n, Hq, D) in the query's dtype.
     """
     from .packing import unpack_indices
-    from .reference import centroid_lookup
+    from .reference import centroid_lookup, softmax_rows
 
     b, hq, n, d = query.shape
     rot, kcb, vcb = state["rotation"], state["k_codebook"], state["v_codebook"]
@@ -95,7 +97,7 @@ def fused_attention_torch(query: torch.Tensor, state: dict, mask: torch.Tensor |
         s = s.masked_fill(~mask, float("-inf"))
     else:
         s = s + mask.float()
-    p = torch.softmax(s, dim=-1).nan_to_num(0.0).view(b, hkv, g, n, t)
+    p = softmax_rows(s).view(b, hkv, g, n, t)
     y = torch.einsum("bhgnt,bhtd->bhgnd", p[..., ns:lq] * vn[:, :, None, None, ns:], vc[:, :, ns:])
     out = rot.inverse(y) + torch.einsum("bhgnt,bhtd->bhgnd", p[..., lq:], vf)
     out = out + torch.einsum("bhgnt,bhtd->bhgnd", p[..., :ns], sv)
@@ -151,13 +153,13 @@ def turboquant_attention_forward(
         return _sdpa(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, is_causal=is_causal, **kwargs)
     if not getattr(key, "_tq_deferred", False):
         out = _sdpa(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, is_causal=is_causal, **kwargs)
-        layer.arm_deferred()
+        _arm(layer, module)
         return out
     if layer.pending is None:
         # someone flushed the pending tokens (e.g. read layer.keys) between update and attention
         k, v = layer.keys, layer.values
         out = _sdpa(module, query, k, v, attention_mask, dropout=dropout, scaling=scaling, is_causal=is_causal, **kwargs)
-        layer.arm_deferred()
+        _arm(layer, module)
         return out
     try:
         if _fusable(query, key, layer, dropout, kwargs):
@@ -169,16 +171,25 @@ def turboquant_attention_forward(
             out = _sdpa(module, query, k, v, attention_mask, dropout=dropout, scaling=scaling, is_causal=is_causal, **kwargs)
     finally:
         layer.flush()
-    layer.arm_deferred()
+    _arm(layer, module)
     return out
 
 
 def disarm(cache) -> None:
     """Undo the arming of every layer of a cache, before using it with another attention implementation."""
     for layer in getattr(cache, "layers", []):
-        if hasattr(layer, "arm_deferred"):
-            layer.flush()
-            layer._defer_next = False
+        if hasattr(layer, "disarm"):
+            layer.disarm()
+
+
+def _still_turboquant(config) -> bool:
+    """Whether the config that armed a layer still selects this attention (checked at the layer's next update)."""
+    return getattr(config, "_attn_implementation", NAME) == NAME
+
+
+def _arm(layer, module) -> None:
+    config = getattr(module, "config", None)
+    layer.arm_deferred(partial(_still_turboquant, config) if config is not None else None)
 
 
 def register(name: str = NAME) -> None:

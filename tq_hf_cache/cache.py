@@ -11,7 +11,7 @@ from transformers.cache_utils import Cache, DynamicLayer
 from . import _compat
 from .codebook import Codebook, theoretical_codebook
 from .config import TurboQuantConfig
-from .layer import TurboQuantLayer, TurboQuantSlidingLayer, hybrid_classes
+from .layer import DeferredLedger, TurboQuantLayer, TurboQuantSlidingLayer, hybrid_classes
 from .rotation import make_rotation
 from .workspace import Workspace
 
@@ -68,12 +68,16 @@ class TurboQuantCache(DynamicCache):
         self.tq_config = resolve_config(tq_config, **overrides)
         self.codebooks = codebooks
         self.workspace = Workspace()
+        self.ledger = DeferredLedger()
         self.num_model_layers = None
         layers = None
         if config is not None:
             layer_types, layer_kwargs = _compat.layer_types_and_kwargs(config)
             stores = _compat.kv_sharing_producers(config)
             self.num_model_layers = len(layer_types)
+            self.tq_config.check_layers(self.num_model_layers)
+            if codebooks is not None and hasattr(codebooks, "check_model"):
+                codebooks.check_model(config)
             layers = [
                 self._make_layer(i, t, kw, private_output=i in stores)
                 for i, (t, kw) in enumerate(zip(layer_types, layer_kwargs))
@@ -88,7 +92,9 @@ class TurboQuantCache(DynamicCache):
         if not layers:
             # grows a config-less cache one full-attention layer at a time; a bound method here would make the
             # cache a reference cycle that keeps GPU buffers alive until the garbage collector runs
-            self.layer_class_to_replicate = _NextLayer(self.layers, self.tq_config, self.codebooks, self.workspace)
+            self.layer_class_to_replicate = _NextLayer(
+                self.layers, self.tq_config, self.codebooks, self.workspace, self.ledger
+            )
 
     @classmethod
     def from_pretrained(cls, dir_or_model_path, config=None, **overrides) -> "TurboQuantCache":
@@ -114,11 +120,11 @@ class TurboQuantCache(DynamicCache):
     def _make_layer(self, idx: int, layer_type: str, kwargs: dict, private_output: bool = False):
         return make_layer(
             self.tq_config, self.codebooks, self.workspace, self.num_model_layers, idx, layer_type, kwargs,
-            private_output,
+            private_output, self.ledger,
         )
 
     def _tq_layer(self, cls, idx: int, bits: tuple[int, int], **extra):
-        return _tq_layer(self.tq_config, self.codebooks, self.workspace, cls, idx, bits, **extra)
+        return _tq_layer(self.tq_config, self.codebooks, self.workspace, self.ledger, cls, idx, bits, **extra)
 
     def nbytes(self) -> dict[str, int]:
         """Device bytes the cache holds between steps, by kind. `full_precision` counts unquantized layers."""
@@ -144,25 +150,26 @@ class TurboQuantCache(DynamicCache):
 
 def make_layer(
     tq_config, codebooks, workspace, num_model_layers, idx: int, layer_type: str, kwargs: dict,
-    private_output: bool = False,
+    private_output: bool = False, ledger: DeferredLedger | None = None,
 ):
     """The cache layer for one decoder layer, by the layer type transformers assigns it."""
     bits = tq_config.bits_for_layer(idx, num_model_layers, layer_type)
     extra = {"private_output": True} if private_output else {}
+    ledger = ledger if ledger is not None else DeferredLedger()
     if layer_type in _UNTOUCHED_TYPES:  # recurrent / conv state only, or KV-sharing consumers: no KV here
         return _compat.transformers_layer(layer_type, kwargs, idx)
     if bits is None:
         return _compat.transformers_layer(layer_type, kwargs, idx)
     if layer_type == "full_attention":
-        return _tq_layer(tq_config, codebooks, workspace, TurboQuantLayer, idx, bits, **extra)
+        return _tq_layer(tq_config, codebooks, workspace, ledger, TurboQuantLayer, idx, bits, **extra)
     if layer_type == "hybrid":
-        return _tq_layer(tq_config, codebooks, workspace, hybrid_classes()[0], idx, bits, **extra, **kwargs)
+        return _tq_layer(tq_config, codebooks, workspace, ledger, hybrid_classes()[0], idx, bits, **extra, **kwargs)
     if layer_type in ("sliding_attention", "chunked_attention", "hybrid_sliding"):
         if int(kwargs["sliding_window"]) - 1 <= tq_config.residual_length:
             # the whole window fits in the residual: nothing would ever be quantized
             return _compat.transformers_layer(layer_type, kwargs, idx)
         cls = TurboQuantSlidingLayer if layer_type != "hybrid_sliding" else hybrid_classes()[1]
-        return _tq_layer(tq_config, codebooks, workspace, cls, idx, bits, **extra, **kwargs)
+        return _tq_layer(tq_config, codebooks, workspace, ledger, cls, idx, bits, **extra, **kwargs)
     raise ValueError(
         f"layer {idx} has layer type {layer_type!r}, which TurboQuantCache cannot quantize (it quantizes "
         f"{sorted(_QUANTIZED_TYPES)}). Keep such layers in full precision with "
@@ -170,7 +177,7 @@ def make_layer(
     )
 
 
-def _tq_layer(tq_config, codebooks, workspace, cls, idx: int, bits: tuple[int, int], **extra):
+def _tq_layer(tq_config, codebooks, workspace, ledger, cls, idx: int, bits: tuple[int, int], **extra):
     cfg = tq_config
     return cls(
         key_bits=bits[0],
@@ -183,18 +190,30 @@ def _tq_layer(tq_config, codebooks, workspace, cls, idx: int, bits: tuple[int, i
         workspace=workspace,
         norm_dtype=_NORM_DTYPES[cfg.norm_dtype],
         layer_idx=idx,
+        ledger=ledger,
+        codebook_check=partial(_check_codebooks, codebooks) if codebooks is not None else None,
         **extra,
     )
+
+
+def _check_codebooks(codebooks, layer_idx: int, heads: int, head_dim: int) -> None:
+    """Calibrated codebooks fit one model: refuse K/V of another shape at a layer's first update."""
+    if hasattr(codebooks, "check_states"):
+        codebooks.check_states(layer_idx, heads, head_dim)
 
 
 class _NextLayer:
     """`layer_class_to_replicate` of a config-less cache: builds layer len(layers) as a full-attention layer."""
 
-    def __init__(self, layers: list, tq_config, codebooks, workspace):
+    def __init__(self, layers: list, tq_config, codebooks, workspace, ledger):
         self.layers, self.tq_config, self.codebooks, self.workspace = layers, tq_config, codebooks, workspace
+        self.ledger = ledger
 
     def __call__(self):
-        return make_layer(self.tq_config, self.codebooks, self.workspace, None, len(self.layers), "full_attention", {})
+        return make_layer(
+            self.tq_config, self.codebooks, self.workspace, None, len(self.layers), "full_attention", {},
+            ledger=self.ledger,
+        )
 
 
 def _codebook(codebooks, idx: int, kind: str, bits: int, dim: int) -> Codebook:

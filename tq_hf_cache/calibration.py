@@ -50,6 +50,8 @@ DEFAULT_BINS = 8192
 HOLDOUT_BLOCK = 32
 PER_HEAD_MIN_GAIN = 0.02
 LLOYD_ITERS = 300
+# every other block of HOLDOUT_BLOCK positions is held out: a fit needs both halves
+MIN_CALIBRATION_TOKENS = 2 * HOLDOUT_BLOCK
 _TINY = 1e-30
 
 
@@ -154,6 +156,33 @@ class CalibratedCodebooks:
     def get(self, layer_idx: int, kind: str, bits: int) -> Codebook | None:
         return self.codebooks.get((int(layer_idx), kind, int(bits)))
 
+    def check_states(self, layer_idx: int, heads: int, head_dim: int) -> None:
+        """Refuse a layer's K/V that are not of the model these codebooks were calibrated on."""
+        m = self.model
+        if not 0 <= int(layer_idx) < m["num_hidden_layers"]:
+            raise ValueError(
+                f"calibrated codebooks for a {m['num_hidden_layers']}-layer model ({m['model_type']}) got K/V for "
+                f"layer {layer_idx}; recalibrate for this model"
+            )
+        if (heads, head_dim) != (m["num_key_value_heads"], m["head_dim"]):
+            raise ValueError(
+                f"calibrated codebooks were fitted to {m['num_key_value_heads']} KV heads of head dim {m['head_dim']} "
+                f"({m['model_type']}), but layer {layer_idx} has {heads} KV heads of head dim {head_dim}; recalibrate "
+                "for this model"
+            )
+
+    def check_model(self, model_config) -> None:
+        """Refuse a model config whose facts (type, layers, KV heads, head dim) differ from the calibrated ones."""
+        facts = model_facts(model_config)
+        for k, stored in self.model.items():
+            if k == "model_type" and (stored is None or facts[k] is None):
+                continue
+            if facts[k] != stored:
+                raise ValueError(
+                    f"the codebooks were calibrated for {k}={stored!r}, but the model config has {k}={facts[k]!r}; "
+                    "recalibrate for this model"
+                )
+
     @property
     def bits(self) -> dict[str, list[int]]:
         return {k: sorted({b for (_, kk, b) in self.entries if kk == k}) for k in KINDS}
@@ -207,14 +236,24 @@ class CalibratedCodebooks:
         if model is None:
             raise ValueError(f"{where} has no 'model' section: codebooks need the model facts it was calibrated on")
         index = doc.get("codebooks")
-        if not isinstance(index, dict):
+        if index is None:
             raise ValueError(f"{where} has no 'codebooks' section: this folder holds a config without calibrated codebooks")
+        if not isinstance(index, dict):
+            raise ValueError(f"{where}: the 'codebooks' section must be a JSON object, got {index!r}")
         if index.get("format_version") != CODEBOOKS_FORMAT_VERSION:
             raise ValueError(
                 f"{where}: codebooks.format_version {index.get('format_version')!r} is not supported; "
                 f"this tq_hf_cache reads version {CODEBOOKS_FORMAT_VERSION}"
             )
-        path = os.path.join(directory, index.get("file", CODEBOOKS_NAME))
+        file_name = index.get("file", CODEBOOKS_NAME)
+        if (
+            not isinstance(file_name, str) or file_name in ("", ".", "..") or any(c in file_name for c in "/\\")
+            or os.path.isabs(file_name)
+        ):
+            raise ValueError(
+                f"{where}: codebooks.file must name a file inside the folder (no path separators), got {file_name!r}"
+            )
+        path = os.path.join(directory, file_name)
         tensors = _load_tensors(path)
         n_layers, heads = model["num_hidden_layers"], model["num_key_value_heads"]
 
@@ -264,8 +303,8 @@ class CalibratedCodebooks:
                 )
             if not torch.isfinite(t).all():
                 raise ValueError(f"{path}: tensor {name!r} contains NaN or inf")
-            if (t.diff(dim=-1) < 0).any() or t.abs().max() > 1:
-                raise ValueError(f"{path}: tensor {name!r} must hold ascending centroids in [-1, 1]")
+            if (t.diff(dim=-1) <= 0).any() or t.abs().max() > 1:
+                raise ValueError(f"{path}: tensor {name!r} must hold strictly ascending centroids in [-1, 1]")
             out.codebooks[key] = Codebook.from_centroids(t, bits)
         if tensors:
             raise ValueError(f"{path} holds tensors not listed in {TURBOQUANT_CONFIG_NAME}: {sorted(tensors)}")
@@ -428,8 +467,16 @@ def calibrate(
             stats[layer_idx].add(kind_idx, rot.forward(unit))
 
     batches = _token_batches(texts_or_token_batches, tokenizer, seq_len, batch_size, max_tokens)
-    device = next(model.parameters()).device
     total = sum(t.numel() for t in batches)
+    longest = max(t.shape[1] for t in batches)
+    if total < MIN_CALIBRATION_TOKENS or longest <= HOLDOUT_BLOCK:
+        raise ValueError(
+            f"calibration needs at least {MIN_CALIBRATION_TOKENS} tokens in sequences longer than {HOLDOUT_BLOCK} tokens "
+            f"(every other block of {HOLDOUT_BLOCK} positions is held out to check the fit), got {total} tokens with "
+            f"the longest sequence {longest} tokens; pass more text (or a larger seq_len / max_tokens). The "
+            "theoretical codebooks need no calibration."
+        )
+    device = next(model.parameters()).device
     was_training = model.training
     model.eval()
     try:
@@ -515,8 +562,9 @@ def load_calibrated(directory, config=None) -> CalibratedCodebooks:
 def describe(directory) -> dict[str, Any]:
     """What a folder stores (for `tq-hf-cache info`), without loading a model."""
     doc = read_turboquant_json(directory)
-    out = {"format_version": doc["format_version"], "tq_config": doc["tq_config"], "model": doc.get("model")}
-    if isinstance(doc.get("codebooks"), dict):
+    tq = TurboQuantConfig.from_dict(doc["tq_config"])  # validated: a bad field is named, not a KeyError later
+    out = {"format_version": doc["format_version"], "tq_config": tq.to_dict(), "model": doc.get("model")}
+    if "codebooks" in doc:
         cb = CalibratedCodebooks.from_pretrained(directory)
         out["codebooks"] = {"bits": cb.bits, "info": cb.info, "summary": cb.summary()}
     return json.loads(json.dumps(out))

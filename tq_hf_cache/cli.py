@@ -72,12 +72,25 @@ def _cmd_calibrate(args) -> int:
     if args.preset and (args.key_bits is not None or args.value_bits is not None):
         print("error: give either --preset or --key-bits/--value-bits, not both", file=sys.stderr)
         return 2
-    if args.max_tokens is not None and args.max_tokens < 1:
-        print(f"error: --max-tokens must be >= 1, got {args.max_tokens}", file=sys.stderr)
+    from .calibration import HOLDOUT_BLOCK, MIN_CALIBRATION_TOKENS
+
+    if args.max_tokens < MIN_CALIBRATION_TOKENS:
+        print(f"error: --max-tokens must be >= {MIN_CALIBRATION_TOKENS}, got {args.max_tokens}", file=sys.stderr)
+        return 2
+    if args.seq_len <= HOLDOUT_BLOCK:
+        print(f"error: --seq-len must be > {HOLDOUT_BLOCK} (every other block of {HOLDOUT_BLOCK} positions is held out), "
+              f"got {args.seq_len}", file=sys.stderr)
         return 2
     out = args.out or args.model_dir
     if args.model_dir == EMBEDDED_MODEL and not args.out:
         print(f"error: {EMBEDDED_MODEL!r} lives inside an installed package: pass --out DIR", file=sys.stderr)
+        return 2
+    if args.model_dir != EMBEDDED_MODEL and not os.path.isdir(args.model_dir):
+        print(f"error: MODEL_DIR {args.model_dir!r} is not a folder (or {EMBEDDED_MODEL!r})", file=sys.stderr)
+        return 2
+    problem = _unwritable(out)
+    if problem:  # checked before the model loads and calibration runs, not after
+        print(f"error: cannot write the output folder {out!r}: {problem}", file=sys.stderr)
         return 2
     try:
         if args.preset:
@@ -104,7 +117,11 @@ def _cmd_calibrate(args) -> int:
         from .texts import TEXT_SOURCE, package_text
 
         text, source = package_text(min_chars=min(6 * args.max_tokens, 100_000)), TEXT_SOURCE
-    model, tok = _load_model(args.model_dir, args.gguf_file)
+    try:
+        model, tok = _load_model(args.model_dir, args.gguf_file)
+    except (OSError, ValueError) as e:
+        print(f"error: cannot load {args.model_dir!r}: {e}", file=sys.stderr)
+        return 2
     per_head = {"auto": None, "yes": True, "no": False}[args.per_head]
     try:
         cb = calibrate(
@@ -116,11 +133,28 @@ def _cmd_calibrate(args) -> int:
         return 2
     cb.info["text_source"] = source
     cb.info["model"] = args.model_dir if args.model_dir == EMBEDDED_MODEL else os.path.abspath(args.model_dir)
-    cb.save_pretrained(out)
+    try:
+        cb.save_pretrained(out)
+    except (OSError, ValueError) as e:
+        print(f"error: cannot save into {out!r}: {e}", file=sys.stderr)
+        return 2
     print(f"wrote {os.path.join(out, TURBOQUANT_CONFIG_NAME)} and turboquant_codebooks.safetensors "
           f"({cb.info['num_tokens']} calibration tokens)")
     _print_summary(cb.summary())
     return 0
+
+
+def _unwritable(folder: str) -> str | None:
+    """Why `folder` cannot receive the calibration files (None when it can); creates it if needed."""
+    try:
+        os.makedirs(folder, exist_ok=True)
+        probe = os.path.join(folder, ".tq-hf-cache-write-test")
+        with open(probe, "w") as f:
+            f.write("")
+        os.remove(probe)
+    except OSError as e:
+        return str(e)
+    return None
 
 
 def _print_summary(summary: dict) -> None:
@@ -136,7 +170,7 @@ def _cmd_info(args) -> int:
 
     try:
         d = describe(args.dir)
-    except (OSError, ValueError) as e:
+    except (OSError, ValueError, TypeError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
     if args.json:

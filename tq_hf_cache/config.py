@@ -25,6 +25,11 @@ PRESETS: dict[str, tuple[int, int]] = {
 DEFAULT_PRESET = "k5v3"
 NORM_DTYPES = ("float16", "float32")
 CONFIG_VERSION = 1
+# layer i uses rotation seed `seed + i`, stored as int64 beside calibrated codebooks: room for 2**31 layers
+MAX_SEED = 2**63 - 2**31
+# the residual window holds at most this many tokens per layer (its buffer grows with the sequence)
+MAX_RESIDUAL_LENGTH = 2**31 - 1
+MAX_SINK_TOKENS = 2**16
 
 
 @dataclass
@@ -59,40 +64,73 @@ class TurboQuantConfig:
     def __post_init__(self):
         check_bits(self.key_bits, "key_bits")
         check_bits(self.value_bits, "value_bits")
-        for name in ("residual_length", "sink_tokens", "skip_first", "skip_last"):
+        limits = {"residual_length": MAX_RESIDUAL_LENGTH, "sink_tokens": MAX_SINK_TOKENS,
+                  "skip_first": None, "skip_last": None}
+        for name, top in limits.items():
             v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-                raise ValueError(f"{name} must be an integer >= 0, got {v!r}")
-        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not 0 <= self.seed < 2**63:
-            raise ValueError(f"seed must be an integer in [0, 2**63), got {self.seed!r}")
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0 or (top is not None and v > top):
+                allowed = f"in [0, {top}]" if top is not None else ">= 0"
+                raise ValueError(f"{name} must be an integer {allowed}, got {v!r}")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not 0 <= self.seed <= MAX_SEED:
+            raise ValueError(f"seed must be an integer in [0, 2**63 - 2**31] (layer i uses seed + i), got {self.seed!r}")
         if self.rotation not in ROTATION_KINDS:
             raise ValueError(f"rotation must be one of {ROTATION_KINDS}, got {self.rotation!r}")
         if self.norm_dtype not in NORM_DTYPES:
             raise ValueError(f"norm_dtype must be one of {NORM_DTYPES}, got {self.norm_dtype!r}")
-        self.skip_layers = sorted({self._layer_index(i, "skip_layers") for i in self.skip_layers})
-        if not all(isinstance(t, str) and t for t in self.skip_layer_types):
+        skip_layers = _sequence(self.skip_layers, "skip_layers", "layer indices, e.g. [0, 5]")
+        self.skip_layers = sorted({self._layer_index(i, "skip_layers") for i in skip_layers})
+        types = _sequence(self.skip_layer_types, "skip_layer_types", "layer type names, e.g. ['sliding_attention']")
+        if not all(isinstance(t, str) and t for t in types):
             raise ValueError(f"skip_layer_types holds layer type names such as 'sliding_attention', got {self.skip_layer_types!r}")
-        self.skip_layer_types = sorted(set(self.skip_layer_types))
+        self.skip_layer_types = sorted(set(types))
+        if not isinstance(self.layer_bits, dict):
+            raise TypeError(
+                f"layer_bits must be a dict {{layer_idx: [key_bits, value_bits]}}, got {type(self.layer_bits).__name__}"
+            )
         bits = {}
-        for k, v in dict(self.layer_bits).items():
-            idx = self._layer_index(int(k) if isinstance(k, str) and k.lstrip("-").isdigit() else k, "layer_bits")
+        for k, v in self.layer_bits.items():
+            if isinstance(k, str):
+                if not k.isdigit():
+                    raise ValueError(f"layer_bits holds layer indices >= 0 as keys, got {k!r}")
+                idx = int(k)
+            else:
+                idx = self._layer_index(k, "layer_bits")
+            if idx in bits:
+                raise ValueError(f"layer_bits names layer {idx} twice (keys {k!r} and an earlier one)")
             if not isinstance(v, (list, tuple)) or len(v) != 2:
                 raise ValueError(f"layer_bits[{idx}] must be [key_bits, value_bits], got {v!r}")
             bits[idx] = [check_bits(v[0], f"layer_bits[{idx}] key bits"), check_bits(v[1], f"layer_bits[{idx}] value bits")]
         self.layer_bits = bits
 
+    def check_layers(self, num_layers: int) -> None:
+        """Refuse per-layer settings that name layers a model of `num_layers` layers does not have."""
+        named = {"skip_layers": self.skip_layers, "layer_bits": sorted(self.layer_bits)}
+        for what, idx in named.items():
+            bad = [i for i in idx if i >= num_layers]
+            if bad:
+                raise ValueError(f"{what} names layers {bad}, but the model has {num_layers} layers (0..{num_layers - 1})")
+        for what in ("skip_first", "skip_last"):
+            if getattr(self, what) > num_layers:
+                raise ValueError(f"{what}={getattr(self, what)} is more than the model's {num_layers} layers")
+
     @staticmethod
     def _layer_index(i, what: str) -> int:
+        """A layer index >= 0 (raises naming the field otherwise)."""
         if isinstance(i, bool) or not isinstance(i, int) or i < 0:
             raise ValueError(f"{what} holds layer indices >= 0, got {i!r}")
         return i
 
     @classmethod
     def from_preset(cls, name: str, **overrides) -> "TurboQuantConfig":
+        """The preset's bits plus `overrides` (any field, the bits too, as `TurboQuantCache(name, **overrides)`)."""
         if name not in PRESETS:
             raise ValueError(f"unknown preset {name!r}; presets are {sorted(PRESETS)}")
         k, v = PRESETS[name]
-        return cls(key_bits=k, value_bits=v, **overrides)
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(overrides) - known)
+        if unknown:
+            raise ValueError(f"unknown TurboQuantConfig fields {unknown}; known fields are {sorted(known)}")
+        return cls(**{"key_bits": k, "value_bits": v, **overrides})
 
     @property
     def preset(self) -> str | None:
@@ -156,7 +194,6 @@ class TurboQuantConfig:
         """
         import os
 
-        os.makedirs(save_directory, exist_ok=True)
         doc: dict[str, Any] = {
             "format": TURBOQUANT_FORMAT,
             "format_version": TURBOQUANT_FORMAT_VERSION,
@@ -164,6 +201,9 @@ class TurboQuantConfig:
         }
         if model_config is not None:
             doc["model"] = model_facts(model_config)
+        if "codebooks" not in (extra or {}):
+            doc.update(self._kept_codebooks(save_directory, doc.get("model")))
+        os.makedirs(save_directory, exist_ok=True)
         for key, value in (extra or {}).items():
             if key in doc:
                 raise ValueError(f"extra section {key!r} would overwrite a reserved key of {TURBOQUANT_CONFIG_NAME}")
@@ -175,6 +215,34 @@ class TurboQuantConfig:
         os.replace(tmp, path)
         return path
 
+    def _kept_codebooks(self, directory, model: dict | None) -> dict[str, Any]:
+        """The calibrated-codebook sections of a folder's existing config file, kept when this config can use
+        them (so saving a config never orphans the codebooks file); raises when it cannot."""
+        import os
+
+        if not os.path.isfile(os.path.join(directory, TURBOQUANT_CONFIG_NAME)):
+            return {}
+        try:
+            old = read_turboquant_json(directory)
+        except ValueError as e:
+            raise ValueError(f"not overwriting {TURBOQUANT_CONFIG_NAME} in {directory!r}, which cannot be read: {e}") from None
+        if "codebooks" not in old:
+            return {}
+        from .calibration import CalibratedCodebooks
+
+        where = os.path.join(directory, TURBOQUANT_CONFIG_NAME)
+        try:
+            cb = CalibratedCodebooks.from_pretrained(directory)
+            if model is not None and model != old.get("model"):
+                raise ValueError(f"the codebooks were calibrated for {old.get('model')}, this model is {model}")
+            cb.check_covers(self)
+        except (OSError, ValueError) as e:
+            raise ValueError(
+                f"{where} indexes calibrated codebooks that this config cannot use ({e}); saving it here would orphan "
+                "them. Save into another folder, or recalibrate with this config."
+            ) from None
+        return {"model": old["model"], "codebooks": old["codebooks"]}
+
     @classmethod
     def from_pretrained(cls, directory, config=None) -> "TurboQuantConfig":
         """Read `directory/turboquant_config.json`; check the stored model facts against `config` (a
@@ -182,6 +250,14 @@ class TurboQuantConfig:
         doc = read_turboquant_json(directory)
         check_model_facts(doc, directory, config)
         return cls.from_dict(doc["tq_config"])
+
+
+def _sequence(value, what: str, example: str) -> list:
+    """A list from a list, tuple or set; a string or a scalar is refused (a string would be split into letters)."""
+    if isinstance(value, str) or not isinstance(value, (list, tuple, set, frozenset)):
+        hint = f"; did you mean [{value!r}]?" if isinstance(value, (str, int)) and not isinstance(value, bool) else ""
+        raise TypeError(f"{what} must be a list of {example}, got {value!r}{hint}")
+    return list(value)
 
 
 TURBOQUANT_CONFIG_NAME = "turboquant_config.json"

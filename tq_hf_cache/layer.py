@@ -12,10 +12,14 @@ slots; they are quantized and packed like every other token, so nothing else cha
 
 from __future__ import annotations
 
+import warnings
+import weakref
+
 import torch
 from transformers.cache_utils import DynamicLayer
 
 from . import ops
+from ._compat import IS_V5
 from .codebook import Codebook
 from .packing import packed_bytes
 from .rotation import Rotation
@@ -26,6 +30,55 @@ GROW_TOKENS = 256
 # tokens are quantized together: one quantize launch and no allocation per FLUSH_BLOCK decode steps
 FLUSH_BLOCK = 32
 MODEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+FP16_MAX = 65504.0
+
+
+class DeferredLedger:
+    """The layers of one cache, and those whose deferred update (see `arm_deferred`) the fused attention has not
+    consumed yet.
+
+    A deferred update returns only the new tokens, which is right for the turboquant attention alone. If any other
+    attention function received them, the layer's pending tokens are still there at the next update of any layer
+    of the cache. That update refuses the step: it takes the pending tokens back out (the cache is as before the
+    step), clears every layer's arming, and raises, so that the step run again is right.
+    """
+
+    def __init__(self):
+        self._members = weakref.WeakValueDictionary()  # id -> layer; weak: no reference cycle with the layers
+        self.pending: list["TurboQuantLayer"] = []
+
+    def join(self, layer) -> None:
+        self._members[id(layer)] = layer
+
+    def add(self, layer) -> None:
+        if not any(l is layer for l in self.pending):
+            self.pending.append(layer)
+
+    def remove(self, layer) -> None:
+        self.pending = [l for l in self.pending if l is not layer]
+
+    def check(self) -> None:
+        if not self.pending:
+            return
+        stale, self.pending = self.pending, []
+        idx = sorted(l.layer_idx if l.layer_idx is not None else -1 for l in stale)
+        for layer in stale:
+            layer._take_back_pending()
+        for layer in list(self._members.values()):
+            layer._defer_next, layer._defer_valid = False, None
+        raise RuntimeError(
+            f"layers {idx} of this TurboQuantCache returned only their new tokens for attn_implementation="
+            "'turboquant', but another attention implementation consumed them (the cache ran under 'turboquant' and "
+            "is now used by a model with another attention implementation). This step is refused: its tokens were "
+            "taken back out of the cache and the arming of every layer is cleared, so running the step again gives "
+            "the right result. tq_hf_cache.attention.disarm(cache) does this up front."
+        )
+
+    def __getstate__(self):
+        return {}
+
+    def __setstate__(self, state):
+        self.__init__()
 
 
 class PackedBuffer:
@@ -116,13 +169,18 @@ class TurboQuantLayer(DynamicLayer):
         layer_idx: int | None = None,
         private_output: bool = False,
         sink_tokens: int = 0,
+        ledger: DeferredLedger | None = None,
+        codebook_check=None,
     ):
         DynamicLayer.__init__(self)
         self.sink_tokens = 0 if self.is_sliding else int(sink_tokens)
         self.key_bits, self.value_bits = key_bits, value_bits
         self.residual_length = residual_length
-        self.norm_dtype = norm_dtype
+        self.config_norm_dtype = norm_dtype
         self.layer_idx = layer_idx
+        self.ledger = ledger if ledger is not None else DeferredLedger()
+        self.ledger.join(self)
+        self._codebook_check = codebook_check  # (layer_idx, heads, head_dim) -> None, raises on a mismatch
         self.workspace = workspace
         # KV-sharing producers: later layers keep what update returns, so it cannot live in the shared workspace
         self.private_output = private_output
@@ -132,6 +190,7 @@ class TurboQuantLayer(DynamicLayer):
 
     def _clear(self) -> None:
         self.is_initialized = False
+        self.norm_dtype = self.config_norm_dtype
         self.cumulative_length = 0
         self.k_buf: PackedBuffer | None = None
         self.v_buf: PackedBuffer | None = None
@@ -142,7 +201,9 @@ class TurboQuantLayer(DynamicLayer):
         self._sv: torch.Tensor | None = None
         self._slen = 0  # how many of them the layer has seen
         self._defer_next = False
+        self._defer_valid = None  # () -> bool: whether the attention that armed the layer still runs
         self._pending: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.ledger.remove(self)
 
     @property
     def res_k(self) -> torch.Tensor | None:
@@ -181,50 +242,65 @@ class TurboQuantLayer(DynamicLayer):
         if value is not None:
             raise AttributeError("TurboQuantLayer.values is derived from the packed cache and cannot be assigned")
 
-    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor | None = None) -> None:
-        if key_states.dim() != 4:
-            raise ValueError(f"key states must be (batch, heads, seq, head_dim), got shape {tuple(key_states.shape)}")
-        if key_states.dtype not in MODEL_DTYPES:
-            raise TypeError(f"TurboQuantCache supports model dtypes {MODEL_DTYPES}, got {key_states.dtype}")
-        if value_states is not None and value_states.shape[-1] != key_states.shape[-1]:
+    def _validate(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        """Every check of an update's inputs, before anything changes."""
+        for name, t in (("key", key_states), ("value", value_states)):
+            if not isinstance(t, torch.Tensor) or t.dim() != 4:
+                shape = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+                raise ValueError(f"layer {self.layer_idx}: {name} states must be (batch, heads, seq, head_dim), got {shape}")
+            if t.dtype not in MODEL_DTYPES:
+                raise TypeError(f"TurboQuantCache supports model dtypes {MODEL_DTYPES}, got {name} states of {t.dtype}")
+        if key_states.shape != value_states.shape:
             raise ValueError(
-                f"TurboQuantCache needs keys and values of one head dim, got {key_states.shape[-1]} and {value_states.shape[-1]}"
+                f"layer {self.layer_idx}: key states {tuple(key_states.shape)} and value states {tuple(value_states.shape)} "
+                "must have the same (batch, heads, seq, head_dim)"
             )
+        if key_states.dtype != value_states.dtype or key_states.device != value_states.device:
+            raise ValueError(
+                f"layer {self.layer_idx}: key states are {key_states.dtype} on {key_states.device}, value states "
+                f"{value_states.dtype} on {value_states.device}; they must match"
+            )
+        if not self.is_initialized:
+            if self._codebook_check is not None:
+                self._codebook_check(self.layer_idx, key_states.shape[1], key_states.shape[3])
+            return
+        expect = (self.batch, self.heads, self.head_dim)
+        got = (key_states.shape[0], key_states.shape[1], key_states.shape[3])
+        if got != expect:
+            raise ValueError(
+                f"layer {self.layer_idx}: states of shape {tuple(key_states.shape)} do not match the cache's "
+                f"(batch, heads, head_dim) = {expect}"
+            )
+        if key_states.dtype != self.dtype or key_states.device != self.device:
+            raise ValueError(
+                f"layer {self.layer_idx}: states are {key_states.dtype} on {key_states.device}, the cache holds "
+                f"{self.dtype} on {self.device}"
+            )
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor | None = None) -> None:
         b, h, _, d = key_states.shape
-        self.dtype, self.device = key_states.dtype, key_states.device
-        self.batch, self.heads, self.head_dim = b, h, d
         rot = self._rotation_for(d)
-        self.rotation = rot.to(self.device)
-        self.k_codebook: Codebook = self._codebook_for("key", self.key_bits, d).to(self.device)
-        self.v_codebook: Codebook = self._codebook_for("value", self.value_bits, d).to(self.device)
-        for name, cb in (("key", self.k_codebook), ("value", self.v_codebook)):
+        k_codebook: Codebook = self._codebook_for("key", self.key_bits, d)
+        v_codebook: Codebook = self._codebook_for("value", self.value_bits, d)
+        for name, cb in (("key", k_codebook), ("value", v_codebook)):
             if cb.per_head and cb.centroids.shape[0] != h:
                 raise ValueError(
                     f"layer {self.layer_idx}: the {name} codebook has {cb.centroids.shape[0]} heads but the model has {h} KV heads"
                 )
+        self.dtype, self.device = key_states.dtype, key_states.device
+        self.batch, self.heads, self.head_dim = b, h, d
+        self.rotation = rot.to(self.device)
+        self.k_codebook, self.v_codebook = k_codebook.to(self.device), v_codebook.to(self.device)
         self.k_buf = PackedBuffer(b, h, d, self.key_bits, self.norm_dtype, self.device)
         self.v_buf = PackedBuffer(b, h, d, self.value_bits, self.norm_dtype, self.device)
-        self._rk = key_states.new_empty(b, h, self.residual_capacity, d)
-        self._rv = key_states.new_empty(b, h, self.residual_capacity, d)
+        # residual window and sink copies grow with the sequence: a short prompt holds no more than it needs
+        self._rk = key_states.new_empty(b, h, 0, d)
+        self._rv = key_states.new_empty(b, h, 0, d)
         self._rlen = 0
-        self._sk = key_states.new_empty(b, h, self.sink_tokens, d)
-        self._sv = key_states.new_empty(b, h, self.sink_tokens, d)
+        self._sk = key_states.new_empty(b, h, 0, d)
+        self._sv = key_states.new_empty(b, h, 0, d)
         self._slen = 0
         self.is_initialized = True
-
-    def _check_states(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        expect = (self.batch, self.heads, self.head_dim)
-        for name, s in (("key", key_states), ("value", value_states)):
-            got = (s.shape[0], s.shape[1], s.shape[3])
-            if s.dim() != 4 or got != expect:
-                raise ValueError(
-                    f"layer {self.layer_idx}: {name} states of shape {tuple(s.shape)} do not match the cache's "
-                    f"(batch, heads, head_dim) = {expect}"
-                )
-            if s.dtype != self.dtype or s.device != self.device:
-                raise ValueError(
-                    f"layer {self.layer_idx}: {name} states are {s.dtype} on {s.device}, the cache holds {self.dtype} on {self.device}"
-                )
 
     @property
     def quantized_length(self) -> int:
@@ -238,35 +314,61 @@ class TurboQuantLayer(DynamicLayer):
     # buffers change every step; the model's projections and MLPs around it still compile
     @torch.compiler.disable
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        self.flush()
+        self.ledger.check()
+        self._validate(key_states, value_states)
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        self._check_states(key_states, value_states)
         self.cumulative_length += key_states.shape[2]
-        if self._defer_next:
-            # fused attention armed this layer: it reads packed + residual + these tokens itself
-            self._defer_next = False
+        defer, self._defer_next = self._defer_next, False
+        if defer and self._can_defer() and (self._defer_valid is None or self._defer_valid()):
+            # the turboquant attention armed this layer and still runs: it reads packed + residual + these tokens
             self._pending = (key_states, value_states)
+            self.ledger.add(self)
             return _tag(key_states, self, True), _tag(value_states, self, True)
-        out_k, out_v = self._assemble(key_states, value_states)
+        out_k, out_v = self._visible(*self._assemble(key_states, value_states), key_states.shape[2])
         self._push(key_states, value_states)
         return _tag(out_k, self, False), _tag(out_v, self, False)
 
+    def _visible(self, k: torch.Tensor, v: torch.Tensor, new_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """What attention sees of [history | residual | new]: all of it here; sliding layers trim (see there)."""
+        return k, v
+
+    def _can_defer(self) -> bool:
+        return True
+
     # --- hooks for the fused decode-attention path (tq_hf_cache.attention) ---
-    def arm_deferred(self) -> None:
-        """The next `update` returns only the new tokens (tagged) and leaves them pending for the attention."""
+    def arm_deferred(self, still_valid=None) -> None:
+        """The next `update` returns only the new tokens (tagged) and leaves them pending for the attention.
+
+        `still_valid() -> bool`, checked at that update, says whether the arming attention is still the one the
+        model runs (e.g. after `model.set_attn_implementation("sdpa")` it is not, and the update is a normal one).
+        """
         self._defer_next = True
+        self._defer_valid = still_valid
+
+    def disarm(self) -> None:
+        """Store any pending tokens and make the next update a normal one."""
+        self.flush()
+        self._defer_next = False
+        self._defer_valid = None
 
     @property
     def pending(self) -> tuple[torch.Tensor, torch.Tensor] | None:
         """New tokens of a deferred update, not yet in the residual window or the packed buffers."""
         return self._pending
 
+    def _take_back_pending(self) -> None:
+        """Undo a deferred update whose tokens no fused attention consumed (see DeferredLedger)."""
+        if self._pending is not None:
+            self.cumulative_length -= self._pending[0].shape[2]
+            self._pending = None
+
     def flush(self) -> None:
         """Move pending tokens into the cache state (residual window, quantizing what overflows)."""
         if self._pending is not None:
             k, v = self._pending
             self._pending = None
+            self.ledger.remove(self)
             self._push(k, v)
 
     def attention_state(self) -> dict:
@@ -286,16 +388,18 @@ class TurboQuantLayer(DynamicLayer):
         """Full-precision [history | residual | pending] in the workspace, for a deferred step that needs it."""
         if self._pending is None:
             raise RuntimeError("assemble_pending() needs a deferred update in flight")
-        return self._assemble(*self._pending)
+        return self._visible(*self._assemble(*self._pending), self._pending[0].shape[2])
 
     def _assemble(self, key_states: torch.Tensor, value_states: torch.Tensor):
         """[dequantized history | residual | new] for this step's attention."""
-        lq, lr, n = self.k_buf.length, self.res_k.shape[2], key_states.shape[2]
+        lq, lr, n = self.k_buf.length, self._rlen, key_states.shape[2]
         if lq == 0:
             if lr == 0:
                 return key_states, value_states
             return torch.cat([self.res_k, key_states], dim=2), torch.cat([self.res_v, value_states], dim=2)
-        if self.private_output:
+        # autograd saves what attention reads: under grad the output must not be a workspace that the next layer
+        # overwrites, and KV-sharing producers' outputs are kept by later layers
+        if self.private_output or (torch.is_grad_enabled() and (key_states.requires_grad or value_states.requires_grad)):
             wk = key_states.new_empty(self.batch, self.heads, lq + lr + n, self.head_dim)
             wv = value_states.new_empty(self.batch, self.heads, lq + lr + n, self.head_dim)
         else:
@@ -315,16 +419,32 @@ class TurboQuantLayer(DynamicLayer):
         wv[:, :, lq + lr :].copy_(value_states)
         return wk, wv
 
+    def _reserve_residual(self, tokens: int) -> None:
+        """Grow the residual buffers (doubling, up to `residual_capacity`) to hold `tokens` tokens."""
+        cap = self._rk.shape[2]
+        if tokens <= cap:
+            return
+        new_cap = min(max(tokens, 2 * cap, 16), self.residual_capacity)
+        rk = self._rk.new_empty(self.batch, self.heads, new_cap, self.head_dim)
+        rv = self._rv.new_empty(self.batch, self.heads, new_cap, self.head_dim)
+        rk[:, :, : self._rlen].copy_(self.res_k)
+        rv[:, :, : self._rlen].copy_(self.res_v)
+        self._rk, self._rv = rk, rv
+
     def _push(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        """Append the new tokens to the residual window; quantize the oldest ones once it overflows."""
+        """Append the new tokens to the residual window; quantize the oldest ones once it overflows.
+
+        The cache keeps values, not autograd history: gradients reach only the tokens of the current call."""
+        key_states, value_states = key_states.detach(), value_states.detach()
         n, lr = key_states.shape[2], self._rlen
         if self._slen < self.sink_tokens:  # the sequence's first tokens: keep exact copies
             take = min(self.sink_tokens - self._slen, n)
-            self._sk[:, :, self._slen : self._slen + take].copy_(key_states[:, :, :take])
-            self._sv[:, :, self._slen : self._slen + take].copy_(value_states[:, :, :take])
+            self._sk = torch.cat([self._sk[:, :, : self._slen], key_states[:, :, :take]], dim=2)
+            self._sv = torch.cat([self._sv[:, :, : self._slen], value_states[:, :, :take]], dim=2)
             self._slen += take
         drop = self._drop_old(lr + n)
         if drop == 0 and lr + n <= self.residual_capacity:  # the common decode step: two small copies
+            self._reserve_residual(lr + n)
             self._rk[:, :, lr : lr + n].copy_(key_states)
             self._rv[:, :, lr : lr + n].copy_(value_states)
             self._rlen = lr + n
@@ -337,6 +457,8 @@ class TurboQuantLayer(DynamicLayer):
             self._quantize_append(fp_k[:, :, :overflow], fp_v[:, :, :overflow])
             fp_k, fp_v = fp_k[:, :, overflow:], fp_v[:, :, overflow:]
         keep = fp_k.shape[2]
+        self._rlen = 0
+        self._reserve_residual(keep)
         self._rk[:, :, :keep].copy_(fp_k)
         self._rv[:, :, :keep].copy_(fp_v)
         self._rlen = keep
@@ -346,10 +468,29 @@ class TurboQuantLayer(DynamicLayer):
         return 0
 
     def _quantize_append(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        if self.norm_dtype == torch.float16:
+            self._widen_norms_if_needed(k, v)
         n = k.shape[2]
         pk, nk = self.k_buf.append_slots(n)
         pv, nv = self.v_buf.append_slots(n)
         ops.quantize_kv_into(k, v, self.rotation, self.k_codebook, self.v_codebook, pk, nk, pv, nv)
+
+    def _widen_norms_if_needed(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        """float16 norms end at 65504: before a finite norm above that is stored, switch this layer's norms to
+        float32 (the stored ones convert exactly), so that no norm is clamped. One device sync per quantize call."""
+        norms = torch.stack([k.float().norm(dim=-1).amax(), v.float().norm(dim=-1).amax()])
+        big = norms[torch.isfinite(norms)]
+        if big.numel() and float(big.max()) > FP16_MAX:
+            warnings.warn(
+                f"tq_hf_cache: layer {self.layer_idx} has a key/value norm of {float(big.max()):.4g}, above float16's "
+                f"range ({FP16_MAX:.0f}); its norms are stored in float32 from now on (2 more bytes per vector). "
+                "Set norm_dtype='float32' to choose this up front.",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+            self.norm_dtype = torch.float32
+            for buf in (self.k_buf, self.v_buf):
+                buf.norms = buf.norms.float()
 
     def _materialize(self, kind: str) -> torch.Tensor | None:
         self.flush()
@@ -382,24 +523,34 @@ class TurboQuantLayer(DynamicLayer):
         self._clear()
 
     def crop(self, max_length: int) -> None:
-        """Negative: remove that many newest tokens; positive: keep the first `max_length` tokens."""
+        """Negative: remove that many newest tokens; positive: keep the first `max_length` tokens.
+
+        Zero follows the installed transformers: a no-op on 5.x (where generate calls `crop(-rejected)`, which is
+        `crop(0)` when every candidate was accepted), "keep 0 tokens" on 4.x (where crop takes a length).
+        """
         self.flush()
         if not self.is_initialized:
             return
         seq = self.get_seq_length()
-        target = seq - abs(max_length) if max_length < 0 else max_length
+        if max_length < 0 or (max_length == 0 and IS_V5):
+            target = seq - abs(max_length)
+        else:
+            target = max_length
         if target >= seq:
             return
-        target = max(target, 0)
+        self._truncate(max(target, 0))
+        self.cumulative_length = max(target, 0)
+
+    def _truncate(self, stored: int) -> None:
+        """Keep the oldest `stored` of the tokens this layer holds."""
         lq = self.k_buf.length
-        if target >= lq:
-            self._rlen = target - lq
+        if stored >= lq:
+            self._rlen = min(self._rlen, stored - lq)
         else:
-            self.k_buf.truncate(target)
-            self.v_buf.truncate(target)
+            self.k_buf.truncate(stored)
+            self.v_buf.truncate(stored)
             self._rlen = 0
-        self._slen = min(self._slen, target)
-        self.cumulative_length = target
+        self._slen = min(self._slen, stored)
 
     def _map_batch(self, fn) -> None:
         self.flush()
@@ -436,6 +587,15 @@ class TurboQuantLayer(DynamicLayer):
             self._rk, self._rv = self._rk.to(self.device, non_blocking=True), self._rv.to(self.device, non_blocking=True)
             self._sk, self._sv = self._sk.to(self.device, non_blocking=True), self._sv.to(self.device, non_blocking=True)
 
+    def __getstate__(self):
+        state = self.__dict__.copy()
+        state.pop("_tq_decode_plan", None)  # a compiled-kernel launch plan: rebuilt on first use
+        return state
+
+    def __setstate__(self, state):
+        self.__dict__.update(state)
+        self.ledger.join(self)
+
     def nbytes(self) -> dict[str, int]:
         """Bytes held between steps: packed buffers, residual window buffers (allocated capacity), sink copies."""
         self.flush()
@@ -461,10 +621,13 @@ class TurboQuantSlidingLayer(TurboQuantLayer):
     def __init__(self, *, sliding_window: int, **kwargs):
         TurboQuantLayer.__init__(self, **kwargs)
         self.sliding_window = int(sliding_window)
+        self.record_past = False
 
     def _drop_old(self, fp_tokens: int) -> int:
         """Drop tokens beyond `sliding_window - 1` from the packed front; return how many of the oldest
-        full-precision tokens (residual, then new) must go too."""
+        full-precision tokens (residual, then new) must go too. Nothing is dropped while recording the past."""
+        if self.record_past:
+            return 0
         excess = self.k_buf.length + fp_tokens - (self.sliding_window - 1)
         if excess <= 0:
             return 0
@@ -486,13 +649,58 @@ class TurboQuantSlidingLayer(TurboQuantLayer):
     def get_max_cache_shape(self) -> int:
         return self.sliding_window
 
+    def activate_past_recording(self) -> None:
+        """Keep tokens that leave the window until the next `crop` (assisted decoding rolls back rejected ones)."""
+        self.record_past = True
+
+    def _can_defer(self) -> bool:
+        return not self.record_past  # the fused path reads every stored token; recording keeps more than the window
+
+    def _visible(self, k: torch.Tensor, v: torch.Tensor, new_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """While recording, the layer holds more than the window: attention sees what `get_mask_sizes` says."""
+        visible = self.sliding_window - 1 + new_tokens
+        if self.record_past and k.shape[2] > visible:
+            return k[:, :, -visible:], v[:, :, -visible:]
+        return k, v
+
     def crop(self, max_length: int) -> None:
-        if self.get_seq_length() >= self.sliding_window:
+        """As `DynamicSlidingWindowLayer.crop`: past the window only while recording, only by a count (<= 0) of
+        newest tokens to remove; it also trims what is kept back to the window."""
+        self.flush()
+        if not self.is_initialized or self.get_seq_length() < self.sliding_window:
+            super().crop(max_length)
+            return
+        if not self.record_past:
             raise RuntimeError(
                 "cannot crop a sliding-window TurboQuant layer once it has seen more tokens than its window "
-                f"({self.sliding_window}): the older states are gone"
+                f"({self.sliding_window}): the older states are gone; call activate_past_recording() first"
             )
-        super().crop(max_length)
+        if max_length > 0:
+            raise RuntimeError(
+                "once its window is full, a sliding-window TurboQuant layer is cropped by a negative count of tokens "
+                f"to remove, got {max_length}"
+            )
+        remove, stored = -max_length, self.k_buf.length + self._rlen
+        if remove > stored:
+            raise RuntimeError(f"cannot remove {remove} tokens from a sliding-window layer that keeps {stored}")
+        self._truncate(stored - remove)
+        self.cumulative_length -= remove
+        self._trim_front(self.sliding_window - 1)
+
+    def _trim_front(self, keep: int) -> None:
+        """Drop the oldest stored tokens beyond `keep`: packed ones first, then the residual's front."""
+        excess = self.k_buf.length + self._rlen - keep
+        if excess <= 0:
+            return
+        from_packed = min(excess, self.k_buf.length)
+        self.k_buf.drop_front(from_packed)
+        self.v_buf.drop_front(from_packed)
+        e = excess - from_packed
+        if e:
+            rest = self._rlen - e
+            self._rk[:, :, :rest] = self._rk[:, :, e : self._rlen].clone()
+            self._rv[:, :, :rest] = self._rv[:, :, e : self._rlen].clone()
+            self._rlen = rest
 
 
 _HYBRID_CLASSES = None

@@ -13,7 +13,6 @@ from .codebook import Codebook
 from .packing import pack_indices, unpack_indices
 from .rotation import Rotation
 
-FP16_MAX = 65504.0
 _TINY = 1e-30
 
 
@@ -44,8 +43,8 @@ def centroid_lookup(idx: torch.Tensor, codebook: Codebook) -> torch.Tensor:
 
 
 def store_norm(norm: torch.Tensor, norm_dtype: torch.dtype) -> torch.Tensor:
-    if norm_dtype == torch.float16:
-        norm = norm.clamp(max=FP16_MAX)
+    """The norm as stored: a non-finite norm stays non-finite (and a float16 overflow becomes inf) so that
+    dequantization never invents a finite vector; the cache widens float16 norms before they would overflow."""
     return norm.to(norm_dtype)
 
 
@@ -101,4 +100,10 @@ def attention(
         s = s.masked_fill(~mask, float("-inf"))
     else:
         s = s + mask.float()
-    return torch.softmax(s, dim=-1).nan_to_num(0.0) @ v
+    return softmax_rows(s) @ v
+
+
+def softmax_rows(s: torch.Tensor) -> torch.Tensor:
+    """Softmax over the last dim; a row that may see no key (all -inf) gives 0, a NaN score stays NaN."""
+    blind = (s == float("-inf")).all(dim=-1, keepdim=True)
+    return torch.softmax(s, dim=-1).masked_fill(blind, 0.0)

@@ -17,12 +17,44 @@ import sys
 import time
 
 
+def _at_least(low: int):
+    """argparse type: an integer >= low (argparse prints the bad value and exits 2 otherwise)."""
+
+    def parse(s):
+        try:
+            v = int(s)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer >= {low}, got {s!r}") from None
+        if v < low:
+            raise argparse.ArgumentTypeError(f"must be >= {low}, got {v}")
+        return v
+
+    return parse
+
+
 def _ints(s):
-    return [int(x) for x in s.split(",") if x.strip()]
+    vals = [_at_least(MIN_NEEDLE_TOKENS)(x) for x in s.split(",") if x.strip()]
+    if not vals:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers >= {MIN_NEEDLE_TOKENS}, got {s!r}")
+    return vals
 
 
 def _floats(s):
-    return [float(x) for x in s.split(",") if x.strip()]
+    vals = []
+    for x in (x for x in s.split(",") if x.strip()):
+        try:
+            v = float(x)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected numbers in [0, 1], got {x!r}") from None
+        if not 0.0 <= v <= 1.0:
+            raise argparse.ArgumentTypeError(f"needle depths are fractions of the prompt in [0, 1], got {v}")
+        vals.append(v)
+    if not vals:
+        raise argparse.ArgumentTypeError(f"expected comma-separated numbers in [0, 1], got {s!r}")
+    return vals
+
+
+MIN_NEEDLE_TOKENS = 64  # the needle sentence and the question need room in the haystack
 
 
 def _names(s):
@@ -39,17 +71,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--caches", type=_names, default=list(DEFAULT_CACHES),
                         help=f"comma-separated caches (default: {','.join(DEFAULT_CACHES)}); known: {','.join(all_specs())}")
     parser.add_argument("--tasks", type=_names, default=list(TASKS), help=f"comma-separated subset of {','.join(TASKS)}")
-    parser.add_argument("--ppl-tokens", type=int, default=d.ppl_tokens, help="tokens of package text scored (default %(default)s)")
-    parser.add_argument("--chunk", type=int, default=d.chunk, help="chunked-prefill chunk size (default %(default)s)")
+    parser.add_argument("--ppl-tokens", type=_at_least(2), default=d.ppl_tokens, help="tokens of package text scored (default %(default)s)")
+    parser.add_argument("--chunk", type=_at_least(1), default=d.chunk, help="chunked-prefill chunk size (default %(default)s)")
     parser.add_argument("--needle-lengths", type=_ints, default=d.needle_lengths, help="comma-separated prompt lengths in tokens")
     parser.add_argument("--needle-depths", type=_floats, default=d.needle_depths, help="comma-separated needle depths in [0, 1]")
-    parser.add_argument("--agreement-prompts", type=int, default=d.agreement_prompts)
-    parser.add_argument("--agreement-prompt-tokens", type=int, default=d.agreement_prompt_tokens)
-    parser.add_argument("--new-tokens", type=int, default=d.agreement_new_tokens, help="greedy tokens compared with fp (default %(default)s)")
-    parser.add_argument("--bytes-tokens", type=int, default=d.bytes_tokens,
+    parser.add_argument("--agreement-prompts", type=_at_least(0), default=d.agreement_prompts)
+    parser.add_argument("--agreement-prompt-tokens", type=_at_least(1), default=d.agreement_prompt_tokens)
+    parser.add_argument("--new-tokens", type=_at_least(1), default=d.agreement_new_tokens, help="greedy tokens compared with fp (default %(default)s)")
+    parser.add_argument("--bytes-tokens", type=_at_least(0), default=d.bytes_tokens,
                         help="tokens of synthetic float16 KV states for the deployment-dtype byte count (0: skip)")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"], help="model dtype (CPU: float32)")
-    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    parser.add_argument("--threads", type=_at_least(1), default=None, help="torch CPU threads")
     parser.add_argument("--seed", type=int, default=d.seed, help="seed of the needle codes")
     parser.add_argument("--quick", action="store_true",
                         help="small budget: 512 ppl tokens, needle 512 tokens at depth 0.5, 1 prompt x 32 tokens")
@@ -87,10 +119,18 @@ def run(args) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     settings = settings_from_args(args)
+    if "ppl" in args.tasks and settings.ppl_tokens <= settings.chunk:
+        print(f"error: --ppl-tokens ({settings.ppl_tokens}) must exceed --chunk ({settings.chunk}): perplexity is "
+              "scored on the chunks after the first, the ones that attend to the cache", file=sys.stderr)
+        return 2
     tag = os.path.splitext(os.path.basename(os.path.normpath(args.model)))[0]
     out = args.output or os.path.join("benchmarks", "results", f"quality_{tag}.json")
     t = time.time()
-    model, tok, info = load_model(args.model, getattr(torch, args.dtype))
+    try:
+        model, tok, info = load_model(args.model, getattr(torch, args.dtype))
+    except (OSError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     print(f"loaded {info['label']} in {time.time() - t:.0f} s", flush=True)
     try:
         result = run_eval(model, tok, info, [specs[c] for c in args.caches], args.tasks, settings, out,

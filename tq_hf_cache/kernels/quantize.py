@@ -46,7 +46,6 @@ from ..codebook import Codebook
 from ..rotation import Rotation
 from . import _common as C
 
-FP16_MAX = 65504.0
 POLY_NC: tl.constexpr = tl.constexpr(C.POLY_DEG + 1)
 # The table and polynomial searches (above 4 bits) keep more values live: capped at 128 registers, 4 programs of 4
 # warps fit an SM instead of 3, and 8 bits goes from 52% to 71% of copy on the H100
@@ -85,7 +84,7 @@ def _quantize_tile(
     rop, bnd_ptr, sbh, lut_ptr, slh, lo_ptr, invw_ptr, hsel, NLUT,
     pid_t, pid_bh, H, T, inv_sqrt_d,
     D: tl.constexpr, LOG2D: tl.constexpr, BITS: tl.constexpr, BLOCK_T: tl.constexpr,
-    ROT: tl.constexpr, XMODE: tl.constexpr, CLAMP_FP16: tl.constexpr, X_UNIT: tl.constexpr, SEARCH: tl.constexpr,
+    ROT: tl.constexpr, XMODE: tl.constexpr, X_UNIT: tl.constexpr, SEARCH: tl.constexpr,
     PERM: tl.constexpr, WORDS: tl.constexpr,
 ):
     """One (BLOCK_T, D) tile of one (batch, head); rop is the (D, D) matrix operand, or the (D,) signs for FWHT."""
@@ -256,9 +255,7 @@ def _quantize_tile(
             off = g8[None, :, None] * BITS + k8[None, None, :]
             tl.store(p_rows[:, None, None] + off, byts, mask=tmask[:, None, None] & (k8 < BITS)[None, None, :])
 
-    # ---- norm
-    if CLAMP_FP16:
-        norm = tl.minimum(norm, 65504.0)
+    # ---- norm: stored as it is (a float16 overflow becomes inf; the cache widens its norms before that happens)
     n_rows = n_ptr + b.to(tl.int64) * snb + h.to(tl.int64) * snh + t64 * snt
     tl.store(n_rows, norm.to(n_ptr.dtype.element_ty), mask=tmask)
 
@@ -279,7 +276,7 @@ def _quantize_kernel(
     mat_ptr, sgn_ptr, bnd_ptr, sbh, lut_ptr, slh, lo_ptr, invw_ptr, hsel, NLUT, H, T, inv_sqrt_d,
     n_t_tiles, n_tiles,
     D: tl.constexpr, LOG2D: tl.constexpr, BITS: tl.constexpr, BLOCK_T: tl.constexpr,
-    ROT: tl.constexpr, XMODE: tl.constexpr, CLAMP_FP16: tl.constexpr, X_UNIT: tl.constexpr, SEARCH: tl.constexpr,
+    ROT: tl.constexpr, XMODE: tl.constexpr, X_UNIT: tl.constexpr, SEARCH: tl.constexpr,
     STAGES: tl.constexpr, PERM: tl.constexpr, WORDS: tl.constexpr,
 ):
     """Persistent: the rotation operand is loaded once, then the program walks tiles pid, pid + grid, ..."""
@@ -289,7 +286,7 @@ def _quantize_kernel(
             x_ptr, sxb, sxh, sxt, sxd, p_ptr, spb, sph, spt, n_ptr, snb, snh, snt,
             rop, bnd_ptr, sbh, lut_ptr, slh, lo_ptr, invw_ptr, hsel, NLUT,
             tile % n_t_tiles, tile // n_t_tiles, H, T, inv_sqrt_d,
-            D, LOG2D, BITS, BLOCK_T, ROT, XMODE, CLAMP_FP16, X_UNIT, SEARCH, PERM, WORDS,
+            D, LOG2D, BITS, BLOCK_T, ROT, XMODE, X_UNIT, SEARCH, PERM, WORDS,
         )
 
 
@@ -301,7 +298,7 @@ def _quantize_kv_kernel(
     bndv_ptr, sbvh, lutv_ptr, slvh, lov_ptr, invwv_ptr, hselv, NLUTV,
     mat_ptr, sgn_ptr, H, T, inv_sqrt_d, n_t_tiles, n_tiles,
     D: tl.constexpr, LOG2D: tl.constexpr, KBITS: tl.constexpr, VBITS: tl.constexpr, BLOCK_T: tl.constexpr,
-    ROT: tl.constexpr, XMODE: tl.constexpr, CLAMP_FP16: tl.constexpr, K_UNIT: tl.constexpr, V_UNIT: tl.constexpr,
+    ROT: tl.constexpr, XMODE: tl.constexpr, K_UNIT: tl.constexpr, V_UNIT: tl.constexpr,
     KSEARCH: tl.constexpr, VSEARCH: tl.constexpr, PERM: tl.constexpr, KWORDS: tl.constexpr, VWORDS: tl.constexpr,
 ):
     """Keys and values of one layer in one launch (grid axis 1: 0 = keys, 1 = values); not persistent (decode)."""
@@ -312,14 +309,14 @@ def _quantize_kv_kernel(
             k_ptr, skb, skh, skt, skd, pk_ptr, spkb, spkh, spkt, nk_ptr, snkb, snkh, snkt,
             rop, bndk_ptr, sbkh, lutk_ptr, slkh, lok_ptr, invwk_ptr, hselk, NLUTK,
             tile % n_t_tiles, tile // n_t_tiles, H, T, inv_sqrt_d,
-            D, LOG2D, KBITS, BLOCK_T, ROT, XMODE, CLAMP_FP16, K_UNIT, KSEARCH, PERM, KWORDS,
+            D, LOG2D, KBITS, BLOCK_T, ROT, XMODE, K_UNIT, KSEARCH, PERM, KWORDS,
         )
     else:
         _quantize_tile(
             v_ptr, svb, svh, svt, svd, pv_ptr, spvb, spvh, spvt, nv_ptr, snvb, snvh, snvt,
             rop, bndv_ptr, sbvh, lutv_ptr, slvh, lov_ptr, invwv_ptr, hselv, NLUTV,
             tile % n_t_tiles, tile // n_t_tiles, H, T, inv_sqrt_d,
-            D, LOG2D, VBITS, BLOCK_T, ROT, XMODE, CLAMP_FP16, V_UNIT, VSEARCH, PERM, VWORDS,
+            D, LOG2D, VBITS, BLOCK_T, ROT, XMODE, V_UNIT, VSEARCH, PERM, VWORDS,
         )
 
 
@@ -479,7 +476,7 @@ def quantize_into(
         mat, sgn, *sargs,
         heads, tokens, dim**-0.5, n_t, n_tiles,
         D=dim, LOG2D=dim.bit_length() - 1, BITS=bits, BLOCK_T=bt,
-        ROT=rmode, XMODE=xmode, CLAMP_FP16=norms_out.dtype == torch.float16, X_UNIT=x.stride(-1) == 1,
+        ROT=rmode, XMODE=xmode, X_UNIT=x.stride(-1) == 1,
         SEARCH=smode, STAGES=stages, PERM=rmode == C.ROT_PM1_DOT, WORDS=_word_stores(packed_out, bits, dim),
         num_warps=nw, **({} if maxnreg is None else {"maxnreg": maxnreg}),
     )
@@ -525,7 +522,7 @@ def quantize_kv_into(
         v, *v.stride(), v_packed, *v_packed.stride()[:3], v_norms, *v_norms.stride(), *vargs,
         mat, mat, heads, tokens, dim**-0.5, n_t, n_t * bsz * heads,
         D=dim, LOG2D=dim.bit_length() - 1, KBITS=kbits, VBITS=vbits, BLOCK_T=bt,
-        ROT=rmode, XMODE=xmode, CLAMP_FP16=k_norms.dtype == torch.float16,
+        ROT=rmode, XMODE=xmode,
         K_UNIT=k.stride(-1) == 1, V_UNIT=v.stride(-1) == 1, KSEARCH=kmode, VSEARCH=vmode,
         PERM=rmode == C.ROT_PM1_DOT, KWORDS=_word_stores(k_packed, kbits, dim),
         VWORDS=_word_stores(v_packed, vbits, dim), num_warps=nw,
