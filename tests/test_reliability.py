@@ -98,7 +98,7 @@ def test_sliding_layer_refuses_a_rollback_it_cannot_do():
     layer.update(k, v)
     ref.update(k, v)
     for cache_layer in (layer, ref):
-        with pytest.raises(RuntimeError):
+        with pytest.raises(RuntimeError if IS_V5 else ValueError):  # transformers' own type on each version
             cache_layer.crop(-1)
 
 

@@ -33,6 +33,10 @@ MODEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 FP16_MAX = 65504.0
 
 
+class SlidingCropError(RuntimeError, ValueError):
+    """A crop a sliding-window layer cannot do; transformers raises RuntimeError (5.x) or ValueError (4.x) there."""
+
+
 class DeferredLedger:
     """The layers of one cache, and those whose deferred update (see `arm_deferred`) the fused attention has not
     consumed yet.
@@ -671,18 +675,22 @@ class TurboQuantSlidingLayer(TurboQuantLayer):
             super().crop(max_length)
             return
         if not self.record_past:
-            raise RuntimeError(
+            raise SlidingCropError(
                 "cannot crop a sliding-window TurboQuant layer once it has seen more tokens than its window "
                 f"({self.sliding_window}): the older states are gone; call activate_past_recording() first"
             )
         if max_length > 0:
-            raise RuntimeError(
+            raise SlidingCropError(
                 "once its window is full, a sliding-window TurboQuant layer is cropped by a negative count of tokens "
                 f"to remove, got {max_length}"
             )
         remove, stored = -max_length, self.k_buf.length + self._rlen
-        if remove > stored:
-            raise RuntimeError(f"cannot remove {remove} tokens from a sliding-window layer that keeps {stored}")
+        needed = min(self.cumulative_length - remove, self.sliding_window - 1)
+        if remove > stored or stored - remove < needed:
+            raise SlidingCropError(
+                f"cannot remove {remove} tokens from a sliding-window layer that keeps {stored}: the window would "
+                f"need {max(needed, 0)} older tokens, dropped before activate_past_recording()"
+            )
         self._truncate(stored - remove)
         self.cumulative_length -= remove
         self._trim_front(self.sliding_window - 1)
