@@ -206,7 +206,7 @@ def test_kernel_split_count_does_not_change_the_result():
 
 @needs_triton
 def test_kernel_fully_masked_rows_give_zeros_and_mask_wider_than_keys():
-    """A query row that may see nothing gets 0 (as the oracle's nan_to_num); a 4.x-style longer mask is cut."""
+    """A query row that may see nothing gets 0 (as the oracle's softmax_rows); a 4.x-style longer mask is cut."""
     seed = fresh_seed()
     b, hkv, group, n, d, lq, lr = 2, 1, 3, 2, 64, 90, 3
     state, kf, vf = make_state(b, hkv, lq, lr, n, d, 4, 4, torch.float16, seed)
@@ -516,3 +516,29 @@ def test_layer_launch_matches_state_launch_across_flushes_and_growth(preset, gro
     if DEVICE == "cuda":  # after the plan's first (JIT) launch, later ones go through the launcher directly
         assert da._DIRECT["ok"] is True, da._DIRECT
         assert layer._tq_decode_plan.launch is not None
+
+
+@needs_triton
+@pytest.mark.parametrize("where", ["packed_norm", "residual", "new"])
+@pytest.mark.parametrize("splits", [1, 3])
+def test_kernel_propagates_nan_keys_as_sdpa_does(where, splits):
+    """A NaN key makes the output of every query of its KV head NaN (as SDPA and the oracle give), never 0 or a
+    finite number; the other KV head stays finite."""
+    seed = fresh_seed()
+    b, hkv, group, n, d = 1, 2, 2, 1, 64
+    state, kf, vf = make_state(b, hkv, 40, 5, n, d, 4, 4, torch.float16, seed)
+    if where == "packed_norm":
+        state["k_norms"][0, 0, 7] = float("nan")
+        kf[0, 0, 7] = float("nan")
+    elif where == "residual":
+        state["res_k"][0, 0, 2, 5] = float("nan")
+        kf[0, 0, 42, 5] = float("nan")
+    else:
+        state["new_k"][0, 0, 0, 5] = float("nan")
+        kf[0, 0, 45, 5] = float("nan")
+    q = make_query(b, hkv * group, n, d, torch.float16, seed)
+    out = decode_attention(q, state, None, None, num_splits=splits)
+    ref = _oracle(q, kf, vf, None, None)
+    assert torch.isnan(ref[0, 0, :group]).all() and torch.isfinite(ref[0, 0, group:]).all()
+    assert torch.isnan(out[0, 0, :group].float()).all(), f"seed {seed}: a NaN key did not give NaN"
+    assert torch.isfinite(out[0, 0, group:].float()).all(), f"seed {seed}: the other head is not finite"

@@ -67,6 +67,9 @@ def per_head_codebook(g, bits, heads, d) -> Codebook:
     return Codebook.from_centroids(base.unsqueeze(0) * jitter, bits)
 
 
+NORM_POISON = -7.0  # no norm is negative; NaN would not do: a NaN input's norm is NaN
+
+
 def quantize_poisoned(x, rotation, cb, norm_dtype, **kw):
     """Run the kernel twice into slices [2, 2+T) of buffers poisoned with two sentinels; return packed, norms."""
     b, h, t, d = x.shape
@@ -74,12 +77,12 @@ def quantize_poisoned(x, rotation, cb, norm_dtype, **kw):
     outs = []
     for pad in PAD_BYTE:
         pbig = torch.full((b, h, t + 5, nb), pad, dtype=torch.uint8, device=DEV)
-        nbig = torch.full((b, h, t + 5), float("nan"), dtype=norm_dtype, device=DEV)
+        nbig = torch.full((b, h, t + 5), NORM_POISON, dtype=norm_dtype, device=DEV)
         kernels.quantize_into(x, rotation, cb, pbig[:, :, 2 : 2 + t], nbig[:, :, 2 : 2 + t], **kw)
         outside = torch.cat([pbig[:, :, :2], pbig[:, :, 2 + t :]], dim=2)
         assert (outside == pad).all(), "quantize wrote packed bytes outside its slice"
-        assert torch.isnan(torch.cat([nbig[:, :, :2], nbig[:, :, 2 + t :]], dim=2)).all(), "norm written outside slice"
-        assert not torch.isnan(nbig[:, :, 2 : 2 + t]).any(), "some norms were not written"
+        assert (torch.cat([nbig[:, :, :2], nbig[:, :, 2 + t :]], dim=2) == NORM_POISON).all(), "norm written outside slice"
+        assert not (nbig[:, :, 2 : 2 + t] == NORM_POISON).any(), "some norms were not written"
         outs.append((pbig[:, :, 2 : 2 + t], nbig[:, :, 2 : 2 + t]))
     assert torch.equal(outs[0][0], outs[1][0]), "some packed bytes were not written (they kept the sentinel)"
     return outs[0]
@@ -343,6 +346,25 @@ def test_norm_edge_cases():
     check_indices(x, rot, cb, packed, seed)
     assert norms[0, 0, 0] == 0 and norms[0, 0, 1] == float("inf")
     check_norms(x, norms, seed)
+
+
+@pytest.mark.parametrize("norm_dtype", [torch.float16, torch.float32])
+def test_non_finite_inputs_give_non_finite_norms(norm_dtype):
+    """A NaN or inf coordinate makes the vector's stored norm non-finite, as the reference does, so that its
+    dequantized vector is never a made-up finite one; the other vectors are untouched."""
+    seed, g = fresh_gen()
+    rot = make_rotation(64, 1).to(DEV)
+    cb = theoretical_codebook(4, 64).to(DEV)
+    x = make_x(g, 1, 2, 5, 64, torch.float32)
+    x[0, 0, 1, 3] = float("nan")
+    x[0, 1, 3, 60] = float("inf")
+    packed, norms = quantize_poisoned(x, rot, cb, norm_dtype)
+    bad = torch.zeros(1, 2, 5, dtype=torch.bool)
+    bad[0, 0, 1] = bad[0, 1, 3] = True
+    n = norms.float().cpu()
+    assert not torch.isfinite(n[bad]).any() and torch.isfinite(n[~bad]).all(), f"seed {seed}: {n}"
+    out = reference.dequantize(packed.cpu(), norms.cpu(), rot.to("cpu"), cb.to("cpu"))
+    assert not torch.isfinite(out[bad]).all(dim=-1).any() and torch.isfinite(out[~bad]).all()
 
 
 def test_supports_and_available():
