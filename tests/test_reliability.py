@@ -536,3 +536,48 @@ def test_gradients_reach_the_current_tokens_through_quantized_history():
         model.zero_grad()
         model(x[:, i : i + 1], past_key_values=cache).logits.sum().backward()
         assert torch.isfinite(model.model.layers[1].self_attn.v_proj.weight.grad).all()
+
+
+# ---- the same findings through the Triton kernels (CUDA only) -----------------------------------------------------
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (the Triton kernels)")
+
+
+@pytest.mark.gpu
+@cuda
+def test_large_norms_through_the_kernels():
+    cache = TurboQuantCache(key_bits=8, value_bits=8, residual_length=0, sink_tokens=0)
+    k, v = (t.cuda() for t in kv(h=2, t=40, d=128))
+    k[:, :, 5] *= 2e5 / k[:, :, 5].norm(dim=-1, keepdim=True)
+    with pytest.warns(RuntimeWarning, match="float32"):
+        cache.update(k.bfloat16(), v.bfloat16(), 0)
+    ratio = cache.layers[0].keys.float().norm(dim=-1) / k.bfloat16().float().norm(dim=-1)
+    assert cache.layers[0].k_buf.norms.dtype == torch.float32
+    assert torch.allclose(ratio, torch.ones_like(ratio), atol=0.03), ratio
+
+
+@pytest.mark.gpu
+@cuda
+@torch.no_grad()
+def test_attention_switch_and_nan_keys_through_the_fused_kernel():
+    torch.manual_seed(0)
+    cfg = tiny_llama_config(head_dim=64, num_attention_heads=4, num_key_value_heads=2, hidden_size=256)
+    model = LlamaForCausalLM(cfg).cuda().to(torch.bfloat16).eval()
+    x = ids(1, 61).cuda()
+    switched, plain = TurboQuantCache(residual_length=8), TurboQuantCache(residual_length=8)
+    model.set_attn_implementation("sdpa")
+    model(x[:, :40], past_key_values=plain)
+    want = _steps(model, plain, x[:, :59], 40)
+    model.set_attn_implementation("turboquant")
+    model(x[:, :40], past_key_values=switched)
+    fused = _steps(model, switched, x[:, :50], 40)
+    for a, b in zip(fused, want):
+        assert ((a.float() - b.float()).norm() / b.float().norm()).item() < 0.02
+    model.set_attn_implementation("sdpa")
+    for a, b in zip(_steps(model, switched, x[:, :59], 50), want[10:]):
+        assert ((a.float() - b.float()).norm() / b.float().norm()).item() < 0.02
+    model.set_attn_implementation("turboquant")
+    model(x[:, 59:60], past_key_values=switched)  # arms the layers: the next step is the fused kernel's
+    switched.layers[0].k_buf.norms[0, 0, 10] = float("nan")  # a quantized key past the exact sink copies
+    assert torch.isnan(model(x[:, 60:61], past_key_values=switched).logits).all()
+    assert hasattr(switched.layers[0], "_tq_decode_plan")  # the step ran the fused kernel
