@@ -89,3 +89,19 @@ def test_dropping_the_cache_frees_its_buffers_without_the_garbage_collector():
             assert packed() is None, "a reference cycle keeps the packed buffers alive"
         finally:
             gc.enable()
+
+
+def test_a_short_prompt_costs_what_dynamic_cache_costs():
+    """Nothing is preallocated: a prompt inside the residual window holds exactly DynamicCache's bytes (no spare
+    residual capacity, no sink copies until tokens are quantized, no workspace)."""
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(tiny_llama_config()).eval()
+    from transformers import DynamicCache
+
+    x = torch.randint(3, 128, (1, 4))
+    tq, dyn = TurboQuantCache(config=model.config), DynamicCache(config=model.config)
+    with torch.no_grad():
+        model(x, past_key_values=tq)
+        model(x, past_key_values=dyn)
+    dyn_bytes = sum(t.numel() * t.element_size() for layer in dyn.layers for t in (layer.keys, layer.values))
+    assert tq.nbytes()["total"] == dyn_bytes

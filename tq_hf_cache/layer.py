@@ -203,7 +203,7 @@ class TurboQuantLayer(DynamicLayer):
         self._rlen = 0
         self._sk: torch.Tensor | None = None  # exact copies of the first sink_tokens tokens (B, H, sink_tokens, D)
         self._sv: torch.Tensor | None = None
-        self._slen = 0  # how many of them the layer has seen
+        self._slen = 0  # how many of them are kept: the quantized ones among the first sink_tokens
         self._defer_next = False
         self._defer_valid = None  # () -> bool: whether the attention that armed the layer still runs
         self._pending: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -428,7 +428,7 @@ class TurboQuantLayer(DynamicLayer):
         cap = self._rk.shape[2]
         if tokens <= cap:
             return
-        new_cap = min(max(tokens, 2 * cap, 16), self.residual_capacity)
+        new_cap = min(max(tokens, 2 * cap), self.residual_capacity)
         rk = self._rk.new_empty(self.batch, self.heads, new_cap, self.head_dim)
         rv = self._rv.new_empty(self.batch, self.heads, new_cap, self.head_dim)
         rk[:, :, : self._rlen].copy_(self.res_k)
@@ -441,11 +441,6 @@ class TurboQuantLayer(DynamicLayer):
         The cache keeps values, not autograd history: gradients reach only the tokens of the current call."""
         key_states, value_states = key_states.detach(), value_states.detach()
         n, lr = key_states.shape[2], self._rlen
-        if self._slen < self.sink_tokens:  # the sequence's first tokens: keep exact copies
-            take = min(self.sink_tokens - self._slen, n)
-            self._sk = torch.cat([self._sk[:, :, : self._slen], key_states[:, :, :take]], dim=2)
-            self._sv = torch.cat([self._sv[:, :, : self._slen], value_states[:, :, :take]], dim=2)
-            self._slen += take
         drop = self._drop_old(lr + n)
         if drop == 0 and lr + n <= self.residual_capacity:  # the common decode step: two small copies
             self._reserve_residual(lr + n)
@@ -475,6 +470,13 @@ class TurboQuantLayer(DynamicLayer):
         if self.norm_dtype == torch.float16:
             self._widen_norms_if_needed(k, v)
         n = k.shape[2]
+        if self._slen < self.sink_tokens:
+            # the sequence's first tokens are being quantized: keep exact copies of them (attention sinks). While
+            # they sit in the residual window they are exact anyway, so a short prompt holds no second copy.
+            take = min(self.sink_tokens - self._slen, n)
+            self._sk = torch.cat([self._sk[:, :, : self._slen], k[:, :, :take]], dim=2)
+            self._sv = torch.cat([self._sv[:, :, : self._slen], v[:, :, :take]], dim=2)
+            self._slen += take
         pk, nk = self.k_buf.append_slots(n)
         pv, nv = self.v_buf.append_slots(n)
         ops.quantize_kv_into(k, v, self.rotation, self.k_codebook, self.v_codebook, pk, nk, pv, nv)
