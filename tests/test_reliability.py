@@ -5,6 +5,7 @@ test_cache_properties.py.
 """
 
 import json
+import os
 import pickle
 
 import pytest
@@ -593,3 +594,12 @@ def test_attention_switch_and_nan_keys_through_the_fused_kernel():
     switched.layers[0].k_buf.norms[0, 0, 10] = float("nan")  # a quantized key past the exact sink copies
     assert torch.isnan(model(x[:, 60:61], past_key_values=switched).logits).all()
     assert hasattr(switched.layers[0], "_tq_decode_plan")  # the step ran the fused kernel
+
+
+def test_eval_default_output_never_overwrites(tmp_path):
+    from tq_hf_cache.eval.cli import new_output_name
+
+    first = new_output_name("smollm2", str(tmp_path))
+    open(first, "w").close()
+    second = new_output_name("smollm2", str(tmp_path))
+    assert second != first and not os.path.exists(second) and os.path.basename(second).startswith("tq_eval_smollm2_")

@@ -85,9 +85,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=d.seed, help="seed of the needle codes")
     parser.add_argument("--quick", action="store_true",
                         help="small budget: 512 ppl tokens, needle 512 tokens at depth 0.5, 1 prompt x 32 tokens")
-    parser.add_argument("--output", default=None, help="result JSON (default benchmarks/results/quality_<model>.json)")
+    parser.add_argument("--output", default=None,
+                        help="result JSON (default: a new tq_eval_<model>_<date-time>.json in the current folder; "
+                             "the default never overwrites a file)")
     parser.add_argument("--markdown", default=None, help="also write/update the results table in this markdown file")
     parser.add_argument("--plot", default=None, help="also write the quality-vs-bytes plot (PNG) here")
+
+
+def new_output_name(tag: str, folder: str = ".") -> str:
+    """A result file name that does not exist yet: tq_eval_<model>_<date-time>[_n].json in `folder`."""
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    path, n = os.path.join(folder, f"tq_eval_{tag}_{stamp}.json"), 1
+    while os.path.exists(path):
+        n += 1
+        path = os.path.join(folder, f"tq_eval_{tag}_{stamp}_{n}.json")
+    return path
 
 
 def settings_from_args(args):
@@ -124,7 +136,7 @@ def run(args) -> int:
               "scored on the chunks after the first, the ones that attend to the cache", file=sys.stderr)
         return 2
     tag = os.path.splitext(os.path.basename(os.path.normpath(args.model)))[0]
-    out = args.output or os.path.join("benchmarks", "results", f"quality_{tag}.json")
+    out = args.output or new_output_name(tag)
     t = time.time()
     try:
         model, tok, info = load_model(args.model, getattr(torch, args.dtype))
