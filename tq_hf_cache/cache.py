@@ -10,7 +10,7 @@ from transformers.cache_utils import Cache, DynamicLayer
 
 from . import _compat
 from .codebook import Codebook, theoretical_codebook
-from .config import TurboQuantConfig
+from .config import TurboQuantConfig, model_facts
 from .layer import DeferredLedger, TurboQuantLayer, TurboQuantSlidingLayer, hybrid_classes
 from .rotation import make_rotation
 from .workspace import Workspace
@@ -70,8 +70,13 @@ class TurboQuantCache(DynamicCache):
         self.workspace = Workspace()
         self.ledger = DeferredLedger()
         self.num_model_layers = None
+        self.model_facts = None
         layers = None
         if config is not None:
+            try:
+                self.model_facts = model_facts(config)
+            except ValueError:  # a config without the facts: everything works but save_prefix, which says so
+                self.model_facts = None
             layer_types, layer_kwargs = _compat.layer_types_and_kwargs(config)
             stores = _compat.kv_sharing_producers(config)
             self.num_model_layers = len(layer_types)
@@ -116,6 +121,44 @@ class TurboQuantCache(DynamicCache):
         if codebooks is not None:
             codebooks.check_covers(tq)
         return cls(tq, config=config, codebooks=codebooks)
+
+    def save_prefix(self, path: str, token_ids) -> str:
+        """Save this cache, holding a prompt prefix, for reuse by later requests that start with the same tokens.
+
+        Args:
+            path: a folder; `turboquant_prefix.safetensors` and `turboquant_prefix.json` are written into it.
+            token_ids: the prefix's token ids, (seq,) or (batch, seq), exactly the tokens the cache holds. Their
+                SHA-256 is stored so that `load_prefix(..., token_ids=prompt)` can refuse another prompt.
+
+        The cache must have been built with `config=model.config`. No pickle is used. Example:
+
+            cache = TurboQuantCache(config=model.config)
+            model(prefix_ids, past_key_values=cache)
+            cache.save_prefix("prefixes/manual", prefix_ids)
+        """
+        from .prefix import save_prefix
+
+        return save_prefix(self, path, token_ids)
+
+    @classmethod
+    def load_prefix(cls, path: str, config, *, token_ids=None, codebooks=None, device=None) -> "TurboQuantCache":
+        """A cache holding a prefix saved by `save_prefix`, ready to continue generation.
+
+        Args:
+            path: the folder `save_prefix` wrote.
+            config: the model's config; its facts (type, layers, KV heads, head dim) must equal the saved ones.
+            token_ids: optional, the new prompt: refused unless it starts with the saved prefix's exact tokens.
+            codebooks: the calibrated codebooks the prefix was saved with, if any (their identity is checked).
+            device: where the tensors go (default: as saved, i.e. CPU).
+
+        Continuing from the loaded cache gives the logits of the cache that was saved. Example:
+
+            cache = TurboQuantCache.load_prefix("prefixes/manual", model.config, token_ids=prompt_ids)
+            out = model.generate(prompt_ids, past_key_values=cache, max_new_tokens=64)
+        """
+        from .prefix import load_prefix
+
+        return load_prefix(cls, path, config, token_ids=token_ids, codebooks=codebooks, device=device)
 
     def _make_layer(self, idx: int, layer_type: str, kwargs: dict, private_output: bool = False):
         return make_layer(

@@ -1,0 +1,254 @@
+"""Reusable quantized prompt caches: save a TurboQuantCache holding a prefix (a system prompt, a document) and load it
+for later requests that start with the same tokens.
+
+A prefix folder holds `turboquant_prefix.safetensors` (every layer's packed codes, norms, residual window and sink
+copies, or the keys and values of layers kept in full precision) and `turboquant_prefix.json` (the format version,
+the TurboQuantConfig, the model facts, a digest of each layer's rotation and codebooks, the SHA-256 of the prefix's
+token ids, and each layer's lengths). Nothing is pickled. Loading refuses another model, other codebooks or
+rotations, other token ids, and a file that does not match its index, with an error that names the difference.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from typing import Any
+
+import torch
+
+from ._compat import IS_V5
+from .config import TurboQuantConfig, model_facts
+
+PREFIX_JSON = "turboquant_prefix.json"
+PREFIX_TENSORS = "turboquant_prefix.safetensors"
+PREFIX_FORMAT = "tq_hf_cache.prefix"
+PREFIX_FORMAT_VERSION = 1
+_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
+
+
+def token_digest(token_ids) -> str:
+    """SHA-256 of token ids (a 1-D sequence or a (batch, seq) tensor), as int64 little-endian bytes."""
+    t = torch.as_tensor(token_ids, dtype=torch.int64).detach().cpu().contiguous()
+    return hashlib.sha256(str(tuple(t.shape)).encode() + t.numpy().astype("<i8").tobytes()).hexdigest()
+
+
+def _layer_digest(layer) -> str:
+    """What the stored codes mean: the rotation and both codebooks of a TurboQuant layer."""
+    h = hashlib.sha256()
+    for t in (layer.rotation.matrix, layer.k_codebook.centroids, layer.v_codebook.centroids):
+        h.update(t.detach().float().cpu().contiguous().numpy().tobytes())
+    return h.hexdigest()
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return next(k for k, v in _DTYPES.items() if v == dtype)
+
+
+def save_prefix(cache, path: str, token_ids) -> str:
+    """Write `cache` (a TurboQuantCache holding exactly the tokens `token_ids`) into folder `path`; returns it."""
+    from safetensors.torch import save_file
+
+    from .attention import disarm
+    from .layer import TurboQuantLayer
+
+    disarm(cache)  # pending tokens of a fused step belong to the cache's state
+    ids = torch.as_tensor(token_ids)
+    if ids.dim() == 1:
+        ids = ids.unsqueeze(0)
+    if ids.dim() != 2:
+        raise ValueError(f"token_ids must be (seq,) or (batch, seq), got shape {tuple(ids.shape)}")
+    if cache.num_model_layers is None or cache.model_facts is None:
+        raise ValueError("save_prefix needs a cache built with config=model.config (the model facts are stored)")
+    seq = cache.get_seq_length()
+    if ids.shape[1] != seq:
+        raise ValueError(f"the cache holds {seq} tokens but token_ids has {ids.shape[1]}; pass the prefix's token ids")
+    tensors: dict[str, torch.Tensor] = {}
+    layers: list[dict[str, Any]] = []
+    for i, layer in enumerate(cache.layers):
+        if isinstance(layer, TurboQuantLayer):
+            info = _save_tq_layer(layer, i, tensors)
+        elif type(layer).__name__ in ("DynamicLayer", "DynamicSlidingWindowLayer"):
+            info = _save_plain_layer(layer, i, tensors)
+        else:
+            raise ValueError(
+                f"layer {i} is a {type(layer).__name__}: save_prefix stores attention layers only (recurrent or "
+                "convolution states are not supported)"
+            )
+        if info.get("batch") not in (None, ids.shape[0]):
+            raise ValueError(f"layer {i} holds batch {info['batch']} but token_ids has batch {ids.shape[0]}")
+        layers.append(info)
+    doc = {
+        "format": PREFIX_FORMAT,
+        "format_version": PREFIX_FORMAT_VERSION,
+        "tq_config": cache.tq_config.to_dict(),
+        "model": cache.model_facts,
+        "num_tokens": seq,
+        "batch": ids.shape[0],
+        "token_ids_sha256": token_digest(ids),
+        "layers": layers,
+    }
+    os.makedirs(path, exist_ok=True)
+    tmp = os.path.join(path, PREFIX_TENSORS + ".tmp")
+    save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, tmp, metadata={"format": PREFIX_FORMAT})
+    os.replace(tmp, os.path.join(path, PREFIX_TENSORS))
+    with open(os.path.join(path, PREFIX_JSON + ".tmp"), "w", encoding="utf-8") as f:
+        json.dump(doc, f, indent=1, sort_keys=True)
+    os.replace(os.path.join(path, PREFIX_JSON + ".tmp"), os.path.join(path, PREFIX_JSON))
+    return path
+
+
+def _save_tq_layer(layer, i: int, tensors: dict) -> dict[str, Any]:
+    if not layer.is_initialized:
+        return {"kind": "turboquant", "initialized": False}
+    pk, nk = layer.k_buf.live()
+    pv, nv = layer.v_buf.live()
+    p = f"layers.{i}."
+    tensors.update({
+        p + "k_packed": pk, p + "k_norms": nk, p + "v_packed": pv, p + "v_norms": nv,
+        p + "res_k": layer.res_k, p + "res_v": layer.res_v,
+        p + "sink_k": layer._sk[:, :, : layer._slen], p + "sink_v": layer._sv[:, :, : layer._slen],
+    })
+    return {
+        "kind": "turboquant", "initialized": True, "class": type(layer).__name__,
+        "key_bits": layer.key_bits, "value_bits": layer.value_bits, "dtype": _dtype_name(layer.dtype),
+        "norm_dtype": _dtype_name(layer.norm_dtype), "batch": layer.batch, "heads": layer.heads,
+        "head_dim": layer.head_dim, "cumulative_length": layer.cumulative_length,
+        "quantized": layer.k_buf.length, "residual": layer._rlen, "sinks": layer._slen, "digest": _layer_digest(layer),
+    }
+
+
+def _save_plain_layer(layer, i: int, tensors: dict) -> dict[str, Any]:
+    keys = getattr(layer, "keys", None)
+    if keys is None or not getattr(layer, "is_initialized", True):  # 4.x layers have no is_initialized
+        return {"kind": "plain", "initialized": False}
+    tensors[f"layers.{i}.keys"], tensors[f"layers.{i}.values"] = layer.keys, layer.values
+    return {
+        "kind": "plain", "initialized": True, "class": type(layer).__name__, "dtype": _dtype_name(keys.dtype),
+        "batch": keys.shape[0], "cumulative_length": int(getattr(layer, "cumulative_length", keys.shape[2])),
+    }
+
+
+def read_prefix_info(path: str) -> dict[str, Any]:
+    """The JSON index of a prefix folder, version-checked."""
+    where = os.path.join(path, PREFIX_JSON)
+    if not os.path.isfile(where):
+        raise FileNotFoundError(f"no {PREFIX_JSON} in {path!r}: save one with cache.save_prefix(path, token_ids)")
+    try:
+        with open(where, encoding="utf-8") as f:
+            doc = json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{where} is corrupt (not valid JSON): {e}") from None
+    if not isinstance(doc, dict) or doc.get("format") != PREFIX_FORMAT:
+        raise ValueError(f"{where}: not a tq_hf_cache prefix (format {doc.get('format') if isinstance(doc, dict) else doc!r})")
+    if doc.get("format_version") != PREFIX_FORMAT_VERSION:
+        raise ValueError(
+            f"{where}: format_version {doc.get('format_version')!r} is not supported; this tq_hf_cache reads "
+            f"version {PREFIX_FORMAT_VERSION}"
+        )
+    return doc
+
+
+def load_prefix(cls, path: str, config, *, token_ids=None, codebooks=None, device=None):
+    """A `cls` (TurboQuantCache) holding the saved prefix; see `TurboQuantCache.load_prefix`."""
+    from safetensors import safe_open
+
+    doc = read_prefix_info(path)
+    where = os.path.join(path, PREFIX_JSON)
+    facts = model_facts(config)
+    for k, stored in doc["model"].items():
+        if facts.get(k) != stored and not (k == "model_type" and (stored is None or facts.get(k) is None)):
+            raise ValueError(f"the prefix in {path!r} was saved for {k}={stored!r}, but this model has {k}={facts.get(k)!r}")
+    if token_ids is not None:
+        ids = torch.as_tensor(token_ids)
+        ids = ids.unsqueeze(0) if ids.dim() == 1 else ids
+        n = doc["num_tokens"]
+        if ids.shape[0] != doc["batch"] or ids.shape[1] < n or token_digest(ids[:, :n]) != doc["token_ids_sha256"]:
+            raise ValueError(
+                f"the prefix in {path!r} holds other tokens than the first {n} of token_ids (their SHA-256 differs): "
+                "a cache is only reusable for prompts that start with its exact prefix"
+            )
+    cache = cls(TurboQuantConfig.from_dict(doc["tq_config"]), config=config, codebooks=codebooks)
+    if len(doc["layers"]) != len(cache.layers):
+        raise ValueError(f"{where} stores {len(doc['layers'])} layers, this model's cache has {len(cache.layers)}")
+    try:
+        f = safe_open(os.path.join(path, PREFIX_TENSORS), framework="pt")
+    except Exception as e:  # safetensors raises its own error types for truncated or corrupt files
+        raise ValueError(f"{os.path.join(path, PREFIX_TENSORS)} cannot be read: {e}") from None
+    with f:
+        names = set(f.keys())
+
+        def get(name):
+            if name not in names:
+                raise ValueError(f"{PREFIX_TENSORS} in {path!r} lacks the tensor {name!r} that {PREFIX_JSON} lists")
+            names.discard(name)
+            t = f.get_tensor(name)
+            return t if device is None else t.to(device)
+
+        for i, (layer, info) in enumerate(zip(cache.layers, doc["layers"])):
+            if not info.get("initialized"):
+                continue
+            if info["kind"] == "turboquant":
+                _restore_tq_layer(layer, i, info, get, path)
+            else:
+                _restore_plain_layer(layer, i, info, get, path)
+        if names:
+            raise ValueError(f"{PREFIX_TENSORS} in {path!r} holds tensors {sorted(names)} that {PREFIX_JSON} does not list")
+    if cache.get_seq_length() != doc["num_tokens"]:
+        raise ValueError(f"{where} says {doc['num_tokens']} tokens, the restored cache holds {cache.get_seq_length()}")
+    return cache
+
+
+def _restore_tq_layer(layer, i: int, info: dict, get, path: str) -> None:
+    from .layer import PackedBuffer, TurboQuantLayer
+
+    if not isinstance(layer, TurboQuantLayer) or type(layer).__name__ != info["class"]:
+        raise ValueError(f"layer {i} was saved as {info['class']}, this cache builds {type(layer).__name__}")
+    if (layer.key_bits, layer.value_bits) != (info["key_bits"], info["value_bits"]):
+        raise ValueError(f"layer {i} was saved at k{info['key_bits']}v{info['value_bits']}, this cache uses "
+                         f"k{layer.key_bits}v{layer.value_bits}")
+    p = f"layers.{i}."
+    res_k, res_v = get(p + "res_k"), get(p + "res_v")
+    b, h, d = info["batch"], info["heads"], info["head_dim"]
+    dtype = _DTYPES[info["dtype"]]
+    layer.lazy_initialization(res_k.new_empty(b, h, 0, d, dtype=dtype))
+    if _layer_digest(layer) != info["digest"]:
+        raise ValueError(
+            f"layer {i} of the prefix in {path!r} was quantized with another rotation or other codebooks than this "
+            "cache's (seed, rotation kind or calibrated codebooks differ): its codes would decode to other vectors"
+        )
+    layer.norm_dtype = _DTYPES[info["norm_dtype"]]
+    for buf, kind in ((layer.k_buf, "k"), (layer.v_buf, "v")):
+        packed, norms = get(p + f"{kind}_packed"), get(p + f"{kind}_norms")
+        if tuple(packed.shape) != (b, h, info["quantized"], buf.nbytes_per_vec) or norms.dtype != layer.norm_dtype:
+            raise ValueError(f"layer {i}: stored {kind} codes of shape {tuple(packed.shape)} ({norms.dtype} norms) do "
+                             f"not fit {info['quantized']} tokens at {buf.bits} bits")
+        fresh = PackedBuffer(b, h, d, buf.bits, layer.norm_dtype, packed.device)
+        slots_p, slots_n = fresh.append_slots(info["quantized"])
+        slots_p.copy_(packed)
+        slots_n.copy_(norms)
+        setattr(layer, f"{kind}_buf", fresh)
+    expect = (b, h, info["residual"], d)
+    if tuple(res_k.shape) != expect or tuple(res_v.shape) != expect or res_k.dtype != dtype:
+        raise ValueError(f"layer {i}: stored residual window of shape {tuple(res_k.shape)} does not fit {expect}")
+    layer._reserve_residual(info["residual"])
+    layer._rk[:, :, : info["residual"]].copy_(res_k)
+    layer._rv[:, :, : info["residual"]].copy_(res_v)
+    layer._rlen = info["residual"]
+    layer._sk, layer._sv, layer._slen = get(p + "sink_k"), get(p + "sink_v"), info["sinks"]
+    if layer._sk.shape[2] != info["sinks"]:
+        raise ValueError(f"layer {i}: {layer._sk.shape[2]} stored sink copies, the index says {info['sinks']}")
+    layer.cumulative_length = info["cumulative_length"]
+
+
+def _restore_plain_layer(layer, i: int, info: dict, get, path: str) -> None:
+    if type(layer).__name__ != info["class"]:
+        raise ValueError(f"layer {i} was saved as {info['class']}, this cache builds {type(layer).__name__}")
+    keys, values = get(f"layers.{i}.keys"), get(f"layers.{i}.values")
+    if IS_V5:
+        layer.lazy_initialization(keys, values)
+    else:  # 4.x takes the keys alone
+        layer.lazy_initialization(keys)
+    layer.keys, layer.values = keys, values
+    if hasattr(layer, "cumulative_length"):
+        layer.cumulative_length = info["cumulative_length"]
