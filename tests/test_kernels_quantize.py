@@ -515,3 +515,13 @@ def test_poly_search_table_default_and_refusals():
         quantize_poisoned(x, rot, skew, torch.float16, search="poly")
     with pytest.raises(ValueError, match="5 to 8 bits"):
         quantize_poisoned(x, rot, shared_codebook(4, 64).to(DEV), torch.float16, search="poly")
+
+
+def test_kernel_tables_are_shared_by_codebooks_with_the_same_centroids():
+    """Every new cache builds new Codebook objects: their tables (the 'poly' fit costs milliseconds of host time
+    per layer) are found by the centroids' fingerprint, not rebuilt."""
+    a, b = theoretical_codebook(5, 128), theoretical_codebook(5, 128)
+    assert a is not b and a.fingerprint == b.fingerprint
+    assert _common.poly_table(a, 1, DEV) is _common.poly_table(b.to(DEV), 1, DEV)
+    other = theoretical_codebook(6, 128)
+    assert _common.poly_table(other, 1, DEV) is not _common.poly_table(a, 1, DEV)

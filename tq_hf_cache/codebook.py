@@ -9,6 +9,7 @@ integrals are done on a fine grid with prefix sums, in float64, so the result is
 
 from __future__ import annotations
 
+import hashlib
 import math
 from dataclasses import dataclass
 from functools import lru_cache
@@ -35,6 +36,7 @@ class Codebook:
     bits: int
     centroids: torch.Tensor
     boundaries: torch.Tensor
+    fingerprint: str = ""  # of the centroids (from_centroids): kernel tables are cached by it, not by identity
 
     @classmethod
     def from_centroids(cls, centroids: torch.Tensor, bits: int) -> "Codebook":
@@ -47,14 +49,16 @@ class Codebook:
         if not torch.isfinite(c).all():
             raise ValueError("codebook centroids contain NaN or inf")
         c, _ = torch.sort(c, dim=-1)
-        return cls(bits, c.contiguous(), ((c[..., 1:] + c[..., :-1]) / 2).contiguous())
+        c = c.contiguous()
+        digest = hashlib.sha1(f"{bits}:{tuple(c.shape)}:".encode() + c.detach().cpu().numpy().tobytes()).hexdigest()
+        return cls(bits, c, ((c[..., 1:] + c[..., :-1]) / 2).contiguous(), digest)
 
     @property
     def per_head(self) -> bool:
         return self.centroids.dim() == 2
 
     def to(self, device) -> "Codebook":
-        return Codebook(self.bits, self.centroids.to(device), self.boundaries.to(device))
+        return Codebook(self.bits, self.centroids.to(device), self.boundaries.to(device), self.fingerprint)
 
 
 def coordinate_density(x: torch.Tensor, dim: int) -> torch.Tensor:

@@ -8,7 +8,7 @@ seeded random orthogonal matrix (QR of a Gaussian matrix). Both are deterministi
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -47,6 +47,7 @@ class Rotation:
     kind: str  # "hadamard" or "orthogonal" (resolved, never "auto")
     signs: torch.Tensor | None  # (dim,) float32 of +-1, hadamard only
     _matrix: torch.Tensor  # (dim, dim) float32, Pi
+    _on: dict = field(default_factory=dict, repr=False)  # device -> this rotation there
 
     @property
     def matrix(self) -> torch.Tensor:
@@ -54,13 +55,15 @@ class Rotation:
         return self._matrix
 
     def to(self, device: torch.device | str) -> "Rotation":
-        return Rotation(
-            self.dim,
-            self.seed,
-            self.kind,
-            None if self.signs is None else self.signs.to(device),
-            self._matrix.to(device),
-        )
+        """The same rotation on `device`, one object per device (kernel operands are cached per object)."""
+        device = torch.device(device)
+        if self._matrix.device == device:
+            return self
+        moved = self._on.get(device)
+        if moved is None:
+            signs = None if self.signs is None else self.signs.to(device)
+            moved = self._on[device] = Rotation(self.dim, self.seed, self.kind, signs, self._matrix.to(device))
+        return moved
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # one GEMM beats log2(d) butterfly passes of small torch ops on CPU; Triton kernels do the butterfly
