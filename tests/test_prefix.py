@@ -139,3 +139,18 @@ def test_recurrent_states_are_refused_by_name(tmp_path):
     cache.layers[1] = LinearAttentionLayer()
     with pytest.raises(ValueError, match="layer 1 is a LinearAttentionLayer"):
         cache.save_prefix(str(tmp_path), torch.zeros(1, 0, dtype=torch.long))
+
+
+def test_hybrid_layers_are_refused_by_name(tmp_path):
+    from tq_hf_cache._compat import IS_V5
+
+    if not IS_V5 or not hasattr(transformers, "FalconH1Config"):
+        pytest.skip("hybrid cache layers exist in transformers 5.x only")
+    cfg = transformers.FalconH1Config(
+        vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, mamba_d_ssm=32, mamba_n_heads=4, mamba_d_head=8, mamba_n_groups=1,
+        mamba_d_state=8, mamba_chunk_size=16,
+    )
+    cache = TurboQuantCache(config=cfg)
+    with pytest.raises(ValueError, match="layer 0 is a TurboQuantLinearHybridLayer"):
+        cache.save_prefix(str(tmp_path), torch.zeros(1, 0, dtype=torch.long))

@@ -66,11 +66,15 @@ def save_prefix(cache, path: str, token_ids) -> str:
     tensors: dict[str, torch.Tensor] = {}
     layers: list[dict[str, Any]] = []
     for i, layer in enumerate(cache.layers):
-        if isinstance(layer, TurboQuantLayer):
+        if hasattr(layer, "conv_states") or hasattr(layer, "recurrent_states"):
+            info = None  # a linear-attention state, alone or beside attention KV (hybrid layers)
+        elif isinstance(layer, TurboQuantLayer):
             info = _save_tq_layer(layer, i, tensors)
         elif type(layer).__name__ in ("DynamicLayer", "DynamicSlidingWindowLayer"):
             info = _save_plain_layer(layer, i, tensors)
         else:
+            info = None
+        if info is None:
             raise ValueError(
                 f"layer {i} is a {type(layer).__name__}: save_prefix stores attention layers only (recurrent or "
                 "convolution states are not supported)"
