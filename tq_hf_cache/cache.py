@@ -75,7 +75,8 @@ class TurboQuantCache(DynamicCache):
         if config is not None:
             try:
                 self.model_facts = model_facts(config)
-            except ValueError:  # a config without the facts: everything works but save_prefix, which says so
+            except (ValueError, RuntimeError):
+                # a config without them, or a heterogeneous one (per-layer head dims): all works but save_prefix
                 self.model_facts = None
             layer_types, layer_kwargs = _compat.layer_types_and_kwargs(config)
             stores = _compat.kv_sharing_producers(config)

@@ -58,8 +58,13 @@ def save_prefix(cache, path: str, token_ids) -> str:
         ids = ids.unsqueeze(0)
     if ids.dim() != 2:
         raise ValueError(f"token_ids must be (seq,) or (batch, seq), got shape {tuple(ids.shape)}")
-    if cache.num_model_layers is None or cache.model_facts is None:
+    if cache.num_model_layers is None:
         raise ValueError("save_prefix needs a cache built with config=model.config (the model facts are stored)")
+    if cache.model_facts is None:
+        raise ValueError(
+            "save_prefix needs one layer count, KV head count and head dim for the whole model; this model's config "
+            "does not give them (per-layer head dims?)"
+        )
     seq = cache.get_seq_length()
     if ids.shape[1] != seq:
         raise ValueError(f"the cache holds {seq} tokens but token_ids has {ids.shape[1]}; pass the prefix's token ids")
