@@ -294,13 +294,14 @@ def model_facts(model_config) -> dict[str, Any]:
     }
 
 
-def read_turboquant_json(directory) -> dict[str, Any]:
-    """Load and version-check `directory/turboquant_config.json` (raises with the path and the bad value)."""
+def read_format_json(path: str, fmt: str, version: int, missing_hint: str) -> dict[str, Any]:
+    """Load a tq_hf_cache JSON document and check its `format` and `format_version` (raises naming the path and
+    the bad value); `missing_hint` says how to make the file when it is absent."""
     import os
 
-    path = os.path.join(directory, TURBOQUANT_CONFIG_NAME)
     if not os.path.isfile(path):
-        raise FileNotFoundError(f"no {TURBOQUANT_CONFIG_NAME} in {directory!r}: run `tq-hf-cache calibrate` or save_pretrained first")
+        folder, name = os.path.split(path)
+        raise FileNotFoundError(f"no {name} in {folder!r}: {missing_hint}")
     try:
         with open(path, encoding="utf-8") as f:
             doc = json.load(f)
@@ -308,13 +309,23 @@ def read_turboquant_json(directory) -> dict[str, Any]:
         raise ValueError(f"{path} is corrupt (not valid JSON): {e}") from None
     if not isinstance(doc, dict):
         raise ValueError(f"{path} must hold a JSON object, got {type(doc).__name__}")
-    if doc.get("format") != TURBOQUANT_FORMAT:
-        raise ValueError(f"{path}: format is {doc.get('format')!r}, expected {TURBOQUANT_FORMAT!r}")
-    version = doc.get("format_version")
-    if version != TURBOQUANT_FORMAT_VERSION:
+    if doc.get("format") != fmt:
+        raise ValueError(f"{path}: format is {doc.get('format')!r}, expected {fmt!r}")
+    if doc.get("format_version") != version:
         raise ValueError(
-            f"{path}: format_version {version!r} is not supported; this tq_hf_cache reads version {TURBOQUANT_FORMAT_VERSION}"
+            f"{path}: format_version {doc.get('format_version')!r} is not supported; this tq_hf_cache reads version {version}"
         )
+    return doc
+
+
+def read_turboquant_json(directory) -> dict[str, Any]:
+    """Load and version-check `directory/turboquant_config.json` (raises with the path and the bad value)."""
+    import os
+
+    path = os.path.join(directory, TURBOQUANT_CONFIG_NAME)
+    doc = read_format_json(
+        path, TURBOQUANT_FORMAT, TURBOQUANT_FORMAT_VERSION, "run `tq-hf-cache calibrate` or save_pretrained first"
+    )
     if not isinstance(doc.get("tq_config"), dict):
         raise ValueError(f"{path}: missing or invalid 'tq_config' section (expected a JSON object)")
     model = doc.get("model")

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from ._compat import IS_V5
-from .config import TurboQuantConfig, model_facts
+from .config import TurboQuantConfig, model_facts, read_format_json
 
 PREFIX_JSON = "turboquant_prefix.json"
 PREFIX_TENSORS = "turboquant_prefix.safetensors"
@@ -140,22 +140,10 @@ def _save_plain_layer(layer, i: int, tensors: dict) -> dict[str, Any]:
 
 def read_prefix_info(path: str) -> dict[str, Any]:
     """The JSON index of a prefix folder, version-checked."""
-    where = os.path.join(path, PREFIX_JSON)
-    if not os.path.isfile(where):
-        raise FileNotFoundError(f"no {PREFIX_JSON} in {path!r}: save one with cache.save_prefix(path, token_ids)")
-    try:
-        with open(where, encoding="utf-8") as f:
-            doc = json.load(f)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ValueError(f"{where} is corrupt (not valid JSON): {e}") from None
-    if not isinstance(doc, dict) or doc.get("format") != PREFIX_FORMAT:
-        raise ValueError(f"{where}: not a tq_hf_cache prefix (format {doc.get('format') if isinstance(doc, dict) else doc!r})")
-    if doc.get("format_version") != PREFIX_FORMAT_VERSION:
-        raise ValueError(
-            f"{where}: format_version {doc.get('format_version')!r} is not supported; this tq_hf_cache reads "
-            f"version {PREFIX_FORMAT_VERSION}"
-        )
-    return doc
+    return read_format_json(
+        os.path.join(path, PREFIX_JSON), PREFIX_FORMAT, PREFIX_FORMAT_VERSION,
+        "save one with cache.save_prefix(path, token_ids)",
+    )
 
 
 def load_prefix(cls, path: str, config, *, token_ids=None, codebooks=None, device=None):
