@@ -31,11 +31,10 @@ from functools import partial
 
 import torch
 
+from .kernels import DECODE_HEAD_DIMS, DECODE_MAX_ROWS, SUPPORTED_BITS  # limits only: no triton import
+
 NAME = "turboquant"
 MAX_FUSED_QUERIES = 16  # longer queries (prefill chunks) take the workspace path
-FUSED_HEAD_DIMS = (64, 128)
-FUSED_BITS = tuple(range(1, 9))
-MAX_FUSED_ROWS = 128  # query heads per KV head times queries: the rows of one kernel tile
 _UNSUPPORTED_KWARGS = ("s_aux", "sinks", "softcap", "position_bias", "head_mask")
 
 logger = logging.getLogger(__name__)
@@ -123,9 +122,9 @@ def _fusable(query, key, layer, dropout, kwargs) -> bool:
         return False
     b, hq, n, d = query.shape
     hkv = key.shape[1]
-    if n > MAX_FUSED_QUERIES or hq % hkv or (hq // hkv) * n > MAX_FUSED_ROWS:
+    if n > MAX_FUSED_QUERIES or hq % hkv or (hq // hkv) * n > DECODE_MAX_ROWS:
         return False
-    if d not in FUSED_HEAD_DIMS or layer.key_bits not in FUSED_BITS or layer.value_bits not in FUSED_BITS:
+    if d not in DECODE_HEAD_DIMS or layer.key_bits not in SUPPORTED_BITS or layer.value_bits not in SUPPORTED_BITS:
         _warn_once(
             ("unsupported", d, layer.key_bits, layer.value_bits),
             f"tq_hf_cache: no fused decode attention for head dim {d} with k{layer.key_bits}v{layer.value_bits}; "

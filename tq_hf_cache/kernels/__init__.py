@@ -9,7 +9,10 @@ from __future__ import annotations
 import functools
 import os
 
-SUPPORTED_DIMS = (16, 32, 64, 128)
+SUPPORTED_DIMS = (16, 32, 64, 128)  # quantize / dequantize: tl.dot needs >= 16; 256 is untested
+SUPPORTED_BITS = tuple(range(1, 9))
+DECODE_HEAD_DIMS = (64, 128)  # the fused decode-attention kernel
+DECODE_MAX_ROWS = 128  # its query rows per KV head (query heads per KV head x queries): one kernel tile
 
 
 @functools.lru_cache(maxsize=None)
@@ -39,7 +42,7 @@ def available() -> bool:
 
 def supports(dim: int, bits: int) -> bool:
     """Power-of-two head dims 16..128 and 1..8 bits; anything else goes to the torch reference."""
-    return dim in SUPPORTED_DIMS and isinstance(bits, int) and 1 <= bits <= 8
+    return dim in SUPPORTED_DIMS and isinstance(bits, int) and bits in SUPPORTED_BITS
 
 
 def quantize_into(x, rotation, codebook, packed_out, norms_out, **kw):

@@ -25,9 +25,8 @@ try:  # triton >= 3.4 exposes its settings as knobs; the env var is what older o
 except AttributeError:  # pragma: no cover
     INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
-from . import SUPPORTED_DIMS  # noqa: E402
+from . import SUPPORTED_BITS, SUPPORTED_DIMS, supports  # noqa: E402
 
-SUPPORTED_BITS = tuple(range(1, 9))
 X_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 NORM_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -40,11 +39,6 @@ ROT_DENSE = 2  # fp32 dot against Pi (orthogonal rotations, whose entries no 16-
 X_NATIVE = 0  # fp16/bf16 x is exact in its own type: one 16-bit dot, fp32 accumulate
 X_FP32 = 1  # fp32 operands, ieee dot (interpreter, whose bf16 dot is broken; orthogonal rotations)
 X_SPLIT3 = 2  # fp32 x split into three bf16 terms that sum to x exactly: three bf16 dots
-
-
-def supports(dim: int, bits: int) -> bool:
-    """Power-of-two head dims 16..128 (tl.dot needs >= 16; 256 is untested) and 1..8 bits."""
-    return dim in SUPPORTED_DIMS and bits in SUPPORTED_BITS
 
 
 def next_pow2(n: int) -> int:

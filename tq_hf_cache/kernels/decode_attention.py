@@ -23,9 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..attention import FUSED_BITS as SUPPORTED_BITS
-from ..attention import FUSED_HEAD_DIMS as SUPPORTED_DIMS
-from ..attention import MAX_FUSED_ROWS as MAX_ROWS
+from . import DECODE_HEAD_DIMS, DECODE_MAX_ROWS, SUPPORTED_BITS
 from . import _common as C
 
 LOG2E = 1.4426950408889634
@@ -357,10 +355,10 @@ def _lut(lut: int | None, bits: int) -> int:
 
 def supports(head_dim: int, key_bits: int, value_bits: int, n_queries: int, group: int) -> bool:
     return (
-        head_dim in SUPPORTED_DIMS
+        head_dim in DECODE_HEAD_DIMS
         and key_bits in SUPPORTED_BITS
         and value_bits in SUPPORTED_BITS
-        and group * n_queries <= MAX_ROWS
+        and group * n_queries <= DECODE_MAX_ROWS
     )
 
 
