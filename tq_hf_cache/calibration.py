@@ -38,6 +38,7 @@ from .config import (
     TURBOQUANT_CONFIG_NAME,
     TurboQuantConfig,
     check_model_facts,
+    fact_mismatch,
     model_facts,
     read_turboquant_json,
 )
@@ -173,15 +174,13 @@ class CalibratedCodebooks:
 
     def check_model(self, model_config) -> None:
         """Refuse a model config whose facts (type, layers, KV heads, head dim) differ from the calibrated ones."""
-        facts = model_facts(model_config)
-        for k, stored in self.model.items():
-            if k == "model_type" and (stored is None or facts[k] is None):
-                continue
-            if facts[k] != stored:
-                raise ValueError(
-                    f"the codebooks were calibrated for {k}={stored!r}, but the model config has {k}={facts[k]!r}; "
-                    "recalibrate for this model"
-                )
+        diff = fact_mismatch(self.model, model_facts(model_config))
+        if diff:
+            k, want, got = diff
+            raise ValueError(
+                f"the codebooks were calibrated for {k}={want!r}, but the model config has {k}={got!r}; "
+                "recalibrate for this model"
+            )
 
     @property
     def bits(self) -> dict[str, list[int]]:

@@ -339,6 +339,17 @@ def read_turboquant_json(directory) -> dict[str, Any]:
     return doc
 
 
+def fact_mismatch(stored: dict[str, Any], facts: dict[str, Any]) -> tuple[str, Any, Any] | None:
+    """The first model fact (name, stored value, given value) that differs, or None; a model_type unknown on
+    either side matches."""
+    for k in MODEL_FACT_KEYS:
+        if k == "model_type" and (stored.get(k) is None or facts.get(k) is None):
+            continue
+        if stored.get(k) != facts.get(k):
+            return k, stored.get(k), facts.get(k)
+    return None
+
+
 def check_model_facts(doc: dict[str, Any], directory, config=None) -> None:
     """Compare the stored model facts with `config` and with `directory/config.json` (when present)."""
     import os
@@ -357,11 +368,10 @@ def check_model_facts(doc: dict[str, Any], directory, config=None) -> None:
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise ValueError(f"{cfg_path} is corrupt (not valid JSON): {e}") from None
     for where, facts in sources:
-        for k in MODEL_FACT_KEYS:
-            if k == "model_type" and (stored[k] is None or facts[k] is None):
-                continue
-            if stored[k] != facts[k]:
-                raise ValueError(
-                    f"{TURBOQUANT_CONFIG_NAME} in {directory!r} was calibrated for {k}={stored[k]!r}, "
-                    f"but {where} has {k}={facts[k]!r}; recalibrate for this model"
-                )
+        diff = fact_mismatch(stored, facts)
+        if diff:
+            k, want, got = diff
+            raise ValueError(
+                f"{TURBOQUANT_CONFIG_NAME} in {directory!r} was calibrated for {k}={want!r}, "
+                f"but {where} has {k}={got!r}; recalibrate for this model"
+            )

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from ._compat import IS_V5
-from .config import TurboQuantConfig, model_facts, read_format_json
+from .config import TurboQuantConfig, fact_mismatch, model_facts, read_format_json
 
 PREFIX_JSON = "turboquant_prefix.json"
 PREFIX_TENSORS = "turboquant_prefix.safetensors"
@@ -152,10 +152,10 @@ def load_prefix(cls, path: str, config, *, token_ids=None, codebooks=None, devic
 
     doc = read_prefix_info(path)
     where = os.path.join(path, PREFIX_JSON)
-    facts = model_facts(config)
-    for k, stored in doc["model"].items():
-        if facts.get(k) != stored and not (k == "model_type" and (stored is None or facts.get(k) is None)):
-            raise ValueError(f"the prefix in {path!r} was saved for {k}={stored!r}, but this model has {k}={facts.get(k)!r}")
+    diff = fact_mismatch(doc["model"], model_facts(config))
+    if diff:
+        k, want, got = diff
+        raise ValueError(f"the prefix in {path!r} was saved for {k}={want!r}, but this model has {k}={got!r}")
     if token_ids is not None:
         ids = torch.as_tensor(token_ids)
         ids = ids.unsqueeze(0) if ids.dim() == 1 else ids
