@@ -6,6 +6,7 @@ from .codebook import Codebook, theoretical_codebook
 from .config import DEFAULT_PRESET, PRESETS, TurboQuantConfig
 from .layer import TurboQuantLayer, TurboQuantSlidingLayer
 from .rotation import Rotation, make_rotation
+from .static_cache import TurboQuantStaticCache, TurboQuantStaticLayer
 
 __version__ = "0.1.0"
 
@@ -18,6 +19,8 @@ __all__ = [
     "TurboQuantConfig",
     "TurboQuantLayer",
     "TurboQuantSlidingLayer",
+    "TurboQuantStaticCache",
+    "TurboQuantStaticLayer",
     "make_rotation",
     "theoretical_codebook",
 ]

@@ -31,6 +31,7 @@ from functools import partial
 
 import torch
 
+from . import ops  # noqa: F401  (registers the tq_hf_cache:: custom ops)
 from .kernels import DECODE_HEAD_DIMS, DECODE_MAX_ROWS, SUPPORTED_BITS  # limits only: no triton import
 
 NAME = "turboquant"
@@ -134,7 +135,6 @@ def _fusable(query, key, layer, dropout, kwargs) -> bool:
     return True
 
 
-@torch.compiler.disable
 def turboquant_attention_forward(
     module: torch.nn.Module,
     query: torch.Tensor,
@@ -147,6 +147,43 @@ def turboquant_attention_forward(
     **kwargs,
 ):
     """transformers attention-function signature; returns (attn_output (B, n, Hq, D), None) like SDPA's."""
+    packed = getattr(key, "turboquant_packed", None)  # a TurboQuantStaticLayer's ring (see static_cache.py)
+    if packed is not None:
+        return _static(query, key, value, packed, attention_mask, dropout, scaling, kwargs), None
+    if getattr(key, "_tq_layer", None) is None:  # not a TurboQuant layer's: transformers' SDPA, traceable
+        return _sdpa(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, is_causal=is_causal, **kwargs)
+    return _dynamic_forward(module, query, key, value, attention_mask, dropout, scaling, is_causal, **kwargs)
+
+
+def _static(query, ring_k, ring_v, kv, mask, dropout, scaling, kwargs):
+    """The fused op over a static layer's PackedKV; traced by torch.compile as one opaque op."""
+    bad = [k for k in _UNSUPPORTED_KWARGS if kwargs.get(k) is not None]
+    if dropout or bad:
+        raise ValueError(
+            f"the turboquant attention on a TurboQuantStaticCache has no dropout, {', '.join(_UNSUPPORTED_KWARGS)}; "
+            f"got dropout={dropout}, {bad}"
+        )
+    scale = query.shape[-1] ** -0.5 if scaling is None else float(scaling)
+    if mask is not None and mask.dtype != torch.bool:
+        mask = mask.to(torch.float32)
+    return torch.ops.tq_hf_cache.static_attention(
+        query, ring_k, ring_v, kv.k_packed, kv.k_norms, kv.v_packed, kv.v_norms, kv.sink_k, kv.sink_v, kv.length,
+        kv.exact_from, mask, kv.k_quantizer, kv.v_quantizer, scale, kv.scratch, kv.counters,
+    )
+
+
+@torch.compiler.disable
+def _dynamic_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    is_causal: bool | None = None,
+    **kwargs,
+):
     layer = getattr(key, "_tq_layer", None)
     if layer is None:
         return _sdpa(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, is_causal=is_causal, **kwargs)

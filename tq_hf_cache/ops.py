@@ -12,6 +12,7 @@ import torch
 
 from . import kernels, reference
 from .codebook import Codebook
+from .packing import packed_bytes
 from .rotation import Rotation
 
 _WARNED: set = set()
@@ -90,3 +91,131 @@ def quantize_kv_into(
         return
     quantize_into(k, rotation, k_codebook, k_packed, k_norms)
     quantize_into(v, rotation, v_codebook, v_packed, v_norms)
+
+
+# --- custom ops: what torch.compile sees of a static TurboQuant layer ---------------------------------------------
+# Each op is opaque to dynamo (no graph break) and has a fake implementation for shapes. A quantizer (rotation +
+# codebook on one device) is passed as an id into this registry, since custom ops take tensors and scalars only.
+
+_QUANTIZERS: list[tuple[Rotation, Codebook]] = []
+_QUANTIZER_IDS: dict[tuple, int] = {}
+_NORM_DTYPES = {"float16": torch.float16, "float32": torch.float32}
+_OUT_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
+
+
+def quantizer_id(rotation: Rotation, codebook: Codebook) -> int:
+    """The registry id of (rotation, codebook); the same id for the same content on the same device."""
+    key = (rotation.kind, rotation.dim, rotation.seed, str(rotation.matrix.device), codebook.bits,
+           codebook.fingerprint or id(codebook), str(codebook.centroids.device))
+    qid = _QUANTIZER_IDS.get(key)
+    if qid is None:
+        qid = _QUANTIZER_IDS[key] = len(_QUANTIZERS)
+        _QUANTIZERS.append((rotation, codebook))  # holds the codebook, so that an id() key stays unique
+    return qid
+
+
+def quantizer(qid: int) -> tuple[Rotation, Codebook]:
+    if not 0 <= qid < len(_QUANTIZERS):
+        raise ValueError(f"unknown quantizer id {qid}: ids come from tq_hf_cache.ops.quantizer_id (0..{len(_QUANTIZERS) - 1})")
+    return _QUANTIZERS[qid]
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+@torch.library.custom_op("tq_hf_cache::quantize", mutates_args=())
+def quantize(x: torch.Tensor, quantizer_id: int, norm_dtype: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """x (B, H, T, D) -> (packed (B, H, T, bytes) uint8, norms (B, H, T) in `norm_dtype`)."""
+    rotation, codebook = quantizer(quantizer_id)
+    b, h, t, d = x.shape
+    packed = torch.empty(b, h, t, packed_bytes(d, codebook.bits), dtype=torch.uint8, device=x.device)
+    norms = torch.empty(b, h, t, dtype=_NORM_DTYPES[norm_dtype], device=x.device)
+    quantize_into(x, rotation, codebook, packed, norms)
+    return packed, norms
+
+
+@quantize.register_fake
+def _(x, quantizer_id, norm_dtype):
+    rotation, codebook = quantizer(quantizer_id)
+    b, h, t, d = x.shape
+    return (x.new_empty(b, h, t, packed_bytes(d, codebook.bits), dtype=torch.uint8),
+            x.new_empty(b, h, t, dtype=_NORM_DTYPES[norm_dtype]))
+
+
+@torch.library.custom_op("tq_hf_cache::dequantize", mutates_args=())
+def dequantize(packed: torch.Tensor, norms: torch.Tensor, quantizer_id: int, dtype: str) -> torch.Tensor:
+    """packed (B, H, T, bytes) + norms (B, H, T) -> (B, H, T, D) in `dtype`."""
+    rotation, codebook = quantizer(quantizer_id)
+    b, h, t, _ = packed.shape
+    out = torch.empty(b, h, t, rotation.dim, dtype=_OUT_DTYPES[dtype], device=packed.device)
+    dequantize_into(packed, norms, rotation, codebook, out)
+    return out
+
+
+@dequantize.register_fake
+def _(packed, norms, quantizer_id, dtype):
+    rotation, _ = quantizer(quantizer_id)
+    b, h, t, _ = packed.shape
+    return packed.new_empty(b, h, t, rotation.dim, dtype=_OUT_DTYPES[dtype])
+
+
+@torch.library.custom_op("tq_hf_cache::static_attention", mutates_args=("scratch", "counters"))
+def static_attention(
+    query: torch.Tensor,
+    ring_k: torch.Tensor,
+    ring_v: torch.Tensor,
+    k_packed: torch.Tensor,
+    k_norms: torch.Tensor,
+    v_packed: torch.Tensor,
+    v_norms: torch.Tensor,
+    sink_k: torch.Tensor,
+    sink_v: torch.Tensor,
+    length: torch.Tensor,
+    exact_from: torch.Tensor,
+    mask: torch.Tensor | None,
+    k_quantizer: int,
+    v_quantizer: int,
+    scale: float,
+    scratch: torch.Tensor,
+    counters: torch.Tensor,
+) -> torch.Tensor:
+    """Attention of query (B, Hq, n, D) over a static layer's positions (see `PackedKV`) -> (B, n, Hq, D).
+    The Triton kernel on CUDA, `reference.static_attention` elsewhere."""
+    kv = packed_kv(k_packed, k_norms, v_packed, v_norms, sink_k, sink_v, length, exact_from, k_quantizer,
+                   v_quantizer, scratch, counters)
+    if use_kernels(query) and static_kernel_ok(query, kv):
+        from .kernels.decode_attention import static_decode_attention
+
+        return static_decode_attention(query, ring_k, ring_v, kv, mask, scale)
+    return reference.static_attention(query, ring_k, ring_v, kv, mask, scale)
+
+
+@static_attention.register_fake
+def _(query, ring_k, ring_v, k_packed, k_norms, v_packed, v_norms, sink_k, sink_v, length, exact_from, mask,
+      k_quantizer, v_quantizer, scale, scratch, counters):
+    b, hq, n, d = query.shape
+    return query.new_empty(b, n, hq, d)
+
+
+def packed_kv(k_packed, k_norms, v_packed, v_norms, sink_k, sink_v, length, exact_from, k_quantizer: int,
+              v_quantizer: int, scratch, counters):
+    from .packed_kv import PackedKV
+
+    rotation, kcb = quantizer(k_quantizer)
+    _, vcb = quantizer(v_quantizer)
+    return PackedKV(k_packed, k_norms, v_packed, v_norms, sink_k, sink_v, length, exact_from, rotation, kcb, vcb,
+                    k_quantizer, v_quantizer, scratch, counters)
+
+
+def static_kernel_ok(query: torch.Tensor, kv) -> bool:
+    """Whether the fused Triton kernel serves this static attention call (else the torch reference does)."""
+    b, hq, n, d = query.shape
+    hkv = kv.k_packed.shape[1]
+    return (
+        d in kernels.DECODE_HEAD_DIMS
+        and hq % hkv == 0
+        and (hq // hkv) * n <= kernels.DECODE_MAX_ROWS
+        and kv.k_codebook.bits in kernels.SUPPORTED_BITS
+        and kv.v_codebook.bits in kernels.SUPPORTED_BITS
+    )

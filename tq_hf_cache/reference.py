@@ -107,3 +107,37 @@ def softmax_rows(s: torch.Tensor) -> torch.Tensor:
     """Softmax over the last dim; a row that may see no key (all -inf) gives 0, a NaN score stays NaN."""
     blind = (s == float("-inf")).all(dim=-1, keepdim=True)
     return torch.softmax(s, dim=-1).masked_fill(blind, 0.0)
+
+
+def static_attention(
+    query: torch.Tensor,
+    ring_k: torch.Tensor,
+    ring_v: torch.Tensor,
+    kv,
+    mask: torch.Tensor | None = None,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """Attention of query (B, Hq, n, D) over the positions a static layer holds (`PackedKV`), by definition:
+    dequantize every slot, write the exact copies over theirs, attend to [0, length) (the n queries are the last
+    n positions; a mask, over absolute positions, decides instead when given). Returns (B, n, Hq, D)."""
+    from .packed_kv import overlay_exact
+
+    b, hq, n, d = query.shape
+    cap = kv.capacity
+    keys = dequantize(kv.k_packed, kv.k_norms, kv.rotation, kv.k_codebook, torch.float32)
+    vals = dequantize(kv.v_packed, kv.v_norms, kv.rotation, kv.v_codebook, torch.float32)
+    overlay_exact(keys, ring_k.float(), kv.sink_k.float(), kv.length, kv.exact_from)
+    overlay_exact(vals, ring_v.float(), kv.sink_v.float(), kv.length, kv.exact_from)
+    pos = torch.arange(cap, device=query.device)
+    if mask is None:
+        q_pos = kv.length - n + torch.arange(n, device=query.device)
+        allowed = pos[None, :] <= q_pos[:, None]
+    else:
+        m = mask[..., :cap]
+        allowed = m if m.dtype == torch.bool else m
+    if allowed.dtype == torch.bool:
+        allowed = allowed & (pos < kv.length)
+    else:
+        allowed = allowed.float().masked_fill(pos >= kv.length, float("-inf"))
+    out = attention(query, keys, vals, allowed, scale)
+    return out.transpose(1, 2).to(query.dtype).contiguous()

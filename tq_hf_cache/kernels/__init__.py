@@ -15,6 +15,25 @@ DECODE_HEAD_DIMS = (64, 128)  # the fused decode-attention kernel
 DECODE_MAX_ROWS = 128  # its query rows per KV head (query heads per KV head x queries): one kernel tile
 
 
+MIN_TOKENS_PER_SPLIT = 256  # the fused kernel's packed history per program, at least
+
+
+@functools.lru_cache(maxsize=None)
+def sm_count(device) -> int:
+    import torch
+
+    device = torch.device(device)
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+
+
+def num_splits_for(batch_heads: int, packed_len: int, device) -> int:
+    """Splits of the packed history for the fused kernel: about four programs per SM (the loop is latency-bound:
+    more programs in flight hide it; measured on the H100), at least MIN_TOKENS_PER_SPLIT tokens each."""
+    want = max(1, (4 * sm_count(device) + batch_heads - 1) // batch_heads)
+    most = max(1, (packed_len + MIN_TOKENS_PER_SPLIT - 1) // MIN_TOKENS_PER_SPLIT)
+    return min(want, most)
+
+
 @functools.lru_cache(maxsize=None)
 def _triton_ok() -> bool:
     try:

@@ -23,12 +23,11 @@ import torch
 import triton
 import triton.language as tl
 
-from . import DECODE_HEAD_DIMS, DECODE_MAX_ROWS, SUPPORTED_BITS
+from . import DECODE_HEAD_DIMS, DECODE_MAX_ROWS, SUPPORTED_BITS, num_splits_for
 from . import _common as C
 
 LOG2E = 1.4426950408889634
 BLOCK_N = 64
-MIN_TOKENS_PER_SPLIT = 256
 
 
 @triton.jit
@@ -131,23 +130,28 @@ def _softmax_step(s, m_i, l_i):
 
 @triton.jit
 def _fp_segment(q, acc, m_i, l_i, k_base, v_base, sk, sv, length, pos0, scale_log2,
-                row_ok, row_i, heads, m_base, smh, smi, smt, causal_limit,
-                D: tl.constexpr, BLOCK_N: tl.constexpr, MASK_KIND: tl.constexpr):
-    """Attend to `length` full-precision (unrotated) tokens at absolute positions pos0 + j."""
+                row_ok, row_i, heads, m_base, smh, smi, smt, causal_limit, ring,
+                D: tl.constexpr, BLOCK_N: tl.constexpr, MASK_KIND: tl.constexpr, WRAP: tl.constexpr):
+    """Attend to `length` full-precision (unrotated) tokens at absolute positions pos0 + j, stored at slot j, or at
+    slot (pos0 + j) % ring with WRAP (a static layer's ring buffer)."""
     d = tl.arange(0, D)
     for t0 in range(0, length, BLOCK_N):
         offs = t0 + tl.arange(0, BLOCK_N)
         t_ok = offs < length
-        k = tl.load(k_base + offs[:, None] * sk + d[None, :], mask=t_ok[:, None], other=0.0).to(tl.float32)
+        if WRAP:
+            slot = (pos0 + offs) % ring
+        else:
+            slot = offs
+        k = tl.load(k_base + slot[:, None] * sk + d[None, :], mask=t_ok[:, None], other=0.0).to(tl.float32)
         s = tl.dot(q, tl.trans(k)) * scale_log2
         s = _masked_scores(s, pos0 + offs, t_ok, row_ok, row_i, heads, m_base, smh, smi, smt, causal_limit, MASK_KIND)
         p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i)
-        v = tl.load(v_base + offs[:, None] * sv + d[None, :], mask=t_ok[:, None], other=0.0).to(tl.float32)
+        v = tl.load(v_base + slot[:, None] * sv + d[None, :], mask=t_ok[:, None], other=0.0).to(tl.float32)
         acc = acc * alpha[:, None] + tl.dot(p, v)
     return acc, m_i, l_i
 
 
-@triton.jit(do_not_specialize=["Lq", "Lr", "N", "P0", "Ls", "tok_per_split", "num_splits"])
+@triton.jit(do_not_specialize=["Lq", "Lr", "N", "P0", "Ls", "tok_per_split", "num_splits", "ring"])
 def _decode_kernel(
     q_ptr, sqb, sqh, sqn,
     pi_ptr,
@@ -162,11 +166,12 @@ def _decode_kernel(
     o_ptr, sob, son, soh,
     acc_ptr, ml_ptr, cnt_ptr,
     Hkv, Lq, Lr, N, P0, Ls, tok_per_split, num_splits, scale_log2,
+    len_ptr, from_ptr, ring,
     G: tl.constexpr, D: tl.constexpr, KBITS: tl.constexpr, VBITS: tl.constexpr,
     KPT: tl.constexpr, VPT: tl.constexpr, KC_SH: tl.constexpr, VC_SH: tl.constexpr,
     BLOCK_M: tl.constexpr, R: tl.constexpr, SC: tl.constexpr, BLOCK_N: tl.constexpr,
     MASK_KIND: tl.constexpr, KLUT: tl.constexpr, VLUT: tl.constexpr, PREFETCH: tl.constexpr,
-    DIAG: tl.constexpr = 0,
+    STATIC: tl.constexpr, DIAG: tl.constexpr = 0,
 ):
     """One launch: programs (pid, split) write partial (m, l, acc) for their slice, all in the unrotated domain
     (the packed splits rotate their accumulator back themselves); the last program of a (batch, KV head) to
@@ -187,7 +192,15 @@ def _decode_kernel(
     q = tl.load(q_ptr + b * sqb + heads[:, None] * sqh + row_i[:, None] * sqn + d[None, :],
                 mask=row_ok[:, None], other=0.0).to(tl.float32)
     m_base = m_ptr + b * smb
-    T = Lq + Lr + N
+    if STATIC:  # a static layer: lengths on the device; the ring holds [Lq, T) and the new tokens are in it
+        T = tl.load(len_ptr).to(tl.int32)
+        Lq = tl.load(from_ptr).to(tl.int32)
+        Lr = T - Lq
+        Ls = tl.minimum(Ls, Lq)
+        n_new = 0
+    else:
+        T = Lq + Lr + N
+        n_new = N
     causal_limit = T - N + row_i  # the last position query i may see (used without a mask)
     acc = tl.zeros((BLOCK_M, D), dtype=tl.float32)
     m_i = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
@@ -254,13 +267,13 @@ def _decode_kernel(
         # full-precision sinks, residual window, then the pending new tokens, unrotated
         acc, m_i, l_i = _fp_segment(q, acc, m_i, l_i, sk_ptr + b * sskb + h * sskh, sv_ptr + b * ssvb + h * ssvh,
                                     D, D, Ls, 0, scale_log2, row_ok, row_i, heads, m_base, smh, smi, smt,
-                                    causal_limit, D, BLOCK_N, MASK_KIND)
+                                    causal_limit, ring, D, BLOCK_N, MASK_KIND, False)
         acc, m_i, l_i = _fp_segment(q, acc, m_i, l_i, rk_ptr + b * srkb + h * srkh, rv_ptr + b * srvb + h * srvh,
                                     D, D, Lr, Lq, scale_log2, row_ok, row_i, heads, m_base, smh, smi, smt,
-                                    causal_limit, D, BLOCK_N, MASK_KIND)
+                                    causal_limit, ring, D, BLOCK_N, MASK_KIND, STATIC)
         acc, m_i, l_i = _fp_segment(q, acc, m_i, l_i, nk_ptr + b * snkb + h * snkh, nv_ptr + b * snvb + h * snvh,
-                                    snkt, snvt, N, Lq + Lr, scale_log2, row_ok, row_i, heads, m_base, smh, smi, smt,
-                                    causal_limit, D, BLOCK_N, MASK_KIND)
+                                    snkt, snvt, n_new, Lq + Lr, scale_log2, row_ok, row_i, heads, m_base, smh, smi,
+                                    smt, causal_limit, ring, D, BLOCK_N, MASK_KIND, False)
     # partials: only the R (>= G * N) live rows of the tile
     base = pid.to(tl.int64) * (num_splits + 1)
     slot = base + split
@@ -313,7 +326,6 @@ def _decode_kernel(
 _SCRATCH: dict[torch.device, torch.Tensor] = {}
 _COUNTERS: dict[torch.device, torch.Tensor] = {}
 LAST_COMPILED = None  # the last compiled kernel (its n_regs / n_spills, for the benchmark)
-_SM_COUNT: dict[torch.device, int] = {}
 DEFAULT_LUT = 1
 DEFAULT_PREFETCH = 2  # measured on the H100 (diag_decode_kernel_h100_run3.json): 3-6% faster than 0, no spills
 DEFAULT_WARPS = 4
@@ -340,14 +352,6 @@ def _counters(device: torch.device, n: int) -> torch.Tensor:
     return buf
 
 
-def _sm_count(device: torch.device) -> int:
-    n = _SM_COUNT.get(device)
-    if n is None:
-        n = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
-        _SM_COUNT[device] = n
-    return n
-
-
 def _lut(lut: int | None, bits: int) -> int:
     lut = DEFAULT_LUT if lut is None else lut
     return 0 if (lut == 2 and bits > 4) else lut
@@ -360,14 +364,6 @@ def supports(head_dim: int, key_bits: int, value_bits: int, n_queries: int, grou
         and value_bits in SUPPORTED_BITS
         and group * n_queries <= DECODE_MAX_ROWS
     )
-
-
-def num_splits_for(batch_heads: int, packed_len: int, device: torch.device) -> int:
-    """Splits of the packed history: about four programs per SM (the loop is latency-bound: more programs in
-    flight hide it; measured on the H100), at least MIN_TOKENS_PER_SPLIT tokens each."""
-    want = max(1, (4 * _sm_count(device) + batch_heads - 1) // batch_heads)
-    most = max(1, (packed_len + MIN_TOKENS_PER_SPLIT - 1) // MIN_TOKENS_PER_SPLIT)
-    return min(want, most)
 
 
 def _split_plan(batch_heads: int, lq: int, device, num_splits, block_n: int) -> tuple[int, int]:
@@ -416,7 +412,7 @@ def _mask_args(mask, b, hq, n, t, query):
 
 
 def _runtime_args(q, qs, pi, kp, kn, vp, vn, kc, vc, rk, rv, sk, sv, nk, nks, nv, nvs, m_arg, ms, out, os_, acc, ml, cnt,
-                  hkv, lq, lr, n, p0, ls, tok_per_split, num_splits, scale_log2) -> list:
+                  hkv, lq, lr, n, p0, ls, tok_per_split, num_splits, scale_log2, lens=None, ring=0) -> list:
     """_decode_kernel's runtime arguments in order (the general launcher and the per-layer plan both build them here;
     qs / nks / nvs / ms / os_ are the strides the kernel takes of q, new K, new V, the mask and out)."""
     return [
@@ -433,15 +429,17 @@ def _runtime_args(q, qs, pi, kp, kn, vp, vn, kc, vc, rk, rv, sk, sv, nk, nks, nv
         out, *os_,
         acc, ml, cnt,
         hkv, lq, lr, n, p0, ls, tok_per_split, num_splits, scale_log2,
+        *((cnt, cnt) if lens is None else lens), ring,
     ]
 
 
-def _constexprs(group, d, kcb, vcb, kp, vp, kc, vc, block_m, rows, sc, block_n, mask_kind, klut, vlut, prefetch, diag):
+def _constexprs(group, d, kcb, vcb, kp, vp, kc, vc, block_m, rows, sc, block_n, mask_kind, klut, vlut, prefetch, diag,
+                static=False):
     return dict(
         G=group, D=d, KBITS=kcb.bits, VBITS=vcb.bits, KPT=kp.shape[-1], VPT=vp.shape[-1],
         KC_SH=kc.shape[-1] if kc.dim() == 2 else 0, VC_SH=vc.shape[-1] if vc.dim() == 2 else 0,
         BLOCK_M=block_m, R=rows, SC=sc, BLOCK_N=block_n, MASK_KIND=mask_kind,
-        KLUT=klut, VLUT=vlut, PREFETCH=prefetch, DIAG=diag,
+        KLUT=klut, VLUT=vlut, PREFETCH=prefetch, STATIC=static, DIAG=diag,
     )
 
 
@@ -519,6 +517,58 @@ def decode_attention(
         **_constexprs(group, d, kcb, vcb, kp, vp, kc, vc, block_m, rows, sc, block_n, mask_kind, _lut(lut, kcb.bits),
                       _lut(lut, vcb.bits), DEFAULT_PREFETCH if prefetch is None else prefetch, _diag),
         num_warps=num_warps or DEFAULT_WARPS, **extra,
+    )
+    return out
+
+
+def static_decode_attention(
+    query: torch.Tensor,
+    ring_k: torch.Tensor,
+    ring_v: torch.Tensor,
+    kv,
+    mask: torch.Tensor | None = None,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """Attention of query (B, Hq, n, D) over a static layer's positions (`PackedKV`; the ring is ring_k / ring_v).
+
+    Lengths are read on the device and the grid depends only on shapes, so one launch serves every step (CUDA
+    graphs replay it). mask: None (the n queries are the last n positions) or boolean / additive over the
+    layer's capacity. Returns (B, n, Hq, D) in the query's dtype."""
+    b, hq, n, d = query.shape
+    hkv, cap = kv.k_packed.shape[1], kv.k_packed.shape[2]
+    if hq % hkv:
+        raise ValueError(f"query heads ({hq}) must be a multiple of KV heads ({hkv})")
+    group = hq // hkv
+    kcb, vcb = kv.k_codebook, kv.v_codebook
+    if not supports(d, kcb.bits, vcb.bits, n, group):
+        raise ValueError(f"static_decode_attention does not support head dim {d}, bits k{kcb.bits}v{vcb.bits}, {group}x{n} rows")
+    block_m, rows, sc = _rows(group, n)
+    num_splits, tok_per_split = _split_plan(b * hkv, cap, query.device, None, BLOCK_N)
+    slots = b * hkv * (num_splits + 1)
+    need = slots * rows * (d + 2)
+    if kv.scratch.numel() < need or kv.counters.numel() < b * hkv:
+        raise ValueError(f"the PackedKV's scratch holds {kv.scratch.numel()} floats and {kv.counters.numel()} "
+                         f"counters; this call needs {need} and {b * hkv}")
+    acc = kv.scratch[: slots * rows * d]
+    ml = kv.scratch[slots * rows * d : need]
+    mask_kind, m_arg, ms = _mask_args(mask, b, hq, n, cap, query)
+    qv = _row(query)
+    kp, vp = _packed(kv.k_packed), _packed(kv.v_packed)
+    kn, vn = kv.k_norms, kv.v_norms
+    rk, rv = _tokens_last(ring_k, d), _tokens_last(ring_v, d)
+    sk, sv = _tokens_last(kv.sink_k, d), _tokens_last(kv.sink_v, d)
+    kc, vc = kcb.centroids.contiguous(), vcb.centroids.contiguous()
+    out = torch.empty(b, n, hq, d, dtype=query.dtype, device=query.device)
+    _decode_kernel[(b * hkv, num_splits + 1)](
+        *_runtime_args(
+            qv, qv.stride()[:3], kv.rotation.matrix, kp, kn, vp, vn, kc, vc, rk, rv, sk, sv, rk, (0, 0, 0), rv,
+            (0, 0, 0), m_arg, ms, out, out.stride()[:3], acc, ml, kv.counters, hkv, 0, 0, n, 0, sk.shape[2],
+            tok_per_split, num_splits, (d**-0.5 if scale is None else float(scale)) * LOG2E,
+            lens=(kv.length, kv.exact_from), ring=rk.shape[2],
+        ),
+        **_constexprs(group, d, kcb, vcb, kp, vp, kc, vc, block_m, rows, sc, BLOCK_N, mask_kind, _lut(None, kcb.bits),
+                      _lut(None, vcb.bits), DEFAULT_PREFETCH, 0, static=True),
+        num_warps=DEFAULT_WARPS, **({} if DEFAULT_STAGES is None else {"num_stages": DEFAULT_STAGES}),
     )
     return out
 

@@ -1,0 +1,180 @@
+"""TurboQuantStaticCache against transformers' StaticCache on tiny Llama / Qwen3 / Gemma3 (sliding) models: 8-bit
+logits close at every step and the same greedy tokens; torch.compile(fullgraph=True) equal to eager; crop, reset,
+reuse; switching the attention implementation mid-generation; bad arguments refused."""
+
+import os
+
+import pytest
+import torch
+import transformers
+
+from tq_hf_cache import TurboQuantStaticCache, TurboQuantStaticLayer
+from tq_hf_cache._compat import IS_V5
+
+pytestmark = pytest.mark.skipif(not IS_V5, reason="TurboQuantStaticCache needs transformers >= 5")
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+BASE = dict(vocab_size=128, hidden_size=128, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+            head_dim=64, max_position_embeddings=512, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+EIGHT_BIT = dict(key_bits=8, value_bits=8, residual_length=6, sink_tokens=2)
+PROMPT, NEW, CAP = 40, 12, 64
+
+
+def build(name, seed=0):
+    kw = dict(BASE)
+    if name == "llama":
+        cfg, cls = transformers.LlamaConfig(num_hidden_layers=2, **kw), transformers.LlamaForCausalLM
+    elif name == "qwen3":
+        cfg, cls = transformers.Qwen3Config(num_hidden_layers=2, **kw), transformers.Qwen3ForCausalLM
+    else:
+        cfg = transformers.Gemma3TextConfig(num_hidden_layers=4, sliding_window=16, query_pre_attn_scalar=64,
+                                            layer_types=["sliding_attention", "full_attention"] * 2, **kw)
+        cls = transformers.Gemma3ForCausalLM
+    torch.manual_seed(seed)
+    return cfg, cls(cfg).eval()
+
+
+def prompt(batch=1, length=PROMPT, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(3, 128, (batch, length), generator=g)
+
+
+def greedy(model, cache, ids, new=NEW):
+    out = model.generate(ids, past_key_values=cache, max_new_tokens=new, min_new_tokens=new, do_sample=False,
+                         output_logits=True, return_dict_in_generate=True)
+    return out.sequences, torch.stack(out.logits, 1)
+
+
+@pytest.mark.parametrize("impl", ["sdpa", "turboquant"])
+@pytest.mark.parametrize("name", ["llama", "qwen3", "gemma3"])
+def test_eight_bit_static_cache_tracks_static_cache(name, impl):
+    cfg, model = build(name)
+    model.set_attn_implementation(impl)
+    ids = prompt(batch=2)
+    want_seq, want = greedy(model, transformers.StaticCache(config=cfg, max_cache_len=CAP), ids)
+    cache = TurboQuantStaticCache(cfg, max_cache_len=CAP, **EIGHT_BIT)
+    got_seq, got = greedy(model, cache, ids)
+    assert any(isinstance(l, TurboQuantStaticLayer) and l.is_initialized for l in cache.layers)
+    torch.testing.assert_close(got, want, atol=0.05, rtol=0, msg=lambda m: f"{name}/{impl} logits per step: {m}")
+    assert torch.equal(got_seq, want_seq), f"{name}/{impl}: greedy tokens differ"
+
+
+def test_fewer_bits_drift_further_from_static_cache():
+    """At 2 bits the cache must differ from StaticCache (else the test above could not fail), and the same
+    layer quantizes: more bits, closer logits."""
+    cfg, model = build("llama")
+    ids = prompt()
+    _, want = greedy(model, transformers.StaticCache(config=cfg, max_cache_len=CAP), ids)
+    err = {}
+    for bits in (2, 8):
+        cache = TurboQuantStaticCache(cfg, max_cache_len=CAP, key_bits=bits, value_bits=bits, residual_length=4)
+        err[bits] = (greedy(model, cache, ids)[1] - want).abs().max().item()
+    assert err[2] > 4 * err[8] > 0, err
+
+
+@pytest.mark.parametrize("impl", ["sdpa", "turboquant"])
+def test_compiled_fullgraph_decode_equals_eager(impl):
+    cfg, model = build("gemma3")
+    model.set_attn_implementation(impl)
+    ids = prompt(batch=2)
+    steps = []
+    for compiled in (False, True):
+        torch._dynamo.reset()
+        cache = TurboQuantStaticCache(cfg, max_cache_len=CAP, residual_length=4, sink_tokens=2)
+        forward = torch.compile(model.forward, backend="aot_eager", fullgraph=True) if compiled else model.forward
+        logits = []
+        with torch.no_grad():
+            tok = model(ids, past_key_values=cache).logits[:, -1:].argmax(-1)
+            for i in range(5):
+                pos = torch.tensor([PROMPT + i])
+                out = forward(tok, past_key_values=cache, cache_position=pos, position_ids=pos.expand(2, 1))
+                logits.append(out.logits)
+                tok = out.logits[:, -1:].argmax(-1)
+        steps.append(torch.cat(logits, 1))
+    torch.testing.assert_close(steps[1], steps[0], atol=1e-4, rtol=0, msg=lambda m: f"compiled vs eager ({impl}): {m}")
+
+
+def test_switching_attention_mid_generation_changes_nothing():
+    cfg, model = build("llama")
+    ids = prompt()
+    runs = []
+    for schedule in (["turboquant"] * 6, ["turboquant", "sdpa", "turboquant", "eager", "sdpa", "turboquant"]):
+        cache = TurboQuantStaticCache(cfg, max_cache_len=CAP, residual_length=4, sink_tokens=2)
+        logits = []
+        with torch.no_grad():
+            model.set_attn_implementation(schedule[0])
+            tok = model(ids, past_key_values=cache).logits[:, -1:].argmax(-1)
+            for i, impl in enumerate(schedule):
+                model.set_attn_implementation(impl)
+                out = model(tok, past_key_values=cache, position_ids=torch.tensor([[PROMPT + i]]))
+                logits.append(out.logits)
+                tok = out.logits[:, -1:].argmax(-1)
+        runs.append(torch.cat(logits, 1))
+    model.set_attn_implementation("sdpa")
+    torch.testing.assert_close(runs[1], runs[0], atol=1e-4, rtol=0, msg=lambda m: f"switched vs not: {m}")
+
+
+def test_reset_reuse_and_crop():
+    cfg, model = build("llama")
+    ids = prompt(length=30)
+    cache = TurboQuantStaticCache(cfg, max_cache_len=CAP, residual_length=4, sink_tokens=2)
+    first = greedy(model, cache, ids)[1]
+    cache.reset()
+    assert int(cache.get_seq_length()) == 0
+    torch.testing.assert_close(greedy(model, cache, ids)[1], first, atol=0, rtol=0, msg=lambda m: f"after reset: {m}")
+
+    # crop back to the prompt, then continue: equal to a fresh cache fed the prompt (within 8-bit error: the
+    # cropped cache keeps fewer tokens exact, as its ring lost the cropped ones' slots)
+    fresh = TurboQuantStaticCache(cfg, max_cache_len=CAP, **EIGHT_BIT)
+    with torch.no_grad():
+        want = model(ids, past_key_values=fresh).logits
+        tail = prompt(length=8, seed=1)
+        want_next = model(tail, past_key_values=fresh).logits
+        cache = TurboQuantStaticCache(cfg, max_cache_len=CAP, **EIGHT_BIT)
+        model(ids, past_key_values=cache)
+        model(prompt(length=10, seed=2), past_key_values=cache)
+        assert int(cache.get_seq_length()) == 40
+        cache.crop(-10)
+        assert int(cache.get_seq_length()) == 30
+        got_next = model(tail, past_key_values=cache).logits
+    torch.testing.assert_close(got_next, want_next, atol=0.05, rtol=0, msg=lambda m: f"after crop(-10): {m}")
+    assert want.shape[1] == 30
+
+
+def test_memory_is_a_fraction_of_static_cache():
+    cfg, model = build("llama")
+    cap = 2048
+    cache = TurboQuantStaticCache(cfg, max_cache_len=cap)
+    with torch.no_grad():
+        model(prompt(length=8), past_key_values=cache)
+    static = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cap * cfg.head_dim * 4  # float32 model
+    nb = cache.nbytes()
+    assert nb["packed"] + nb["residual"] + nb["sinks"] == nb["total"]
+    assert nb["total"] < 0.5 * static, (nb, static)
+
+
+def test_bad_arguments_are_refused_before_anything_changes():
+    cfg, model = build("llama")
+    for bad in (0, -3, 2.5, True):
+        with pytest.raises(ValueError, match="max_cache_len must be a positive integer"):
+            TurboQuantStaticCache(cfg, max_cache_len=bad)
+    with pytest.raises(ValueError, match="max_batch_size"):
+        TurboQuantStaticCache(cfg, max_cache_len=8, max_batch_size=0)
+    cache = TurboQuantStaticCache(cfg, max_cache_len=CAP, max_batch_size=1)
+    with pytest.raises(ValueError, match="batch 2 exceeds max_batch_size=1"):
+        model(prompt(batch=2), past_key_values=cache)
+    assert not any(getattr(l, "is_initialized", False) for l in cache.layers)
+    with pytest.raises(ValueError, match="key_bits"):
+        TurboQuantStaticCache(cfg, max_cache_len=CAP, key_bits=9)
+
+
+def test_overflowing_the_capacity_is_refused_in_eager_mode():
+    cfg, model = build("llama")
+    cache = TurboQuantStaticCache(cfg, max_cache_len=20)
+    with torch.no_grad():
+        model(prompt(length=15), past_key_values=cache)
+        with pytest.raises(ValueError, match="6 new tokens after 15 exceed max_cache_len=20"):
+            model(prompt(length=6), past_key_values=cache)
+        assert int(cache.get_seq_length()) == 15

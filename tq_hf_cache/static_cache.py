@@ -1,0 +1,385 @@
+"""`TurboQuantStaticCache`: a `StaticCache` whose full-attention layers hold TurboQuant-packed keys and values, with
+every shape fixed, so that `torch.compile(mode="reduce-overhead")` captures the decode step in CUDA graphs.
+
+A layer preallocates, for `max_cache_len` positions: packed keys/values and their norms, a ring buffer of the
+newest `residual_length + MAX_FUSED_QUERIES` positions kept exact, and exact copies of the first `sink_tokens`
+positions (attention sinks). Every update quantizes its new tokens into their packed slots and writes them into the
+ring; nothing is re-quantized and no branch depends on the current length, which lives on the device.
+
+What `update` returns depends only on the static shapes and on the model config's current
+`_attn_implementation`, never on what ran before:
+- "turboquant" and at most MAX_FUSED_QUERIES new tokens: the ring buffers. They carry the layer's `PackedKV` as
+  the attribute `turboquant_packed` (set once, when the buffers are made); the turboquant attention reads it and
+  runs the fused op `tq_hf_cache::static_attention`. Any other attention given them fails loudly: its mask is
+  `max_cache_len` long, the ring is not.
+- anything else: keys and values of `max_cache_len` positions, dequantized (`tq_hf_cache::dequantize`) with the
+  exact copies written over theirs, as `StaticCache` returns its buffers.
+
+Sliding-window layers are transformers' `StaticSlidingWindowLayer` (their window is bounded and small), as are
+layers the config keeps in full precision (`StaticLayer`).
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import torch
+from transformers.cache_utils import Cache, StaticLayer, StaticSlidingWindowLayer
+
+from . import _compat, ops
+from .attention import MAX_FUSED_QUERIES, NAME
+from .cache import _check_codebooks, _codebook, _rotation, resolve_config
+from .config import model_facts
+from .kernels import DECODE_HEAD_DIMS, DECODE_MAX_ROWS, SUPPORTED_BITS
+from .packed_kv import PackedKV, overlay_exact
+from .packing import packed_bytes
+
+PACKED_ATTR = "turboquant_packed"
+_NORM_DTYPES = {"float16": torch.float16, "float32": torch.float32}
+
+
+def packed_source(key: torch.Tensor) -> PackedKV | None:
+    """The `PackedKV` of the static TurboQuant layer whose ring buffer `key` is, else None."""
+    return getattr(key, PACKED_ATTR, None)
+
+
+class _Shared:
+    """Per-cache scratch of the fused kernel, made once (outside any graph) and passed to every layer's op."""
+
+    def __init__(self):
+        self.scratch: torch.Tensor | None = None
+        self.counters: torch.Tensor | None = None
+
+    def ensure(self, numel: int, counters: int, device: torch.device) -> None:
+        if self.scratch is None or self.scratch.numel() < numel or self.scratch.device != device:
+            self.scratch = torch.empty(numel, dtype=torch.float32, device=device)
+            _mark_static(self.scratch)
+        if self.counters is None or self.counters.numel() < counters or self.counters.device != device:
+            self.counters = torch.zeros(counters, dtype=torch.int32, device=device)
+            _mark_static(self.counters)
+
+
+def _mark_static(t: torch.Tensor) -> None:
+    if not torch.compiler.is_compiling():
+        torch._dynamo.mark_static_address(t)
+
+
+class TurboQuantStaticLayer(StaticLayer):
+    """A full-attention layer of fixed capacity; see the module docstring."""
+
+    is_compileable = True
+    is_sliding = False
+
+    def __init__(
+        self,
+        *,
+        max_cache_len: int,
+        key_bits: int,
+        value_bits: int,
+        residual_length: int,
+        sink_tokens: int,
+        rotation_for,
+        codebook_for,
+        norm_dtype: torch.dtype,
+        layer_idx: int,
+        attn_config,
+        query_group: int,
+        shared: _Shared,
+        max_batch_size: int | None = None,
+        codebook_check=None,
+    ):
+        StaticLayer.__init__(self, max_cache_len=max_cache_len)
+        self.key_bits, self.value_bits = key_bits, value_bits
+        self.residual_length, self.sink_tokens = residual_length, sink_tokens
+        self.norm_dtype, self.layer_idx = norm_dtype, layer_idx
+        self.max_batch_size = max_batch_size
+        self._rotation_for, self._codebook_for = rotation_for, codebook_for
+        self._attn_config, self._group = attn_config, query_group
+        self._shared = shared
+        self._codebook_check = codebook_check
+        self.cumulative_length = torch.tensor(0, dtype=torch.int64)
+        self.exact_from = torch.tensor(0, dtype=torch.int64)
+
+    @property
+    def ring_size(self) -> int:
+        return min(self.residual_length + MAX_FUSED_QUERIES, self.max_cache_len)
+
+    def _check(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        if key_states.shape != value_states.shape or key_states.dim() != 4:
+            raise ValueError(
+                f"layer {self.layer_idx}: key states {tuple(key_states.shape)} and value states "
+                f"{tuple(value_states.shape)} must both be (batch, heads, seq, head_dim)"
+            )
+        b, h, n, d = key_states.shape
+        if self.max_batch_size is not None and b > self.max_batch_size:
+            raise ValueError(f"layer {self.layer_idx}: batch {b} exceeds max_batch_size={self.max_batch_size}")
+        if self.is_initialized and (b, h, d) != (self.batch_size, self.num_heads, self.k_head_dim):
+            raise ValueError(
+                f"layer {self.layer_idx}: states of shape {tuple(key_states.shape)} do not match the cache's "
+                f"(batch, heads, head_dim) = {(self.batch_size, self.num_heads, self.k_head_dim)}"
+            )
+        if not self.is_initialized and self._codebook_check is not None:
+            self._codebook_check(self.layer_idx, h, d)
+        if self.is_initialized and not torch.compiler.is_compiling():  # eager only: a compiled step cannot sync
+            held = int(self.cumulative_length)
+            if held + n > self.max_cache_len:
+                raise ValueError(
+                    f"layer {self.layer_idx}: {n} new tokens after {held} exceed max_cache_len={self.max_cache_len}"
+                )
+        elif n > self.max_cache_len:
+            raise ValueError(f"layer {self.layer_idx}: {n} tokens exceed max_cache_len={self.max_cache_len}")
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        b, h, _, d = key_states.shape
+        self.dtype, self.device = key_states.dtype, key_states.device
+        self.batch_size, self.num_heads, self.k_head_dim, self.v_head_dim = b, h, d, d
+        cap, dev = self.max_cache_len, self.device
+        rotation = self._rotation_for(d).to(dev)
+        kcb = self._codebook_for("key", self.key_bits, d).to(dev)
+        vcb = self._codebook_for("value", self.value_bits, d).to(dev)
+        zeros = torch.zeros
+        k_packed = zeros(b, h, cap, packed_bytes(d, self.key_bits), dtype=torch.uint8, device=dev)
+        v_packed = zeros(b, h, cap, packed_bytes(d, self.value_bits), dtype=torch.uint8, device=dev)
+        k_norms = zeros(b, h, cap, dtype=self.norm_dtype, device=dev)
+        v_norms = zeros(b, h, cap, dtype=self.norm_dtype, device=dev)
+        sinks = min(self.sink_tokens, cap)
+        # one spare slot past the sinks: positions >= sinks are written there (and ignored), with no branch
+        self._sink_k = zeros(b, h, sinks + 1, d, dtype=self.dtype, device=dev)
+        self._sink_v = zeros(b, h, sinks + 1, d, dtype=self.dtype, device=dev)
+        self.keys = zeros(b, h, self.ring_size, d, dtype=self.dtype, device=dev)  # the ring
+        self.values = zeros(b, h, self.ring_size, d, dtype=self.dtype, device=dev)
+        self.cumulative_length = self.cumulative_length.to(dev)
+        self.exact_from = self.exact_from.to(dev)
+        rows = min(DECODE_MAX_ROWS, _next_pow2(self._group * MAX_FUSED_QUERIES))
+        splits = _max_splits(b * h, cap, dev)
+        self._shared.ensure(b * h * (splits + 1) * rows * (d + 2), b * h, dev)
+        self.packed = PackedKV(
+            k_packed, k_norms, v_packed, v_norms, self._sink_k[:, :, :sinks], self._sink_v[:, :, :sinks],
+            self.cumulative_length, self.exact_from, rotation, kcb, vcb,
+            ops.quantizer_id(rotation, kcb), ops.quantizer_id(rotation, vcb), self._shared.scratch,
+            self._shared.counters,
+        )
+        setattr(self.keys, PACKED_ATTR, self.packed)
+        for t in (k_packed, v_packed, k_norms, v_norms, self._sink_k, self._sink_v, self.keys, self.values,
+                  self.cumulative_length, self.exact_from):
+            _mark_static(t)
+        self.is_initialized = True
+
+    def _fused(self, n: int) -> bool:
+        """Whether this update serves the fused attention: static facts and the live attention setting only."""
+        return (
+            getattr(self._attn_config, "_attn_implementation", None) == NAME
+            and n <= MAX_FUSED_QUERIES
+            and self._group * n <= DECODE_MAX_ROWS
+            and self.k_head_dim in DECODE_HEAD_DIMS
+            and self.key_bits in SUPPORTED_BITS
+            and self.value_bits in SUPPORTED_BITS
+        )
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        self._check(key_states, value_states)
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        p = self.packed
+        n = key_states.shape[2]
+        pos = torch.arange(n, device=self.device) + self.cumulative_length
+        pk, nk = ops.quantize(key_states, p.k_quantizer, ops.dtype_name(self.norm_dtype))
+        pv, nv = ops.quantize(value_states, p.v_quantizer, ops.dtype_name(self.norm_dtype))
+        p.k_packed.index_copy_(2, pos, pk)
+        p.k_norms.index_copy_(2, pos, nk)
+        p.v_packed.index_copy_(2, pos, pv)
+        p.v_norms.index_copy_(2, pos, nv)
+        sink_slot = pos.clamp(max=self._sink_k.shape[2] - 1)
+        self._sink_k.index_copy_(2, sink_slot, key_states)
+        self._sink_v.index_copy_(2, sink_slot, value_states)
+        ring = self.ring_size
+        m = min(n, ring)
+        self.keys.index_copy_(2, torch.remainder(pos[n - m :], ring), key_states[:, :, n - m :])
+        self.values.index_copy_(2, torch.remainder(pos[n - m :], ring), value_states[:, :, n - m :])
+        self.cumulative_length.add_(n)
+        self.exact_from.copy_(torch.maximum(self.exact_from, self.cumulative_length - ring))
+        if self._fused(n):
+            return self.keys, self.values
+        return self._full(key_states, value_states, pos)
+
+    def _full(self, key_states, value_states, pos):
+        """Keys and values of every position: dequantized, the exact copies and this step's tokens over them."""
+        p, name = self.packed, ops.dtype_name(self.dtype)
+        k = ops.dequantize(p.k_packed, p.k_norms, p.k_quantizer, name)
+        v = ops.dequantize(p.v_packed, p.v_norms, p.v_quantizer, name)
+        overlay_exact(k, self.keys, p.sink_k, p.length, p.exact_from)
+        overlay_exact(v, self.values, p.sink_v, p.length, p.exact_from)
+        k.index_copy_(2, pos, key_states)
+        v.index_copy_(2, pos, value_states)
+        return k, v
+
+    def get_seq_length(self) -> int:
+        return self.cumulative_length if self.is_initialized else 0
+
+    def get_mask_sizes(self, *args, **kwargs) -> tuple[int, int]:
+        return self.max_cache_len, 0
+
+    def get_max_length(self) -> int:
+        return self.max_cache_len
+
+    def reset(self) -> None:
+        if self.is_initialized:
+            for t in (self.packed.k_packed, self.packed.v_packed, self.packed.k_norms, self.packed.v_norms,
+                      self._sink_k, self._sink_v, self.keys, self.values):
+                t.zero_()
+        self.cumulative_length.zero_()
+        self.exact_from.zero_()
+
+    def crop(self, max_length: int) -> None:
+        """Negative: remove that many newest positions; positive: keep the first `max_length` (a length)."""
+        if not self.is_initialized:
+            return
+        seq = int(self.cumulative_length)
+        target = seq - abs(max_length) if max_length < 0 or (max_length == 0 and _compat.IS_V5) else max_length
+        if target >= seq:
+            return
+        target = max(target, 0)
+        self.cumulative_length.fill_(target)
+        self.exact_from.clamp_(max=target)
+
+    def _map_batch(self, fn) -> None:
+        """Apply a batch-dim map to every buffer, in place (their addresses stay, as compiled graphs need)."""
+        if not self.is_initialized:
+            return
+        p = self.packed
+        for t in (p.k_packed, p.v_packed, p.k_norms, p.v_norms, self._sink_k, self._sink_v, self.keys, self.values):
+            t.copy_(fn(t))
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        if self.is_initialized:
+            idx = beam_idx.to(self.device)
+            self._map_batch(lambda t: t.index_select(0, idx))
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        raise NotImplementedError("a static cache keeps its batch size; TurboQuantStaticCache cannot drop rows")
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        raise NotImplementedError("a static cache keeps its batch size; build it with the batch you need")
+
+    def nbytes(self) -> dict[str, int]:
+        if not self.is_initialized:
+            return {"packed": 0, "residual": 0, "sinks": 0}
+        p = self.packed
+        size = lambda *ts: sum(t.numel() * t.element_size() for t in ts)  # noqa: E731
+        return {
+            "packed": size(p.k_packed, p.v_packed, p.k_norms, p.v_norms),
+            "residual": size(self.keys, self.values),
+            "sinks": size(self._sink_k, self._sink_v),
+        }
+
+    def __repr__(self) -> str:
+        return f"TurboQuantStaticLayer(k{self.key_bits}v{self.value_bits}, max_cache_len={self.max_cache_len})"
+
+
+class TurboQuantStaticCache(Cache):
+    """Drop-in for `StaticCache` with TurboQuant-packed full-attention layers; compileable (`is_compileable`).
+
+    Args:
+        config: the model's config (required, as for `StaticCache`).
+        max_cache_len: positions each layer holds; a longer sequence raises.
+        max_batch_size: optional; a larger batch is refused at the first update.
+        tq_config: a `TurboQuantConfig`, a preset name, a dict or None (the default preset).
+        codebooks: optional calibrated codebooks (as for `TurboQuantCache`).
+        **overrides: any `TurboQuantConfig` field.
+
+    Example:
+
+        cache = TurboQuantStaticCache(config=model.config, max_cache_len=4096)
+        out = model.generate(ids, past_key_values=cache, max_new_tokens=256)  # compiles on CUDA
+
+    Memory: packed K/V for `max_cache_len` positions plus the ring and sinks per layer, all allocated at the first
+    update (`nbytes()` reports them). `TurboQuantCache` remains the cache for eager use.
+    """
+
+    def __init__(
+        self,
+        config,
+        max_cache_len: int,
+        max_batch_size: int | None = None,
+        tq_config=None,
+        *,
+        codebooks=None,
+        offloading: bool = False,
+        offload_only_non_sliding: bool = True,
+        **overrides,
+    ):
+        if not _compat.IS_V5:
+            raise RuntimeError(
+                f"TurboQuantStaticCache needs transformers >= 5 (this is {_compat.TRANSFORMERS_VERSION}); "
+                "use TurboQuantCache"
+            )
+        if isinstance(max_cache_len, bool) or not isinstance(max_cache_len, int) or max_cache_len < 1:
+            raise ValueError(f"max_cache_len must be a positive integer, got {max_cache_len!r}")
+        if max_batch_size is not None and (
+            isinstance(max_batch_size, bool) or not isinstance(max_batch_size, int) or max_batch_size < 1
+        ):
+            raise ValueError(f"max_batch_size must be a positive integer or None, got {max_batch_size!r}")
+        self.tq_config = resolve_config(tq_config, **overrides)
+        self.codebooks = codebooks
+        self.capacity = max_cache_len  # (Cache.max_cache_len is a read-only property in some transformers 5.x)
+        self.model_facts = model_facts(config)
+        text = config.get_text_config(decoder=True)
+        layer_types, layer_kwargs = _compat.layer_types_and_kwargs(config)
+        if _compat.kv_sharing_producers(config):
+            raise ValueError("TurboQuantStaticCache does not support models that share KV between layers")
+        self.tq_config.check_layers(len(layer_types))
+        if codebooks is not None and hasattr(codebooks, "check_model"):
+            codebooks.check_model(config)
+        heads = text.num_attention_heads
+        kv_heads = getattr(text, "num_key_value_heads", None) or heads
+        shared = _Shared()
+        layers = []
+        cfg = self.tq_config
+        for idx, (kind, kw) in enumerate(zip(layer_types, layer_kwargs)):
+            bits = cfg.bits_for_layer(idx, len(layer_types), kind)
+            if kind in ("sliding_attention", "chunked_attention"):
+                layers.append(StaticSlidingWindowLayer(max_cache_len=max_cache_len, sliding_window=kw["sliding_window"]))
+            elif kind != "full_attention":
+                raise ValueError(
+                    f"layer {idx} has layer type {kind!r}; TurboQuantStaticCache supports full and sliding attention "
+                    "(use TurboQuantCache for other models)"
+                )
+            elif bits is None:
+                layers.append(StaticLayer(max_cache_len=max_cache_len))
+            else:
+                layers.append(TurboQuantStaticLayer(
+                    max_cache_len=max_cache_len, key_bits=bits[0], value_bits=bits[1],
+                    residual_length=cfg.residual_length, sink_tokens=cfg.sink_tokens,
+                    rotation_for=partial(_rotation, seed=cfg.seed + idx, kind=cfg.rotation),
+                    codebook_for=partial(_codebook, codebooks, idx), norm_dtype=_NORM_DTYPES[cfg.norm_dtype],
+                    layer_idx=idx, attn_config=text, query_group=heads // kv_heads, shared=shared,
+                    max_batch_size=max_batch_size,
+                    codebook_check=partial(_check_codebooks, codebooks) if codebooks is not None else None,
+                ))
+        Cache.__init__(self, layers=layers, offloading=offloading, offload_only_non_sliding=offload_only_non_sliding)
+
+    def nbytes(self) -> dict[str, int]:
+        """Device bytes the cache holds, by kind; `full_precision` counts the layers kept in full precision."""
+        out = {"packed": 0, "residual": 0, "sinks": 0, "full_precision": 0}
+        for layer in self.layers:
+            if isinstance(layer, TurboQuantStaticLayer):
+                for k, v in layer.nbytes().items():
+                    out[k] += v
+            elif getattr(layer, "is_initialized", False):
+                out["full_precision"] += sum(t.numel() * t.element_size() for t in (layer.keys, layer.values))
+        out["total"] = sum(out.values())
+        return out
+
+    def __repr__(self) -> str:
+        return (f"TurboQuantStaticCache(k{self.tq_config.key_bits}v{self.tq_config.value_bits}, "
+                f"max_cache_len={self.capacity}, layers={len(self.layers)})")
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def _max_splits(batch_heads: int, capacity: int, device: torch.device) -> int:
+    from .kernels import num_splits_for
+
+    return num_splits_for(batch_heads, capacity, device)
