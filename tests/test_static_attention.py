@@ -63,8 +63,8 @@ def make_kv(b, hkv, cap, ring, sinks, length, exact_from, d, kbits, vbits, dtype
     dev = DEVICE
     rot, kcb, vcb = rot.to(dev), kcb.to(dev), vcb.to(dev)
     kv = PackedKV(
-        kp.to(dev), kn.to(dev), vp.to(dev), vn.to(dev), sink_k[:, :, :sinks].to(dev), sink_v[:, :, :sinks].to(dev),
-        torch.tensor(length, device=dev), torch.tensor(exact_from, device=dev), rot, kcb, vcb,
+        kp.to(dev), kn.to(dev), vp.to(dev), vn.to(dev), sink_k.to(dev), sink_v.to(dev),
+        torch.tensor(length, device=dev), torch.tensor(exact_from, device=dev), rot, kcb, vcb, sinks,
         ops.quantizer_id(rot, kcb), ops.quantizer_id(rot, vcb),
         torch.empty(1 << 20, device=dev), torch.zeros(64, dtype=torch.int32, device=dev),
     )
@@ -133,7 +133,7 @@ def test_opcheck_every_custom_op():
     torch.library.opcheck(torch.ops.tq_hf_cache.quantize.default, (x, kv.k_quantizer, "float16"))
     torch.library.opcheck(torch.ops.tq_hf_cache.dequantize.default, (kv.k_packed, kv.k_norms, kv.k_quantizer, "bfloat16"))
     args = (q, ring_k, ring_v, kv.k_packed, kv.k_norms, kv.v_packed, kv.v_norms, kv.sink_k, kv.sink_v, kv.length,
-            kv.exact_from, None, kv.k_quantizer, kv.v_quantizer, 0.125, kv.scratch, kv.counters)
+            kv.exact_from, None, kv.sinks, kv.k_quantizer, kv.v_quantizer, 0.125, kv.scratch, kv.counters)
     torch.library.opcheck(torch.ops.tq_hf_cache.static_attention.default, args)
     mask = torch.ones(1, 1, 1, 80, dtype=torch.bool, device=DEVICE)
     torch.library.opcheck(torch.ops.tq_hf_cache.static_attention.default, args[:11] + (mask,) + args[12:])

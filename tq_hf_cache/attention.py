@@ -168,7 +168,7 @@ def _static(query, ring_k, ring_v, kv, mask, dropout, scaling, kwargs):
         mask = mask.to(torch.float32)
     return torch.ops.tq_hf_cache.static_attention(
         query, ring_k, ring_v, kv.k_packed, kv.k_norms, kv.v_packed, kv.v_norms, kv.sink_k, kv.sink_v, kv.length,
-        kv.exact_from, mask, kv.k_quantizer, kv.v_quantizer, scale, kv.scratch, kv.counters,
+        kv.exact_from, mask, kv.sinks, kv.k_quantizer, kv.v_quantizer, scale, kv.scratch, kv.counters,
     )
 
 

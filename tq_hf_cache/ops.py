@@ -174,6 +174,7 @@ def static_attention(
     length: torch.Tensor,
     exact_from: torch.Tensor,
     mask: torch.Tensor | None,
+    sinks: int,
     k_quantizer: int,
     v_quantizer: int,
     scale: float,
@@ -182,7 +183,7 @@ def static_attention(
 ) -> torch.Tensor:
     """Attention of query (B, Hq, n, D) over a static layer's positions (see `PackedKV`) -> (B, n, Hq, D).
     The Triton kernel on CUDA, `reference.static_attention` elsewhere."""
-    kv = packed_kv(k_packed, k_norms, v_packed, v_norms, sink_k, sink_v, length, exact_from, k_quantizer,
+    kv = packed_kv(k_packed, k_norms, v_packed, v_norms, sink_k, sink_v, length, exact_from, sinks, k_quantizer,
                    v_quantizer, scratch, counters)
     if use_kernels(query) and static_kernel_ok(query, kv):
         from .kernels.decode_attention import static_decode_attention
@@ -192,20 +193,20 @@ def static_attention(
 
 
 @static_attention.register_fake
-def _(query, ring_k, ring_v, k_packed, k_norms, v_packed, v_norms, sink_k, sink_v, length, exact_from, mask,
+def _(query, ring_k, ring_v, k_packed, k_norms, v_packed, v_norms, sink_k, sink_v, length, exact_from, mask, sinks,
       k_quantizer, v_quantizer, scale, scratch, counters):
     b, hq, n, d = query.shape
     return query.new_empty(b, n, hq, d)
 
 
-def packed_kv(k_packed, k_norms, v_packed, v_norms, sink_k, sink_v, length, exact_from, k_quantizer: int,
-              v_quantizer: int, scratch, counters):
+def packed_kv(k_packed, k_norms, v_packed, v_norms, sink_k, sink_v, length, exact_from, sinks: int,
+              k_quantizer: int, v_quantizer: int, scratch, counters):
     from .packed_kv import PackedKV
 
     rotation, kcb = quantizer(k_quantizer)
     _, vcb = quantizer(v_quantizer)
     return PackedKV(k_packed, k_norms, v_packed, v_norms, sink_k, sink_v, length, exact_from, rotation, kcb, vcb,
-                    k_quantizer, v_quantizer, scratch, counters)
+                    sinks, k_quantizer, v_quantizer, scratch, counters)
 
 
 def static_kernel_ok(query: torch.Tensor, kv) -> bool:

@@ -22,10 +22,12 @@ class PackedKV:
     """Args:
         k_packed, v_packed: (B, H, capacity, bytes) uint8, one packed vector per position.
         k_norms, v_norms: (B, H, capacity) float16 or float32.
-        sink_k, sink_v: (B, H, sinks, D) exact copies of positions [0, sinks) (sinks may be 0).
+        sink_k, sink_v: (B, H, >= sinks, D): the first `sinks` slots are exact copies of positions [0, sinks).
+            (Whole buffers, not views: a compiled graph must not take two aliasing inputs.)
         length: () int64 on the device, positions held.
         exact_from: () int64 on the device, the first position the ring holds exactly.
         rotation, k_codebook, v_codebook: the quantizer (on the device).
+        sinks: how many sink positions there are (may be 0).
         k_quantizer, v_quantizer: their ids in `tq_hf_cache.ops` (custom ops take ids, not objects).
         scratch, counters: the fused kernel's split-K scratch (float32) and arrival counters (int32, zero).
     """
@@ -41,6 +43,7 @@ class PackedKV:
     rotation: Rotation
     k_codebook: Codebook
     v_codebook: Codebook
+    sinks: int
     k_quantizer: int
     v_quantizer: int
     scratch: torch.Tensor

@@ -126,8 +126,9 @@ def static_attention(
     cap = kv.capacity
     keys = dequantize(kv.k_packed, kv.k_norms, kv.rotation, kv.k_codebook, torch.float32)
     vals = dequantize(kv.v_packed, kv.v_norms, kv.rotation, kv.v_codebook, torch.float32)
-    overlay_exact(keys, ring_k.float(), kv.sink_k.float(), kv.length, kv.exact_from)
-    overlay_exact(vals, ring_v.float(), kv.sink_v.float(), kv.length, kv.exact_from)
+    s = kv.sinks
+    overlay_exact(keys, ring_k.float(), kv.sink_k[:, :, :s].float(), kv.length, kv.exact_from)
+    overlay_exact(vals, ring_v.float(), kv.sink_v[:, :, :s].float(), kv.length, kv.exact_from)
     pos = torch.arange(cap, device=query.device)
     if mask is None:
         q_pos = kv.length - n + torch.arange(n, device=query.device)

@@ -154,8 +154,8 @@ class TurboQuantStaticLayer(StaticLayer):
         splits = _max_splits(b * h, cap, dev)
         self._shared.ensure(b * h * (splits + 1) * rows * (d + 2), b * h, dev)
         self.packed = PackedKV(
-            k_packed, k_norms, v_packed, v_norms, self._sink_k[:, :, :sinks], self._sink_v[:, :, :sinks],
-            self.cumulative_length, self.exact_from, rotation, kcb, vcb,
+            k_packed, k_norms, v_packed, v_norms, self._sink_k, self._sink_v,
+            self.cumulative_length, self.exact_from, rotation, kcb, vcb, sinks,
             ops.quantizer_id(rotation, kcb), ops.quantizer_id(rotation, vcb), self._shared.scratch,
             self._shared.counters,
         )
@@ -207,8 +207,8 @@ class TurboQuantStaticLayer(StaticLayer):
         p, name = self.packed, ops.dtype_name(self.dtype)
         k = ops.dequantize(p.k_packed, p.k_norms, p.k_quantizer, name)
         v = ops.dequantize(p.v_packed, p.v_norms, p.v_quantizer, name)
-        overlay_exact(k, self.keys, p.sink_k, p.length, p.exact_from)
-        overlay_exact(v, self.values, p.sink_v, p.length, p.exact_from)
+        overlay_exact(k, self.keys, p.sink_k[:, :, : p.sinks], p.length, p.exact_from)
+        overlay_exact(v, self.values, p.sink_v[:, :, : p.sinks], p.length, p.exact_from)
         k.index_copy_(2, pos, key_states)
         v.index_copy_(2, pos, value_states)
         return k, v

@@ -24,6 +24,13 @@ for compiled in (False, True):
     fwd = torch.compile(model.forward, mode="reduce-overhead", fullgraph=True) if compiled else model.forward
     with torch.no_grad():
         tok = model(ids, past_key_values=cache).logits[:, -1:].argmax(-1)
+        layer = cache.layers[0]
+        if os.environ.get("NO_TAG"):  # the experiment: does the ring's attribute keep CUDA graphs off?
+            for l in cache.layers:
+                del l.keys.turboquant_packed
+        print("static address type of cumulative_length / k_packed:",
+              getattr(layer.cumulative_length, "_dynamo_static_input_type", None),
+              getattr(layer.packed.k_packed, "_dynamo_static_input_type", None), flush=True)
         out, walls = [], []
         for i in range(12):
             pos = torch.tensor([1000 + i], device="cuda")

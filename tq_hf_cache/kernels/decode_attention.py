@@ -562,7 +562,7 @@ def static_decode_attention(
     _decode_kernel[(b * hkv, num_splits + 1)](
         *_runtime_args(
             qv, qv.stride()[:3], kv.rotation.matrix, kp, kn, vp, vn, kc, vc, rk, rv, sk, sv, rk, (0, 0, 0), rv,
-            (0, 0, 0), m_arg, ms, out, out.stride()[:3], acc, ml, kv.counters, hkv, 0, 0, n, 0, sk.shape[2],
+            (0, 0, 0), m_arg, ms, out, out.stride()[:3], acc, ml, kv.counters, hkv, 0, 0, n, 0, kv.sinks,
             tok_per_split, num_splits, (d**-0.5 if scale is None else float(scale)) * LOG2E,
             lens=(kv.length, kv.exact_from), ring=rk.shape[2],
         ),
