@@ -24,7 +24,8 @@ from __future__ import annotations
 from functools import partial
 
 import torch
-from transformers.cache_utils import Cache, StaticLayer, StaticSlidingWindowLayer
+from transformers import cache_utils
+from transformers.cache_utils import Cache, StaticLayer
 
 from . import _compat, ops
 from .attention import MAX_FUSED_QUERIES, NAME
@@ -338,7 +339,7 @@ class TurboQuantStaticCache(Cache):
         for idx, (kind, kw) in enumerate(zip(layer_types, layer_kwargs)):
             bits = cfg.bits_for_layer(idx, len(layer_types), kind)
             if kind in ("sliding_attention", "chunked_attention"):
-                layers.append(StaticSlidingWindowLayer(max_cache_len=max_cache_len, sliding_window=kw["sliding_window"]))
+                layers.append(cache_utils.StaticSlidingWindowLayer(max_cache_len=max_cache_len, sliding_window=kw["sliding_window"]))
             elif kind != "full_attention":
                 raise ValueError(
                     f"layer {idx} has layer type {kind!r}; TurboQuantStaticCache supports full and sliding attention "
