@@ -173,20 +173,9 @@ def _static(query, ring_k, ring_v, kv, mask, dropout, scaling, kwargs):
 
 
 @torch.compiler.disable
-def _dynamic_forward(
-    module: torch.nn.Module,
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    attention_mask: torch.Tensor | None,
-    dropout: float = 0.0,
-    scaling: float | None = None,
-    is_causal: bool | None = None,
-    **kwargs,
-):
-    layer = getattr(key, "_tq_layer", None)
-    if layer is None:
-        return _sdpa(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, is_causal=is_causal, **kwargs)
+def _dynamic_forward(module, query, key, value, attention_mask, dropout, scaling, is_causal, **kwargs):
+    """A TurboQuantLayer's step (eager: the dynamic cache's shapes change every step)."""
+    layer = key._tq_layer
     if not getattr(key, "_tq_deferred", False):
         out = _sdpa(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, is_causal=is_causal, **kwargs)
         _arm(layer, module)
