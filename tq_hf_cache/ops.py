@@ -213,10 +213,4 @@ def static_kernel_ok(query: torch.Tensor, kv) -> bool:
     """Whether the fused Triton kernel serves this static attention call (else the torch reference does)."""
     b, hq, n, d = query.shape
     hkv = kv.k_packed.shape[1]
-    return (
-        d in kernels.DECODE_HEAD_DIMS
-        and hq % hkv == 0
-        and (hq // hkv) * n <= kernels.DECODE_MAX_ROWS
-        and kv.k_codebook.bits in kernels.SUPPORTED_BITS
-        and kv.v_codebook.bits in kernels.SUPPORTED_BITS
-    )
+    return hq % hkv == 0 and kernels.decode_supports(d, kv.k_codebook.bits, kv.v_codebook.bits, n, hq // hkv)

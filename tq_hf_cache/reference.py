@@ -134,8 +134,7 @@ def static_attention(
         q_pos = kv.length - n + torch.arange(n, device=query.device)
         allowed = pos[None, :] <= q_pos[:, None]
     else:
-        m = mask[..., :cap]
-        allowed = m if m.dtype == torch.bool else m
+        allowed = mask[..., :cap]
     if allowed.dtype == torch.bool:
         allowed = allowed & (pos < kv.length)
     else:

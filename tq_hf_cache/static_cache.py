@@ -31,7 +31,7 @@ from . import _compat, ops
 from .attention import MAX_FUSED_QUERIES, NAME
 from .cache import _check_codebooks, _codebook, _rotation, resolve_config
 from .config import model_facts
-from .kernels import DECODE_HEAD_DIMS, DECODE_MAX_ROWS, SUPPORTED_BITS
+from .kernels import DECODE_MAX_ROWS, decode_supports
 from .packed_kv import PackedKV, overlay_exact
 from .packing import packed_bytes
 
@@ -171,10 +171,7 @@ class TurboQuantStaticLayer(StaticLayer):
         return (
             getattr(self._attn_config, "_attn_implementation", None) == NAME
             and n <= MAX_FUSED_QUERIES
-            and self._group * n <= DECODE_MAX_ROWS
-            and self.k_head_dim in DECODE_HEAD_DIMS
-            and self.key_bits in SUPPORTED_BITS
-            and self.value_bits in SUPPORTED_BITS
+            and decode_supports(self.k_head_dim, self.key_bits, self.value_bits, n, self._group)
         )
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):

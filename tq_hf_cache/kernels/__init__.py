@@ -59,6 +59,16 @@ def available() -> bool:
     return torch.cuda.is_available()
 
 
+def decode_supports(head_dim: int, key_bits: int, value_bits: int, n_queries: int, group: int) -> bool:
+    """Whether the fused decode-attention kernel takes n_queries queries of `group` query heads per KV head."""
+    return (
+        head_dim in DECODE_HEAD_DIMS
+        and key_bits in SUPPORTED_BITS
+        and value_bits in SUPPORTED_BITS
+        and group * n_queries <= DECODE_MAX_ROWS
+    )
+
+
 def supports(dim: int, bits: int) -> bool:
     """Power-of-two head dims 16..128 and 1..8 bits; anything else goes to the torch reference."""
     return dim in SUPPORTED_DIMS and isinstance(bits, int) and bits in SUPPORTED_BITS

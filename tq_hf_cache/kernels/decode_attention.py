@@ -23,7 +23,8 @@ import torch
 import triton
 import triton.language as tl
 
-from . import DECODE_HEAD_DIMS, DECODE_MAX_ROWS, SUPPORTED_BITS, num_splits_for
+from . import decode_supports as supports
+from . import num_splits_for
 from . import _common as C
 
 LOG2E = 1.4426950408889634
@@ -355,15 +356,6 @@ def _counters(device: torch.device, n: int) -> torch.Tensor:
 def _lut(lut: int | None, bits: int) -> int:
     lut = DEFAULT_LUT if lut is None else lut
     return 0 if (lut == 2 and bits > 4) else lut
-
-
-def supports(head_dim: int, key_bits: int, value_bits: int, n_queries: int, group: int) -> bool:
-    return (
-        head_dim in DECODE_HEAD_DIMS
-        and key_bits in SUPPORTED_BITS
-        and value_bits in SUPPORTED_BITS
-        and group * n_queries <= DECODE_MAX_ROWS
-    )
 
 
 def _split_plan(batch_heads: int, lq: int, device, num_splits, block_n: int) -> tuple[int, int]:
