@@ -185,7 +185,7 @@ def test_kernel_and_torch_path_use_exact_sinks(case):
     state32, kf32, vf32 = make_state(b, hkv, lq, lr, n, d, kbits, vbits, torch.float32, seed, device="cpu", sinks=sinks)
     q32 = q.float().cpu()
     m32 = None if mask is None else mask.cpu()
-    out32 = attention.fused_attention_torch(q32, state32, m32, None)
+    out32 = reference.packed_attention(q32, state32, m32, None)
     assert rel_err(out32, reference.attention(q32, kf32, vf32, mask=m32).transpose(1, 2)) < 1e-5, f"seed {seed}"
     # and the sinks matter: the quantized copies give a different answer
     no_sinks = {k: v for k, v in state.items() if not k.startswith("sink")}
@@ -254,7 +254,7 @@ def test_torch_fused_math_matches_reference(case):
     q = torch.randn(b, hkv * group, n, d, generator=g)
     t = lq + lr + n
     mask = None if mask_kind is None else padding_mask(b, 1, n, t, [min(4, lq), 0], mask_kind).cpu()
-    out = attention.fused_attention_torch(q, state, mask, None)
+    out = reference.packed_attention(q, state, mask, None)
     ref = reference.attention(q, kf, vf, mask=mask).transpose(1, 2)
     assert rel_err(out, ref) < 1e-5, f"seed {seed}"
 

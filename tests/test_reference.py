@@ -76,3 +76,22 @@ def test_reference_attention_matches_sdpa():
     mask = torch.ones(3, 20, dtype=torch.bool).tril(diagonal=17)
     ref = torch.nn.functional.scaled_dot_product_attention(q, kk, vv, attn_mask=mask)
     assert torch.allclose(out, ref, atol=1e-5)
+
+
+@pytest.mark.parametrize("per_head", [False, True])
+@pytest.mark.parametrize("dim", [64, 128, 36, 48])
+@pytest.mark.parametrize("bits", range(1, 9))
+def test_centroids_equal_unpack_then_lookup(bits, dim, per_head):
+    """The table decode of the CPU path (8 coordinates per word, rows of w centroids) is exact."""
+    from tq_hf_cache.packing import pack_indices
+
+    seed = torch.seed() % 2**31
+    g = torch.Generator().manual_seed(seed)
+    idx = torch.randint(0, 2**bits, (2, 3, 19, dim), generator=g)
+    if per_head:
+        cb = Codebook.from_centroids(torch.sort(torch.randn(3, 2**bits, generator=g), dim=-1).values, bits)
+    else:
+        cb = theoretical_codebook(bits, dim)
+    got = reference.centroids(pack_indices(idx, bits), cb, dim)
+    torch.testing.assert_close(got, reference.centroid_lookup(idx, cb), rtol=0, atol=0,
+                               msg=lambda m: f"centroids, seed {seed}: {m}")

@@ -335,14 +335,14 @@ def test_fused_torch_math_propagates_non_finite(bad, seed):
     state = {"k_packed": kp, "k_norms": kn, "v_packed": vp, "v_norms": vn, "res_k": empty, "res_v": empty,
              "new_k": k[:, :, :1], "new_v": v[:, :, :1], "rotation": rot, "k_codebook": cb, "v_codebook": cb}
     q = torch.randn(1, 4, 1, 32, generator=torch.Generator().manual_seed(seed))
-    out = attention.fused_attention_torch(q, state, None, None)  # (B, n, Hq, D); query heads 0, 1 read KV head 0
+    out = reference.packed_attention(q, state, None, None)  # (B, n, Hq, D); query heads 0, 1 read KV head 0
     assert torch.isfinite(out[0, 0, 2:]).all()
     if bad != bad:  # NaN
         assert torch.isnan(out[0, 0, :2]).all()
         return
     without = torch.ones(1, 1, 1, 9, dtype=torch.bool)
     without[..., 2] = False
-    rest = attention.fused_attention_torch(q, state, without, None)
+    rest = reference.packed_attention(q, state, without, None)
     for h in range(2):
         assert torch.isnan(out[0, 0, h]).all() or torch.allclose(out[0, 0, h], rest[0, 0, h]), f"seed {seed} head {h}"
 

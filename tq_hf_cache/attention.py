@@ -31,7 +31,7 @@ from functools import partial
 
 import torch
 
-from . import ops  # noqa: F401  (registers the tq_hf_cache:: custom ops)
+from . import ops, reference  # noqa: F401  (ops registers the tq_hf_cache:: custom ops)
 from .kernels import DECODE_HEAD_DIMS, DECODE_MAX_ROWS, SUPPORTED_BITS  # limits only: no triton import
 
 NAME = "turboquant"
@@ -58,56 +58,10 @@ def _warn_once(key, msg: str) -> None:
         logger.warning(msg)
 
 
-def fused_attention_torch(query: torch.Tensor, state: dict, mask: torch.Tensor | None, scale: float | None) -> torch.Tensor:
-    """The kernel's math in torch (fp32): rotated-domain scores and values on the packed part, plain on the rest
-    (the exact sink copies replace the first packed tokens).
-
-    Returns (B, n, Hq, D) in the query's dtype.
-    """
-    from .packing import unpack_indices
-    from .reference import centroid_lookup, softmax_rows
-
-    b, hq, n, d = query.shape
-    rot, kcb, vcb = state["rotation"], state["k_codebook"], state["v_codebook"]
-    hkv, lq = state["k_packed"].shape[1], state["k_packed"].shape[2]
-    g = hq // hkv
-    q = query.float()
-    qr = rot.forward(q)  # Pi q
-    kc = centroid_lookup(unpack_indices(state["k_packed"], kcb.bits, d), kcb)  # (B, Hkv, Lq, D), rotated, unit
-    vc = centroid_lookup(unpack_indices(state["v_packed"], vcb.bits, d), vcb)
-    kn, vn = state["k_norms"].float(), state["v_norms"].float()
-    kf = torch.cat([state["res_k"], state["new_k"]], dim=2).float()
-    vf = torch.cat([state["res_v"], state["new_v"]], dim=2).float()
-    t = lq + kf.shape[2]
-    scale = d**-0.5 if scale is None else scale
-    qr5, q5 = qr.view(b, hkv, g, n, d), q.view(b, hkv, g, n, d)
-    s_packed = torch.einsum("bhgnd,bhtd->bhgnt", qr5, kc) * kn[:, :, None, None, :]
-    sk, sv = state.get("sink_k"), state.get("sink_v")  # exact copies of the first packed tokens
-    sk, sv = (kf[:, :, :0], vf[:, :, :0]) if sk is None else (sk.float(), sv.float())
-    ns = sk.shape[2]
-    s_packed[..., :ns] = torch.einsum("bhgnd,bhtd->bhgnt", q5, sk)
-    s_fp = torch.einsum("bhgnd,bhtd->bhgnt", q5, kf)
-    s = (torch.cat([s_packed, s_fp], dim=-1) * scale).reshape(b, hq, n, t)
-    if mask is None:
-        pos_q = torch.arange(t - n, t, device=q.device).unsqueeze(-1)
-        mask = torch.arange(t, device=q.device).unsqueeze(0) <= pos_q
-    else:
-        mask = mask[..., :t]
-    if mask.dtype == torch.bool:
-        s = s.masked_fill(~mask, float("-inf"))
-    else:
-        s = s + mask.float()
-    p = softmax_rows(s).view(b, hkv, g, n, t)
-    y = torch.einsum("bhgnt,bhtd->bhgnd", p[..., ns:lq] * vn[:, :, None, None, ns:], vc[:, :, ns:])
-    out = rot.inverse(y) + torch.einsum("bhgnt,bhtd->bhgnd", p[..., lq:], vf)
-    out = out + torch.einsum("bhgnt,bhtd->bhgnd", p[..., :ns], sv)
-    return out.reshape(b, hq, n, d).transpose(1, 2).to(query.dtype).contiguous()
-
-
 def _fused(query, layer, mask, scale):
     backend = FUSED_BACKEND
     if backend == "torch" or (backend == "auto" and not query.is_cuda):
-        return fused_attention_torch(query, layer.attention_state(), mask, scale)
+        return reference.packed_attention(query, layer.attention_state(), mask, scale)
     from .kernels import decode_attention as da
 
     if mask is None:

@@ -7,6 +7,8 @@ it comes back as ||x|| * Pi^T c[idx].
 
 from __future__ import annotations
 
+import sys
+
 import torch
 
 from .codebook import Codebook
@@ -42,6 +44,56 @@ def centroid_lookup(idx: torch.Tensor, codebook: Codebook) -> torch.Tensor:
     return torch.stack([c[h][idx[:, h]] for h in range(c.shape[0])], dim=1)
 
 
+# coordinates per row of a centroid table, so that a row is indexed by `bits * w` consecutive bits of the packed
+# stream (at most 4096 rows); 8 coordinates, exactly `bits` bytes, hold a whole number of rows
+_ROW_COORDS = {1: 4, 2: 4, 3: 4, 4: 2, 5: 2, 6: 2, 7: 1, 8: 1}
+_ROW_DTYPE = {1: torch.float32, 2: torch.int64, 4: torch.complex128}  # a table row as one element: a scalar gather
+_TABLES: dict = {}
+
+
+def _centroid_table(codebook: Codebook, device) -> torch.Tensor:
+    """(heads * rows,) of one w-float element each: row r holds the centroids of the w indices packed in the bits
+    of r."""
+    key = (codebook.fingerprint or id(codebook), codebook.bits, str(device))
+    table = _TABLES.get(key)
+    if table is None:
+        bits, w = codebook.bits, _ROW_COORDS[codebook.bits]
+        c = codebook.centroids.to(device=device, dtype=torch.float32)
+        r = torch.arange(2 ** (bits * w), device=device)
+        table = torch.stack([c[..., (r >> (bits * i)) & (2**bits - 1)] for i in range(w)], dim=-1)
+        table = table.reshape(-1, w).contiguous().view(_ROW_DTYPE[w]).view(-1)
+        if not codebook.fingerprint:
+            _TABLES.clear()  # keyed by identity: never let a dead codebook's id find a table
+        _TABLES[key] = table
+    return table
+
+
+def centroids(packed: torch.Tensor, codebook: Codebook, dim: int) -> torch.Tensor:
+    """The rotated unit vectors `c[unpack(packed)]`, float32 (..., dim), without materializing the indices: each
+    group of 8 coordinates (`bits` bytes) becomes one int64 word, cut into rows of a centroid table. Per-head
+    codebooks need packed shaped (B, H, T, nbytes)."""
+    bits = codebook.bits
+    if dim % 8 or sys.byteorder != "little" or packed.shape[-1] != dim * bits // 8:
+        return centroid_lookup(unpack_indices(packed, bits, dim), codebook)
+    lead, w = packed.shape[:-1], _ROW_COORDS[bits]
+    table = _centroid_table(codebook, packed.device)
+    if bits == 8:
+        rows = packed.long()
+    else:
+        groups = packed.reshape(*lead, dim // 8, bits)
+        width = 4 if bits <= 4 else 8  # bytes of the word that holds a group
+        word = groups.new_zeros(*lead, dim // 8, width)
+        word[..., :bits] = groups
+        word = word.view(torch.int32 if width == 4 else torch.int64)  # (..., dim // 8, 1), little-endian
+        shifts = torch.arange(0, 8 * bits, bits * w, device=packed.device, dtype=word.dtype)
+        rows = (word >> shifts) & (2 ** (bits * w) - 1)  # (..., dim // 8, 8 // w)
+    if codebook.per_head:
+        heads = _per_head(codebook.centroids, packed).shape[0]
+        offset = torch.arange(heads, device=packed.device) * 2 ** (bits * w)
+        rows = rows + offset.view(heads, *([1] * (rows.dim() - 2)))
+    return table.index_select(0, rows.reshape(-1)).view(torch.float32).view(*lead, dim)
+
+
 def store_norm(norm: torch.Tensor, norm_dtype: torch.dtype) -> torch.Tensor:
     """The norm as stored: a non-finite norm stays non-finite (and a float16 overflow becomes inf) so that
     dequantization never invents a finite vector; the cache widens float16 norms before they would overflow."""
@@ -67,8 +119,7 @@ def dequantize(
     dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:
     """Inverse of `quantize` up to the quantization error: -> (..., D) in `dtype`."""
-    idx = unpack_indices(packed, codebook.bits, rotation.dim)
-    y = centroid_lookup(idx, codebook)
+    y = centroids(packed, codebook, rotation.dim)
     return (rotation.inverse(y) * norms.float().unsqueeze(-1)).to(dtype)
 
 
@@ -107,6 +158,48 @@ def softmax_rows(s: torch.Tensor) -> torch.Tensor:
     """Softmax over the last dim; a row that may see no key (all -inf) gives 0, a NaN score stays NaN."""
     blind = (s == float("-inf")).all(dim=-1, keepdim=True)
     return torch.softmax(s, dim=-1).masked_fill(blind, 0.0)
+
+
+def packed_attention(query: torch.Tensor, state: dict, mask: torch.Tensor | None, scale: float | None) -> torch.Tensor:
+    """The fused decode kernel's math (fp32): query (B, Hq, n, D) over [packed | residual | new] in `state`
+    (`TurboQuantLayer.attention_state()`), with the exact sink copies in place of the first packed tokens.
+
+    The packed part stays in the rotated domain: scores are (Pi q) . c[idx] times the key norm, and the value
+    sum c[idx] weighted by probability x norm is rotated back once per query. Returns (B, n, Hq, D) in the
+    query's dtype.
+    """
+    b, hq, n, d = query.shape
+    rot, kcb, vcb = state["rotation"], state["k_codebook"], state["v_codebook"]
+    hkv, lq = state["k_packed"].shape[1], state["k_packed"].shape[2]
+    g = hq // hkv
+    sk, sv = state.get("sink_k"), state.get("sink_v")
+    ns = 0 if sk is None else sk.shape[2]
+    q = query.float().reshape(b, hkv, g * n, d)  # the g query heads sharing a KV head as rows
+    kf = torch.cat([state["res_k"], state["new_k"]], dim=2).float()
+    vf = torch.cat([state["res_v"], state["new_v"]], dim=2).float()
+    if ns:
+        kf, vf = torch.cat([sk.float(), kf], dim=2), torch.cat([sv.float(), vf], dim=2)
+    kc = centroids(state["k_packed"][:, :, ns:], kcb, d)  # (B, Hkv, lq - ns, D): rotated unit vectors
+    vc = centroids(state["v_packed"][:, :, ns:], vcb, d)
+    scale = d**-0.5 if scale is None else scale
+    s_packed = (rot.forward(q) @ kc.transpose(-1, -2)) * (state["k_norms"][:, :, None, ns:].float() * scale)
+    s_exact = (q @ kf.transpose(-1, -2)) * scale
+    t = lq + kf.shape[2] - ns
+    # positions: [sinks | packed after the sinks | residual + new], the order of `s` below
+    s = torch.cat([s_exact[..., :ns], s_packed, s_exact[..., ns:]], dim=-1).view(b, hq, n, t)
+    if mask is None:
+        pos_q = torch.arange(t - n, t, device=q.device).unsqueeze(-1)
+        mask = torch.arange(t, device=q.device).unsqueeze(0) <= pos_q
+    else:
+        mask = mask[..., :t]
+    if mask.dtype == torch.bool:
+        s = s.masked_fill(~mask, float("-inf"))
+    else:
+        s = s + mask.float()
+    p = softmax_rows(s).view(b, hkv, g * n, t)
+    p_packed = p[..., ns:lq] * state["v_norms"][:, :, None, ns:].float()
+    out = rot.inverse(p_packed @ vc) + p[..., :ns] @ vf[:, :, :ns] + p[..., lq:] @ vf[:, :, ns:]
+    return out.view(b, hq, n, d).transpose(1, 2).to(query.dtype).contiguous()
 
 
 def static_attention(
