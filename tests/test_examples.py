@@ -21,9 +21,12 @@ def test_generate_demo(smollm2, monkeypatch, capsys):
 
     monkeypatch.setattr(tq_hf_cache.models, "load_smollm2", lambda *a, **k: smollm2)
     demo = load_example("generate_demo")
-    assert demo.main(["--new-tokens", "12", "--context-chars", "2500"]) == 0
+    try:
+        assert demo.main(["--new-tokens", "12", "--context-chars", "2500"]) == 0
+    finally:
+        smollm2[0].set_attn_implementation("sdpa")  # the demo selects the turboquant attention on the shared model
     out = capsys.readouterr().out
-    assert "[DynamicCache]" in out and "[TurboQuantCache(k5v3)]" in out
+    assert "[DynamicCache, attention turboquant]" in out and "[TurboQuantCache(k5v3), attention turboquant]" in out
     line = next(l for l in out.splitlines() if l.startswith("memory at "))
     factor = float(line.split("x less")[0].rsplit("(", 1)[1])
     assert factor > 1.5, line  # both caches hold the same tokens; most of them are packed
