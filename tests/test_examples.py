@@ -4,6 +4,7 @@ import importlib.util
 import os
 
 import pytest
+import torch
 
 EXAMPLES = os.path.join(os.path.dirname(__file__), os.pardir, "examples")
 
@@ -72,3 +73,61 @@ def test_long_context(smollm2, monkeypatch, capsys):
     assert 1000 < prompt <= 1200
     assert out.count("the code 48213 is found") == 2  # full precision and TurboQuant both find it at this length
     assert "x less with TurboQuantCache" in out
+
+
+def test_multi_gpu_tensor_parallel_gives_the_single_device_tokens(tmp_path):
+    """examples/multi_gpu.py on CPU: tensor parallel over 2 gloo ranks (each rank holds half the KV heads) gives
+    every cache the tokens of the one-process run, and device_map="auto" runs."""
+    import json
+    import subprocess
+    import sys
+
+    import transformers
+
+    example = load_example("multi_gpu")
+    cfg = transformers.LlamaConfig(
+        vocab_size=256, hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=8,
+        num_key_value_heads=4, head_dim=64, max_position_embeddings=2048,
+    )
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(cfg)
+    example.sharpen(model)
+    model.save_pretrained(tmp_path / "m")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
+    script = os.path.join(EXAMPLES, "multi_gpu.py")
+    common = ["--model", str(tmp_path / "m"), "--context", "300", "--new-tokens", "12"]
+    for mode in ("single", "device_map"):
+        subprocess.run([sys.executable, script, *common, "--mode", mode, "--json", str(tmp_path / f"{mode}.json")],
+                       check=True, env=env, capture_output=True, timeout=300)
+    tp = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", script, *common, "--mode", "tp",
+         "--json", str(tmp_path / "tp.json"), "--compare", str(tmp_path / "single.json")],
+        env=env, capture_output=True, text=True, timeout=300,
+    )
+    assert tp.returncode == 0, tp.stdout[-3000:] + tp.stderr[-3000:]
+    res = json.loads((tmp_path / "tp.json").read_text())
+    runs = {(r["cache"], r["attn"]): r for r in res["runs"]}
+    assert runs[("TurboQuantCache", "turboquant")]["kv_heads_per_layer_here"] == 2  # 4 KV heads over 2 ranks
+    assert res["compare"] and all(c["same_tokens"] and c["teacher_forced_top1"] == 1.0 for c in res["compare"].values())
+    single = json.loads((tmp_path / "single.json").read_text())
+    assert single["runs"][1]["kv_heads_per_layer_here"] == 4
+
+
+@pytest.mark.model
+def test_compiled_generate_runs_both_static_caches(smollm2, monkeypatch, capsys):
+    from tq_hf_cache._compat import IS_V5
+
+    if not IS_V5:
+        pytest.skip("TurboQuantStaticCache needs transformers >= 5")
+    import tq_hf_cache.models
+
+    monkeypatch.setattr(tq_hf_cache.models, "load_smollm2", lambda *a, **k: smollm2)
+    try:
+        assert load_example("compiled_generate").main(["--context-chars", "2500", "--new-tokens", "8", "--calls", "1"]) == 0
+    finally:
+        smollm2[0].set_attn_implementation("sdpa")
+    out = capsys.readouterr().out
+    sizes = {name: float(mib) for name, mib in __import__("re").findall(r"\[(\w+), call 1\].* cache ([\d.]+) MiB", out)}
+    assert set(sizes) == {"StaticCache", "TurboQuantStaticCache"}
+    assert sizes["TurboQuantStaticCache"] < sizes["StaticCache"] / 2, out
+    assert "share" in out
