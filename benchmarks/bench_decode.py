@@ -1,20 +1,19 @@
-"""Decode-step benchmark: DynamicCache+SDPA vs TurboQuantCache (workspace path: dequantize + SDPA; fused path:
-attn_implementation="turboquant") vs transformers' QuantizedCache (quanto int4), on a Llama-3.1-8B-shaped model
-with random bf16 weights (32 layers, 32 query heads, 8 KV heads, head dim 128), as benchmarks/anchors/ does.
+"""Decode step through the model after a real chunked prefill, on a Llama-3.1-8B-shaped model with random bf16
+weights (32 layers, 32 query heads, 8 KV heads, head dim 128), one process, four rows per (batch, context):
 
-Caches are filled directly through the cache/layer API, not by a prefill through the model:
-- DynamicCache / QuantizedCache: one `cache.update` per layer with random bf16 K/V of the full context;
-- TurboQuantCache: a real update of `residual_length` random tokens per layer (the residual window), then the
-  packed history as random codes and norms written into `PackedBuffer.append_slots` (the bytes moved and the
-  work per token do not depend on the values).
-Then each method runs `--warmup` + `--steps` decode steps of one token through the model, timed with CUDA
-events (median). Peak memory is max_memory_allocated during the decode steps, over the weights.
-Per-layer attention alone: SDPA (GQA) on bf16 K/V vs the fused kernel on a packed layer state vs the workspace
-path (dequantize K and V into a workspace + SDPA), median of triton.testing.do_bench.
-Longest context: by formula, from the peaks measured at the two largest contexts (linear fit, bytes per token
-and fixed part) and the device's total memory.
+- dynamic:        DynamicCache, sdpa, eager
+- static_compiled: StaticCache, sdpa, torch.compile(mode="reduce-overhead", fullgraph=True) (CUDA graphs)
+- tq_eager:       TurboQuantCache, attn_implementation="turboquant" (fused kernel), eager
+- tq_static_compiled: TurboQuantStaticCache, "turboquant", torch.compile(mode="reduce-overhead", fullgraph=True)
+
+Per row: prefill in chunks of --chunk tokens through the model (eager, timed), then --warmup steps (the compile
+and graph capture happen there; timed as compile_s), then --steps decode steps each timed on the host after a
+synchronize (wall ms, median), then a few steps under torch.profiler for the GPU time per step (sum of the
+kernels' device time). Peak memory over the weights across prefill and decode. A last check runs
+`model.generate()` with each static cache (transformers' own compile path) and reports ms per new token.
 
 Usage: python benchmarks/bench_decode.py [--contexts 4096,32768,131072] [--batches 1,8] [--out DIR]
+Writes DIR/bench_decode.json and .png.
 """
 
 from __future__ import annotations
@@ -23,6 +22,7 @@ import argparse
 import gc
 import json
 import os
+import statistics
 import sys
 import time
 
@@ -30,372 +30,211 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
+import transformers  # noqa: E402
+
 import tq_hf_cache  # noqa: E402
-from tq_hf_cache import TurboQuantCache, attention  # noqa: E402
+from tq_hf_cache import TurboQuantCache, TurboQuantStaticCache  # noqa: E402
 
 p = argparse.ArgumentParser()
 p.add_argument("--contexts", default="4096,32768,131072")
 p.add_argument("--batches", default="1,8")
-p.add_argument("--methods", default="dynamic,tq_workspace,tq_fused,quanto4")
-p.add_argument("--quanto_batches", default="1")
+p.add_argument("--rows", default="dynamic,static_compiled,tq_eager,tq_static_compiled")
 p.add_argument("--layers", type=int, default=32)
-p.add_argument("--steps", type=int, default=30)
-p.add_argument("--warmup", type=int, default=3)
-p.add_argument("--preset", default=tq_hf_cache.DEFAULT_PRESET)
-p.add_argument("--residual", type=int, default=128)
-p.add_argument("--budget_s", type=float, default=520)
-p.add_argument("--skip_model", action="store_true")
+p.add_argument("--chunk", type=int, default=8192)
+p.add_argument("--steps", type=int, default=20)
+p.add_argument("--warmup", type=int, default=4)
+p.add_argument("--max_tokens", type=int, default=8 * 32768, help="skip (batch, context) beyond batch * context")
+p.add_argument("--generate_check", type=int, default=1)
+p.add_argument("--budget_s", type=float, default=560)
 p.add_argument("--out", default=os.environ.get("OUT", "/tmp"))
 a = p.parse_args()
 T0 = time.time()
 DEV = torch.device("cuda")
-HQ, HKV, D = 32, 8, 128
 GiB = 2**30
-torch.manual_seed(0)
 
 
 def log(*x):
-    print(*x, flush=True)
+    print(f"[{time.time() - T0:6.1f}s]", *x, flush=True)
 
 
-def quanto_installed() -> bool:
-    try:
-        import optimum.quanto  # noqa: F401
-
-        return True
-    except Exception:
-        return False
-
-
-import transformers  # noqa: E402
-import triton  # noqa: E402
-from triton.testing import do_bench  # noqa: E402
-
-from tq_hf_cache import kernels, ops  # noqa: E402
-from tq_hf_cache.kernels.decode_attention import decode_attention  # noqa: E402
-
-env = {
-    "device": torch.cuda.get_device_name(),
-    "total_memory_GiB": round(torch.cuda.get_device_properties(DEV).total_memory / GiB, 2),
-    "torch": torch.__version__, "triton": triton.__version__, "transformers": transformers.__version__,
-    "quant_kernels_available": kernels.available(), "quanto": "installed" if quanto_installed() else "not installed",
-    "preset": a.preset, "residual_length": a.residual,
-}
-log(json.dumps(env))
-results = {"env": env, "layer_attention": [], "decode": [], "max_context": []}
-contexts = [int(x) for x in a.contexts.split(",")]
-batches = [int(x) for x in a.batches.split(",")]
-kbits, vbits = tq_hf_cache.PRESETS[a.preset]
+cfg = transformers.LlamaConfig(
+    vocab_size=32000, hidden_size=4096, intermediate_size=14336, num_hidden_layers=a.layers, num_attention_heads=32,
+    num_key_value_heads=8, head_dim=128, max_position_embeddings=140_000, rope_theta=500000.0,
+)
+torch.manual_seed(0)
+with torch.device(DEV):
+    model = transformers.LlamaForCausalLM(cfg).to(torch.bfloat16).eval()
+weights = torch.cuda.memory_allocated()
+NEW = a.warmup + a.steps + 6  # decode steps per row (warm-up, timed, profiled)
 
 
-def random_state(b, length, r, dtype=torch.bfloat16):
-    """A fused-kernel layer state: `length` packed tokens, r residual tokens, 1 new token."""
-    from tq_hf_cache.codebook import theoretical_codebook
-    from tq_hf_cache.packing import packed_bytes
-    from tq_hf_cache.rotation import make_rotation
-
-    rot = make_rotation(D, 0).to(DEV)
-    kcb, vcb = theoretical_codebook(kbits, D).to(DEV), theoretical_codebook(vbits, D).to(DEV)
-    kp = torch.randint(0, 256, (b, HKV, length, packed_bytes(D, kbits)), dtype=torch.uint8, device=DEV)
-    vp = torch.randint(0, 256, (b, HKV, length, packed_bytes(D, vbits)), dtype=torch.uint8, device=DEV)
-    kn = (torch.rand(b, HKV, length, device=DEV) * 10 + 1).half()
-    vn = (torch.rand(b, HKV, length, device=DEV) * 10 + 1).half()
-    rk, rv = (torch.randn(b, HKV, r, D, device=DEV, dtype=dtype) for _ in range(2))
-    nk, nv = (torch.randn(b, HKV, 1, D, device=DEV, dtype=dtype) for _ in range(2))
-    return dict(k_packed=kp, k_norms=kn, v_packed=vp, v_norms=vn, res_k=rk, res_v=rv, new_k=nk, new_v=nv,
-                rotation=rot, k_codebook=kcb, v_codebook=vcb)
+def make_cache(row, b, ctx):
+    cap = ctx + NEW + 8
+    if row == "dynamic":
+        return transformers.DynamicCache(config=cfg), "sdpa", False
+    if row == "static_compiled":
+        return transformers.StaticCache(config=cfg, max_cache_len=cap), "sdpa", True
+    if row == "tq_eager":
+        return TurboQuantCache(config=cfg), "turboquant", False
+    return TurboQuantStaticCache(cfg, max_cache_len=cap), "turboquant", True
 
 
-def bench_layer():
-    """One layer's decode attention: SDPA on bf16 K/V vs fused on packed vs dequantize-into-workspace + SDPA."""
-    F = torch.nn.functional
-    for b in batches:
-        for L in contexts:
-            row = {"batch": b, "context": L}
-            q = torch.randn(b, HQ, 1, D, device=DEV, dtype=torch.bfloat16)
-            kv_bf16 = b * HKV * L * D * 2 * 2
-            try:
-                k = torch.randn(b, HKV, L, D, device=DEV, dtype=torch.bfloat16)
-                v = torch.randn_like(k)
-                row["sdpa_ms"] = do_bench(lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=True), return_mode="median")
-                row["sdpa_TBps"] = round(kv_bf16 / row["sdpa_ms"] / 1e9, 2)
-                del k, v
-            except torch.OutOfMemoryError:
-                row["sdpa_ms"] = "OOM"
-            torch.cuda.empty_cache()
-            st = random_state(b, L - a.residual - 1, a.residual)
-            packed_bytes_ = sum(st[x].numel() * st[x].element_size() for x in ("k_packed", "k_norms", "v_packed", "v_norms"))
-            out = torch.empty(b, 1, HQ, D, device=DEV, dtype=torch.bfloat16)
-            row["fused_ms"] = do_bench(lambda: decode_attention(q, st, None, None, out=out), return_mode="median")
-            row["fused_TBps"] = round(packed_bytes_ / row["fused_ms"] / 1e9, 2)
-            # what the kernel reads is the floor's numerator; at the copy bandwidth measured below it gives the floor
-            row["packed_bytes"] = packed_bytes_
-            lq = st["k_packed"].shape[2]
-            wk = torch.empty(b, HKV, L, D, device=DEV, dtype=torch.bfloat16)
-            wv = torch.empty_like(wk)
+def gpu_ms_per_step(step, n=4):
+    from torch.profiler import ProfilerActivity, profile
 
-            def workspace():
-                ops.dequantize_into(st["k_packed"], st["k_norms"], st["rotation"], st["k_codebook"], wk[:, :, :lq])
-                ops.dequantize_into(st["v_packed"], st["v_norms"], st["rotation"], st["v_codebook"], wv[:, :, :lq])
-                return F.scaled_dot_product_attention(q, wk, wv, enable_gqa=True)
-
-            row["workspace_ms"] = do_bench(workspace, return_mode="median")
-            for key in ("sdpa_ms", "fused_ms", "workspace_ms"):
-                if isinstance(row.get(key), float):
-                    row[key] = round(row[key], 4)
-            if isinstance(row["sdpa_ms"], float):
-                row["fused_over_sdpa"] = round(row["fused_ms"] / row["sdpa_ms"], 3)
-            log(json.dumps(row))
-            results["layer_attention"].append(row)
-            del st, wk, wv
-            torch.cuda.empty_cache()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(n):
+            step()
+        torch.cuda.synchronize()
+    total_us = sum(e.device_time for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
+    return total_us / n / 1e3
 
 
-def copy_bandwidth():
-    x = torch.empty(2 * GiB // 2, dtype=torch.bfloat16, device=DEV)
-    y = torch.empty_like(x)
-    ms = do_bench(lambda: y.copy_(x), return_mode="median")
-    moved = 2 * x.numel() * x.element_size()  # read + write
-    del x, y
+def run_row(row, b, ctx):
+    gc.collect()
     torch.cuda.empty_cache()
-    return round(moved / ms / 1e9, 2)
-
-
-results["copy_TBps"] = copy_bandwidth()
-log("copy bandwidth TB/s", results["copy_TBps"])
-bench_layer()
-if a.skip_model:
-    json.dump(results, open(os.path.join(a.out, "bench_decode.json"), "w"), indent=1)
-    sys.exit(0)
-
-from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM  # noqa: E402
-
-cfg = LlamaConfig(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=a.layers,
-                  num_attention_heads=HQ, num_key_value_heads=HKV, max_position_embeddings=131072 + 1024,
-                  rope_theta=500000.0)
-cfg._attn_implementation = "sdpa"
-torch.set_default_dtype(torch.bfloat16)
-with torch.device("cuda"):
-    model = LlamaForCausalLM(cfg)
-model.eval()
-torch.set_default_dtype(torch.float32)
-WEIGHTS = torch.cuda.memory_allocated()
-results["weights_GiB"] = round(WEIGHTS / GiB, 2)
-log("model ready", round(time.time() - T0, 1), "s; weights GiB", results["weights_GiB"])
-TOTAL = torch.cuda.get_device_properties(DEV).total_memory
-
-
-def fill_dense(cache, b, L):
-    for i in range(a.layers):
-        k = torch.randn(b, HKV, L, D, device=DEV, dtype=torch.bfloat16)
-        v = torch.randn_like(k)
-        cache.update(k, v, i)
-        del k, v
-
-
-def fill_tq(cache, b, L):
-    r = min(a.residual, L)
-    for i, layer in enumerate(cache.layers):
-        k = torch.randn(b, HKV, r, D, device=DEV, dtype=torch.bfloat16)
-        layer.arm_deferred()
-        cache.update(k, torch.randn_like(k), i)
-        layer.flush()
-        n = L - r
-        for buf in (layer.k_buf, layer.v_buf):
-            pk, nk = buf.append_slots(n)
-            pk.random_(0, 256)
-            nk.uniform_(1, 11)
-        layer.cumulative_length += n
-
-
-def cache_bytes(cache, kind):
-    if kind.startswith("tq"):
-        nb = cache.nbytes()
-        return nb["packed"] + nb["residual"], nb
-    seen, total = set(), 0
-
-    def walk(o, depth=0):
-        nonlocal total
-        if isinstance(o, torch.Tensor):
-            if o.is_cuda and o.data_ptr() not in seen:
-                seen.add(o.data_ptr())
-                total += o.numel() * o.element_size()
-            return
-        if depth > 4:
-            return
-        if isinstance(o, (list, tuple)):
-            for x in o:
-                walk(x, depth + 1)
-        elif hasattr(o, "__dict__"):
-            for x in vars(o).values():
-                walk(x, depth + 1)
-
-    walk(cache)
-    return total, None
-
-
-def decode_steps(cache, b):
-    tok = torch.randint(0, cfg.vocab_size, (b, 1), device=DEV)
-    times = []
+    torch._dynamo.reset()
+    torch.cuda.reset_peak_memory_stats()
+    cache, impl, compiled = make_cache(row, b, ctx)
+    model.set_attn_implementation(impl)
+    g = torch.Generator(device=DEV).manual_seed(1)
+    ids = torch.randint(0, cfg.vocab_size, (b, ctx), device=DEV, generator=g)
+    torch.cuda.synchronize()
+    t = time.perf_counter()
     with torch.no_grad():
-        for i in range(a.warmup + a.steps):
-            e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            e0.record()
-            model(tok, past_key_values=cache, use_cache=True)
-            e1.record()
-            torch.cuda.synchronize()
-            if i >= a.warmup:
-                times.append(e0.elapsed_time(e1))
-    times.sort()
-    return round(times[len(times) // 2], 3), round(times[0], 3)
+        for s in range(0, ctx, a.chunk):
+            out = model(ids[:, s : s + a.chunk], past_key_values=cache, use_cache=True, logits_to_keep=1)
+    torch.cuda.synchronize()
+    prefill_s = time.perf_counter() - t
+    tok = out.logits[:, -1:].argmax(-1)
+    del out
+    fwd = torch.compile(model.forward, mode="reduce-overhead", fullgraph=True) if compiled else model.forward
+    state = {"pos": ctx, "tok": tok}
 
+    def step():
+        pos = torch.full((1,), state["pos"], device=DEV, dtype=torch.long)
+        with torch.no_grad():
+            o = fwd(state["tok"], past_key_values=cache, cache_position=pos, position_ids=pos.expand(b, 1),
+                    use_cache=True)
+        state["tok"] = o.logits[:, -1:].argmax(-1).clone()
+        state["pos"] += 1
 
-def run_method(kind, b, L, cache=None):
-    row = {"method": kind, "batch": b, "context": L}
-    need = {"dynamic": b * L * a.layers * HKV * D * 2 * 2, "quanto4": b * L * a.layers * HKV * D * 2 * 2 // 3}.get(kind, 0)
-    if WEIGHTS + need > 0.97 * TOTAL:
-        row["skipped"] = f"does not fit: KV alone needs {need / GiB:.1f} GiB next to {WEIGHTS / GiB:.1f} GiB of weights"
-        return row, None
-    try:
-        gc.collect()  # a TurboQuantCache is a reference cycle (layers -> codebook lambdas -> cache): free the last one
-        torch.cuda.empty_cache()
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(a.warmup):
+        step()
+    torch.cuda.synchronize()
+    warm_s = time.perf_counter() - t
+    walls = []
+    for _ in range(a.steps):
         torch.cuda.synchronize()
-        if cache is None:
-            if kind == "dynamic":
-                cache = DynamicCache()
-                fill_dense(cache, b, L)
-            elif kind == "quanto4":
-                from transformers import QuantizedCache
-
-                cache = QuantizedCache(backend="quanto", config=model.config, nbits=4, residual_length=128)
-                fill_dense(cache, b, L)
-            else:
-                cache = TurboQuantCache(a.preset, config=model.config, residual_length=a.residual)
-                fill_tq(cache, b, L)
-        if kind == "tq_fused":
-            cache.workspace.clear()  # the fused path needs no workspace: do not count the one the other path left
-            model.set_attn_implementation(attention.NAME)
-            for layer in cache.layers:
-                layer.arm_deferred()
-        else:
-            attention.disarm(cache) if kind.startswith("tq") else None
-            model.set_attn_implementation("sdpa")
+        t = time.perf_counter()
+        step()
         torch.cuda.synchronize()
-        gc.collect()
-        torch.cuda.empty_cache()
-        row["allocated_over_weights_GiB"] = round((torch.cuda.memory_allocated() - WEIGHTS) / GiB, 3)
-        torch.cuda.reset_peak_memory_stats()
-        row["decode_ms_median"], row["decode_ms_min"] = decode_steps(cache, b)
-        row["peak_over_weights_GiB"] = round((torch.cuda.max_memory_allocated() - WEIGHTS) / GiB, 3)
-        kv, detail = cache_bytes(cache, kind)
-        row["kv_bytes"] = kv
-        row["kv_bytes_per_token_per_layer"] = round(kv / b / (L + a.warmup + a.steps) / a.layers, 1)
-        if detail:
-            row["tq_nbytes"] = detail
-            live = sum(layer.k_buf.nbytes_per_vec + layer.v_buf.nbytes_per_vec for layer in cache.layers[:1])
-            row["packed_live_bytes_per_token_per_layer"] = live + 2 * cache.layers[0].k_buf.norms.element_size()
-    except torch.OutOfMemoryError as e:
-        row["error"] = "OOM: " + str(e)[:160]
-        cache = None
-    model.set_attn_implementation("sdpa")
-    return row, cache
+        walls.append((time.perf_counter() - t) * 1e3)
+    gpu = gpu_ms_per_step(step)
+    res = {
+        "row": row, "batch": b, "context": ctx, "prefill_s": round(prefill_s, 3), "warmup_s": round(warm_s, 2),
+        "wall_ms": round(statistics.median(walls), 3), "wall_ms_min": round(min(walls), 3),
+        "gpu_ms": round(gpu, 3), "peak_GiB_over_weights": round((torch.cuda.max_memory_allocated() - weights) / GiB, 2),
+    }
+    res["wall_over_gpu"] = round(res["wall_ms"] / res["gpu_ms"], 3) if gpu else None
+    if hasattr(cache, "nbytes"):
+        res["cache_GiB"] = round(cache.nbytes()["total"] / GiB, 3)
+    del cache, fwd
+    return res
 
 
-if kernels.available():
-    log("quantize/dequantize kernels: available")
-methods = a.methods.split(",")
-for L in contexts:
-    for b in batches:
-        shared_tq = None
-        for kind in methods:
-            if time.time() - T0 > a.budget_s:
-                results["decode"].append({"method": kind, "batch": b, "context": L, "skipped": "time budget"})
-                continue
-            if kind == "quanto4" and (str(b) not in a.quanto_batches.split(",") or env["quanto"] != "installed"):
-                results["decode"].append({"method": kind, "batch": b, "context": L,
-                                          "skipped": "quanto not installed" if env["quanto"] != "installed" else "batch not requested"})
-                continue
-            t = time.time()
-            row, cache = run_method(kind, b, L, shared_tq if kind.startswith("tq") else None)
-            row["wall_s"] = round(time.time() - t, 1)
-            if kind.startswith("tq"):
-                shared_tq = cache  # the workspace and fused paths time the same filled cache
-            del cache
-            torch.cuda.empty_cache()
-            log(json.dumps(row))
-            results["decode"].append(row)
-        shared_tq = None
-        torch.cuda.empty_cache()
+def generate_check(static_cls, impl, ctx=4096, new=64):
+    """transformers' own compile path: generate() with a compileable cache compiles the decode step."""
+    gc.collect()
+    torch.cuda.empty_cache()
+    torch._dynamo.reset()
+    model.set_attn_implementation(impl)
+    ids = torch.randint(0, cfg.vocab_size, (1, ctx), device=DEV)
+    times = []
+    for _ in range(2):
+        cache = static_cls(config=cfg, max_cache_len=ctx + new + 8)
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        out = model.generate(ids, past_key_values=cache, max_new_tokens=new, min_new_tokens=new, do_sample=False)
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - t)
+    # the prefill alone, to subtract
+    cache = static_cls(config=cfg, max_cache_len=ctx + new + 8)
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    model.generate(ids, past_key_values=cache, max_new_tokens=1, do_sample=False)
+    torch.cuda.synchronize()
+    pre = time.perf_counter() - t
+    return {"cache": static_cls.__name__, "attn": impl, "context": ctx, "new_tokens": new,
+            "first_call_s": round(times[0], 2), "second_call_s": round(times[1], 3),
+            "ms_per_new_token": round((times[1] - pre) / (new - 1) * 1e3, 3), "tokens": out.shape[1] - ctx}
 
-# ratios against DynamicCache in this run
-by = {(r["method"], r["batch"], r["context"]): r for r in results["decode"] if "decode_ms_median" in r}
-for (m, b, L), r in by.items():
-    dyn = by.get(("dynamic", b, L))
-    if dyn and m != "dynamic":
-        r["step_over_dynamic"] = round(r["decode_ms_median"] / dyn["decode_ms_median"], 3)
-        if r.get("kv_bytes"):
-            r["kv_bytes_over_dynamic"] = round(r["kv_bytes"] / dyn["kv_bytes"], 4)
-# longest context by formula: peak(L) = fixed + per_token * L, fitted on the two largest measured contexts
-free = TOTAL - WEIGHTS
-for m in methods:
-    for b in batches:
-        pts = sorted((r["context"], r["peak_over_weights_GiB"] * GiB) for (mm, bb, _), r in by.items() if mm == m and bb == b)
-        if len(pts) < 2:
+
+results = {"env": {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+                   "transformers": transformers.__version__, "layers": a.layers, "chunk": a.chunk,
+                   "preset": tq_hf_cache.DEFAULT_PRESET}, "rows": [], "generate": [], "errors": []}
+out_json = os.path.join(a.out, "bench_decode.json")
+
+
+def save():
+    with open(out_json, "w") as f:
+        json.dump(results, f, indent=1)
+
+
+for b in [int(x) for x in a.batches.split(",")]:
+    for ctx in [int(x) for x in a.contexts.split(",")]:
+        if b * ctx > a.max_tokens:
             continue
-        (l1, p1), (l2, p2) = pts[-2], pts[-1]
-        per_tok = (p2 - p1) / (l2 - l1)
-        fixed = p2 - per_tok * l2
-        results["max_context"].append({"method": m, "batch": b, "bytes_per_token": round(per_tok, 1),
-                                       "fixed_GiB": round(fixed / GiB, 3), "max_context": int((free - fixed) / per_tok),
-                                       "fit_on": [l1, l2]})
-mc = {(r["method"], r["batch"]): r["max_context"] for r in results["max_context"]}
-for r in results["max_context"]:
-    if ("dynamic", r["batch"]) in mc:
-        r["over_dynamic"] = round(r["max_context"] / mc[("dynamic", r["batch"])], 2)
-results["total_s"] = round(time.time() - T0, 1)
-json.dump(results, open(os.path.join(a.out, "bench_decode.json"), "w"), indent=1)
+        for row in a.rows.split(","):
+            if time.time() - T0 > a.budget_s:
+                log("budget reached; stopping")
+                break
+            try:
+                r = run_row(row, b, ctx)
+                results["rows"].append(r)
+                log(r)
+            except torch.cuda.OutOfMemoryError as e:
+                results["errors"].append({"row": row, "batch": b, "context": ctx, "error": "OOM"})
+                log(row, b, ctx, "OOM", str(e)[:200])
+            except Exception as e:  # keep the other rows
+                results["errors"].append({"row": row, "batch": b, "context": ctx, "error": f"{type(e).__name__}: {e}"[:2000]})
+                log(row, b, ctx, "ERROR", type(e).__name__, str(e)[:2000])
+            save()
 
-# summary table and plot
-log("\nmethod        batch context  step_ms  x_dynamic  peak_GiB  KV_B/tok/layer")
-for r in results["decode"]:
-    if "decode_ms_median" in r:
-        log(f"{r['method']:13s} {r['batch']:5d} {r['context']:7d} {r['decode_ms_median']:8.2f} {r.get('step_over_dynamic', 1.0):9.3f}"
-            f" {r['peak_over_weights_GiB']:9.2f} {r['kv_bytes_per_token_per_layer']:10.1f}")
-    else:
-        log(f"{r['method']:13s} {r['batch']:5d} {r['context']:7d}  {r.get('skipped') or r.get('error')}")
-for r in results["max_context"]:
-    log(json.dumps(r))
+if a.generate_check and time.time() - T0 < a.budget_s:
+    for cls, impl in ((transformers.StaticCache, "sdpa"), (TurboQuantStaticCache, "turboquant")):
+        try:
+            r = generate_check(cls, impl)
+            results["generate"].append(r)
+            log(r)
+        except Exception as e:
+            results["errors"].append({"generate": cls.__name__, "error": f"{type(e).__name__}: {e}"[:2000]})
+            log("generate", cls.__name__, "ERROR", type(e).__name__, str(e)[:2000])
+        save()
+
 try:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, len(batches) + 1, figsize=(6 * (len(batches) + 1), 4.5))
-    for ax, b in zip(axes, batches):
-        for m in methods:
-            pts = sorted((L, r["decode_ms_median"]) for (mm, bb, L), r in by.items() if mm == m and bb == b)
-            if pts:
-                ax.plot([x for x, _ in pts], [y for _, y in pts], "o-", label=m)
-        ax.set_xscale("log", base=2)
-        ax.set_xlabel("context (tokens)")
-        ax.set_ylabel("decode step (ms)")
-        ax.set_title(f"Llama-3.1-8B shape, batch {b}, {env['device']}")
-        ax.legend()
-    ax = axes[-1]
-    for b in batches:
-        rows = [r for r in results["layer_attention"] if r["batch"] == b and isinstance(r.get("sdpa_ms"), float)]
-        ax.plot([r["context"] for r in rows], [r["sdpa_ms"] for r in rows], "o--", label=f"SDPA bf16, batch {b}")
-        rows = [r for r in results["layer_attention"] if r["batch"] == b]
-        ax.plot([r["context"] for r in rows], [r["fused_ms"] for r in rows], "o-", label=f"fused {a.preset}, batch {b}")
-    ax.set_xscale("log", base=2)
-    ax.set_yscale("log")
-    ax.set_xlabel("context (tokens)")
-    ax.set_ylabel("one layer's decode attention (ms)")
+    rows = results["rows"]
+    keys = sorted({(r["batch"], r["context"]) for r in rows})
+    names = a.rows.split(",")
+    fig, ax = plt.subplots(figsize=(9, 4))
+    w = 0.8 / len(names)
+    for i, n in enumerate(names):
+        ys = [next((r["wall_ms"] for r in rows if r["row"] == n and (r["batch"], r["context"]) == k), 0) for k in keys]
+        ax.bar([x + i * w for x in range(len(keys))], ys, w, label=n)
+    ax.set_xticks([x + 0.4 - w / 2 for x in range(len(keys))], [f"b{b} / {c // 1024}k" for b, c in keys])
+    ax.set_ylabel("wall ms per decode step")
+    ax.set_title(f"Llama-3.1-8B shape, bf16, {results['env']['device']}")
     ax.legend()
     fig.tight_layout()
-    fig.savefig(os.path.join(a.out, "bench_decode.png"), dpi=110)
-    log("plot written")
-except Exception as e:  # no matplotlib there: the JSON holds everything
-    log("no plot:", type(e).__name__, e)
-log("done", results["total_s"], "s")
+    fig.savefig(os.path.join(a.out, "bench_decode.png"), dpi=120)
+except Exception as e:
+    log("plot failed:", e)
+save()
+log("wrote", out_json)

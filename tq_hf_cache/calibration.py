@@ -437,7 +437,8 @@ def calibrate(
         model: a transformers causal LM (its attention layers must write to `past_key_values`).
         texts_or_token_batches: a string, a list of strings (needs `tokenizer`), or token id tensors (T,) / (B, T).
         config: the TurboQuantConfig the cache will use (bits, layer_bits, skips, seed, rotation).
-        seq_len / batch_size: how text is chunked into forward passes (no padding is ever used).
+        seq_len: tokens per sequence of a forward pass (no padding is ever used).
+        batch_size: sequences per forward pass.
         max_tokens: stop after this many tokens.
         bins: histogram bins over [-1, 1] per layer / kind / head.
         extra_bits: fit these bit widths too (for every quantized layer and both kinds), e.g. to compare widths.

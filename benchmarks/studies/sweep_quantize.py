@@ -1,6 +1,6 @@
 """Launch-configuration sweep of the fused quantize kernel (Llama-3.1-8B-shaped layer: 8 KV heads, D=128, bf16).
 
-    PYTHONPATH=. python benchmarks/sweep_quantize.py --out <dir>   # -> sweep_quantize.json
+    PYTHONPATH=. python benchmarks/studies/sweep_quantize.py --out <dir>   # -> sweep_quantize.json
 
 For each bit width: every configuration is first checked against the torch reference on fresh random input
 (index mismatches only at near-boundary ties, norms within fp16 rounding), then timed at B=8, T=32768 with

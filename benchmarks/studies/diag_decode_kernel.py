@@ -1,9 +1,9 @@
 """Variants of the fused decode kernel on one layer (B, 32 q heads, 8 KV heads, d=128, k4v4): wall (do_bench),
 kernel-only (profiler) time, registers and spills; then the host cost per call of the launchers (state-dict
 launcher vs the per-layer cached launch, and the previous two-kernel launcher if
-tq_hf_cache/kernels/_old_decode_attention.py is there). Usage: python benchmarks/diag_decode_kernel.py [--quick | --host]"""
+tq_hf_cache/kernels/_old_decode_attention.py is there). Usage: python benchmarks/studies/diag_decode_kernel.py [--quick | --host]"""
 import json, os, sys, time
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
 import torch
 from triton.testing import do_bench
 from tq_hf_cache.kernels import decode_attention as da

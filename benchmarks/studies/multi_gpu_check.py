@@ -6,7 +6,7 @@
 2. torch.compile of the decode step on one GPU: default mode and "reduce-overhead" (CUDA graphs): does it run,
    does it match eager, how fast.
 
-    python benchmarks/multi_gpu_check.py   # writes $OUT/multi_gpu_check.json (or benchmarks/results/)
+    python benchmarks/studies/multi_gpu_check.py   # writes $OUT/multi_gpu_check.json (or benchmarks/results/)
 """
 
 from __future__ import annotations
@@ -21,10 +21,10 @@ import traceback
 import torch
 from transformers import AutoModelForCausalLM, DynamicCache, LlamaConfig, LlamaForCausalLM
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 from tq_hf_cache import TurboQuantCache  # noqa: E402
 
-OUT = os.environ.get("OUT") or os.path.join(os.path.dirname(__file__), "results")
+OUT = os.environ.get("OUT") or os.path.join(os.path.dirname(__file__), "..", "results")
 os.makedirs(OUT, exist_ok=True)
 START = time.time()
 BUDGET_S = float(os.environ.get("TQ_CHECK_BUDGET_S", "420"))

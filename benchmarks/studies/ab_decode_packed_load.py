@@ -3,9 +3,9 @@ the 3-bit path as shipped before 2026-11-22, the 5-bit path as first written) vs
 of 8 indices ("words", shipped). One variant per process (the kernel compiles
 once per process), then the plot:
 
-    PYTHONPATH=. python benchmarks/ab_decode_packed_load.py words /tmp/ab_words.json
-    PYTHONPATH=. python benchmarks/ab_decode_packed_load.py bytes /tmp/ab_bytes.json
-    python benchmarks/ab_decode_packed_load.py plot /tmp/ab_bytes.json /tmp/ab_words.json \
+    PYTHONPATH=. python benchmarks/studies/ab_decode_packed_load.py words /tmp/ab_words.json
+    PYTHONPATH=. python benchmarks/studies/ab_decode_packed_load.py bytes /tmp/ab_bytes.json
+    python benchmarks/studies/ab_decode_packed_load.py plot /tmp/ab_bytes.json /tmp/ab_words.json \
         benchmarks/results/ab_decode_packed_load_h100
 
 Random packed bytes (timing does not depend on the values), 8 KV heads, 32 query heads, D=128, bf16, residual 128.

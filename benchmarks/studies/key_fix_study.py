@@ -1,7 +1,7 @@
 """Which key-side fix closes the k4v4 / k3v3 perplexity gap? A CPU simulation of TurboQuantCache with variants.
 
-    PYTHONPATH=. python benchmarks/key_fix_study.py                      # SmolLM2, 4096 tokens, seeds 0-2
-    PYTHONPATH=. python benchmarks/key_fix_study.py --model gemma3-270m --tokens 2048 --seeds 0 --variants plain,c_pre
+    PYTHONPATH=. python benchmarks/studies/key_fix_study.py                      # SmolLM2, 4096 tokens, seeds 0-2
+    PYTHONPATH=. python benchmarks/studies/key_fix_study.py --model gemma3-270m --tokens 2048 --seeds 0 --variants plain,c_pre
 
 Simulation: a TurboQuantCache whose quantized layers are switched to a subclass (`SimLayer`, defined here) that
 keeps the cache's bookkeeping (residual window of 128 exact tokens, each token quantized once when it leaves the
@@ -39,7 +39,7 @@ from tq_hf_cache.texts import package_text, HELD_OUT_START
 from tq_hf_cache.eval.tasks import perplexity
 
 torch.set_num_threads(2)
-RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "results")
 SINKS = 4
 
 VARIANTS = {

@@ -1,7 +1,7 @@
 """Perplexity of TurboQuant presets on SmolLM2 over rotation kinds and seeds (4096 held-out tokens, chunked prefill).
 
-    PYTHONPATH=. python benchmarks/rotation_seed_study.py --sink-tokens 0   # -> results/rotation_seed_study_smollm2.json
-    PYTHONPATH=. python benchmarks/rotation_seed_study.py --rotations hadamard --threads 1 \
+    PYTHONPATH=. python benchmarks/studies/rotation_seed_study.py --sink-tokens 0   # -> results/rotation_seed_study_smollm2.json
+    PYTHONPATH=. python benchmarks/studies/rotation_seed_study.py --rotations hadamard --threads 1 \
         --out benchmarks/results/sink_quality_smollm2.json                # the same with the default attention sinks
 
 The first run (sinks off, before they existed) gives docs/eval_findings.md's seed table; the second its sink section

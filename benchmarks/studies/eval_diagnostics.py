@@ -9,7 +9,7 @@ Variants (chunked-prefill perplexity, same text and chunking as `tq-hf-cache eva
   variant is applied here by wrapping `tq_hf_cache.reference.quantize` for the duration of one run; the library
   files are not modified.
 
-    python benchmarks/eval_diagnostics.py --tokens 2048 --output benchmarks/results/eval_diagnostics_smollm2.json
+    python benchmarks/studies/eval_diagnostics.py --tokens 2048 --output benchmarks/results/eval_diagnostics_smollm2.json
 """
 
 from __future__ import annotations
