@@ -104,6 +104,7 @@ def main(argv=None) -> int:
     p.add_argument("--context", type=int, default=1024, help="prompt tokens (random ids, fixed seed)")
     p.add_argument("--new-tokens", type=int, default=32)
     p.add_argument("--json", help="write the tokens and timings here (rank 0)")
+    p.add_argument("--disable-compile", action="store_true", help="static caches decode eagerly (no auto-compile)")
     p.add_argument("--compare", help="a JSON of another run: check every cache's tokens against it")
     p.add_argument("--save-random", metavar="DIR", help="only save a random Llama-3.1-8B-shaped checkpoint to DIR")
     p.add_argument("--layers", type=int, default=32, help="layers of --save-random")
@@ -128,6 +129,7 @@ def main(argv=None) -> int:
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, model.config.vocab_size, (1, args.context), generator=g).to(first)
     result = {"mode": args.mode, "model": args.model, "dtype": args.dtype, "context": args.context,
+              "disable_compile": args.disable_compile,
               "transformers": transformers.__version__, "torch": torch.__version__,
               "devices": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())] or ["cpu"],
               "runs": []}
@@ -139,7 +141,8 @@ def main(argv=None) -> int:
         t = time.time()
         with torch.no_grad():
             out = model.generate(ids, attention_mask=torch.ones_like(ids), past_key_values=cache, max_new_tokens=args.new_tokens,
-                                 min_new_tokens=args.new_tokens, do_sample=False, pad_token_id=0)
+                                 min_new_tokens=args.new_tokens, do_sample=False, pad_token_id=0,
+                                 disable_compile=args.disable_compile)
         if cuda:
             torch.cuda.synchronize()
         run = {"cache": name, "attn": attn, "seconds": round(time.time() - t, 2),

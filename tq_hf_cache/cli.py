@@ -171,7 +171,7 @@ def _cmd_bench(args) -> int:
 
     results = bench.decode_bench(model, rows, contexts, args.batch, steps=steps, warmup=args.warmup,
                                  chunk=args.chunk, preset=args.preset, text_ids=text_ids, progress=not args.no_progress,
-                                 on_row=save)
+                                 on_row=save, agree=args.model != RANDOM_8B)
     result["rows"] = results
     save()
     print(f"{'row':<20} {'context':>8} {'ms/step':>9} {'vs best fp':>11} {'cache MiB':>10} {'agree':>6}")
@@ -180,7 +180,7 @@ def _cmd_bench(args) -> int:
             print(f"{r['row']:<20} {r['context']:>8} {r['error']}")
             continue
         print(f"{r['row']:<20} {r['context']:>8} {r['wall_ms']:>9.2f} {r.get('vs_best_baseline', float('nan')):>10.2f}x "
-              f"{r['cache_MiB']:>10.1f} {r.get('agree', float('nan')):>6.2f}")
+              f"{r['cache_MiB']:>10.1f} {r['agree'] if 'agree' in r else '-':>6}")
     try:
         png = os.path.splitext(out)[0] + ".png"
         bench.plot(results, png, f"{args.model}, {env['dtype']}, batch {args.batch}, {env['device']}")
