@@ -172,7 +172,7 @@ def _decode_kernel(
     KPT: tl.constexpr, VPT: tl.constexpr, KC_SH: tl.constexpr, VC_SH: tl.constexpr,
     BLOCK_M: tl.constexpr, R: tl.constexpr, SC: tl.constexpr, BLOCK_N: tl.constexpr,
     MASK_KIND: tl.constexpr, KLUT: tl.constexpr, VLUT: tl.constexpr, PREFETCH: tl.constexpr,
-    STATIC: tl.constexpr, DIAG: tl.constexpr = 0,
+    STATIC: tl.constexpr,
 ):
     """One launch: programs (pid, split) write partial (m, l, acc) for their slice, all in the unrotated domain
     (the packed splits rotate their accumulator back themselves); the last program of a (batch, KV head) to
@@ -245,10 +245,7 @@ def _decode_kernel(
                 k_cur = _load_packed(kp, offs, t_ok, KBITS, D, KPT)
                 kn_cur = tl.load(kn + offs, mask=t_ok, other=0.0).to(tl.float32)
             kidx = _expand(k_cur, KBITS, D, BLOCK_N)
-            if DIAG == 1:  # benchmark-only: no centroid gather (wrong values), to time the gather
-                kcent = kidx.to(tl.float16)
-            else:
-                kcent = _lookup(kc, kidx, KLUT, KBITS, BLOCK_N)
+            kcent = _lookup(kc, kidx, KLUT, KBITS, BLOCK_N)
             s = tl.dot(qr, tl.trans(kcent)) * kn_cur[None, :]
             s = _masked_scores(s, offs, t_ok, row_ok, row_i, heads, m_base, smh, smi, smt, causal_limit, MASK_KIND)
             p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i)
@@ -256,10 +253,7 @@ def _decode_kernel(
                 v_cur = _load_packed(vp, offs, t_ok, VBITS, D, VPT)
                 vn_cur = tl.load(vn + offs, mask=t_ok, other=0.0).to(tl.float32)
             vidx = _expand(v_cur, VBITS, D, BLOCK_N)
-            if DIAG == 1:
-                vcent = vidx.to(tl.float16)
-            else:
-                vcent = _lookup(vc, vidx, VLUT, VBITS, BLOCK_N)
+            vcent = _lookup(vc, vidx, VLUT, VBITS, BLOCK_N)
             acc = acc * alpha[:, None] + tl.dot((p * vn_cur[None, :]).to(tl.float16), vcent)
         # back from the rotated domain here, so that every partial is unrotated: y @ Pi = Pi^T y
         pi = tl.load(pi_ptr + d[:, None] * D + d[None, :])
@@ -326,7 +320,6 @@ def _decode_kernel(
 
 _SCRATCH: dict[torch.device, torch.Tensor] = {}
 _COUNTERS: dict[torch.device, torch.Tensor] = {}
-LAST_COMPILED = None  # the last compiled kernel (its n_regs / n_spills, for the benchmark)
 DEFAULT_LUT = 1
 DEFAULT_PREFETCH = 2  # measured on the H100 (diag_decode_kernel_h100_run3.json): 3-6% faster than 0, no spills
 DEFAULT_WARPS = 4
@@ -425,13 +418,13 @@ def _runtime_args(q, qs, pi, kp, kn, vp, vn, kc, vc, rk, rv, sk, sv, nk, nks, nv
     ]
 
 
-def _constexprs(group, d, kcb, vcb, kp, vp, kc, vc, block_m, rows, sc, block_n, mask_kind, klut, vlut, prefetch, diag,
+def _constexprs(group, d, kcb, vcb, kp, vp, kc, vc, block_m, rows, sc, block_n, mask_kind, klut, vlut, prefetch,
                 static=False):
     return dict(
         G=group, D=d, KBITS=kcb.bits, VBITS=vcb.bits, KPT=kp.shape[-1], VPT=vp.shape[-1],
         KC_SH=kc.shape[-1] if kc.dim() == 2 else 0, VC_SH=vc.shape[-1] if vc.dim() == 2 else 0,
         BLOCK_M=block_m, R=rows, SC=sc, BLOCK_N=block_n, MASK_KIND=mask_kind,
-        KLUT=klut, VLUT=vlut, PREFETCH=prefetch, STATIC=static, DIAG=diag,
+        KLUT=klut, VLUT=vlut, PREFETCH=prefetch, STATIC=static,
     )
 
 
@@ -444,7 +437,6 @@ def decode_attention(
     out: torch.Tensor | None = None,
     block_n: int = BLOCK_N,
     num_warps: int | None = None,
-    _diag: int = 0,
     lut: int | None = None,
     prefetch: int | None = None,
     num_stages: int | None = None,
@@ -499,15 +491,14 @@ def decode_attention(
     elif out.shape != (b, n, hq, d) or out.stride(-1) != 1:
         raise ValueError(f"out must be ({b}, {n}, {hq}, {d}) with unit last stride")
     extra = {} if num_stages is None and DEFAULT_STAGES is None else {"num_stages": num_stages or DEFAULT_STAGES}
-    global LAST_COMPILED
-    LAST_COMPILED = _decode_kernel[(b * hkv, num_splits + 1)](
+    _decode_kernel[(b * hkv, num_splits + 1)](
         *_runtime_args(
             qv, qv.stride()[:3], pi, kp, kn, vp, vn, kc, vc, rk, rv, sk, sv, nk, nk.stride()[:3], nv, nv.stride()[:3],
             m_arg, ms, out, out.stride()[:3], acc, ml, cnt, hkv, lq, lr, n, 0, ls, tok_per_split, num_splits,
             scale * LOG2E,
         ),
         **_constexprs(group, d, kcb, vcb, kp, vp, kc, vc, block_m, rows, sc, block_n, mask_kind, _lut(lut, kcb.bits),
-                      _lut(lut, vcb.bits), DEFAULT_PREFETCH if prefetch is None else prefetch, _diag),
+                      _lut(lut, vcb.bits), DEFAULT_PREFETCH if prefetch is None else prefetch),
         num_warps=num_warps or DEFAULT_WARPS, **extra,
     )
     return out
@@ -559,7 +550,7 @@ def static_decode_attention(
             lens=(kv.length, kv.exact_from), ring=rk.shape[2],
         ),
         **_constexprs(group, d, kcb, vcb, kp, vp, kc, vc, block_m, rows, sc, BLOCK_N, mask_kind, _lut(None, kcb.bits),
-                      _lut(None, vcb.bits), DEFAULT_PREFETCH, 0, static=True),
+                      _lut(None, vcb.bits), DEFAULT_PREFETCH, static=True),
         num_warps=DEFAULT_WARPS, **({} if DEFAULT_STAGES is None else {"num_stages": DEFAULT_STAGES}),
     )
     return out
@@ -616,7 +607,7 @@ def _build_plan(query, layer, nk, nv, scale):
     )
     assert len(args) == _N_RUNTIME and args[_I_OUT] is None and args[_I_NK] is None and args[_I_NV] is None
     consts = _constexprs(group, d, kcb, vcb, kpk, vpk, kc, vc, block_m, rows, sc, BLOCK_N, 0, _lut(None, kcb.bits),
-                         _lut(None, vcb.bits), DEFAULT_PREFETCH, 0)
+                         _lut(None, vcb.bits), DEFAULT_PREFETCH)
     p.args, p.consts = args, consts
     return p
 
