@@ -178,18 +178,6 @@ def test_quantize_and_dequantize_match_reference(bits, d, dt, shape, nd, per_hea
         check_dequant(out, ref_p, norms, rot, cb, seed)
 
 
-@pytest.mark.parametrize("bits", [3, 8])
-def test_fwht_variant_matches_reference(bits):
-    seed, g = fresh_gen()
-    rot = make_rotation(128, seed % 1000).to(DEV)
-    cb = shared_codebook(bits, 128).to(DEV)
-    x = make_x(g, 1, 3, 7, 128, torch.bfloat16)
-    packed, norms = quantize_poisoned(x, rot, cb, torch.float16, rot="fwht")
-    check_indices(x, rot, cb, packed, seed)
-    out = dequantize_poisoned(packed, norms, rot, cb, torch.float32, rot="fwht")
-    check_dequant(out, packed, norms, rot, cb, seed)
-
-
 @pytest.mark.parametrize("bits,per_head", [(2, False), (3, False), (4, False), (5, True), (6, False), (8, False)])
 def test_search_modes_agree(bits, per_head):
     """Every search that serves the codebook gives identical indices on random data ('sat' and 'poly' differ from the

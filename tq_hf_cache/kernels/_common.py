@@ -32,7 +32,6 @@ NORM_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 # rotation modes (constexpr ROT in the kernels)
 ROT_PM1_DOT = 0  # tensor-core dot against sqrt(D) * Pi, whose entries are exactly +-1 (hadamard)
-ROT_FWHT = 1  # butterflies in registers (hadamard); kept to compare against the dot on the GPU
 ROT_DENSE = 2  # fp32 dot against Pi (orthogonal rotations, whose entries no 16-bit type holds)
 
 # how a quantize kernel feeds x to a +-1 dot (constexpr XMODE)

@@ -7,8 +7,8 @@ scales by the norm and stores in out's own dtype at out's strides: no fp32 copy,
 Inverse rotation (hadamard): out_row = c_row @ Pi = (c_row @ S) / sqrt(D) with S = sqrt(D) * Pi of +-1
 entries. The centroids are fp32; they enter a 16-bit tensor-core dot as fp16 terms, scaled by 2**10 so that
 the low term stays a normal fp16 number: one term (~2**-12 relative, under a bf16 ulp) for bf16 outputs,
-hi + lo (~2**-22) for fp16 and fp32 outputs (one term missed fp16's ulp on the H100 test). A butterfly FWHT in registers is the
-benchmark's alternative (rot="fwht"); orthogonal rotations use an fp32 ieee dot against Pi.
+hi + lo (~2**-22) for fp16 and fp32 outputs (one term missed fp16's ulp on the H100 test).
+Orthogonal rotations use an fp32 ieee dot against Pi.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import triton.language as tl
 from ..codebook import Codebook
 from ..rotation import Rotation
 from . import _common as C
-from .quantize import _fwht_rows, _load_rot
+from .quantize import _load_rot
 
 C_SCALE = 1024.0  # power of two: exact to apply and to undo
 
@@ -30,13 +30,13 @@ def _dequantize_kernel(
     p_ptr, spb, sph, spt,
     n_ptr, snb, snh, snt,
     o_ptr, sob, soh, sot, sod,
-    mat_ptr, sgn_ptr, cen_ptr, sch,
+    mat_ptr, cen_ptr, sch,
     H, T, out_scale, n_t_tiles, n_tiles,
     D: tl.constexpr, LOG2D: tl.constexpr, BITS: tl.constexpr, BLOCK_T: tl.constexpr,
     ROT: tl.constexpr, TERMS: tl.constexpr, O_UNIT: tl.constexpr, STAGES: tl.constexpr, WORDS: tl.constexpr,
 ):
     """Persistent: the rotation operand is loaded once, then the program walks tiles pid, pid + grid, ..."""
-    rop = _load_rot(mat_ptr, sgn_ptr, D, ROT)
+    rop = _load_rot(mat_ptr, D)
     for tile in tl.range(tl.program_id(0), n_tiles, tl.num_programs(0), num_stages=STAGES):
         _dequantize_tile(
             p_ptr, spb, sph, spt, n_ptr, snb, snh, snt, o_ptr, sob, soh, sot, sod,
@@ -81,21 +81,18 @@ def _dequantize_tile(
     norm = tl.load(n_rows, mask=tmask, other=0.0).to(tl.float32)
 
     # ---- inverse rotation
-    if ROT == 1:  # butterflies: Pi^T c = s * fwht(c) / sqrt(D)
-        r = _fwht_rows(c, BLOCK_T, D, LOG2D) * rop[None, :]
+    m = rop
+    if ROT == 2:
+        r = tl.dot(c, m, input_precision="ieee")
     else:
-        m = rop
-        if ROT == 2:
-            r = tl.dot(c, m, input_precision="ieee")
+        if TERMS == 0:  # fp32 operands (interpreter)
+            r = tl.dot(c * 1024.0, m, input_precision="ieee")
         else:
-            if TERMS == 0:  # fp32 operands (interpreter)
-                r = tl.dot(c * 1024.0, m, input_precision="ieee")
-            else:
-                cs = c * 1024.0
-                hi = cs.to(tl.float16)
-                r = tl.dot(hi, m)
-                if TERMS == 2:
-                    r += tl.dot((cs - hi.to(tl.float32)).to(tl.float16), m)
+            cs = c * 1024.0
+            hi = cs.to(tl.float16)
+            r = tl.dot(hi, m)
+            if TERMS == 2:
+                r += tl.dot((cs - hi.to(tl.float32)).to(tl.float16), m)
     out = r * (norm * out_scale)[:, None]
 
     o_rows = o_ptr + b * sob + h.to(tl.int64) * soh + t64 * sot
@@ -142,14 +139,11 @@ def dequantize_into(
     cen, _, sch, _ = C.codebook_tables(codebook, heads, dev)
 
     inv_sqrt_d = dim**-0.5
+    if rot not in (None, "dot"):
+        raise ValueError(f"{where}: rot must be None or 'dot', got {rot!r}")
     if rotation.kind != "hadamard":
-        if rot == "fwht":
-            raise ValueError("rot='fwht' needs a hadamard rotation")
-        rmode, n_terms, mat, sgn, scale = C.ROT_DENSE, 0, C.rotation_operand(rotation, dev, "inv", torch.float32), cen, 1.0
-    elif rot == "fwht":
-        rmode, n_terms, scale = C.ROT_FWHT, 0, inv_sqrt_d
-        mat, sgn = cen, C.rotation_operand(rotation, dev, "signs", torch.float32)
-    elif rot in (None, "dot"):
+        rmode, n_terms, mat, scale = C.ROT_DENSE, 0, C.rotation_operand(rotation, dev, "inv", torch.float32), 1.0
+    else:
         rmode, scale = C.ROT_PM1_DOT, inv_sqrt_d / C_SCALE
         if C.INTERPRET:
             n_terms, mdtype = 0, torch.float32
@@ -159,9 +153,7 @@ def dequantize_into(
             if n_terms not in (1, 2):
                 raise ValueError(f"{where}: terms must be 1 or 2, got {n_terms!r}")
             mdtype = torch.float16
-        mat, sgn = C.rotation_operand(rotation, dev, "inv", mdtype), cen
-    else:
-        raise ValueError(f"{where}: rot must be None, 'dot' or 'fwht', got {rot!r}")
+        mat = C.rotation_operand(rotation, dev, "inv", mdtype)
 
     bt = C.block_t(tokens) if block_t is None else block_t
     n_t = triton.cdiv(tokens, bt)
@@ -171,7 +163,7 @@ def dequantize_into(
         packed, *packed.stride()[:3],
         norms, *norms.stride(),
         out, *out.stride(),
-        mat, sgn, cen, sch,
+        mat, cen, sch,
         heads, tokens, scale, n_t, n_tiles,
         D=dim, LOG2D=dim.bit_length() - 1, BITS=bits, BLOCK_T=bt,
         ROT=rmode, TERMS=n_terms, O_UNIT=out.stride(-1) == 1, STAGES=stages, WORDS=C.rows_aligned(packed),

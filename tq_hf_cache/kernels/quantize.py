@@ -11,9 +11,8 @@ the rotation is one tensor-core dot (wgmma on Hopper) of the raw x tile against 
 accumulation rounding. The norm comes from the rotated rows (||x M|| = sqrt(D) ||x||), so x feeds the dot
 only. The matrix's columns are in `_common.mma_column_order`: each thread of the accumulator layout then
 holds D/4 consecutive coordinates and packs them in registers. fp32 x is split into three bf16 terms that
-sum to it exactly (three dots). A fast Walsh-Hadamard transform in registers (rot="fwht") is kept for
-comparison (slower on the H100: benchmarks/results/archive/bench_quantize_v1.json); orthogonal rotations (no +-1
-form) use an fp32 ieee dot.
+sum to it exactly (three dots). It beat a butterfly transform in registers on the H100
+(benchmarks/results/archive/bench_quantize_v1.json). Orthogonal rotations (no +-1 form) use an fp32 ieee dot.
 
 Codebook search. The H100 runs this kernel out of integer/compare issue slots long before it runs out of
 bytes: a compare-and-count costs 2-3 instructions on the half-rate ALU pipe. So for symmetric codebooks up
@@ -55,17 +54,6 @@ PROGS_PER_SM = 8  # best of 4/6/8 on the H100 at 2-4 bits (benchmarks/results/ar
 
 
 @triton.jit
-def _fwht_rows(y, BLOCK_T: tl.constexpr, D: tl.constexpr, LOG2D: tl.constexpr):
-    """Unnormalized Walsh-Hadamard transform of each row of y (BLOCK_T, D), same butterfly order as fwht()."""
-    for s in tl.static_range(LOG2D):
-        y4 = tl.reshape(y, (BLOCK_T, D // (2 << s), 2, 1 << s))
-        a, b = tl.split(tl.permute(y4, (0, 1, 3, 2)))
-        y4 = tl.permute(tl.join(a + b, a - b), (0, 1, 3, 2))
-        y = tl.reshape(y4, (BLOCK_T, D))
-    return y
-
-
-@triton.jit
 def _in_coordinate_order(t, BLOCK_T: tl.constexpr, D: tl.constexpr):
     """(BLOCK_T, D) dot columns in MMA order (_common.mma_column_order) -> coordinate order.
 
@@ -87,7 +75,7 @@ def _quantize_tile(
     ROT: tl.constexpr, XMODE: tl.constexpr, X_UNIT: tl.constexpr, SEARCH: tl.constexpr,
     PERM: tl.constexpr, WORDS: tl.constexpr,
 ):
-    """One (BLOCK_T, D) tile of one (batch, head); rop is the (D, D) matrix operand, or the (D,) signs for FWHT."""
+    """One (BLOCK_T, D) tile of one (batch, head); rop is the (D, D) matrix operand."""
     b = pid_bh // H
     h = pid_bh % H
     t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -122,10 +110,7 @@ def _quantize_tile(
         xf = x.to(tl.float32)
         norm = tl.sqrt(tl.sum(xf * xf, axis=1))
         inv = 1.0 / tl.maximum(norm, 1e-30)
-        if ROT == 1:  # FWHT in registers
-            y = _fwht_rows(xf * rop[None, :], BLOCK_T, D, LOG2D) * (inv * inv_sqrt_d)[:, None]
-        else:  # dense orthogonal: fp32 ieee dot of the unit vectors
-            y = tl.dot(xf * inv[:, None], rop, input_precision="ieee")
+        y = tl.dot(xf * inv[:, None], rop, input_precision="ieee")  # dense orthogonal: fp32 ieee dot
 
     # ---- codebook search: number of boundaries strictly below y
     bnd = bnd_ptr + h * sbh
@@ -261,26 +246,22 @@ def _quantize_tile(
 
 
 @triton.jit
-def _load_rot(mat_ptr, sgn_ptr, D: tl.constexpr, ROT: tl.constexpr):
+def _load_rot(mat_ptr, D: tl.constexpr):
     d = tl.arange(0, D)
-    if ROT == 1:
-        r = tl.load(sgn_ptr + d)
-    else:
-        r = tl.load(mat_ptr + d[:, None] * D + d[None, :])  # (D, D) right operand, row-major
-    return r
+    return tl.load(mat_ptr + d[:, None] * D + d[None, :])  # (D, D) right operand, row-major
 
 
 @triton.jit
 def _quantize_kernel(
     x_ptr, sxb, sxh, sxt, sxd, p_ptr, spb, sph, spt, n_ptr, snb, snh, snt,
-    mat_ptr, sgn_ptr, bnd_ptr, sbh, lut_ptr, slh, lo_ptr, invw_ptr, hsel, NLUT, H, T, inv_sqrt_d,
+    mat_ptr, bnd_ptr, sbh, lut_ptr, slh, lo_ptr, invw_ptr, hsel, NLUT, H, T, inv_sqrt_d,
     n_t_tiles, n_tiles,
     D: tl.constexpr, LOG2D: tl.constexpr, BITS: tl.constexpr, BLOCK_T: tl.constexpr,
     ROT: tl.constexpr, XMODE: tl.constexpr, X_UNIT: tl.constexpr, SEARCH: tl.constexpr,
     STAGES: tl.constexpr, PERM: tl.constexpr, WORDS: tl.constexpr,
 ):
     """Persistent: the rotation operand is loaded once, then the program walks tiles pid, pid + grid, ..."""
-    rop = _load_rot(mat_ptr, sgn_ptr, D, ROT)
+    rop = _load_rot(mat_ptr, D)
     for tile in tl.range(tl.program_id(0), n_tiles, tl.num_programs(0), num_stages=STAGES):
         _quantize_tile(
             x_ptr, sxb, sxh, sxt, sxd, p_ptr, spb, sph, spt, n_ptr, snb, snh, snt,
@@ -296,13 +277,13 @@ def _quantize_kv_kernel(
     bndk_ptr, sbkh, lutk_ptr, slkh, lok_ptr, invwk_ptr, hselk, NLUTK,
     v_ptr, svb, svh, svt, svd, pv_ptr, spvb, spvh, spvt, nv_ptr, snvb, snvh, snvt,
     bndv_ptr, sbvh, lutv_ptr, slvh, lov_ptr, invwv_ptr, hselv, NLUTV,
-    mat_ptr, sgn_ptr, H, T, inv_sqrt_d, n_t_tiles, n_tiles,
+    mat_ptr, H, T, inv_sqrt_d, n_t_tiles, n_tiles,
     D: tl.constexpr, LOG2D: tl.constexpr, KBITS: tl.constexpr, VBITS: tl.constexpr, BLOCK_T: tl.constexpr,
     ROT: tl.constexpr, XMODE: tl.constexpr, K_UNIT: tl.constexpr, V_UNIT: tl.constexpr,
     KSEARCH: tl.constexpr, VSEARCH: tl.constexpr, PERM: tl.constexpr, KWORDS: tl.constexpr, VWORDS: tl.constexpr,
 ):
     """Keys and values of one layer in one launch (grid axis 1: 0 = keys, 1 = values); not persistent (decode)."""
-    rop = _load_rot(mat_ptr, sgn_ptr, D, ROT)
+    rop = _load_rot(mat_ptr, D)
     tile = tl.program_id(0)
     if tl.program_id(1) == 0:
         _quantize_tile(
@@ -322,14 +303,10 @@ def _quantize_kv_kernel(
 
 def _modes(x_dtype: torch.dtype, rotation: Rotation, rot: str | None) -> tuple[int, int, torch.dtype]:
     """(ROT, XMODE, dtype of the matrix operand) for this input and rotation."""
-    if rotation.kind != "hadamard":
-        if rot == "fwht":
-            raise ValueError("rot='fwht' needs a hadamard rotation")
-        return C.ROT_DENSE, C.X_FP32, torch.float32
-    if rot == "fwht":
-        return C.ROT_FWHT, C.X_FP32, torch.float32
     if rot not in (None, "dot"):
-        raise ValueError(f"rot must be None, 'dot' or 'fwht', got {rot!r}")
+        raise ValueError(f"rot must be None or 'dot', got {rot!r}")
+    if rotation.kind != "hadamard":
+        return C.ROT_DENSE, C.X_FP32, torch.float32
     if C.INTERPRET:  # the interpreter's bf16 dot multiplies raw bit patterns: use fp32 there
         return C.ROT_PM1_DOT, C.X_FP32, torch.float32
     if x_dtype == torch.float32:
@@ -458,11 +435,7 @@ def quantize_into(
     rmode, xmode, mdtype = _modes(x.dtype, rotation, rot)
     sargs, smode = _search_args(codebook, heads, dev, search, packed_out)
     bnd = sargs[0]
-    # the unused one of (matrix, signs) gets any valid pointer: its branch is compiled out
-    if rmode == C.ROT_FWHT:
-        mat, sgn = bnd, C.rotation_operand(rotation, dev, "signs", torch.float32)
-    else:
-        mat, sgn = C.rotation_operand(rotation, dev, "fwd_mma" if rmode == C.ROT_PM1_DOT else "fwd", mdtype), bnd
+    mat = C.rotation_operand(rotation, dev, "fwd_mma" if rmode == C.ROT_PM1_DOT else "fwd", mdtype)
     bt, nw = _launch_cfg(tokens, block_t, num_warps)
     if maxnreg is None and smode in (SEARCHES["poly"], SEARCHES["lut"]) and not C.INTERPRET:
         maxnreg = MAXNREG_WIDE
@@ -473,7 +446,7 @@ def quantize_into(
         x, *x.stride(),
         packed_out, *packed_out.stride()[:3],
         norms_out, *norms_out.stride(),
-        mat, sgn, *sargs,
+        mat, *sargs,
         heads, tokens, dim**-0.5, n_t, n_tiles,
         D=dim, LOG2D=dim.bit_length() - 1, BITS=bits, BLOCK_T=bt,
         ROT=rmode, XMODE=xmode, X_UNIT=x.stride(-1) == 1,
@@ -520,7 +493,7 @@ def quantize_kv_into(
     return _quantize_kv_kernel[grid](
         k, *k.stride(), k_packed, *k_packed.stride()[:3], k_norms, *k_norms.stride(), *kargs,
         v, *v.stride(), v_packed, *v_packed.stride()[:3], v_norms, *v_norms.stride(), *vargs,
-        mat, mat, heads, tokens, dim**-0.5, n_t, n_t * bsz * heads,
+        mat, heads, tokens, dim**-0.5, n_t, n_t * bsz * heads,
         D=dim, LOG2D=dim.bit_length() - 1, KBITS=kbits, VBITS=vbits, BLOCK_T=bt,
         ROT=rmode, XMODE=xmode,
         K_UNIT=k.stride(-1) == 1, V_UNIT=v.stride(-1) == 1, KSEARCH=kmode, VSEARCH=vmode,
