@@ -82,30 +82,28 @@ def rotation_operand(rotation: Rotation, device: torch.device, what: str, dtype:
     """Device copy of one rotation operand, built once per (rotation, device, what, dtype).
 
     what: "fwd" = the (D, D) right operand of y_row = x_row @ Pi^T; "fwd_mma" = the same with its columns in
-    mma_column_order(D); "inv" = that of out_row = c_row @ Pi;
-    "signs" = the (D,) random signs. For hadamard, fwd/inv are scaled by sqrt(D) so every entry is exactly +-1
-    (then a 16-bit dot of 16-bit data is exact up to fp32 accumulation); the kernels apply 1/sqrt(D).
+    mma_column_order(D); "inv" = that of out_row = c_row @ Pi. For hadamard they are scaled by sqrt(D) so every
+    entry is exactly +-1 (then a 16-bit dot of 16-bit data is exact up to fp32 accumulation); the kernels apply
+    1/sqrt(D).
     """
     per = _ROT_CACHE.setdefault(rotation, {})
     key = (torch.device(device), what, dtype)
     t = per.get(key)
     if t is not None:
         return t
+    if what not in ("fwd", "fwd_mma", "inv"):
+        raise ValueError(f"rotation operand must be 'fwd', 'fwd_mma' or 'inv', got {what!r}")
     pi = rotation.matrix.detach().to("cpu", torch.float64)
-    if what == "signs":
-        t = rotation.signs.detach().to("cpu", torch.float32)
-    else:
-        m = pi.T if what in ("fwd", "fwd_mma") else pi
-        if what == "fwd_mma":
-            m = m[:, mma_column_order(rotation.dim)]
-        if rotation.kind == "hadamard":
-            s = m * math.sqrt(rotation.dim)
-            r = s.round()
-            if not (bool((r.abs() == 1).all()) and float((s - r).abs().max()) < 1e-4):
-                raise ValueError("a hadamard rotation's sqrt(D) * Pi should hold only +-1 entries")
-            m = r
-        t = m.contiguous()
-    t = t.to(device=device, dtype=dtype).contiguous()
+    m = pi.T if what in ("fwd", "fwd_mma") else pi
+    if what == "fwd_mma":
+        m = m[:, mma_column_order(rotation.dim)]
+    if rotation.kind == "hadamard":
+        s = m * math.sqrt(rotation.dim)
+        r = s.round()
+        if not (bool((r.abs() == 1).all()) and float((s - r).abs().max()) < 1e-4):
+            raise ValueError("a hadamard rotation's sqrt(D) * Pi should hold only +-1 entries")
+        m = r
+    t = m.to(device=device, dtype=dtype).contiguous()
     per[key] = t
     return t
 
