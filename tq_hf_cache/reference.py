@@ -70,7 +70,7 @@ def _centroid_table(codebook: Codebook, device) -> torch.Tensor:
 
 def centroids(packed: torch.Tensor, codebook: Codebook, dim: int) -> torch.Tensor:
     """The rotated unit vectors `c[unpack(packed)]`, float32 (..., dim), without materializing the indices: each
-    group of 8 coordinates (`bits` bytes) becomes one int64 word, cut into rows of a centroid table. Per-head
+    group of 8 coordinates (`bits` bytes) becomes one integer word, cut into rows of a centroid table. Per-head
     codebooks need packed shaped (B, H, T, nbytes)."""
     bits = codebook.bits
     if dim % 8 or sys.byteorder != "little" or packed.shape[-1] != dim * bits // 8:
