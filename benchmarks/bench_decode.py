@@ -56,10 +56,7 @@ def log(*x):
     print(f"[{time.time() - T0:6.1f}s]", *x, flush=True)
 
 
-cfg = transformers.LlamaConfig(
-    vocab_size=32000, hidden_size=4096, intermediate_size=14336, num_hidden_layers=a.layers, num_attention_heads=32,
-    num_key_value_heads=8, head_dim=128, max_position_embeddings=140_000, rope_theta=500000.0,
-)
+cfg = bench.llama_8b_config(a.layers)
 torch.manual_seed(0)
 with torch.device(DEV):
     model = transformers.LlamaForCausalLM(cfg).to(torch.bfloat16).eval()

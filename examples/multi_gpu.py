@@ -32,10 +32,9 @@ from tq_hf_cache._compat import IS_V5  # noqa: E402
 
 def save_random(folder: str, layers: int, dtype: torch.dtype) -> None:
     """A Llama-3.1-8B-shaped checkpoint with random weights (16 GB in bf16 at 32 layers)."""
-    cfg = transformers.LlamaConfig(
-        vocab_size=32000, hidden_size=4096, intermediate_size=14336, num_hidden_layers=layers, num_attention_heads=32,
-        num_key_value_heads=8, head_dim=128, max_position_embeddings=16384, rope_theta=500000.0,
-    )
+    from tq_hf_cache.bench import llama_8b_config
+
+    cfg = llama_8b_config(layers, max_position_embeddings=16384)
     torch.manual_seed(0)
     with torch.device("cuda" if torch.cuda.is_available() else "cpu"):  # random init of 8B weights: minutes on a CPU
         model = transformers.LlamaForCausalLM(cfg).to(dtype)

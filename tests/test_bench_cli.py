@@ -51,6 +51,7 @@ def test_bench_writes_rows_ratios_and_plot(tiny_dir, tmp_path, capsys):
     (["--steps", "0"], "--steps must be positive"),
     (["--model", "/no/such/folder"], "is not a folder"),
     (["--model", "llama-3.1-8b"], "needs --device cuda"),
+    (["--device", "gpu0"], "--device must be cuda, cpu or auto"),
 ])
 def test_bench_refuses_bad_arguments(argv, message, tmp_path, capsys):
     rc = cli.main(["bench", "--device", "cpu", "--out", str(tmp_path / "x.json"), *argv])

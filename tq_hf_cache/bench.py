@@ -34,6 +34,17 @@ _COMPILED = ("static_compiled", "tq_static_compiled")
 _GiB = 2**30
 
 
+def llama_8b_config(layers: int = 32, max_position_embeddings: int = 140_000):
+    """A LlamaConfig of the Llama-3.1-8B shape (32 query heads, 8 KV heads, head dim 128; vocabulary 32000) with
+    `layers` layers: the model of the GPU benchmarks, with random weights."""
+    import transformers
+
+    return transformers.LlamaConfig(
+        vocab_size=32000, hidden_size=4096, intermediate_size=14336, num_hidden_layers=layers, num_attention_heads=32,
+        num_key_value_heads=8, head_dim=128, max_position_embeddings=max_position_embeddings, rope_theta=500000.0,
+    )
+
+
 def check_rows(rows, device: torch.device) -> list[str]:
     """The rows as a list; unknown names, or compiled rows off CUDA / on transformers 4.x, are refused by name."""
     from ._compat import IS_V5

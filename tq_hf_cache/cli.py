@@ -103,8 +103,12 @@ def _cmd_bench(args) -> int:
     from .eval.cli import new_output_name
 
     try:
-        device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else
-                              ("cpu" if args.device == "auto" else args.device))
+        try:
+            device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else
+                                  ("cpu" if args.device == "auto" else args.device))
+        except RuntimeError:
+            raise ValueError(f"--device must be cuda, cpu or auto (or a torch device such as cuda:1), "
+                             f"got {args.device!r}") from None
         if device.type == "cuda" and not torch.cuda.is_available():
             raise ValueError("--device cuda, but torch sees no CUDA device")
         cuda = device.type == "cuda"
@@ -133,11 +137,7 @@ def _cmd_bench(args) -> int:
         return 2
     text_ids = None
     if args.model == RANDOM_8B:
-        config = transformers.LlamaConfig(
-            vocab_size=32000, hidden_size=4096, intermediate_size=14336, num_hidden_layers=args.layers,
-            num_attention_heads=32, num_key_value_heads=8, head_dim=128, max_position_embeddings=140_000,
-            rope_theta=500000.0,
-        )
+        config = bench.llama_8b_config(args.layers)
         torch.manual_seed(0)
         with torch.device(device):
             model = transformers.LlamaForCausalLM(config).to(dtype).eval()
