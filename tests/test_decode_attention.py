@@ -6,6 +6,7 @@ imported); shapes stay small so that the file runs in about a minute on a small 
 """
 
 import os
+from dataclasses import replace
 
 import torch
 
@@ -15,8 +16,9 @@ if not torch.cuda.is_available():
 import pytest  # noqa: E402
 
 import tq_hf_cache  # noqa: E402
-from tq_hf_cache import TurboQuantCache, attention, reference  # noqa: E402
+from tq_hf_cache import TurboQuantCache, attention, ops, packed_kv, reference  # noqa: E402
 from tq_hf_cache.codebook import Codebook, theoretical_codebook  # noqa: E402
+from tq_hf_cache.packed_kv import PackedKV, packed_source  # noqa: E402
 from tq_hf_cache.rotation import make_rotation  # noqa: E402
 
 try:
@@ -40,8 +42,9 @@ def codebook(bits, d):
 
 
 def make_state(b, hkv, lq, lr, n, d, kbits, vbits, dtype, seed, per_head=False, device=DEVICE, sinks=0):
-    """A random [packed | residual | new] state as TurboQuantLayer.attention_state() gives, plus the oracle's K, V.
-    With `sinks`, the first packed tokens also have exact copies (attention sinks), which the oracle uses."""
+    """A random dynamic-layer `PackedKV` (packed [0, lq), then lr residual and n new tokens in the ring) laid out as
+    a TurboQuantLayer's views give it (slices of bigger buffers, poisoned past the live part), plus the oracle's
+    K, V. With `sinks`, the first packed tokens also have exact copies (attention sinks), which the oracle uses."""
     g = torch.Generator().manual_seed(seed)
     rot = make_rotation(d, seed % 1000)
     kcb, vcb = codebook(kbits, d), codebook(vbits, d)
@@ -62,24 +65,23 @@ def make_state(b, hkv, lq, lr, n, d, kbits, vbits, dtype, seed, per_head=False, 
         pb[:, :, 3 : 3 + lq] = p
         nb[:, :, 3 : 3 + lq] = nrm
         bufs.append((pb[:, :, 3 : 3 + lq].to(device), nb[:, :, 3 : 3 + lq].to(device)))
-    # new tokens arrive as a transposed view, as the model's projections give them
-    new_k = k[:, :, lq + lr :].transpose(1, 2).contiguous().transpose(1, 2)
-    new_v = v[:, :, lq + lr :].transpose(1, 2).contiguous().transpose(1, 2)
-    state = {
-        "k_packed": bufs[0][0], "k_norms": bufs[0][1], "v_packed": bufs[1][0], "v_norms": bufs[1][1],
-        "res_k": k[:, :, lq : lq + lr].clone().to(device), "res_v": v[:, :, lq : lq + lr].clone().to(device),
-        "new_k": new_k.to(device), "new_v": new_v.to(device),
-        "rotation": rot.to(device), "k_codebook": kcb.to(device), "v_codebook": vcb.to(device),
-    }
+    rings = []
+    for x in (k, v):  # the residual window's first lr + n slots of a bigger buffer, poisoned past them
+        rb = torch.full((b, hkv, lr + n + 5, d), 1e4).to(dtype)
+        rb[:, :, : lr + n] = x[:, :, lq:]
+        rings.append(rb[:, :, : lr + n].to(device))
+    sk = sv = k[:, :, :0].to(device)
     kf = torch.cat([reference.dequantize(kp, kn, rot, kcb), k[:, :, lq:].float()], dim=2)
     vf = torch.cat([reference.dequantize(vp, vn, rot, vcb), v[:, :, lq:].float()], dim=2)
     if sinks:
         # exact copies in slices of bigger buffers, as the layer's sink buffers give them
-        sk = torch.randn(b, hkv, sinks + 2, d, generator=g).to(dtype)
-        sv = torch.randn(b, hkv, sinks + 2, d, generator=g).to(dtype)
-        sk[:, :, :sinks], sv[:, :, :sinks] = k[:, :, :sinks], v[:, :, :sinks]
-        state["sink_k"], state["sink_v"] = sk[:, :, :sinks].to(device), sv[:, :, :sinks].to(device)
+        skb = torch.randn(b, hkv, sinks + 2, d, generator=g).to(dtype)
+        svb = torch.randn(b, hkv, sinks + 2, d, generator=g).to(dtype)
+        skb[:, :, :sinks], svb[:, :, :sinks] = k[:, :, :sinks], v[:, :, :sinks]
+        sk, sv = skb.to(device), svb.to(device)
         kf[:, :, :sinks], vf[:, :, :sinks] = k[:, :, :sinks].float(), v[:, :, :sinks].float()
+    state = PackedKV(bufs[0][0], bufs[0][1], bufs[1][0], bufs[1][1], sk, sv, rings[0], rings[1], t, lq,
+                     rot.to(device), kcb.to(device), vcb.to(device), sinks, -1, -1)
     return state, kf, vf
 
 
@@ -188,7 +190,7 @@ def test_kernel_and_torch_path_use_exact_sinks(case):
     out32 = reference.packed_attention(q32, state32, m32, None)
     assert rel_err(out32, reference.attention(q32, kf32, vf32, mask=m32).transpose(1, 2)) < 1e-5, f"seed {seed}"
     # and the sinks matter: the quantized copies give a different answer
-    no_sinks = {k: v for k, v in state.items() if not k.startswith("sink")}
+    no_sinks = replace(state, sinks=0)
     assert rel_err(decode_attention(q, no_sinks, mask, None, num_splits=splits), ref) > 0
 
 
@@ -232,12 +234,12 @@ def test_kernel_copies_packed_rows_off_a_word(kbits):
     b, hkv, group, n, d, lq, lr = 1, 2, 2, 1, 64, 70, 3
     state, kf, vf = make_state(b, hkv, lq, lr, n, d, kbits, 4, torch.float16, seed)
     q = make_query(b, hkv * group, n, d, torch.float16, seed)
-    kp = state["k_packed"]
+    kp = state.k_packed
     raw = torch.empty(kp.numel() + 1, dtype=torch.uint8, device=kp.device)
     odd = raw[1:].view(kp.shape)
     odd.copy_(kp)
     assert odd.data_ptr() % 4 != 0
-    out_odd = decode_attention(q, {**state, "k_packed": odd}, None, None)
+    out_odd = decode_attention(q, replace(state, k_packed=odd), None, None)
     out = decode_attention(q, state, None, None)
     assert torch.equal(out_odd, out), f"seed {seed}"
     assert rel_err(out, _oracle(q, kf, vf, None, None)) < TOL[torch.float16], f"seed {seed}"
@@ -299,19 +301,20 @@ def _left_padded_batch(seed, lengths=(37, 29, 41)):
 
 @pytest.fixture
 def count_paths(monkeypatch):
-    calls = {"fused": 0, "workspace": 0}
-    fused, assemble = attention._fused, tq_hf_cache.TurboQuantLayer.assemble_pending
+    """Counts fused attention calls and LazyKV fills (dense keys or values written for another consumer)."""
+    calls = {"fused": 0, "filled": 0}
+    fused, fill = ops.decode_attention, packed_kv.fill_dense
 
     def counting_fused(*a, **k):
         calls["fused"] += 1
         return fused(*a, **k)
 
-    def counting_assemble(self):
-        calls["workspace"] += 1
-        return assemble(self)
+    def counting_fill(*a, **k):
+        calls["filled"] += 1
+        return fill(*a, **k)
 
-    monkeypatch.setattr(attention, "_fused", counting_fused)
-    monkeypatch.setattr(tq_hf_cache.TurboQuantLayer, "assemble_pending", counting_assemble)
+    monkeypatch.setattr(ops, "decode_attention", counting_fused)
+    monkeypatch.setattr(packed_kv, "fill_dense", counting_fill)
     return calls
 
 
@@ -323,6 +326,7 @@ def test_turboquant_generate_matches_sdpa_on_the_same_cache(preset, count_paths)
     b, cb = _generate(model, attention.NAME, ids, mask, preset=preset)
     steps = b.sequences.shape[1] - ids.shape[1]  # 10, or fewer when every row hits end-of-sequence early
     assert count_paths["fused"] == 2 * (steps - 1)  # 2 layers x the decode steps after the prefill
+    assert count_paths["filled"] == 2 * 2 * (steps - 1)  # sdpa read keys and values of the same steps densely
     assert torch.equal(a.sequences, b.sequences)
     worst = max((x - y).abs().max().item() for x, y in zip(a.scores, b.scores))
     assert worst < 1e-4, worst
@@ -330,7 +334,7 @@ def test_turboquant_generate_matches_sdpa_on_the_same_cache(preset, count_paths)
 
 
 def test_turboquant_chunked_prefill_and_long_chunks_use_the_workspace(count_paths):
-    """Prefill in chunks: the second chunk is deferred and long, so it goes through assemble_pending + SDPA."""
+    """Prefill in chunks: long chunks get dense keys and values (SDPA), decode steps the fused path."""
     model = _llama()
     ids, mask = _left_padded_batch(fresh_seed(), lengths=(40, 33))
     cache_s, cache_t = TurboQuantCache("k4v4", config=model.config, residual_length=4), None
@@ -345,8 +349,8 @@ def test_turboquant_chunked_prefill_and_long_chunks_use_the_workspace(count_path
                          past_key_values=cache)
         logits[impl] = (first.logits, second.logits, step.logits)
         cache_s, cache_t = (cache, cache_t) if impl == "sdpa" else (cache_s, cache)
-    assert count_paths["workspace"] == 2  # the second chunk, in each of the 2 layers
-    assert count_paths["fused"] == 2  # the decode step
+    assert count_paths["fused"] == 2  # the decode step, in each of the 2 layers
+    assert count_paths["filled"] == 2 * 2  # the same step under sdpa: keys and values of 2 layers
     for x, y in zip(logits["sdpa"], logits[attention.NAME]):
         assert (x - y).abs().max().item() < 1e-4
     assert cache_t.get_seq_length() == cache_s.get_seq_length() == 41
@@ -359,13 +363,12 @@ def test_unsupported_head_dim_falls_back_with_a_warning(count_paths, caplog):
     with caplog.at_level("WARNING", logger="tq_hf_cache.attention"):
         attention._warned.clear()
         b, _ = _generate(model, attention.NAME, ids, mask, new_tokens=5)
-    assert count_paths["fused"] == 0 and count_paths["workspace"] == 2 * 4
+    assert count_paths["fused"] == 0 and count_paths["filled"] == 2 * 2 * 2 * 4  # both runs: sdpa-filled K, V
     assert sum("head dim 32" in r.message for r in caplog.records) == 1
     assert torch.equal(a.sequences, b.sequences)
 
 
-def test_dynamic_cache_and_disarm():
-    """Without a TurboQuantCache the function is plain SDPA; disarm() hands a used cache back to SDPA safely."""
+def test_without_a_turboquant_cache_the_function_is_sdpa():
     from transformers import DynamicCache
 
     model = _llama()
@@ -377,23 +380,6 @@ def test_dynamic_cache_and_disarm():
             outs[impl] = model.generate(ids, attention_mask=mask, past_key_values=DynamicCache(), max_new_tokens=4,
                                         do_sample=False, pad_token_id=0)
     assert torch.equal(outs["sdpa"], outs[attention.NAME])
-
-    model.set_attn_implementation(attention.NAME)
-    cache = TurboQuantCache("k4v4", config=model.config, residual_length=4)
-    with torch.no_grad():
-        model(ids, attention_mask=mask, past_key_values=cache)
-        assert all(layer._defer_next for layer in cache.layers)
-        attention.disarm(cache)
-        model.set_attn_implementation("sdpa")
-        nxt = torch.full((2, 1), 5)
-        m2 = torch.cat([mask, torch.ones(2, 1, dtype=mask.dtype)], 1)
-        got = model(nxt, attention_mask=m2, past_key_values=cache).logits
-    model.set_attn_implementation("sdpa")
-    ref_cache = TurboQuantCache("k4v4", config=model.config, residual_length=4)
-    with torch.no_grad():
-        model(ids, attention_mask=mask, past_key_values=ref_cache)
-        want = model(nxt, attention_mask=m2, past_key_values=ref_cache).logits
-    assert (got - want).abs().max().item() < 1e-5
 
 
 def test_sliding_window_model_matches_sdpa(count_paths):
@@ -418,7 +404,7 @@ def test_sliding_window_model_matches_sdpa(count_paths):
 @needs_triton
 def test_generate_through_the_triton_kernel(monkeypatch):
     """The kernel itself inside generate (interpreted on CPU): same tokens as SDPA on the same cache."""
-    monkeypatch.setattr(attention, "FUSED_BACKEND", "triton")
+    monkeypatch.setattr(ops, "FUSED_BACKEND", "triton")
     model = _llama(layers=1).to(DEVICE)
     ids, mask = _left_padded_batch(fresh_seed(), lengths=(19, 12))
     ids, mask = ids.to(DEVICE), mask.to(DEVICE)
@@ -430,7 +416,7 @@ def test_generate_through_the_triton_kernel(monkeypatch):
 
 
 # ------------------------------------------------------------------------------------------------------------
-# the single-launch kernel's variants and the per-layer cached launch (decode_attention_layer)
+# the single-launch kernel's variants, and a layer's steps through it
 
 
 @needs_triton
@@ -468,11 +454,10 @@ def test_single_split_single_launch_and_counters_reset():
 
 @needs_triton
 @pytest.mark.parametrize("preset,group,n", [("k4v4", 4, 1), ("k3v3", 2, 3)])
-def test_layer_launch_matches_state_launch_across_flushes_and_growth(preset, group, n):
-    """decode_attention_layer (cached plan; on CUDA the direct launcher) against decode_attention on the layer's
-    state dict (poisoned output) and the oracle, over steps that cross a residual flush (FLUSH_BLOCK) and a
-    packed-buffer growth (GROW_TOKENS), which rebuild the plan's split and buffer parts."""
-    from tq_hf_cache.kernels import decode_attention as da
+def test_layer_steps_through_the_kernel_across_settles_and_growth(preset, group, n):
+    """A TurboQuantLayer's decode steps: the kernel on the PackedKV its update returns against the oracle on the
+    dense keys and values the same LazyKVs fill, over steps that cross a residual settle (FLUSH_BLOCK) and a
+    packed-buffer growth (GROW_TOKENS)."""
     from tq_hf_cache.layer import FLUSH_BLOCK, GROW_TOKENS
 
     seed = fresh_seed()
@@ -481,43 +466,28 @@ def test_layer_launch_matches_state_launch_across_flushes_and_growth(preset, gro
     model = _llama(head_dim=d, layers=1, heads=hkv * group, kv_heads=hkv)
     cache = TurboQuantCache(preset, config=model.config, residual_length=res)
     dtype = torch.float16
-    pre = GROW_TOKENS - 10  # the first flush after the prefill grows the packed buffers
+    pre = GROW_TOKENS - 10  # the first settle after the prefill grows the packed buffers
     k0 = torch.randn(b, hkv, pre, d, generator=g).to(dtype).to(DEVICE)
     cache.update(k0, torch.randn(b, hkv, pre, d, generator=g).to(dtype).to(DEVICE), 0)
     layer = cache.layers[0]
     caps, lqs = set(), set()
     for step in range((FLUSH_BLOCK + n) // n + 2):
-        layer.arm_deferred()
         k = torch.randn(b, hkv, n, d, generator=g).to(dtype).to(DEVICE)
         v = torch.randn(b, hkv, n, d, generator=g).to(dtype).to(DEVICE)
-        cache.update(k, v, 0)
-        assert da.layer_fast_path_ok(layer)
+        lk, lv = cache.update(k, v, 0)
+        kv = packed_source(lk)
+        assert kv is not None and kv.exact_from == layer.k_buf.length and kv.sinks > 0
         q = make_query(b, hkv * group, n, d, dtype, seed + step)
         scale = 0.9 * d**-0.5
-        out = da.decode_attention_layer(q, layer, scale)
-        state = layer.attention_state()
-        ref_out = torch.full_like(out, float("nan"))
-        da.decode_attention(q, state, None, scale, out=ref_out)
-        assert torch.isfinite(out).all()
-        assert (out.float() - ref_out.float()).abs().max().item() < 2e-3, f"seed {seed}, step {step}"
-        rot = state["rotation"].to("cpu")
-        kf, vf = (
-            torch.cat([reference.dequantize(state[f"{x}_packed"].cpu(), state[f"{x}_norms"].cpu(), rot,
-                                            state[f"{x}_codebook"].to("cpu")),
-                       state[f"res_{x}"].float().cpu(), state[f"new_{x}"].float().cpu()], dim=2)
-            for x in ("k", "v")
-        )
-        ns = state["sink_k"].shape[2]  # the layer keeps exact copies of the first tokens
-        assert ns == min(cache.tq_config.sink_tokens, layer.k_buf.length) > 0
-        kf[:, :, :ns], vf[:, :, :ns] = state["sink_k"].float().cpu(), state["sink_v"].float().cpu()
+        out = torch.full((b, n, hkv * group, d), float("nan"), dtype=dtype, device=DEVICE)
+        decode_attention(q, kv, None, scale, out=out)
+        assert torch.isfinite(out).all(), f"seed {seed}, step {step}"
+        kf, vf = lk.dense().float().cpu(), lv.dense().float().cpu()
+        assert torch.equal(kf[:, :, -n:], k.float().cpu())  # the new tokens are the last positions, exact
         assert rel_err(out, _oracle(q, kf, vf, None, scale)) < TOL[dtype], f"seed {seed}, step {step}"
         caps.add(layer.k_buf.capacity)
         lqs.add(layer.k_buf.length)
-        layer.flush()
-    assert len(caps) >= 2 and len(lqs) >= 2  # the run did cross a growth and a flush
-    if DEVICE == "cuda":  # after the plan's first (JIT) launch, later ones go through the launcher directly
-        assert da._DIRECT["ok"] is True, da._DIRECT
-        assert layer._tq_decode_plan.launch is not None
+    assert len(caps) >= 2 and len(lqs) >= 2  # the run did cross a growth and a settle
 
 
 @needs_triton
@@ -530,13 +500,13 @@ def test_kernel_propagates_nan_keys_as_sdpa_does(where, splits):
     b, hkv, group, n, d = 1, 2, 2, 1, 64
     state, kf, vf = make_state(b, hkv, 40, 5, n, d, 4, 4, torch.float16, seed)
     if where == "packed_norm":
-        state["k_norms"][0, 0, 7] = float("nan")
+        state.k_norms[0, 0, 7] = float("nan")
         kf[0, 0, 7] = float("nan")
     elif where == "residual":
-        state["res_k"][0, 0, 2, 5] = float("nan")
+        state.ring_k[0, 0, 2, 5] = float("nan")
         kf[0, 0, 42, 5] = float("nan")
-    else:
-        state["new_k"][0, 0, 0, 5] = float("nan")
+    else:  # the step's new token: the last ring slot
+        state.ring_k[0, 0, 5, 5] = float("nan")
         kf[0, 0, 45, 5] = float("nan")
     q = make_query(b, hkv * group, n, d, torch.float16, seed)
     out = decode_attention(q, state, None, None, num_splits=splits)

@@ -16,12 +16,12 @@ from tq_hf_cache.packed_kv import PackedKV, ring_positions  # noqa: E402
 from tq_hf_cache.rotation import make_rotation  # noqa: E402
 
 try:
-    from tq_hf_cache.kernels.decode_attention import static_decode_attention
+    from tq_hf_cache.kernels.decode_attention import decode_attention
 except ImportError:  # no Triton at all
-    static_decode_attention = None
+    decode_attention = None
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-needs_triton = pytest.mark.skipif(static_decode_attention is None, reason="triton is not installed")
+needs_triton = pytest.mark.skipif(decode_attention is None, reason="triton is not installed")
 
 
 def fresh_seed() -> int:
@@ -62,13 +62,14 @@ def make_kv(b, hkv, cap, ring, sinks, length, exact_from, d, kbits, vbits, dtype
     sink_v[:, :, : min(sinks, length)] = v[:, :, : min(sinks, length)]
     dev = DEVICE
     rot, kcb, vcb = rot.to(dev), kcb.to(dev), vcb.to(dev)
+    ring_k, ring_v = ring_k.to(dev), ring_v.to(dev)
     kv = PackedKV(
-        kp.to(dev), kn.to(dev), vp.to(dev), vn.to(dev), sink_k.to(dev), sink_v.to(dev),
+        kp.to(dev), kn.to(dev), vp.to(dev), vn.to(dev), sink_k.to(dev), sink_v.to(dev), ring_k, ring_v,
         torch.tensor(length, device=dev), torch.tensor(exact_from, device=dev), rot, kcb, vcb, sinks,
         ops.quantizer_id(rot, kcb), ops.quantizer_id(rot, vcb),
         torch.empty(1 << 20, device=dev), torch.zeros(64, dtype=torch.int32, device=dev),
     )
-    return kv, ring_k.to(dev), ring_v.to(dev), k, v
+    return kv, ring_k, ring_v, k, v
 
 
 def oracle_by_hand(query, k, v, kv, length, exact_from, sinks, mask, scale):
@@ -113,15 +114,15 @@ def test_static_kernel_matches_the_reference(case):
         mask = allowed if mask_kind == "bool" else torch.where(allowed, 0.0, float("-inf")) + torch.randn(b, 1, n, cap, generator=g)
         mask = mask.to(DEVICE)
     scale = d**-0.5 * 1.3
-    want = reference.static_attention(q, ring_k, ring_v, kv, mask, scale)
+    want = reference.static_attention(q, kv, mask, scale)
     by_hand = oracle_by_hand(q, k, v, kv, length, exact_from, sinks, mask, scale)
     torch.testing.assert_close(want.float().cpu(), by_hand.float(), atol=2e-2, rtol=2e-2,
                                msg=lambda m: f"reference vs by hand (seed {seed}): {m}")
-    out = torch.full((b, n, hkv * group, d), float("nan"), device=DEVICE)  # poison: every element must be written
-    out = static_decode_attention(q, ring_k, ring_v, kv, mask, scale)
+    poison = torch.full((b, n, hkv * group, d), float("nan"), dtype=q.dtype, device=DEVICE)  # all must be written
+    out = decode_attention(q, kv, mask, scale, out=poison)
     assert torch.isfinite(out).all(), f"seed {seed}"
     torch.testing.assert_close(out.float(), want.float(), atol=2e-2, rtol=2e-2,
-                               msg=lambda m: f"static_decode_attention output (seed {seed}): {m}")
+                               msg=lambda m: f"decode_attention output (seed {seed}): {m}")
     assert int(kv.counters.abs().sum()) == 0, "the arrival counters must be back at zero"
 
 

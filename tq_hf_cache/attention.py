@@ -4,46 +4,31 @@
 in `ALL_MASK_ATTENTION_FUNCTIONS` (`register()` does it again, idempotently, e.g. after a transformers reload).
 Nothing here imports Triton until a fused step runs on CUDA.
 
-What the function does, per call:
-- key not from a TurboQuantLayer (DynamicCache, no cache, layers the config keeps in full precision): transformers'
-  own SDPA attention, unchanged.
-- key from a TurboQuantLayer, not deferred (the layer's first step, or a step after the cache was disarmed):
-  SDPA on the tensors given, then `layer.arm_deferred()`.
-- deferred, few queries (n <= 16 and n * query heads per KV head <= 128), supported head dim (64, 128) and bits:
-  the fused kernel (`kernels.decode_attention`, CUDA) or the same rotated-domain math in torch (other devices);
-  then `layer.flush()` and `layer.arm_deferred()`.
-- deferred, anything else (a prefill chunk, another head dim, extra features such as sinks): the layer assembles
-  [history | residual | new] in the workspace (`assemble_pending()`), SDPA runs on it, flush, arm.
-
-The arming rule. A layer is armed only by this function, at the end of a call, for that layer's next update: the
-next step's update then returns the new tokens alone. The arming remembers the calling module's config, so after
-`model.set_attn_implementation("sdpa")` (or "eager") that update is a normal one. A cache handed to another model
-with another attention implementation is caught instead (`layer.DeferredLedger`): the next update of any layer
-refuses the step, takes its tokens back out and clears the arming, so that the step run again is right (with a
-single quantized layer, one step's output is wrong before the refusal). `disarm(cache)` clears the arming up front.
+What the function does with the keys a layer returned (`packed_kv.packed_source(key)`):
+- no PackedKV (DynamicCache, no cache, layers kept in full precision, prefill chunks): transformers' SDPA.
+- a static layer's (`TurboQuantStaticCache`): the fused custom op `tq_hf_cache::static_attention`.
+- a dynamic layer's (`TurboQuantCache` decode steps): the fused kernel (CUDA) or its torch math, where the step
+  fits it (few queries, head dim 64/128, no dropout or extra features); otherwise SDPA on the keys and values
+  themselves, which are `LazyKV`s that fill on first use.
+Nothing is remembered between calls: which attention runs is decided by the model at every step, and the cache
+gives every implementation what it needs.
 """
 
 from __future__ import annotations
 
 import logging
-import os
-from functools import partial
 
 import torch
 
-from . import ops, reference  # noqa: F401  (ops registers the tq_hf_cache:: custom ops)
+from . import ops  # noqa: F401  (registers the tq_hf_cache:: custom ops)
 from .kernels import DECODE_HEAD_DIMS, DECODE_MAX_ROWS, SUPPORTED_BITS  # limits only: no triton import
+from .packed_kv import MAX_FUSED_QUERIES, packed_source
 
 NAME = "turboquant"
-MAX_FUSED_QUERIES = 16  # longer queries (prefill chunks) take the workspace path
 _UNSUPPORTED_KWARGS = ("s_aux", "sinks", "softcap", "position_bias", "head_mask")
 
 logger = logging.getLogger(__name__)
 _warned: set = set()
-
-# "auto": the Triton kernel on CUDA, the torch math elsewhere; "triton": the kernel everywhere (CPU needs
-# TRITON_INTERPRET=1 set before triton is imported); "torch": the torch math everywhere.
-FUSED_BACKEND = os.environ.get("TQ_FUSED_BACKEND", "auto")
 
 
 def _sdpa(*args, **kwargs):
@@ -58,31 +43,18 @@ def _warn_once(key, msg: str) -> None:
         logger.warning(msg)
 
 
-def _fused(query, layer, mask, scale):
-    backend = FUSED_BACKEND
-    if backend == "torch" or (backend == "auto" and not query.is_cuda):
-        return reference.packed_attention(query, layer.attention_state(), mask, scale)
-    from .kernels import decode_attention as da
-
-    if mask is None:
-        # the common decode step: launch arguments cached on the layer, no state dict
-        out = da.decode_attention_layer(query, layer, scale)
-        if out is not None:
-            return out
-    return da.decode_attention(query, layer.attention_state(), mask, scale)
-
-
-def _fusable(query, key, layer, dropout, kwargs) -> bool:
+def _fusable(query, kv, dropout, kwargs) -> bool:
     if dropout or any(kwargs.get(k) is not None for k in _UNSUPPORTED_KWARGS):
         return False
     b, hq, n, d = query.shape
-    hkv = key.shape[1]
+    hkv = kv.k_packed.shape[1]
     if n > MAX_FUSED_QUERIES or hq % hkv or (hq // hkv) * n > DECODE_MAX_ROWS:
         return False
-    if d not in DECODE_HEAD_DIMS or layer.key_bits not in SUPPORTED_BITS or layer.value_bits not in SUPPORTED_BITS:
+    kbits, vbits = kv.k_codebook.bits, kv.v_codebook.bits
+    if d not in DECODE_HEAD_DIMS or kbits not in SUPPORTED_BITS or vbits not in SUPPORTED_BITS:
         _warn_once(
-            ("unsupported", d, layer.key_bits, layer.value_bits),
-            f"tq_hf_cache: no fused decode attention for head dim {d} with k{layer.key_bits}v{layer.value_bits}; "
+            ("unsupported", d, kbits, vbits),
+            f"tq_hf_cache: no fused decode attention for head dim {d} with k{kbits}v{vbits}; "
             "those steps use the workspace (dequantize + SDPA) path",
         )
         return False
@@ -101,12 +73,12 @@ def turboquant_attention_forward(
     **kwargs,
 ):
     """transformers attention-function signature; returns (attn_output (B, n, Hq, D), None) like SDPA's."""
-    packed = getattr(key, "turboquant_packed", None)  # a TurboQuantStaticLayer's ring (see static_cache.py)
-    if packed is not None:
-        return _static(query, key, value, packed, attention_mask, dropout, scaling, kwargs), None
-    if getattr(key, "_tq_layer", None) is None:  # not a TurboQuant layer's: transformers' SDPA, traceable
+    kv = packed_source(key)
+    if kv is None:  # not a TurboQuant layer's packed state: transformers' SDPA, traceable
         return _sdpa(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, is_causal=is_causal, **kwargs)
-    return _dynamic_forward(module, query, key, value, attention_mask, dropout, scaling, is_causal, **kwargs)
+    if kv.static:
+        return _static(query, key, value, kv, attention_mask, dropout, scaling, kwargs), None
+    return _dynamic(module, query, key, value, kv, attention_mask, dropout, scaling, is_causal, **kwargs)
 
 
 def _static(query, ring_k, ring_v, kv, mask, dropout, scaling, kwargs):
@@ -127,48 +99,13 @@ def _static(query, ring_k, ring_v, kv, mask, dropout, scaling, kwargs):
 
 
 @torch.compiler.disable
-def _dynamic_forward(module, query, key, value, attention_mask, dropout, scaling, is_causal, **kwargs):
-    """A TurboQuantLayer's step (eager: the dynamic cache's shapes change every step)."""
-    layer = key._tq_layer
-    if not getattr(key, "_tq_deferred", False):
-        out = _sdpa(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, is_causal=is_causal, **kwargs)
-        _arm(layer, module)
-        return out
-    if layer.pending is None:
-        # someone flushed the pending tokens (e.g. read layer.keys) between update and attention
-        k, v = layer.keys, layer.values
-        out = _sdpa(module, query, k, v, attention_mask, dropout=dropout, scaling=scaling, is_causal=is_causal, **kwargs)
-        _arm(layer, module)
-        return out
-    try:
-        if _fusable(query, key, layer, dropout, kwargs):
-            if kwargs.get("output_attentions", False):
-                _warn_once("output_attentions", "tq_hf_cache: the turboquant attention returns no attention weights")
-            out = (_fused(query, layer, attention_mask, scaling), None)
-        else:
-            k, v = layer.assemble_pending()
-            out = _sdpa(module, query, k, v, attention_mask, dropout=dropout, scaling=scaling, is_causal=is_causal, **kwargs)
-    finally:
-        layer.flush()
-    _arm(layer, module)
-    return out
-
-
-def disarm(cache) -> None:
-    """Undo the arming of every layer of a cache, before using it with another attention implementation."""
-    for layer in getattr(cache, "layers", []):
-        if hasattr(layer, "disarm"):
-            layer.disarm()
-
-
-def _still_turboquant(config) -> bool:
-    """Whether the config that armed a layer still selects this attention (checked at the layer's next update)."""
-    return getattr(config, "_attn_implementation", NAME) == NAME
-
-
-def _arm(layer, module) -> None:
-    config = getattr(module, "config", None)
-    layer.arm_deferred(partial(_still_turboquant, config) if config is not None else None)
+def _dynamic(module, query, key, value, kv, attention_mask, dropout, scaling, is_causal, **kwargs):
+    """A dynamic layer's step (eager: the dynamic cache's shapes change every step)."""
+    if _fusable(query, kv, dropout, kwargs):
+        if kwargs.get("output_attentions", False):
+            _warn_once("output_attentions", "tq_hf_cache: the turboquant attention returns no attention weights")
+        return ops.decode_attention(query, kv, attention_mask, scaling), None
+    return _sdpa(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, is_causal=is_causal, **kwargs)
 
 
 def register(name: str = NAME) -> None:

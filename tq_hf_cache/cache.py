@@ -11,7 +11,7 @@ from transformers.cache_utils import Cache, DynamicLayer
 from . import _compat
 from .codebook import Codebook, theoretical_codebook
 from .config import TurboQuantConfig, model_facts
-from .layer import DeferredLedger, TurboQuantLayer, TurboQuantSlidingLayer, hybrid_classes
+from .layer import TurboQuantLayer, TurboQuantSlidingLayer, hybrid_classes
 from .rotation import make_rotation
 from .workspace import Workspace
 
@@ -68,7 +68,6 @@ class TurboQuantCache(DynamicCache):
         self.tq_config = resolve_config(tq_config, **overrides)
         self.codebooks = codebooks
         self.workspace = Workspace()
-        self.ledger = DeferredLedger()
         self.num_model_layers = None
         self.model_facts = None
         layers = None
@@ -99,7 +98,7 @@ class TurboQuantCache(DynamicCache):
             # grows a config-less cache one full-attention layer at a time; a bound method here would make the
             # cache a reference cycle that keeps GPU buffers alive until the garbage collector runs
             self.layer_class_to_replicate = _NextLayer(
-                self.layers, self.tq_config, self.codebooks, self.workspace, self.ledger
+                self.layers, self.tq_config, self.codebooks, self.workspace
             )
 
     @classmethod
@@ -164,11 +163,11 @@ class TurboQuantCache(DynamicCache):
     def _make_layer(self, idx: int, layer_type: str, kwargs: dict, private_output: bool = False):
         return make_layer(
             self.tq_config, self.codebooks, self.workspace, self.num_model_layers, idx, layer_type, kwargs,
-            private_output, self.ledger,
+            private_output,
         )
 
     def _tq_layer(self, cls, idx: int, bits: tuple[int, int], **extra):
-        return _tq_layer(self.tq_config, self.codebooks, self.workspace, self.ledger, cls, idx, bits, **extra)
+        return _tq_layer(self.tq_config, self.codebooks, self.workspace, cls, idx, bits, **extra)
 
     def nbytes(self) -> dict[str, int]:
         """Device bytes the cache holds between steps, by kind. `full_precision` counts unquantized layers."""
@@ -194,26 +193,25 @@ class TurboQuantCache(DynamicCache):
 
 def make_layer(
     tq_config, codebooks, workspace, num_model_layers, idx: int, layer_type: str, kwargs: dict,
-    private_output: bool = False, ledger: DeferredLedger | None = None,
+    private_output: bool = False,
 ):
     """The cache layer for one decoder layer, by the layer type transformers assigns it."""
     bits = tq_config.bits_for_layer(idx, num_model_layers, layer_type)
     extra = {"private_output": True} if private_output else {}
-    ledger = ledger if ledger is not None else DeferredLedger()
     if layer_type in _UNTOUCHED_TYPES:  # recurrent / conv state only, or KV-sharing consumers: no KV here
         return _compat.transformers_layer(layer_type, kwargs, idx)
     if bits is None:
         return _compat.transformers_layer(layer_type, kwargs, idx)
     if layer_type == "full_attention":
-        return _tq_layer(tq_config, codebooks, workspace, ledger, TurboQuantLayer, idx, bits, **extra)
+        return _tq_layer(tq_config, codebooks, workspace, TurboQuantLayer, idx, bits, **extra)
     if layer_type == "hybrid":
-        return _tq_layer(tq_config, codebooks, workspace, ledger, hybrid_classes()[0], idx, bits, **extra, **kwargs)
+        return _tq_layer(tq_config, codebooks, workspace, hybrid_classes()[0], idx, bits, **extra, **kwargs)
     if layer_type in ("sliding_attention", "chunked_attention", "hybrid_sliding"):
         if int(kwargs["sliding_window"]) - 1 <= tq_config.residual_length:
             # the whole window fits in the residual: nothing would ever be quantized
             return _compat.transformers_layer(layer_type, kwargs, idx)
         cls = TurboQuantSlidingLayer if layer_type != "hybrid_sliding" else hybrid_classes()[1]
-        return _tq_layer(tq_config, codebooks, workspace, ledger, cls, idx, bits, **extra, **kwargs)
+        return _tq_layer(tq_config, codebooks, workspace, cls, idx, bits, **extra, **kwargs)
     raise ValueError(
         f"layer {idx} has layer type {layer_type!r}, which TurboQuantCache cannot quantize (it quantizes "
         f"{sorted(_QUANTIZED_TYPES)}). Keep such layers in full precision with "
@@ -221,7 +219,7 @@ def make_layer(
     )
 
 
-def _tq_layer(tq_config, codebooks, workspace, ledger, cls, idx: int, bits: tuple[int, int], **extra):
+def _tq_layer(tq_config, codebooks, workspace, cls, idx: int, bits: tuple[int, int], **extra):
     cfg = tq_config
     return cls(
         key_bits=bits[0],
@@ -234,7 +232,6 @@ def _tq_layer(tq_config, codebooks, workspace, ledger, cls, idx: int, bits: tupl
         workspace=workspace,
         norm_dtype=_NORM_DTYPES[cfg.norm_dtype],
         layer_idx=idx,
-        ledger=ledger,
         codebook_check=partial(_check_codebooks, codebooks) if codebooks is not None else None,
         **extra,
     )
@@ -249,14 +246,12 @@ def _check_codebooks(codebooks, layer_idx: int, heads: int, head_dim: int) -> No
 class _NextLayer:
     """`layer_class_to_replicate` of a config-less cache: builds layer len(layers) as a full-attention layer."""
 
-    def __init__(self, layers: list, tq_config, codebooks, workspace, ledger):
+    def __init__(self, layers: list, tq_config, codebooks, workspace):
         self.layers, self.tq_config, self.codebooks, self.workspace = layers, tq_config, codebooks, workspace
-        self.ledger = ledger
 
     def __call__(self):
         return make_layer(
-            self.tq_config, self.codebooks, self.workspace, None, len(self.layers), "full_attention", {},
-            ledger=self.ledger,
+            self.tq_config, self.codebooks, self.workspace, None, len(self.layers), "full_attention", {}
         )
 
 

@@ -2,7 +2,11 @@
 
 Tokens enter the residual window; those pushed out of it are quantized once, appended to the packed
 buffers, and never re-quantized. `update` returns [dequantized history | residual | new tokens], the
-history being written into the cache's shared workspace.
+history being written into the cache's shared workspace. For a decode step (at most MAX_FUSED_QUERIES new
+tokens) the new tokens join the residual window and `update` returns `LazyKV`s carrying the layer's
+`PackedKV`: the turboquant attention reads the packed codes directly, and anything else that reads the keys
+fills them then. The window's overflow from such a step is quantized at the layer's next update (`_settle`),
+so the step attends to exactly what the dense path would have given it.
 
 Attention sinks: the first `sink_tokens` tokens of the sequence draw a large share of the attention while
 often having small keys, so their quantization error costs more than anyone else's (benchmarks/
@@ -13,7 +17,7 @@ slots; they are quantized and packed like every other token, so nothing else cha
 from __future__ import annotations
 
 import warnings
-import weakref
+from functools import partial
 
 import torch
 from transformers.cache_utils import DynamicLayer
@@ -21,6 +25,7 @@ from transformers.cache_utils import DynamicLayer
 from . import ops
 from ._compat import IS_V5
 from .codebook import Codebook
+from .packed_kv import MAX_FUSED_QUERIES, PackedKV, lazy_pair
 from .packing import packed_bytes
 from .rotation import Rotation
 from .workspace import Workspace
@@ -35,54 +40,6 @@ FP16_MAX = 65504.0
 
 class SlidingCropError(RuntimeError, ValueError):
     """A crop a sliding-window layer cannot do; transformers raises RuntimeError (5.x) or ValueError (4.x) there."""
-
-
-class DeferredLedger:
-    """The layers of one cache, and those whose deferred update (see `arm_deferred`) the fused attention has not
-    consumed yet.
-
-    A deferred update returns only the new tokens, which is right for the turboquant attention alone. If any other
-    attention function received them, the layer's pending tokens are still there at the next update of any layer
-    of the cache. That update refuses the step: it takes the pending tokens back out (the cache is as before the
-    step), clears every layer's arming, and raises, so that the step run again is right.
-    """
-
-    def __init__(self):
-        self._members = weakref.WeakValueDictionary()  # id -> layer; weak: no reference cycle with the layers
-        self.pending: list["TurboQuantLayer"] = []
-
-    def join(self, layer) -> None:
-        self._members[id(layer)] = layer
-
-    def add(self, layer) -> None:
-        if not any(l is layer for l in self.pending):
-            self.pending.append(layer)
-
-    def remove(self, layer) -> None:
-        self.pending = [l for l in self.pending if l is not layer]
-
-    def check(self) -> None:
-        if not self.pending:
-            return
-        stale, self.pending = self.pending, []
-        idx = sorted(l.layer_idx if l.layer_idx is not None else -1 for l in stale)
-        for layer in stale:
-            layer._take_back_pending()
-        for layer in list(self._members.values()):
-            layer._defer_next, layer._defer_valid = False, None
-        raise RuntimeError(
-            f"layers {idx} of this TurboQuantCache returned only their new tokens for attn_implementation="
-            "'turboquant', but another attention implementation consumed them (the cache ran under 'turboquant' and "
-            "is now used by a model with another attention implementation). This step is refused: its tokens were "
-            "taken back out of the cache and the arming of every layer is cleared, so running the step again gives "
-            "the right result. tq_hf_cache.attention.disarm(cache) does this up front."
-        )
-
-    def __getstate__(self):
-        return {}
-
-    def __setstate__(self, state):
-        self.__init__()
 
 
 class PackedBuffer:
@@ -173,7 +130,6 @@ class TurboQuantLayer(DynamicLayer):
         layer_idx: int | None = None,
         private_output: bool = False,
         sink_tokens: int = 0,
-        ledger: DeferredLedger | None = None,
         codebook_check=None,
     ):
         DynamicLayer.__init__(self)
@@ -182,8 +138,6 @@ class TurboQuantLayer(DynamicLayer):
         self.residual_length = residual_length
         self.config_norm_dtype = norm_dtype
         self.layer_idx = layer_idx
-        self.ledger = ledger if ledger is not None else DeferredLedger()
-        self.ledger.join(self)
         self._codebook_check = codebook_check  # (layer_idx, heads, head_dim) -> None, raises on a mismatch
         self.workspace = workspace
         # KV-sharing producers: later layers keep what update returns, so it cannot live in the shared workspace
@@ -204,10 +158,6 @@ class TurboQuantLayer(DynamicLayer):
         self._sk: torch.Tensor | None = None  # exact copies of the first sink_tokens tokens (B, H, sink_tokens, D)
         self._sv: torch.Tensor | None = None
         self._slen = 0  # how many of them are kept: the quantized ones among the first sink_tokens
-        self._defer_next = False
-        self._defer_valid = None  # () -> bool: whether the attention that armed the layer still runs
-        self._pending: tuple[torch.Tensor, torch.Tensor] | None = None
-        self.ledger.remove(self)
 
     @property
     def res_k(self) -> torch.Tensor | None:
@@ -318,81 +268,69 @@ class TurboQuantLayer(DynamicLayer):
     # buffers change every step; the model's projections and MLPs around it still compile
     @torch.compiler.disable
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        self.ledger.check()
         self._validate(key_states, value_states)
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        self.cumulative_length += key_states.shape[2]
-        defer, self._defer_next = self._defer_next, False
-        if defer and self._can_defer() and (self._defer_valid is None or self._defer_valid()):
-            # the turboquant attention armed this layer and still runs: it reads packed + residual + these tokens
-            self._pending = (key_states, value_states)
-            self.ledger.add(self)
-            return _tag(key_states, self, True), _tag(value_states, self, True)
-        out_k, out_v = self._visible(*self._assemble(key_states, value_states), key_states.shape[2])
+        self._settle()
+        n = key_states.shape[2]
+        self.cumulative_length += n
+        if n <= MAX_FUSED_QUERIES and self._lazy_ok(key_states, value_states):
+            return self._decode_step(key_states, value_states)
+        out_k, out_v = self._visible(*self._assemble(key_states, value_states), n)
         self._push(key_states, value_states)
-        return _tag(out_k, self, False), _tag(out_v, self, False)
+        return out_k, out_v
 
     def _visible(self, k: torch.Tensor, v: torch.Tensor, new_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
         """What attention sees of [history | residual | new]: all of it here; sliding layers trim (see there)."""
         return k, v
 
-    def _can_defer(self) -> bool:
-        return True
+    def _lazy_ok(self, key_states: torch.Tensor, value_states: torch.Tensor) -> bool:
+        """Whether a step may return LazyKVs: not where the output must outlive the workspace (KV-sharing
+        producers, autograd)."""
+        grad = torch.is_grad_enabled() and (key_states.requires_grad or value_states.requires_grad)
+        return not (self.private_output or grad)
 
-    # --- hooks for the fused decode-attention path (tq_hf_cache.attention) ---
-    def arm_deferred(self, still_valid=None) -> None:
-        """The next `update` returns only the new tokens (tagged) and leaves them pending for the attention.
+    def _decode_step(self, key_states: torch.Tensor, value_states: torch.Tensor):
+        """Append the new tokens to the residual window and return LazyKVs of every stored token."""
+        n, lr = key_states.shape[2], self._rlen
+        self._reserve_residual(lr + n)
+        self._rk[:, :, lr : lr + n].copy_(key_states)
+        self._rv[:, :, lr : lr + n].copy_(value_states)
+        self._rlen = lr + n
+        lq = self.k_buf.length
+        if lq == 0:  # nothing packed: the residual window is the whole history
+            return self.res_k, self.res_v
+        shape = (self.batch, self.heads, lq + lr + n, self.head_dim)
+        alloc = partial(self.workspace.views, *shape, self.dtype, self.device)
+        return lazy_pair(self.packed_kv(), shape, self.dtype, alloc)
 
-        `still_valid() -> bool`, checked at that update, says whether the arming attention is still the one the
-        model runs (e.g. after `model.set_attn_implementation("sdpa")` it is not, and the update is a normal one).
-        """
-        self._defer_next = True
-        self._defer_valid = still_valid
-
-    def disarm(self) -> None:
-        """Store any pending tokens and make the next update a normal one."""
-        self.flush()
-        self._defer_next = False
-        self._defer_valid = None
-
-    @property
-    def pending(self) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """New tokens of a deferred update, not yet in the residual window or the packed buffers."""
-        return self._pending
-
-    def _take_back_pending(self) -> None:
-        """Undo a deferred update whose tokens no fused attention consumed (see DeferredLedger)."""
-        if self._pending is not None:
-            self.cumulative_length -= self._pending[0].shape[2]
-            self._pending = None
-
-    def flush(self) -> None:
-        """Move pending tokens into the cache state (residual window, quantizing what overflows)."""
-        if self._pending is not None:
-            k, v = self._pending
-            self._pending = None
-            self.ledger.remove(self)
-            self._push(k, v)
-
-    def attention_state(self) -> dict:
-        """Everything a decode-attention kernel reads: [packed history | residual | pending new tokens]."""
+    def packed_kv(self) -> PackedKV:
+        """What the layer holds, as a `PackedKV` of views (valid until the next update; no quantizer ids: they
+        serve the static layers' custom ops)."""
         pk, nk = self.k_buf.live()
         pv, nv = self.v_buf.live()
-        new_k, new_v = self._pending if self._pending is not None else (self.res_k[:, :, :0], self.res_v[:, :, :0])
-        ns = self.exact_sinks
-        return {
-            "k_packed": pk, "k_norms": nk, "v_packed": pv, "v_norms": nv,
-            "res_k": self.res_k, "res_v": self.res_v, "new_k": new_k, "new_v": new_v,
-            "sink_k": self._sk[:, :, :ns], "sink_v": self._sv[:, :, :ns],
-            "rotation": self.rotation, "k_codebook": self.k_codebook, "v_codebook": self.v_codebook,
-        }
+        lq = self.k_buf.length
+        return PackedKV(
+            pk, nk, pv, nv, self._sk, self._sv, self.res_k, self.res_v, lq + self._rlen, lq, self.rotation,
+            self.k_codebook, self.v_codebook, self.exact_sinks, -1, -1,
+        )
 
-    def assemble_pending(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """Full-precision [history | residual | pending] in the workspace, for a deferred step that needs it."""
-        if self._pending is None:
-            raise RuntimeError("assemble_pending() needs a deferred update in flight")
-        return self._visible(*self._assemble(*self._pending), self._pending[0].shape[2])
+    def _settle(self) -> None:
+        """Quantize what a decode step left beyond the residual window, and drop what left a sliding window: the
+        state a dense step's `_push` leaves."""
+        lr = self._rlen
+        drop = self._drop_old(lr)
+        if drop == 0 and lr <= self.residual_capacity:
+            return
+        fp_k, fp_v = self.res_k[:, :, drop:], self.res_v[:, :, drop:]
+        overflow = fp_k.shape[2] - self.residual_length
+        if overflow > 0:
+            self._quantize_append(fp_k[:, :, :overflow], fp_v[:, :, :overflow])
+            fp_k, fp_v = fp_k[:, :, overflow:], fp_v[:, :, overflow:]
+        keep = fp_k.shape[2]
+        self._rk[:, :, :keep] = fp_k.clone()
+        self._rv[:, :, :keep] = fp_v.clone()
+        self._rlen = keep
 
     def _assemble(self, key_states: torch.Tensor, value_states: torch.Tensor):
         """[dequantized history | residual | new] for this step's attention."""
@@ -424,11 +362,11 @@ class TurboQuantLayer(DynamicLayer):
         return wk, wv
 
     def _reserve_residual(self, tokens: int) -> None:
-        """Grow the residual buffers (doubling, up to `residual_capacity`) to hold `tokens` tokens."""
+        """Grow the residual buffers (doubling, up to `residual_capacity` plus one decode step) to hold `tokens`."""
         cap = self._rk.shape[2]
         if tokens <= cap:
             return
-        new_cap = min(max(tokens, 2 * cap), self.residual_capacity)
+        new_cap = min(max(tokens, 2 * cap), self.residual_capacity + MAX_FUSED_QUERIES)
         rk = self._rk.new_empty(self.batch, self.heads, new_cap, self.head_dim)
         rv = self._rv.new_empty(self.batch, self.heads, new_cap, self.head_dim)
         rk[:, :, : self._rlen].copy_(self.res_k)
@@ -499,7 +437,7 @@ class TurboQuantLayer(DynamicLayer):
                 buf.norms = buf.norms.float()
 
     def _materialize(self, kind: str) -> torch.Tensor | None:
-        self.flush()
+        self._settle()
         if not self.is_initialized:
             return None
         buf, cb, res = (self.k_buf, self.k_codebook, self.res_k) if kind == "key" else (self.v_buf, self.v_codebook, self.res_v)
@@ -534,9 +472,9 @@ class TurboQuantLayer(DynamicLayer):
         Zero follows the installed transformers: a no-op on 5.x (where generate calls `crop(-rejected)`, which is
         `crop(0)` when every candidate was accepted), "keep 0 tokens" on 4.x (where crop takes a length).
         """
-        self.flush()
         if not self.is_initialized:
             return
+        self._settle()
         seq = self.get_seq_length()
         if max_length < 0 or (max_length == 0 and IS_V5):
             target = seq - abs(max_length)
@@ -559,9 +497,9 @@ class TurboQuantLayer(DynamicLayer):
         self._slen = min(self._slen, stored)
 
     def _map_batch(self, fn) -> None:
-        self.flush()
         if not self.is_initialized:
             return
+        self._settle()
         self.k_buf.map_batch(fn)
         self.v_buf.map_batch(fn)
         self._rk, self._rv = fn(self._rk), fn(self._rv)
@@ -579,8 +517,8 @@ class TurboQuantLayer(DynamicLayer):
         self._map_batch(lambda t: t[indices.to(t.device) if isinstance(indices, torch.Tensor) else indices])
 
     def offload(self) -> None:
-        self.flush()
         if self.is_initialized:
+            self._settle()
             for buf in (self.k_buf, self.v_buf):
                 buf.to("cpu")
             self._rk, self._rv = self._rk.to("cpu", non_blocking=True), self._rv.to("cpu", non_blocking=True)
@@ -593,20 +531,11 @@ class TurboQuantLayer(DynamicLayer):
             self._rk, self._rv = self._rk.to(self.device, non_blocking=True), self._rv.to(self.device, non_blocking=True)
             self._sk, self._sv = self._sk.to(self.device, non_blocking=True), self._sv.to(self.device, non_blocking=True)
 
-    def __getstate__(self):
-        state = self.__dict__.copy()
-        state.pop("_tq_decode_plan", None)  # a compiled-kernel launch plan: rebuilt on first use
-        return state
-
-    def __setstate__(self, state):
-        self.__dict__.update(state)
-        self.ledger.join(self)
-
     def nbytes(self) -> dict[str, int]:
         """Bytes held between steps: packed buffers, residual window buffers (allocated capacity), sink copies."""
-        self.flush()
         if not self.is_initialized:
             return {"packed": 0, "residual": 0, "sinks": 0}
+        self._settle()
         res = (self._rk.numel() + self._rv.numel()) * self._rk.element_size()
         sinks = (self._sk.numel() + self._sv.numel()) * self._sk.element_size()
         return {"packed": self.k_buf.nbytes() + self.v_buf.nbytes(), "residual": res, "sinks": sinks}
@@ -659,8 +588,9 @@ class TurboQuantSlidingLayer(TurboQuantLayer):
         """Keep tokens that leave the window until the next `crop` (assisted decoding rolls back rejected ones)."""
         self.record_past = True
 
-    def _can_defer(self) -> bool:
-        return not self.record_past  # the fused path reads every stored token; recording keeps more than the window
+    def _lazy_ok(self, key_states: torch.Tensor, value_states: torch.Tensor) -> bool:
+        # a LazyKV holds every stored token; while recording the layer keeps more than the window shows
+        return not self.record_past and TurboQuantLayer._lazy_ok(self, key_states, value_states)
 
     def _visible(self, k: torch.Tensor, v: torch.Tensor, new_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
         """While recording, the layer holds more than the window: attention sees what `get_mask_sizes` says."""
@@ -672,7 +602,8 @@ class TurboQuantSlidingLayer(TurboQuantLayer):
     def crop(self, max_length: int) -> None:
         """As `DynamicSlidingWindowLayer.crop`: past the window only while recording, only by a count (<= 0) of
         newest tokens to remove; it also trims what is kept back to the window."""
-        self.flush()
+        if self.is_initialized:
+            self._settle()
         if not self.is_initialized or self.get_seq_length() < self.sliding_window:
             super().crop(max_length)
             return
@@ -767,13 +698,6 @@ def hybrid_classes():
         make(TurboQuantSlidingLayer, "TurboQuantLinearHybridSlidingLayer"),
     )
     return _HYBRID_CLASSES
-
-
-def _tag(t: torch.Tensor, layer: TurboQuantLayer, deferred: bool) -> torch.Tensor:
-    """Mark what `update` returns so that tq_hf_cache.attention can find the layer (and whether it deferred)."""
-    t._tq_layer = layer
-    t._tq_deferred = deferred
-    return t
 
 
 def _query_length(arg) -> int:

@@ -6,6 +6,7 @@ allocation of the packed or dequantized data is needed.
 
 from __future__ import annotations
 
+import os
 import warnings
 
 import torch
@@ -16,6 +17,10 @@ from .packing import packed_bytes
 from .rotation import Rotation
 
 _WARNED: set = set()
+
+# the fused attention's backend: "auto" (the Triton kernel on CUDA, the torch math elsewhere), "triton" (the
+# kernel everywhere; CPU needs TRITON_INTERPRET=1 set before triton is imported) or "torch"
+FUSED_BACKEND = os.environ.get("TQ_FUSED_BACKEND", "auto")
 
 
 def use_kernels(t: torch.Tensor) -> bool:
@@ -160,6 +165,29 @@ def _(packed, norms, quantizer_id, dtype):
     return packed.new_empty(b, h, t, rotation.dim, dtype=_OUT_DTYPES[dtype])
 
 
+def decode_attention(query: torch.Tensor, kv, mask: torch.Tensor | None, scale: float | None) -> torch.Tensor:
+    """Attention of query (B, Hq, n, D) over a `PackedKV` -> (B, n, Hq, D): the fused Triton kernel where it
+    serves the call (CUDA, or FUSED_BACKEND "triton"), else the torch math (`reference.packed_attention` for a
+    dynamic layer, `reference.static_attention` for a static one)."""
+    backend = FUSED_BACKEND
+    if backend == "triton" or (backend == "auto" and use_kernels(query)):
+        if kernel_serves(query, kv):
+            from .kernels.decode_attention import decode_attention as kernel
+
+            return kernel(query, kv, mask, scale)
+    if kv.static:
+        return reference.static_attention(query, kv, mask, scale)
+    return reference.packed_attention(query, kv, mask, scale)
+
+
+def kernel_serves(query: torch.Tensor, kv) -> bool:
+    """Whether the fused Triton kernel takes this query over this PackedKV (else the torch math does)."""
+    b, hq, n, d = query.shape
+    hkv = kv.k_packed.shape[1]
+    return (kernels.available() and hq % hkv == 0
+            and kernels.decode_supports(d, kv.k_codebook.bits, kv.v_codebook.bits, n, hq // hkv))
+
+
 @torch.library.custom_op("tq_hf_cache::static_attention", mutates_args=("scratch", "counters"))
 def static_attention(
     query: torch.Tensor,
@@ -183,13 +211,13 @@ def static_attention(
 ) -> torch.Tensor:
     """Attention of query (B, Hq, n, D) over a static layer's positions (see `PackedKV`) -> (B, n, Hq, D).
     The Triton kernel on CUDA, `reference.static_attention` elsewhere."""
-    kv = packed_kv(k_packed, k_norms, v_packed, v_norms, sink_k, sink_v, length, exact_from, sinks, k_quantizer,
-                   v_quantizer, scratch, counters)
-    if use_kernels(query) and static_kernel_ok(query, kv):
-        from .kernels.decode_attention import static_decode_attention
+    from .packed_kv import PackedKV
 
-        return static_decode_attention(query, ring_k, ring_v, kv, mask, scale)
-    return reference.static_attention(query, ring_k, ring_v, kv, mask, scale)
+    rotation, kcb = quantizer(k_quantizer)
+    _, vcb = quantizer(v_quantizer)
+    kv = PackedKV(k_packed, k_norms, v_packed, v_norms, sink_k, sink_v, ring_k, ring_v, length, exact_from, rotation,
+                  kcb, vcb, sinks, k_quantizer, v_quantizer, scratch, counters)
+    return decode_attention(query, kv, mask, scale)
 
 
 @static_attention.register_fake
@@ -197,20 +225,3 @@ def _(query, ring_k, ring_v, k_packed, k_norms, v_packed, v_norms, sink_k, sink_
       k_quantizer, v_quantizer, scale, scratch, counters):
     b, hq, n, d = query.shape
     return query.new_empty(b, n, hq, d)
-
-
-def packed_kv(k_packed, k_norms, v_packed, v_norms, sink_k, sink_v, length, exact_from, sinks: int,
-              k_quantizer: int, v_quantizer: int, scratch, counters):
-    from .packed_kv import PackedKV
-
-    rotation, kcb = quantizer(k_quantizer)
-    _, vcb = quantizer(v_quantizer)
-    return PackedKV(k_packed, k_norms, v_packed, v_norms, sink_k, sink_v, length, exact_from, rotation, kcb, vcb,
-                    sinks, k_quantizer, v_quantizer, scratch, counters)
-
-
-def static_kernel_ok(query: torch.Tensor, kv) -> bool:
-    """Whether the fused Triton kernel serves this static attention call (else the torch reference does)."""
-    b, hq, n, d = query.shape
-    hkv = kv.k_packed.shape[1]
-    return hq % hkv == 0 and kernels.decode_supports(d, kv.k_codebook.bits, kv.v_codebook.bits, n, hq // hkv)

@@ -1,10 +1,14 @@
-"""`PackedKV`: the tensors a static TurboQuant layer attends over, the one thing its kernels, the torch reference
-and the attention function exchange.
+"""The seam between TurboQuant cache layers and attention: `PackedKV` (what a layer holds, as tensors) and
+`LazyKV` (what a dynamic layer's `update` returns for a decode step).
 
-Positions [0, length) are held; every one of them is quantized into the packed buffers at its slot. Positions
-[exact_from, length) also sit exact in a ring buffer (slot = position % ring size); the first `sinks` positions
-have exact copies (attention sinks). Attention reads each position once: the exact copy where there is one,
-else the packed one. The ring itself is not a field: it is what the layer returns as keys and values.
+`PackedKV` is the one object the kernels, the torch reference and the attention function exchange. A layer's
+positions [0, length) are read as follows:
+- [0, sinks): the exact copies in `sink_k` / `sink_v` (attention sinks);
+- [sinks, exact_from): the packed codes and norms at slot = position;
+- [exact_from, length): the exact copies in the ring `ring_k` / `ring_v`.
+A dynamic layer (`TurboQuantCache`) has host-int lengths and its ring is its residual window, in order (slot =
+position - exact_from). A static layer (`TurboQuantStaticCache`) has its lengths on the device (a captured CUDA
+graph replays them) and quantizes every position as it arrives; its ring holds position p at slot p % ring size.
 """
 
 from __future__ import annotations
@@ -12,24 +16,30 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from torch.utils._pytree import tree_map_only
 
 from .codebook import Codebook
 from .rotation import Rotation
+
+MAX_FUSED_QUERIES = 16  # queries per step that the fused attention serves; longer ones (prefill chunks) get dense K/V
+PACKED_ATTR = "turboquant_packed"  # the attribute that carries a PackedKV on the keys a layer returns
 
 
 @dataclass(eq=False)
 class PackedKV:
     """Args:
-        k_packed, v_packed: (B, H, capacity, bytes) uint8, one packed vector per position.
-        k_norms, v_norms: (B, H, capacity) float16 or float32.
+        k_packed, v_packed: (B, H, slots, bytes) uint8, one packed vector per position (slot = position).
+        k_norms, v_norms: (B, H, slots) float16 or float32.
         sink_k, sink_v: (B, H, >= sinks, D): the first `sinks` slots are exact copies of positions [0, sinks).
-            (Whole buffers, not views: a compiled graph must not take two aliasing inputs.)
-        length: () int64 on the device, positions held.
-        exact_from: () int64 on the device, the first position the ring holds exactly.
+        ring_k, ring_v: (B, H, ring, D): exact copies of positions [exact_from, length) (see the module docstring).
+            None in the PackedKV a static layer's ring carries (the ring is the keys / values it returned).
+        length: positions held; exact_from: the first position the ring holds. Host ints (dynamic layer) or ()
+            int64 tensors on the device (static layer).
         rotation, k_codebook, v_codebook: the quantizer (on the device).
         sinks: how many sink positions there are (may be 0).
         k_quantizer, v_quantizer: their ids in `tq_hf_cache.ops` (custom ops take ids, not objects).
-        scratch, counters: the fused kernel's split-K scratch (float32) and arrival counters (int32, zero).
+        scratch, counters: the fused kernel's split-K scratch (float32) and arrival counters (int32, zero); None
+            lets the kernel use its own per-device ones (eager use only).
     """
 
     k_packed: torch.Tensor
@@ -38,20 +48,32 @@ class PackedKV:
     v_norms: torch.Tensor
     sink_k: torch.Tensor
     sink_v: torch.Tensor
-    length: torch.Tensor
-    exact_from: torch.Tensor
+    ring_k: torch.Tensor | None
+    ring_v: torch.Tensor | None
+    length: torch.Tensor | int
+    exact_from: torch.Tensor | int
     rotation: Rotation
     k_codebook: Codebook
     v_codebook: Codebook
     sinks: int
     k_quantizer: int
     v_quantizer: int
-    scratch: torch.Tensor
-    counters: torch.Tensor
+    scratch: torch.Tensor | None = None
+    counters: torch.Tensor | None = None
 
     @property
     def capacity(self) -> int:
         return self.k_packed.shape[2]
+
+    @property
+    def static(self) -> bool:
+        """Whether the lengths live on the device (a static layer: every shape fixed, the ring wraps)."""
+        return isinstance(self.length, torch.Tensor)
+
+
+def packed_source(key: torch.Tensor) -> PackedKV | None:
+    """The `PackedKV` behind keys a TurboQuant layer returned, else None."""
+    return getattr(key, PACKED_ATTR, None)
 
 
 def ring_positions(length: torch.Tensor, exact_from: torch.Tensor, ring: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -69,9 +91,8 @@ def ring_positions(length: torch.Tensor, exact_from: torch.Tensor, ring: int) ->
 
 def overlay_exact(full: torch.Tensor, ring: torch.Tensor, sinks: torch.Tensor, length: torch.Tensor,
                   exact_from: torch.Tensor) -> torch.Tensor:
-    """Write the exact copies (sinks, then the live ring slots) over `full` (B, H, capacity, D), in place.
-
-    Positions at or past `length` may receive stale values; attention masks them."""
+    """Write a static layer's exact copies (sinks, then the live ring slots) over `full` (B, H, capacity, D), in
+    place. Positions at or past `length` may receive stale values; attention masks them."""
     s = sinks.shape[2]
     if s:
         full[:, :, :s].copy_(sinks)
@@ -79,3 +100,77 @@ def overlay_exact(full: torch.Tensor, ring: torch.Tensor, sinks: torch.Tensor, l
     vals = torch.where(live[None, None, :, None], ring.to(full.dtype), full.index_select(2, pos))
     full.index_copy_(2, pos, vals)
     return full
+
+
+def fill_dense(out: torch.Tensor, kv: PackedKV, kind: str) -> torch.Tensor:
+    """Write a dynamic PackedKV's keys (kind "key") or values, dequantized, into out (B, H, length, D)."""
+    from . import ops
+
+    lq = kv.exact_from
+    if kind == "key":
+        packed, norms, cb, sinks, ring = kv.k_packed, kv.k_norms, kv.k_codebook, kv.sink_k, kv.ring_k
+    else:
+        packed, norms, cb, sinks, ring = kv.v_packed, kv.v_norms, kv.v_codebook, kv.sink_v, kv.ring_v
+    if lq:
+        ops.dequantize_into(packed[:, :, :lq], norms[:, :, :lq], kv.rotation, cb, out[:, :, :lq])
+        if kv.sinks:
+            out[:, :, : kv.sinks].copy_(sinks[:, :, : kv.sinks])
+    out[:, :, lq : kv.length].copy_(ring[:, :, : kv.length - lq])
+    return out
+
+
+# metadata that reading does not need the data for: answered without filling a LazyKV
+_METADATA = frozenset({
+    "shape", "dtype", "device", "size", "dim", "ndim", "ndimension", "stride", "is_cuda", "requires_grad", "numel",
+    "element_size", "is_contiguous", "layout", "data_ptr", "__len__", "is_floating_point", "is_complex",
+    "storage_offset", "get_device", "is_meta", "is_sparse", "is_quantized", "is_nested", "grad_fn", "is_leaf",
+})
+
+
+class LazyKV(torch.Tensor):
+    """Dense keys or values of a dynamic layer that are written only when something reads them.
+
+    A dynamic layer's decode step returns a pair of these, carrying the layer's `PackedKV` (attribute
+    `turboquant_packed`). The turboquant attention reads the PackedKV and never touches the data, so the step
+    allocates nothing. Any other consumer (SDPA, eager, flex, user code) triggers the fill on its first torch
+    operation: the pair takes its views of the cache's shared workspace, the dequantized keys or values are
+    written there, and the consumer gets that plain dense tensor. So every attention implementation sees the
+    right keys and values at every step. Like any workspace view, a LazyKV is valid until the next layer's update.
+    Until filled, a LazyKV is a stride-0 view of one element: metadata reads (shape, dtype, device) need no data.
+    """
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = getattr(func, "__name__", "")
+        if name == "__get__":  # a property such as .shape
+            name = getattr(getattr(func, "__self__", None), "__name__", name)
+        with torch._C.DisableTorchFunctionSubclass():
+            if name not in _METADATA:
+                args, kwargs = tree_map_only(LazyKV, LazyKV.dense, (args, kwargs))
+            return func(*args, **kwargs)
+
+    def dense(self) -> torch.Tensor:
+        """The filled plain tensor (allocated and filled once)."""
+        state = self.__dict__
+        if state["_dense"] is None:
+            pair = state["_pair"]
+            if pair["views"] is None:
+                pair["views"] = pair["alloc"]()
+            out = pair["views"][0 if state["_kind"] == "key" else 1]
+            with torch._C.DisableTorchFunctionSubclass():
+                state["_dense"] = fill_dense(out, state[PACKED_ATTR], state["_kind"])
+        return state["_dense"]
+
+
+def lazy_pair(kv: PackedKV, shape: tuple, dtype: torch.dtype, alloc) -> tuple[LazyKV, LazyKV]:
+    """LazyKVs of kv's keys and values, of `shape` (B, H, length, D); `alloc() -> (key buffer, value buffer)`
+    gives their storage when the first of them is filled."""
+    placeholder = torch.empty(1, dtype=dtype, device=kv.k_packed.device).expand(*shape)
+    pair = {"alloc": alloc, "views": None}
+    out = []
+    for kind in ("key", "value"):
+        t = placeholder.as_subclass(LazyKV)
+        t.__dict__.update({PACKED_ATTR: kv, "_kind": kind, "_pair": pair, "_dense": None})
+        out.append(t)
+    return out[0], out[1]

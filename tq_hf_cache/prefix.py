@@ -49,10 +49,11 @@ def save_prefix(cache, path: str, token_ids) -> str:
     """Write `cache` (a TurboQuantCache holding exactly the tokens `token_ids`) into folder `path`; returns it."""
     from safetensors.torch import save_file
 
-    from .attention import disarm
     from .layer import TurboQuantLayer
 
-    disarm(cache)  # pending tokens of a fused step belong to the cache's state
+    for layer in cache.layers:
+        if isinstance(layer, TurboQuantLayer) and layer.is_initialized:
+            layer._settle()  # what a decode step left beyond the residual window: stored as a dense step leaves it
     ids = torch.as_tensor(token_ids)
     if ids.dim() == 1:
         ids = ids.unsqueeze(0)

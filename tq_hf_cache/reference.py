@@ -160,32 +160,30 @@ def softmax_rows(s: torch.Tensor) -> torch.Tensor:
     return torch.softmax(s, dim=-1).masked_fill(blind, 0.0)
 
 
-def packed_attention(query: torch.Tensor, state: dict, mask: torch.Tensor | None, scale: float | None) -> torch.Tensor:
-    """The fused decode kernel's math (fp32): query (B, Hq, n, D) over [packed | residual | new] in `state`
-    (`TurboQuantLayer.attention_state()`), with the exact sink copies in place of the first packed tokens.
+def packed_attention(query: torch.Tensor, kv, mask: torch.Tensor | None, scale: float | None) -> torch.Tensor:
+    """The fused decode kernel's math (fp32) for a dynamic layer's `PackedKV`: query (B, Hq, n, D) over
+    [sinks | packed | ring]; the n queries are the last n positions.
 
     The packed part stays in the rotated domain: scores are (Pi q) . c[idx] times the key norm, and the value
     sum c[idx] weighted by probability x norm is rotated back once per query. Returns (B, n, Hq, D) in the
     query's dtype.
     """
     b, hq, n, d = query.shape
-    rot, kcb, vcb = state["rotation"], state["k_codebook"], state["v_codebook"]
-    hkv, lq = state["k_packed"].shape[1], state["k_packed"].shape[2]
+    rot, kcb, vcb = kv.rotation, kv.k_codebook, kv.v_codebook
+    lq, t, ns = int(kv.exact_from), int(kv.length), kv.sinks
+    hkv = kv.k_packed.shape[1]
     g = hq // hkv
-    sk, sv = state.get("sink_k"), state.get("sink_v")
-    ns = 0 if sk is None else sk.shape[2]
     q = query.float().reshape(b, hkv, g * n, d)  # the g query heads sharing a KV head as rows
-    kf = torch.cat([state["res_k"], state["new_k"]], dim=2).float()
-    vf = torch.cat([state["res_v"], state["new_v"]], dim=2).float()
+    kf, vf = kv.ring_k[:, :, : t - lq].float(), kv.ring_v[:, :, : t - lq].float()
     if ns:
-        kf, vf = torch.cat([sk.float(), kf], dim=2), torch.cat([sv.float(), vf], dim=2)
-    kc = centroids(state["k_packed"][:, :, ns:], kcb, d)  # (B, Hkv, lq - ns, D): rotated unit vectors
-    vc = centroids(state["v_packed"][:, :, ns:], vcb, d)
+        kf = torch.cat([kv.sink_k[:, :, :ns].float(), kf], dim=2)
+        vf = torch.cat([kv.sink_v[:, :, :ns].float(), vf], dim=2)
+    kc = centroids(kv.k_packed[:, :, ns:lq], kcb, d)  # (B, Hkv, lq - ns, D): rotated unit vectors
+    vc = centroids(kv.v_packed[:, :, ns:lq], vcb, d)
     scale = d**-0.5 if scale is None else scale
-    s_packed = (rot.forward(q) @ kc.transpose(-1, -2)) * (state["k_norms"][:, :, None, ns:].float() * scale)
+    s_packed = (rot.forward(q) @ kc.transpose(-1, -2)) * (kv.k_norms[:, :, None, ns:lq].float() * scale)
     s_exact = (q @ kf.transpose(-1, -2)) * scale
-    t = lq + kf.shape[2] - ns
-    # positions: [sinks | packed after the sinks | residual + new], the order of `s` below
+    # positions: [sinks | packed after the sinks | ring], the order of `s` below
     s = torch.cat([s_exact[..., :ns], s_packed, s_exact[..., ns:]], dim=-1).view(b, hq, n, t)
     if mask is None and n == 1:  # one query at the last position sees every key: nothing to mask
         p = torch.softmax(s, dim=-1).view(b, hkv, g * n, t)
@@ -200,19 +198,12 @@ def packed_attention(query: torch.Tensor, state: dict, mask: torch.Tensor | None
         else:
             s = s + mask.float()
         p = softmax_rows(s).view(b, hkv, g * n, t)
-    p_packed = p[..., ns:lq] * state["v_norms"][:, :, None, ns:].float()
+    p_packed = p[..., ns:lq] * kv.v_norms[:, :, None, ns:lq].float()
     out = rot.inverse(p_packed @ vc) + p[..., :ns] @ vf[:, :, :ns] + p[..., lq:] @ vf[:, :, ns:]
     return out.view(b, hq, n, d).transpose(1, 2).to(query.dtype).contiguous()
 
 
-def static_attention(
-    query: torch.Tensor,
-    ring_k: torch.Tensor,
-    ring_v: torch.Tensor,
-    kv,
-    mask: torch.Tensor | None = None,
-    scale: float | None = None,
-) -> torch.Tensor:
+def static_attention(query: torch.Tensor, kv, mask: torch.Tensor | None = None, scale: float | None = None) -> torch.Tensor:
     """Attention of query (B, Hq, n, D) over the positions a static layer holds (`PackedKV`), by definition:
     dequantize every slot, write the exact copies over theirs, attend to [0, length) (the n queries are the last
     n positions; a mask, over absolute positions, decides instead when given). Returns (B, n, Hq, D)."""
@@ -223,8 +214,8 @@ def static_attention(
     keys = dequantize(kv.k_packed, kv.k_norms, kv.rotation, kv.k_codebook, torch.float32)
     vals = dequantize(kv.v_packed, kv.v_norms, kv.rotation, kv.v_codebook, torch.float32)
     s = kv.sinks
-    overlay_exact(keys, ring_k.float(), kv.sink_k[:, :, :s].float(), kv.length, kv.exact_from)
-    overlay_exact(vals, ring_v.float(), kv.sink_v[:, :, :s].float(), kv.length, kv.exact_from)
+    overlay_exact(keys, kv.ring_k.float(), kv.sink_k[:, :, :s].float(), kv.length, kv.exact_from)
+    overlay_exact(vals, kv.ring_v.float(), kv.sink_v[:, :, :s].float(), kv.length, kv.exact_from)
     pos = torch.arange(cap, device=query.device)
     if mask is None:
         q_pos = kv.length - n + torch.arange(n, device=query.device)

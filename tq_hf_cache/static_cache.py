@@ -28,20 +28,14 @@ from transformers import cache_utils
 from transformers.cache_utils import Cache, StaticLayer
 
 from . import _compat, ops
-from .attention import MAX_FUSED_QUERIES, NAME
+from .attention import NAME
 from .cache import _check_codebooks, _codebook, _rotation, resolve_config
 from .config import model_facts
 from .kernels import DECODE_MAX_ROWS, decode_supports
-from .packed_kv import PackedKV, overlay_exact
+from .packed_kv import MAX_FUSED_QUERIES, PACKED_ATTR, PackedKV, overlay_exact
 from .packing import packed_bytes
 
-PACKED_ATTR = "turboquant_packed"
 _NORM_DTYPES = {"float16": torch.float16, "float32": torch.float32}
-
-
-def packed_source(key: torch.Tensor) -> PackedKV | None:
-    """The `PackedKV` of the static TurboQuant layer whose ring buffer `key` is, else None."""
-    return getattr(key, PACKED_ATTR, None)
 
 
 class _Shared:
@@ -154,8 +148,9 @@ class TurboQuantStaticLayer(StaticLayer):
         rows = min(DECODE_MAX_ROWS, _next_pow2(self._group * MAX_FUSED_QUERIES))
         splits = _max_splits(b * h, cap, dev)
         self._shared.ensure(b * h * (splits + 1) * rows * (d + 2), b * h, dev)
+        # the ring is what update returns, and it carries this PackedKV: the ring fields stay None (no cycle)
         self.packed = PackedKV(
-            k_packed, k_norms, v_packed, v_norms, self._sink_k, self._sink_v,
+            k_packed, k_norms, v_packed, v_norms, self._sink_k, self._sink_v, None, None,
             self.cumulative_length, self.exact_from, rotation, kcb, vcb, sinks,
             ops.quantizer_id(rotation, kcb), ops.quantizer_id(rotation, vcb), self._shared.scratch,
             self._shared.counters,

@@ -197,9 +197,7 @@ def fill_tq(cache, b, L):
     r = min(a.residual, L)
     for i, layer in enumerate(cache.layers):
         k = torch.randn(b, HKV, r, D, device=DEV, dtype=torch.bfloat16)
-        layer.arm_deferred()
         cache.update(k, torch.randn_like(k), i)
-        layer.flush()
         n = L - r
         for buf in (layer.k_buf, layer.v_buf):
             pk, nk = buf.append_slots(n)
@@ -275,10 +273,7 @@ def run_method(kind, b, L, cache=None):
         if kind == "tq_fused":
             cache.workspace.clear()  # the fused path needs no workspace: do not count the one the other path left
             model.set_attn_implementation(attention.NAME)
-            for layer in cache.layers:
-                layer.arm_deferred()
         else:
-            attention.disarm(cache) if kind.startswith("tq") else None
             model.set_attn_implementation("sdpa")
         torch.cuda.synchronize()
         gc.collect()

@@ -1,5 +1,5 @@
 """Runs against an older package: DIAG and LAST_COMPILED exist up to commit 4833ec6, _old_decode_attention before
-that; kept for its method. Variants of the fused decode kernel on one layer (B, 32 q heads, 8 KV heads, d=128, k4v4): wall (do_bench),
+that, decode_attention_layer / attention_state / arm_deferred up to commit 51e657d; kept for its method. Variants of the fused decode kernel on one layer (B, 32 q heads, 8 KV heads, d=128, k4v4): wall (do_bench),
 kernel-only (profiler) time, registers and spills; then the host cost per call of the launchers (state-dict
 launcher vs the per-layer cached launch, and the previous two-kernel launcher if
 tq_hf_cache/kernels/_old_decode_attention.py is there). Usage: python benchmarks/studies/diag_decode_kernel.py [--quick | --host]"""

@@ -171,8 +171,11 @@ class SimMixin:
         hk, hv = self._hk[:, :, -lq:], self._hv[:, :, -lq:]
         return torch.cat([hk, self.res_k, key_states], 2), torch.cat([hv, self.res_v, value_states], 2)
 
+    def _lazy_ok(self, key_states, value_states):
+        return False  # every step through _assemble, which reads the simulated history
+
     def _materialize(self, kind):
-        self.flush()
+        self._settle()
         if not self.is_initialized:
             return None
         lq = self.k_buf.length

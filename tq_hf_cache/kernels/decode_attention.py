@@ -3,12 +3,12 @@
 Math. A packed key is k = ||k|| Pi^T c[idx_k], so q.k = ||k|| (Pi q).c[idx_k]: the query is rotated once
 (q' = Pi q) and scored against centroids, never materializing the key. Values are accumulated in the rotated
 domain, sum_j p_j ||v_j|| c[idx_vj], and rotated back once (y @ Pi = Pi^T y) after the split-K reduction.
-The full-precision residual window and the pending new tokens are an unrotated segment with its own
-accumulator; both share one online-softmax state, so the result is exactly softmax over
-[packed | residual | new].
+The exact copies (sinks, then the ring: a dynamic layer's residual window, which holds the step's new tokens,
+or a static layer's ring buffer) are an unrotated segment with its own accumulator; both share one
+online-softmax state, so the result is exactly softmax over every position the layer holds (see `PackedKV`).
 
 Layout. Grid (B * Hkv, S + 1). Programs 0..S-1 of a (batch, KV head) each take a contiguous slice of the packed
-history; program S takes the residual window and the new tokens. All query heads of one KV head (GQA) and all n
+history; program S takes the exact copies. All query heads of one KV head (GQA) and all n
 queries are the M rows of one tile (row r = g * n + i for query head Hkv_idx * G + g and query i), so each packed
 byte is read once per KV head. Partial (m, l, acc) go to a cached fp32 scratch; `_reduce_kernel` merges them,
 rotates the packed part back and writes (B, n, Hq, D) in the model dtype.
@@ -19,6 +19,8 @@ With a mask (boolean True = attend, or additive), only the mask decides, as in `
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import triton
 import triton.language as tl
@@ -26,6 +28,9 @@ import triton.language as tl
 from . import decode_supports as supports
 from . import num_splits_for
 from . import _common as C
+
+if TYPE_CHECKING:
+    from ..packed_kv import PackedKV
 
 LOG2E = 1.4426950408889634
 BLOCK_N = 64
@@ -152,7 +157,7 @@ def _fp_segment(q, acc, m_i, l_i, k_base, v_base, sk, sv, length, pos0, scale_lo
     return acc, m_i, l_i
 
 
-@triton.jit(do_not_specialize=["Lq", "Lr", "N", "P0", "Ls", "tok_per_split", "num_splits", "ring"])
+@triton.jit(do_not_specialize=["Lq", "Lr", "N", "Ls", "tok_per_split", "num_splits", "ring"])
 def _decode_kernel(
     q_ptr, sqb, sqh, sqn,
     pi_ptr,
@@ -161,12 +166,10 @@ def _decode_kernel(
     kc_ptr, vc_ptr,
     rk_ptr, srkb, srkh, rv_ptr, srvb, srvh,
     sk_ptr, sskb, sskh, sv_ptr, ssvb, ssvh,
-    nk_ptr, snkb, snkh, snkt,
-    nv_ptr, snvb, snvh, snvt,
     m_ptr, smb, smh, smi, smt,
     o_ptr, sob, son, soh,
     acc_ptr, ml_ptr, cnt_ptr,
-    Hkv, Lq, Lr, N, P0, Ls, tok_per_split, num_splits, scale_log2,
+    Hkv, Lq, Lr, N, Ls, tok_per_split, num_splits, scale_log2,
     len_ptr, from_ptr, ring,
     G: tl.constexpr, D: tl.constexpr, KBITS: tl.constexpr, VBITS: tl.constexpr,
     KPT: tl.constexpr, VPT: tl.constexpr, KC_SH: tl.constexpr, VC_SH: tl.constexpr,
@@ -177,9 +180,10 @@ def _decode_kernel(
     """One launch: programs (pid, split) write partial (m, l, acc) for their slice, all in the unrotated domain
     (the packed splits rotate their accumulator back themselves); the last program of a (batch, KV head) to
     finish, found with an acq_rel counter, merges the S + 1 partials and writes the output, then re-zeroes the
-    counter. Packed buffers are (B, H, capacity, bytes) with live tokens from P0 on (token strides KPT / VPT
-    bytes, norms 1 element); the residual and sink buffers' token stride is D. The first Ls packed tokens are
-    skipped: their exact copies (the attention sinks) are attended to with the residual window instead."""
+    counter. Packed buffers are (B, H, slots, bytes) (token strides KPT / VPT bytes, norms 1 element); the ring
+    and sink buffers' token stride is D. The first Ls packed tokens are skipped: their exact copies (the
+    attention sinks) are attended to with the ring instead. Dynamic layers: host lengths, packed [0, Lq), ring
+    [Lq, Lq + Lr) in order. STATIC: lengths on the device, the ring holds position p at slot p % ring."""
     pid = tl.program_id(0)
     split = tl.program_id(1)
     b = (pid // Hkv).to(tl.int64)
@@ -193,15 +197,13 @@ def _decode_kernel(
     q = tl.load(q_ptr + b * sqb + heads[:, None] * sqh + row_i[:, None] * sqn + d[None, :],
                 mask=row_ok[:, None], other=0.0).to(tl.float32)
     m_base = m_ptr + b * smb
-    if STATIC:  # a static layer: lengths on the device; the ring holds [Lq, T) and the new tokens are in it
+    if STATIC:  # a static layer: lengths on the device
         T = tl.load(len_ptr).to(tl.int32)
         Lq = tl.load(from_ptr).to(tl.int32)
         Lr = T - Lq
         Ls = tl.minimum(Ls, Lq)
-        n_new = 0
     else:
-        T = Lq + Lr + N
-        n_new = N
+        T = Lq + Lr
     causal_limit = T - N + row_i  # the last position query i may see (used without a mask)
     acc = tl.zeros((BLOCK_M, D), dtype=tl.float32)
     m_i = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
@@ -212,10 +214,10 @@ def _decode_kernel(
         qr = (tl.dot(q, pit) * scale_log2).to(tl.float16)
         start = split * tok_per_split
         end = tl.minimum(start + tok_per_split, Lq)
-        kp = kp_ptr + b * skpb + h * skph + P0.to(tl.int64) * KPT
-        vp = vp_ptr + b * svpb + h * svph + P0.to(tl.int64) * VPT
-        kn = kn_ptr + b * sknb + h * sknh + P0
-        vn = vn_ptr + b * svnb + h * svnh + P0
+        kp = kp_ptr + b * skpb + h * skph
+        vp = vp_ptr + b * svpb + h * svph
+        kn = kn_ptr + b * sknb + h * sknh
+        vn = vn_ptr + b * svnb + h * svnh
         kc = kc_ptr + h * KC_SH
         vc = vc_ptr + h * VC_SH
         if PREFETCH == 2:  # software pipelining by hand: the next tile's bytes load during this tile's math
@@ -259,16 +261,13 @@ def _decode_kernel(
         pi = tl.load(pi_ptr + d[:, None] * D + d[None, :])
         acc = tl.dot(acc, pi)
     else:
-        # full-precision sinks, residual window, then the pending new tokens, unrotated
+        # the exact copies, unrotated: sinks, then the ring
         acc, m_i, l_i = _fp_segment(q, acc, m_i, l_i, sk_ptr + b * sskb + h * sskh, sv_ptr + b * ssvb + h * ssvh,
                                     D, D, Ls, 0, scale_log2, row_ok, row_i, heads, m_base, smh, smi, smt,
                                     causal_limit, ring, D, BLOCK_N, MASK_KIND, False)
         acc, m_i, l_i = _fp_segment(q, acc, m_i, l_i, rk_ptr + b * srkb + h * srkh, rv_ptr + b * srvb + h * srvh,
                                     D, D, Lr, Lq, scale_log2, row_ok, row_i, heads, m_base, smh, smi, smt,
                                     causal_limit, ring, D, BLOCK_N, MASK_KIND, STATIC)
-        acc, m_i, l_i = _fp_segment(q, acc, m_i, l_i, nk_ptr + b * snkb + h * snkh, nv_ptr + b * snvb + h * snvh,
-                                    snkt, snvt, n_new, Lq + Lr, scale_log2, row_ok, row_i, heads, m_base, smh, smi,
-                                    smt, causal_limit, ring, D, BLOCK_N, MASK_KIND, False)
     # partials: only the R (>= G * N) live rows of the tile
     base = pid.to(tl.int64) * (num_splits + 1)
     slot = base + split
@@ -314,21 +313,20 @@ def _decode_kernel(
                  out.to(o_ptr.dtype.element_ty), mask=(rr < G * N)[:, None])
 
 
+
 # ---------------------------------------------------------------------------------------------------------------
-# launchers: `decode_attention` (any state dict, every check) and `decode_attention_layer` (a TurboQuantLayer's
-# decode step, with its launch arguments cached per layer)
+# the launcher
 
 _SCRATCH: dict[torch.device, torch.Tensor] = {}
 _COUNTERS: dict[torch.device, torch.Tensor] = {}
 DEFAULT_LUT = 1
-DEFAULT_PREFETCH = 2  # measured on the H100 (diag_decode_kernel_h100_run3.json): 3-6% faster than 0, no spills
+DEFAULT_PREFETCH = 2  # measured on the H100: 3-6% faster than 0, no spills
 DEFAULT_WARPS = 4
-DEFAULT_STAGES = None  # None: triton's default
 MERGE_ROWS = 64  # splits merged per step of the final merge: SC * R tile rows
 
 
 def _scratch(device: torch.device, numel: int) -> torch.Tensor:
-    """One fp32 split-K scratch per device, grown (never shrunk) on demand."""
+    """One fp32 split-K scratch per device for eager calls, grown (never shrunk) on demand."""
     buf = _SCRATCH.get(device)
     if buf is None or buf.numel() < numel:
         _SCRATCH.pop(device, None)
@@ -378,10 +376,6 @@ def _packed(t: torch.Tensor) -> torch.Tensor:
     return t if C.rows_aligned(t) else t.clone(memory_format=torch.contiguous_format)
 
 
-def _row(t: torch.Tensor) -> torch.Tensor:
-    return t if t.stride(-1) == 1 else t.contiguous()
-
-
 def _mask_args(mask, b, hq, n, t, query):
     if mask is None:
         return 0, query, (0, 0, 0, 0)
@@ -396,335 +390,97 @@ def _mask_args(mask, b, hq, n, t, query):
     return kind, m_arg, m_arg.stride()
 
 
-def _runtime_args(q, qs, pi, kp, kn, vp, vn, kc, vc, rk, rv, sk, sv, nk, nks, nv, nvs, m_arg, ms, out, os_, acc, ml, cnt,
-                  hkv, lq, lr, n, p0, ls, tok_per_split, num_splits, scale_log2, lens=None, ring=0) -> list:
-    """_decode_kernel's runtime arguments in order (the general launcher and the per-layer plan both build them here;
-    qs / nks / nvs / ms / os_ are the strides the kernel takes of q, new K, new V, the mask and out)."""
-    return [
-        q, *qs,
+def decode_attention(
+    query: torch.Tensor,
+    kv: PackedKV,
+    mask: torch.Tensor | None = None,
+    scale: float | None = None,
+    *,
+    num_splits: int | None = None,
+    block_n: int = BLOCK_N,
+    num_warps: int | None = None,
+    lut: int | None = None,
+    prefetch: int | None = None,
+    num_stages: int | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Attention of query (B, Hq, n, D) over every position of `kv` (see `PackedKV`); the n queries are the last n
+    positions.
+
+    mask: None (causal), or boolean (True = attend) / additive, broadcastable to (B, Hq, n, T), T being `length`
+    (dynamic) or the capacity (static); a longer last dim is cut to T. A static layer's lengths are read on the
+    device and the grid depends on shapes only, so one launch serves every step of a CUDA graph. Returns
+    (B, n, Hq, D) in the query's dtype, as transformers' attention functions do, written into `out` when given.
+    The other keyword arguments are tuning knobs for studies.
+    """
+    b, hq, n, d = query.shape
+    hkv = kv.k_packed.shape[1]
+    if hq % hkv:
+        raise ValueError(f"query heads ({hq}) must be a multiple of KV heads ({hkv})")
+    group = hq // hkv
+    kcb, vcb = kv.k_codebook, kv.v_codebook
+    if not supports(d, kcb.bits, vcb.bits, n, group):
+        raise ValueError(f"decode_attention does not support head dim {d}, bits k{kcb.bits}v{vcb.bits}, {group}x{n} rows")
+    if kv.static:
+        lq = lr = 0  # read on the device
+        split_len = t = kv.capacity
+        lens, ring = (kv.length, kv.exact_from), kv.ring_k.shape[2]
+    else:
+        lq, lr = int(kv.exact_from), int(kv.length) - int(kv.exact_from)
+        if kv.k_packed.shape[2] < lq or kv.ring_k.shape[2] < lr or lr < 0:
+            raise ValueError(f"the PackedKV holds {kv.k_packed.shape[2]} packed and {kv.ring_k.shape[2]} ring slots "
+                             f"for exact_from={lq}, length={lq + lr}")
+        if kv.sinks > lq:
+            raise ValueError(f"the PackedKV has {kv.sinks} sink positions but only {lq} packed ones")
+        split_len, t = lq, lq + lr
+        lens, ring = None, 0
+    block_m, rows, sc = _rows(group, n)
+    num_splits, tok_per_split = _split_plan(b * hkv, split_len, query.device, num_splits, block_n)
+    slots = b * hkv * (num_splits + 1)
+    need = slots * rows * (d + 2)
+    if kv.scratch is None:
+        scratch, counters = _scratch(query.device, need), _counters(query.device, b * hkv)
+    else:
+        scratch, counters = kv.scratch, kv.counters
+        if scratch.numel() < need or counters.numel() < b * hkv:
+            raise ValueError(f"the PackedKV's scratch holds {scratch.numel()} floats and {counters.numel()} "
+                             f"counters; this call needs {need} and {b * hkv}")
+    acc, ml = scratch[: slots * rows * d], scratch[slots * rows * d : need]
+    mask_kind, m_arg, ms = _mask_args(mask, b, hq, n, t, query)
+    qv = query if query.stride(-1) == 1 else query.contiguous()
+    kp, vp = _packed(kv.k_packed), _packed(kv.v_packed)
+    kn = _tokens_last(kv.k_norms.unsqueeze(-1), 1).squeeze(-1)
+    vn = _tokens_last(kv.v_norms.unsqueeze(-1), 1).squeeze(-1)
+    rk, rv = _tokens_last(kv.ring_k, d), _tokens_last(kv.ring_v, d)
+    sk, sv = _tokens_last(kv.sink_k, d), _tokens_last(kv.sink_v, d)
+    pi = kv.rotation.matrix
+    if pi.device != query.device:
+        pi = pi.to(query.device)
+    kc, vc = kcb.centroids.contiguous(), vcb.centroids.contiguous()
+    if out is None:
+        out = torch.empty(b, n, hq, d, dtype=query.dtype, device=query.device)
+    elif out.shape != (b, n, hq, d) or out.stride(-1) != 1 or out.dtype != query.dtype:
+        raise ValueError(f"out must be ({b}, {n}, {hq}, {d}) {query.dtype} with unit last stride, got "
+                         f"{tuple(out.shape)} {out.dtype}")
+    len_ptr, from_ptr = lens if lens is not None else (counters, counters)  # unread unless STATIC
+    _decode_kernel[(b * hkv, num_splits + 1)](
+        qv, *qv.stride()[:3],
         pi,
         kp, kp.stride(0), kp.stride(1), kn, kn.stride(0), kn.stride(1),
         vp, vp.stride(0), vp.stride(1), vn, vn.stride(0), vn.stride(1),
         kc, vc,
         rk, rk.stride(0), rk.stride(1), rv, rv.stride(0), rv.stride(1),
         sk, sk.stride(0), sk.stride(1), sv, sv.stride(0), sv.stride(1),
-        nk, *nks,
-        nv, *nvs,
         m_arg, *ms,
-        out, *os_,
-        acc, ml, cnt,
-        hkv, lq, lr, n, p0, ls, tok_per_split, num_splits, scale_log2,
-        *((cnt, cnt) if lens is None else lens), ring,
-    ]
-
-
-def _constexprs(group, d, kcb, vcb, kp, vp, kc, vc, block_m, rows, sc, block_n, mask_kind, klut, vlut, prefetch,
-                static=False):
-    return dict(
+        out, *out.stride()[:3],
+        acc, ml, counters,
+        hkv, lq, lr, n, kv.sinks, tok_per_split, num_splits, (d**-0.5 if scale is None else float(scale)) * LOG2E,
+        len_ptr, from_ptr, ring,
         G=group, D=d, KBITS=kcb.bits, VBITS=vcb.bits, KPT=kp.shape[-1], VPT=vp.shape[-1],
         KC_SH=kc.shape[-1] if kc.dim() == 2 else 0, VC_SH=vc.shape[-1] if vc.dim() == 2 else 0,
         BLOCK_M=block_m, R=rows, SC=sc, BLOCK_N=block_n, MASK_KIND=mask_kind,
-        KLUT=klut, VLUT=vlut, PREFETCH=prefetch, STATIC=static,
-    )
-
-
-def decode_attention(
-    query: torch.Tensor,
-    state: dict,
-    mask: torch.Tensor | None = None,
-    scale: float | None = None,
-    num_splits: int | None = None,
-    out: torch.Tensor | None = None,
-    block_n: int = BLOCK_N,
-    num_warps: int | None = None,
-    lut: int | None = None,
-    prefetch: int | None = None,
-    num_stages: int | None = None,
-) -> torch.Tensor:
-    """Attention of query (B, Hq, n, D) over [packed | residual | new] of `state` (`TurboQuantLayer.attention_state()`).
-
-    mask: None (causal: the queries end at the last key), boolean (True = attend) or additive, broadcastable to
-    (B, Hq, n, T) (a longer last dim is cut to T). Returns (B, n, Hq, D) in the query's dtype, as transformers'
-    attention functions do.
-    """
-    b, hq, n, d = query.shape
-    kp, kn, vp, vn = state["k_packed"], state["k_norms"], state["v_packed"], state["v_norms"]
-    rk, rv, nk, nv = state["res_k"], state["res_v"], state["new_k"], state["new_v"]
-    sk, sv = state.get("sink_k"), state.get("sink_v")
-    if sk is None:
-        sk, sv = rk[:, :, :0], rv[:, :, :0]
-    rot, kcb, vcb = state["rotation"], state["k_codebook"], state["v_codebook"]
-    hkv, lq, lr = kp.shape[1], kp.shape[2], rk.shape[2]
-    if nk.shape[2] != n:
-        raise ValueError(f"the state holds {nk.shape[2]} new tokens for {n} queries")
-    if hq % hkv:
-        raise ValueError(f"query heads ({hq}) must be a multiple of KV heads ({hkv})")
-    group = hq // hkv
-    if not supports(d, kcb.bits, vcb.bits, n, group):
-        raise ValueError(f"decode_attention does not support head dim {d}, bits k{kcb.bits}v{vcb.bits}, {group}x{n} rows")
-    t = lq + lr + n
-    scale = d**-0.5 if scale is None else float(scale)
-    block_m, rows, sc = _rows(group, n)
-    num_splits, tok_per_split = _split_plan(b * hkv, lq, query.device, num_splits, block_n)
-    mask_kind, m_arg, ms = _mask_args(mask, b, hq, n, t, query)
-    qv = _row(query)
-    kp, vp = _packed(kp), _packed(vp)
-    kn, vn = _tokens_last(kn.unsqueeze(-1), 1).squeeze(-1), _tokens_last(vn.unsqueeze(-1), 1).squeeze(-1)
-    rk, rv = _tokens_last(rk, d), _tokens_last(rv, d)
-    ls = sk.shape[2]
-    if ls > lq:
-        raise ValueError(f"the state holds {ls} sink tokens but only {lq} packed ones")
-    sk, sv = _tokens_last(sk, d), _tokens_last(sv, d)
-    nk, nv = _row(nk), _row(nv)
-    pi = rot.matrix
-    if pi.device != query.device:
-        pi = pi.to(query.device)
-    kc = kcb.centroids.contiguous()
-    vc = vcb.centroids.contiguous()
-    slots = b * hkv * (num_splits + 1)
-    scratch = _scratch(query.device, slots * rows * (d + 2))
-    acc = scratch[: slots * rows * d]
-    ml = scratch[slots * rows * d : slots * rows * (d + 2)]
-    cnt = _counters(query.device, b * hkv)
-    if out is None:
-        out = torch.empty(b, n, hq, d, dtype=query.dtype, device=query.device)
-    elif out.shape != (b, n, hq, d) or out.stride(-1) != 1:
-        raise ValueError(f"out must be ({b}, {n}, {hq}, {d}) with unit last stride")
-    extra = {} if num_stages is None and DEFAULT_STAGES is None else {"num_stages": num_stages or DEFAULT_STAGES}
-    _decode_kernel[(b * hkv, num_splits + 1)](
-        *_runtime_args(
-            qv, qv.stride()[:3], pi, kp, kn, vp, vn, kc, vc, rk, rv, sk, sv, nk, nk.stride()[:3], nv, nv.stride()[:3],
-            m_arg, ms, out, out.stride()[:3], acc, ml, cnt, hkv, lq, lr, n, 0, ls, tok_per_split, num_splits,
-            scale * LOG2E,
-        ),
-        **_constexprs(group, d, kcb, vcb, kp, vp, kc, vc, block_m, rows, sc, block_n, mask_kind, _lut(lut, kcb.bits),
-                      _lut(lut, vcb.bits), DEFAULT_PREFETCH if prefetch is None else prefetch),
-        num_warps=num_warps or DEFAULT_WARPS, **extra,
+        KLUT=_lut(lut, kcb.bits), VLUT=_lut(lut, vcb.bits), PREFETCH=DEFAULT_PREFETCH if prefetch is None else prefetch,
+        STATIC=kv.static,
+        num_warps=num_warps or DEFAULT_WARPS, **({} if num_stages is None else {"num_stages": num_stages}),
     )
     return out
-
-
-def static_decode_attention(
-    query: torch.Tensor,
-    ring_k: torch.Tensor,
-    ring_v: torch.Tensor,
-    kv,
-    mask: torch.Tensor | None = None,
-    scale: float | None = None,
-) -> torch.Tensor:
-    """Attention of query (B, Hq, n, D) over a static layer's positions (`PackedKV`; the ring is ring_k / ring_v).
-
-    Lengths are read on the device and the grid depends only on shapes, so one launch serves every step (CUDA
-    graphs replay it). mask: None (the n queries are the last n positions) or boolean / additive over the
-    layer's capacity. Returns (B, n, Hq, D) in the query's dtype."""
-    b, hq, n, d = query.shape
-    hkv, cap = kv.k_packed.shape[1], kv.k_packed.shape[2]
-    if hq % hkv:
-        raise ValueError(f"query heads ({hq}) must be a multiple of KV heads ({hkv})")
-    group = hq // hkv
-    kcb, vcb = kv.k_codebook, kv.v_codebook
-    if not supports(d, kcb.bits, vcb.bits, n, group):
-        raise ValueError(f"static_decode_attention does not support head dim {d}, bits k{kcb.bits}v{vcb.bits}, {group}x{n} rows")
-    block_m, rows, sc = _rows(group, n)
-    num_splits, tok_per_split = _split_plan(b * hkv, cap, query.device, None, BLOCK_N)
-    slots = b * hkv * (num_splits + 1)
-    need = slots * rows * (d + 2)
-    if kv.scratch.numel() < need or kv.counters.numel() < b * hkv:
-        raise ValueError(f"the PackedKV's scratch holds {kv.scratch.numel()} floats and {kv.counters.numel()} "
-                         f"counters; this call needs {need} and {b * hkv}")
-    acc = kv.scratch[: slots * rows * d]
-    ml = kv.scratch[slots * rows * d : need]
-    mask_kind, m_arg, ms = _mask_args(mask, b, hq, n, cap, query)
-    qv = _row(query)
-    kp, vp = _packed(kv.k_packed), _packed(kv.v_packed)
-    kn, vn = kv.k_norms, kv.v_norms
-    rk, rv = _tokens_last(ring_k, d), _tokens_last(ring_v, d)
-    sk, sv = _tokens_last(kv.sink_k, d), _tokens_last(kv.sink_v, d)
-    kc, vc = kcb.centroids.contiguous(), vcb.centroids.contiguous()
-    out = torch.empty(b, n, hq, d, dtype=query.dtype, device=query.device)
-    _decode_kernel[(b * hkv, num_splits + 1)](
-        *_runtime_args(
-            qv, qv.stride()[:3], kv.rotation.matrix, kp, kn, vp, vn, kc, vc, rk, rv, sk, sv, rk, (0, 0, 0), rv,
-            (0, 0, 0), m_arg, ms, out, out.stride()[:3], acc, ml, kv.counters, hkv, 0, 0, n, 0, kv.sinks,
-            tok_per_split, num_splits, (d**-0.5 if scale is None else float(scale)) * LOG2E,
-            lens=(kv.length, kv.exact_from), ring=rk.shape[2],
-        ),
-        **_constexprs(group, d, kcb, vcb, kp, vp, kc, vc, block_m, rows, sc, BLOCK_N, mask_kind, _lut(None, kcb.bits),
-                      _lut(None, vcb.bits), DEFAULT_PREFETCH, static=True),
-        num_warps=DEFAULT_WARPS, **({} if DEFAULT_STAGES is None else {"num_stages": DEFAULT_STAGES}),
-    )
-    return out
-
-
-# --- the per-layer fast path ------------------------------------------------------------------------------------
-# What changes between two decode steps of one layer: the query, the pending new K/V and the output (new tensors
-# of the same layout), the packed and residual lengths, and the packed buffers after a growth (every 256 tokens).
-# Everything else (strides, codebooks, rotation, scratch, constexprs, the compiled kernel) is cached in a plan on
-# the layer. After a plan's first (JIT) launch, later launches call the compiled kernel's launcher directly,
-# skipping triton's argument binding and specialization (their results are fixed by the plan's key: the
-# per-step pointers' 16-byte alignment is checked every call); that direct call is checked once per process
-# against the JIT launch, bit for bit, and abandoned (with a warning) if they differ.
-
-_PARAMS = list(_decode_kernel.arg_names)
-_I_Q, _I_NK, _I_NV, _I_OUT, _I_ACC, _I_ML = (_PARAMS.index(x) for x in ("q_ptr", "nk_ptr", "nv_ptr", "o_ptr", "acc_ptr", "ml_ptr"))
-_I_LQ, _I_LR, _I_N, _I_P0, _I_LS, _I_TOK, _I_SPLITS = (
-    _PARAMS.index(x) for x in ("Lq", "Lr", "N", "P0", "Ls", "tok_per_split", "num_splits")
-)
-_N_RUNTIME = _PARAMS.index("G")  # arguments before the constexprs
-_DIRECT = {"ok": None}  # None: not yet checked; True / False after the check
-
-
-class _Plan:
-    __slots__ = ("kpk", "vpk", "kpn", "vpn", "rk", "rv", "sk", "sv", "qshape", "qstride", "nkstride", "nvstride", "dtype",
-                 "scale", "args", "consts", "hkv", "bh", "d", "rows", "lq", "grid", "device", "dev_index",
-                 "out_shape", "ck", "launch", "function", "metadata")
-
-
-def _build_plan(query, layer, nk, nv, scale):
-    kb, vb = layer.k_buf, layer.v_buf
-    b, hq, n, d = query.shape
-    hkv = kb.packed.shape[1]
-    group = hq // hkv
-    kcb, vcb = layer.k_codebook, layer.v_codebook
-    block_m, rows, sc = _rows(group, n)
-    p = _Plan()
-    p.kpk, p.vpk, p.kpn, p.vpn, p.rk, p.rv = kb.packed, vb.packed, kb.norms, vb.norms, layer._rk, layer._rv
-    p.sk, p.sv = layer._sk, layer._sv
-    p.qshape, p.qstride, p.nkstride, p.nvstride = query.shape, query.stride(), nk.stride(), nv.stride()
-    p.dtype, p.scale = query.dtype, scale
-    p.hkv, p.bh, p.d, p.rows, p.lq, p.grid = hkv, b * hkv, d, rows, -1, None
-    p.device, p.dev_index = query.device, query.device.index
-    p.out_shape = (b, n, hq, d)
-    p.ck = p.launch = p.function = p.metadata = None
-    pi = layer.rotation.matrix
-    kc, vc = kcb.centroids.contiguous(), vcb.centroids.contiguous()
-    kpk, kpn, vpk, vpn, rk, rv, sk, sv = p.kpk, p.kpn, p.vpk, p.vpn, p.rk, p.rv, p.sk, p.sv
-    sc_ = d**-0.5 if scale is None else float(scale)
-    args = _runtime_args(
-        None, query.stride()[:3], pi, kpk, kpn, vpk, vpn, kc, vc, rk, rv, sk, sv, None, nk.stride()[:3], None,
-        nv.stride()[:3], query, (0, 0, 0, 0), None, (n * hq * d, hq * d, d), None, None, _counters(query.device, b * hkv),
-        hkv, None, None, n, None, None, None, None, sc_ * LOG2E,
-    )
-    assert len(args) == _N_RUNTIME and args[_I_OUT] is None and args[_I_NK] is None and args[_I_NV] is None
-    consts = _constexprs(group, d, kcb, vcb, kpk, vpk, kc, vc, block_m, rows, sc, BLOCK_N, 0, _lut(None, kcb.bits),
-                         _lut(None, vcb.bits), DEFAULT_PREFETCH)
-    p.args, p.consts = args, consts
-    return p
-
-
-def _plan_fits(p, query, layer, nk, nv, scale) -> bool:
-    kb, vb = layer.k_buf, layer.v_buf
-    return (
-        p.kpk is kb.packed and p.vpk is vb.packed and p.kpn is kb.norms and p.vpn is vb.norms
-        and p.rk is layer._rk and p.rv is layer._rv and p.sk is layer._sk and p.sv is layer._sv and p.qshape == query.shape and p.qstride == query.stride()
-        and p.nkstride == nk.stride() and p.nvstride == nv.stride() and p.dtype is query.dtype and p.scale == scale
-    )
-
-
-def layer_fast_path_ok(layer) -> bool:
-    """Whether `decode_attention_layer` can serve this layer (the TurboQuantLayer internals it reads exist and
-    its packed buffers hold the layout the kernel assumes)."""
-    kb, vb = getattr(layer, "k_buf", None), getattr(layer, "v_buf", None)
-    rk = getattr(layer, "_rk", None)
-    if kb is None or vb is None or rk is None or getattr(layer, "_pending", None) is None:
-        return False
-    if kb.start != vb.start or kb.length != vb.length:
-        return False
-    for t in (kb.packed, vb.packed):
-        if t.stride(3) != 1 or t.stride(2) != t.shape[3] or not C.rows_aligned(t):
-            return False
-    for t in (kb.norms, vb.norms):
-        if t.stride(2) != 1:
-            return False
-    sk = getattr(layer, "_sk", None)
-    if sk is None or sk.stride(3) != 1 or sk.stride(2) != sk.shape[3] or layer._sv.stride() != sk.stride():
-        return False
-    return rk.stride(3) == 1 and rk.stride(2) == rk.shape[3] and layer._rv.stride() == rk.stride()
-
-
-def decode_attention_layer(query: torch.Tensor, layer, scale: float | None = None) -> torch.Tensor | None:
-    """`decode_attention` for a TurboQuantLayer's deferred step without a mask (causal), with its launch cached.
-
-    The caller checks the shapes (`supports`). Returns (B, n, Hq, D), or None where the layer's state does not
-    have the layout this path assumes (the caller then uses `decode_attention` on `layer.attention_state()`)."""
-    pending = getattr(layer, "_pending", None)
-    if pending is None:
-        return None
-    nk, nv = pending
-    p = getattr(layer, "_tq_decode_plan", None)
-    if p is None or not _plan_fits(p, query, layer, nk, nv, scale):
-        if not layer_fast_path_ok(layer):
-            return None
-        p = _build_plan(query, layer, nk, nv, scale)
-        layer._tq_decode_plan = p
-    elif layer.k_buf.start != layer.v_buf.start or layer.k_buf.length != layer.v_buf.length:
-        return None
-    kb = layer.k_buf
-    lq = kb.length
-    a = p.args
-    if lq != p.lq:  # every FLUSH_BLOCK steps: the split plan and the scratch views
-        splits, tok = _split_plan(p.bh, lq, p.device, None, BLOCK_N)
-        slots = p.bh * (splits + 1)
-        rows, d = p.rows, p.d
-        scratch = _scratch(p.device, slots * rows * (d + 2))
-        a[_I_ACC] = scratch[: slots * rows * d]
-        a[_I_ML] = scratch[slots * rows * d : slots * rows * (d + 2)]
-        a[_I_TOK], a[_I_SPLITS], a[_I_LQ] = tok, splits, lq
-        p.grid, p.lq = (p.bh, splits + 1), lq
-    out = torch.empty(p.out_shape, dtype=query.dtype, device=query.device)
-    a = a.copy()
-    a[_I_Q], a[_I_NK], a[_I_NV], a[_I_OUT] = query, nk, nv, out
-    a[_I_LR], a[_I_P0], a[_I_LS] = layer._rlen, kb.start, layer.exact_sinks
-    if (
-        p.launch is not None
-        and not ((query.data_ptr() | nk.data_ptr() | nv.data_ptr()) & 15)
-        and torch._C._cuda_getDevice() == p.dev_index
-    ):
-        g = p.grid
-        p.launch(g[0], g[1], 1, torch._C._cuda_getCurrentRawStream(p.dev_index), p.function, p.metadata,
-                 None, None, None, *a, *p.consts.values())
-        return out
-    ck = _decode_kernel[p.grid](*a, **p.consts, num_warps=DEFAULT_WARPS,
-                                **({} if DEFAULT_STAGES is None else {"num_stages": DEFAULT_STAGES}))
-    if p.launch is None and query.is_cuda and ck is not None and hasattr(ck, "run"):
-        _enable_direct(p, ck, a, out)
-    return out
-
-
-def _enable_direct(p, ck, a, out) -> None:
-    """Adopt the compiled kernel's launcher for this plan, once the direct call is known to give the JIT result."""
-    try:
-        from triton import knobs
-
-        for hook in (knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook):
-            # None (older triton) or an empty HookChain (newer): no hook; else a profiler hook is installed and
-            # triton's own launch keeps feeding it
-            if hook is not None and getattr(hook, "calls", True):
-                return
-    except Exception:
-        pass
-    if _DIRECT["ok"] is False:
-        return
-    launch, function, metadata = ck.run, ck.function, ck.packed_metadata
-    if _DIRECT["ok"] is None:
-        if torch.cuda.is_current_stream_capturing():
-            return
-        check = torch.full_like(out, float("nan"))
-        b = list(a)
-        b[_I_OUT] = check
-        g = p.grid
-        try:
-            launch(g[0], g[1], 1, torch._C._cuda_getCurrentRawStream(p.dev_index), function, metadata,
-                   None, None, None, *b, *p.consts.values())
-            _DIRECT["ok"] = bool(torch.equal(check, out))
-        except Exception as e:  # another triton's launcher convention
-            _DIRECT["ok"] = False
-            _DIRECT["error"] = f"{type(e).__name__}: {e}"
-        if not _DIRECT["ok"]:
-            import logging
-
-            logging.getLogger(__name__).warning(
-                "tq_hf_cache: the direct kernel launch did not reproduce triton's launch; using triton's (slower) path"
-            )
-            return
-    p.ck, p.launch, p.function, p.metadata = ck, launch, function, metadata
