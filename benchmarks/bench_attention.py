@@ -1,0 +1,179 @@
+"""Per-layer decode attention: the fused kernel on packed K/V against SDPA on bf16 K/V, and against its byte floor.
+
+One Llama-3.1-8B-shaped layer (32 query heads, 8 KV heads, head dim 128), one query token, bf16. For each preset,
+batch and context: the fused kernel (`kernels.decode_attention.decode_attention` on a dynamic layer's `PackedKV`:
+random codes and norms, a 128-token residual window, 4 sink tokens) and SDPA with GQA on bf16 K/V of the same
+length (cuDNN where torch offers it, else the backend torch picks; the JSON names it). Both are timed as CUDA
+graph replays (`triton.testing.do_bench_cudagraph`, median), so host launch cost is out of both. The byte floor is
+the bytes the kernel must read (codes, norms, residual, sinks, query) at the device-to-device copy bandwidth
+(bytes read + written per second) measured in the same run. A last part sweeps the kernel's tuning knobs (BLOCK_N, warps, splits, centroid lookup)
+at batch 1 / 128k and batch 8 / 32k.
+
+Usage: python benchmarks/bench_attention.py [--presets k5v3,k4v4,k4v2] [--contexts 4096,32768,131072]
+       [--batches 1,8] [--sweep 1] [--out DIR]           writes DIR/bench_attention.json and .png
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from triton.testing import do_bench_cudagraph  # noqa: E402
+
+from tq_hf_cache import TurboQuantConfig, kernels  # noqa: E402
+from tq_hf_cache.codebook import theoretical_codebook  # noqa: E402
+from tq_hf_cache.kernels import decode_attention as da  # noqa: E402
+from tq_hf_cache.packed_kv import PackedKV  # noqa: E402
+from tq_hf_cache.packing import packed_bytes  # noqa: E402
+from tq_hf_cache.rotation import make_rotation  # noqa: E402
+
+HQ, HKV, D, RESIDUAL, SINKS = 32, 8, 128, 128, 4
+DEV = torch.device("cuda")
+
+
+def copy_bandwidth() -> float:
+    """Device-to-device copy bandwidth (bytes read + written per second) of a 1 GiB buffer."""
+    src = torch.empty(2**30, dtype=torch.uint8, device=DEV)
+    dst = torch.empty_like(src)
+    ms = do_bench_cudagraph(lambda: dst.copy_(src))
+    return 2 * src.numel() / (ms * 1e-3)
+
+
+def packed_layer(b: int, t: int, kbits: int, vbits: int) -> tuple[PackedKV, int]:
+    """A dynamic layer's PackedKV of t positions (t - RESIDUAL packed) and the bytes a step reads of it."""
+    lq = t - RESIDUAL
+    rot = make_rotation(D, 0).to(DEV)
+    kcb, vcb = theoretical_codebook(kbits, D).to(DEV), theoretical_codebook(vbits, D).to(DEV)
+    kp = torch.randint(0, 256, (b, HKV, lq, packed_bytes(D, kbits)), dtype=torch.uint8, device=DEV)
+    vp = torch.randint(0, 256, (b, HKV, lq, packed_bytes(D, vbits)), dtype=torch.uint8, device=DEV)
+    kn = torch.rand(b, HKV, lq, device=DEV).add_(1).half()
+    vn = torch.rand(b, HKV, lq, device=DEV).add_(1).half()
+    rk = torch.randn(b, HKV, RESIDUAL, D, device=DEV, dtype=torch.bfloat16)
+    rv = torch.randn_like(rk)
+    sk, sv = rk[:, :, :SINKS].clone(), rv[:, :, :SINKS].clone()
+    kv = PackedKV(kp, kn, vp, vn, sk, sv, rk, rv, t, lq, rot, kcb, vcb, SINKS, -1, -1)
+    nbytes = sum(x.numel() * x.element_size() for x in (kp, vp, kn, vn, rk, rv, sk, sv))
+    return kv, nbytes + b * HQ * D * 2
+
+
+def sdpa_time(b: int, t: int) -> tuple[float, str]:
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    q = torch.randn(b, HQ, 1, D, device=DEV, dtype=torch.bfloat16)
+    k = torch.randn(b, HKV, t, D, device=DEV, dtype=torch.bfloat16)
+    v = torch.randn_like(k)
+    f = torch.nn.functional.scaled_dot_product_attention
+    for backend in (SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION):
+        try:
+            with sdpa_kernel([backend]):
+                f(q, k, v, enable_gqa=True)
+                ms = do_bench_cudagraph(lambda: f(q, k, v, enable_gqa=True))
+            return ms, backend.name
+        except RuntimeError:
+            continue
+    ms = do_bench_cudagraph(lambda: f(q, k, v, enable_gqa=True))
+    return ms, "default"
+
+
+def kernel_time(kv: PackedKV, b: int, **knobs) -> float:
+    q = torch.randn(b, HQ, 1, D, device=DEV, dtype=torch.bfloat16)
+    da.decode_attention(q, kv, None, None, **knobs)  # compile, grow the scratch: outside the graph
+    return do_bench_cudagraph(lambda: da.decode_attention(q, kv, None, None, **knobs))
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--presets", default="k5v3,k4v4,k4v2")
+    p.add_argument("--contexts", default="4096,32768,131072")
+    p.add_argument("--batches", default="1,8")
+    p.add_argument("--sweep", type=int, default=1)
+    p.add_argument("--out", default=os.environ.get("OUT", "."))
+    a = p.parse_args()
+    t0 = time.time()
+    bw = copy_bandwidth()
+    env = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "copy_GBps": round(bw / 1e9, 1)}
+    print(env, flush=True)
+    rows = []
+    sdpa_cache = {}
+    for preset, b, t in itertools.product(a.presets.split(","), map(int, a.batches.split(",")),
+                                          map(int, a.contexts.split(","))):
+        cfg = TurboQuantConfig.from_preset(preset)
+        kv, nbytes = packed_layer(b, t, cfg.key_bits, cfg.value_bits)
+        ms = kernel_time(kv, b)
+        if (b, t) not in sdpa_cache:
+            sdpa_cache[(b, t)] = sdpa_time(b, t)
+        sdpa_ms, backend = sdpa_cache[(b, t)]
+        floor_ms = nbytes / bw * 1e3  # the kernel's bytes moved at the copy's (read + write) bandwidth
+        row = {"preset": preset, "batch": b, "context": t, "kernel_ms": round(ms, 4), "sdpa_ms": round(sdpa_ms, 4),
+               "sdpa_backend": backend, "speedup_vs_sdpa": round(sdpa_ms / ms, 3), "bytes_read": nbytes,
+               "byte_floor_ms": round(floor_ms, 4), "GBps": round(nbytes / (ms * 1e-3) / 1e9, 1),
+               "fraction_of_copy_bw": round(floor_ms / ms, 3)}
+        rows.append(row)
+        print(row, flush=True)
+        del kv
+        torch.cuda.empty_cache()
+    sweep = []
+    if a.sweep:
+        for b, t in ((1, 131072), (8, 32768)):
+            kv, nbytes = packed_layer(b, t, 5, 3)
+            base = kernels.num_splits_for(b * HKV, t - RESIDUAL, DEV)
+            for block_n, warps, splits, lut in itertools.product((64, 128), (4, 8), (base, 2 * base), (0, 1)):
+                try:
+                    ms = kernel_time(kv, b, block_n=block_n, num_warps=warps, num_splits=splits, lut=lut)
+                except Exception as e:  # noqa: BLE001  (a variant that does not compile: reported, not fatal)
+                    ms, err = None, f"{type(e).__name__}: {str(e)[:120]}"
+                else:
+                    err = None
+                r = {"batch": b, "context": t, "preset": "k5v3", "block_n": block_n, "num_warps": warps,
+                     "num_splits": splits, "lut": lut, "kernel_ms": None if ms is None else round(ms, 4)}
+                if err:
+                    r["error"] = err
+                sweep.append(r)
+                print(r, flush=True)
+            del kv
+            torch.cuda.empty_cache()
+    os.makedirs(a.out, exist_ok=True)
+    path = os.path.join(a.out, "bench_attention.json")
+    with open(path, "w") as f:
+        json.dump({"env": env, "rows": rows, "sweep": sweep, "seconds": round(time.time() - t0, 1)}, f, indent=1)
+    plot(rows, os.path.join(a.out, "bench_attention.png"), env["device"])
+    print("wrote", path)
+
+
+def plot(rows, path, device):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    keys = sorted({(r["batch"], r["context"]) for r in rows})
+    presets = list(dict.fromkeys(r["preset"] for r in rows))
+    fig, ax = plt.subplots(figsize=(2 + 1.8 * len(keys), 4))
+    w = 0.8 / (len(presets) + 1)
+    xs = range(len(keys))
+    sd = [next(r["sdpa_ms"] for r in rows if (r["batch"], r["context"]) == k) for k in keys]
+    ax.bar([x for x in xs], sd, w, label="SDPA, bf16 K/V")
+    for i, pr in enumerate(presets):
+        ys = [next((r["kernel_ms"] for r in rows if r["preset"] == pr and (r["batch"], r["context"]) == k), 0)
+              for k in keys]
+        ax.bar([x + (i + 1) * w for x in xs], ys, w, label=f"fused, {pr}")
+    ax.set_xticks([x + 0.4 - w / 2 for x in xs], [f"b{b} / {c // 1024}k" for b, c in keys])
+    ax.set_yscale("log")
+    ax.set_ylabel("ms per layer (CUDA graph replay, median)")
+    ax.set_title(f"decode attention, one layer, {device}")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    main()
