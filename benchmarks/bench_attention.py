@@ -7,7 +7,7 @@ length (cuDNN where torch offers it, else the backend torch picks; the JSON name
 graph replays (`triton.testing.do_bench_cudagraph`, median), so host launch cost is out of both. The byte floor is
 the bytes the kernel must read (codes, norms, residual, sinks, query) at the device-to-device copy bandwidth
 (bytes read + written per second) measured in the same run. A last part sweeps the kernel's tuning knobs (BLOCK_N, warps, splits, centroid lookup)
-at batch 1 / 128k and batch 8 / 32k.
+at batch 1 / 128k and batch 8 / 32k, each variant's output checked against the default's.
 
 Usage: python benchmarks/bench_attention.py [--presets k5v3,k4v4,k4v2] [--contexts 4096,32768,131072]
        [--batches 1,8] [--sweep 1] [--out DIR]           writes DIR/bench_attention.json and .png
@@ -37,6 +37,7 @@ from tq_hf_cache.rotation import make_rotation  # noqa: E402
 
 HQ, HKV, D, RESIDUAL, SINKS = 32, 8, 128, 128, 4
 DEV = torch.device("cuda")
+SWEEP_CASES = ((1, 131072), (8, 32768))  # (batch, context) of the knob sweep
 
 
 def copy_bandwidth() -> float:
@@ -83,10 +84,11 @@ def sdpa_time(b: int, t: int) -> tuple[float, str]:
     return ms, "default"
 
 
-def kernel_time(kv: PackedKV, b: int, **knobs) -> float:
-    q = torch.randn(b, HQ, 1, D, device=DEV, dtype=torch.bfloat16)
-    da.decode_attention(q, kv, None, None, **knobs)  # compile, grow the scratch: outside the graph
-    return do_bench_cudagraph(lambda: da.decode_attention(q, kv, None, None, **knobs))
+def kernel_time(kv: PackedKV, b: int, **knobs) -> tuple[float, torch.Tensor]:
+    """(median ms, the output of one call); the query is the same for every call with the same batch."""
+    q = torch.randn(b, HQ, 1, D, device=DEV, dtype=torch.bfloat16, generator=torch.Generator(DEV).manual_seed(b))
+    out = da.decode_attention(q, kv, None, None, **knobs)  # compile, grow the scratch: outside the graph
+    return do_bench_cudagraph(lambda: da.decode_attention(q, kv, None, None, **knobs)), out
 
 
 def main():
@@ -107,7 +109,7 @@ def main():
                                           map(int, a.contexts.split(","))):
         cfg = TurboQuantConfig.from_preset(preset)
         kv, nbytes = packed_layer(b, t, cfg.key_bits, cfg.value_bits)
-        ms = kernel_time(kv, b)
+        ms, _ = kernel_time(kv, b)
         if (b, t) not in sdpa_cache:
             sdpa_cache[(b, t)] = sdpa_time(b, t)
         sdpa_ms, backend = sdpa_cache[(b, t)]
@@ -122,12 +124,13 @@ def main():
         torch.cuda.empty_cache()
     sweep = []
     if a.sweep:
-        for b, t in ((1, 131072), (8, 32768)):
+        for b, t in SWEEP_CASES:
             kv, nbytes = packed_layer(b, t, 5, 3)
             base = kernels.num_splits_for(b * HKV, t - RESIDUAL, DEV)
+            _, want = kernel_time(kv, b)
             for block_n, warps, splits, lut in itertools.product((64, 128), (4, 8), (base, 2 * base), (0, 1)):
                 try:
-                    ms = kernel_time(kv, b, block_n=block_n, num_warps=warps, num_splits=splits, lut=lut)
+                    ms, out = kernel_time(kv, b, block_n=block_n, num_warps=warps, num_splits=splits, lut=lut)
                 except Exception as e:  # noqa: BLE001  (a variant that does not compile: reported, not fatal)
                     ms, err = None, f"{type(e).__name__}: {str(e)[:120]}"
                 else:
@@ -136,6 +139,8 @@ def main():
                      "num_splits": splits, "lut": lut, "kernel_ms": None if ms is None else round(ms, 4)}
                 if err:
                     r["error"] = err
+                else:  # every variant must compute the default's function
+                    r["max_abs_diff_vs_default"] = float((out.float() - want.float()).abs().max())
                 sweep.append(r)
                 print(r, flush=True)
             del kv

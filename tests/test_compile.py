@@ -15,8 +15,9 @@ def steps(model, cache, x):
     return out
 
 
+@pytest.mark.parametrize("backend", ["eager", "aot_eager"])
 @pytest.mark.parametrize("attn", ["sdpa", "turboquant"])
-def test_compiled_model_matches_eager(attn):
+def test_compiled_model_matches_eager(attn, backend):
     torch.manual_seed(0)
     model = LlamaForCausalLM(tiny_llama_config(head_dim=64, num_attention_heads=2, num_key_value_heads=1)).eval()
     model.set_attn_implementation(attn) if hasattr(model, "set_attn_implementation") else None
@@ -24,7 +25,7 @@ def test_compiled_model_matches_eager(attn):
     x = torch.randint(3, 128, (1, 38), generator=torch.Generator().manual_seed(2))
     eager = steps(model, TurboQuantCache(residual_length=4), x)
     torch._dynamo.reset()
-    compiled = torch.compile(model, backend="eager")
+    compiled = torch.compile(model, backend=backend)
     out = steps(compiled, TurboQuantCache(residual_length=4), x)
     for a, b in zip(out, eager):
         assert torch.allclose(a, b, atol=1e-5)
