@@ -1,7 +1,9 @@
-"""`tq-hf-cache` command line: calibrate codebooks for a model, show what a folder stores, evaluate.
+"""`tq-hf-cache` command line: calibrate codebooks or allocate bits for a model, show what a folder stores,
+evaluate, benchmark.
 
     tq-hf-cache calibrate MODEL_DIR [--text FILE] [--gguf-file NAME] [--preset k5v3 | --key-bits K --value-bits V]
                           [--out DIR] [--max-tokens N] [--extra-bits 2 3 ...]
+    tq-hf-cache allocate MODEL_DIR --budget BITS [--text FILE] [--out DIR] [--tokens N]
     tq-hf-cache info DIR [--json]
     tq-hf-cache eval ...           (delegates to tq_hf_cache.eval.cli)
     tq-hf-cache bench [--model smollm2 | DIR | llama-3.1-8b] [--contexts 1024,3072] [--batch 1] [--rows ...]
@@ -42,6 +44,19 @@ def _build_parser() -> argparse.ArgumentParser:
     c.add_argument("--per-head", choices=("auto", "yes", "no"), default="auto",
                    help="per-KV-head codebooks: auto = when they win on held-out tokens (default)")
     c.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+
+    a = sub.add_parser("allocate", help="per-layer key/value bits that spend a bits-per-coordinate budget where the "
+                                        "model is most sensitive (a turboquant_config.json with layer_bits)")
+    a.add_argument("model_dir", help=f"checkpoint folder, or {EMBEDDED_MODEL!r} for the embedded SmolLM2-135M GGUF")
+    a.add_argument("--budget", type=float, required=True,
+                   help="stored bits per K/V coordinate, norms included (e.g. 3.25: the bytes of k4v2 at head dim 64)")
+    a.add_argument("--text", help="UTF-8 text file to measure on (default: prose shipped with Python)")
+    a.add_argument("--gguf-file", help="GGUF file name inside MODEL_DIR")
+    a.add_argument("--tokens", type=int, default=1024, help="tokens of text measured (default 1024)")
+    a.add_argument("--chunk", type=int, default=256, help="chunked-prefill chunk (default 256)")
+    a.add_argument("--seed", type=int, default=0, help="rotation seed (layer i uses seed + i)")
+    a.add_argument("--out", help="output folder (default MODEL_DIR)")
+    a.add_argument("--no-progress", action="store_true", help="hide the progress bar")
 
     i = sub.add_parser("info", help="print what a folder's turboquant files store")
     i.add_argument("dir")
@@ -290,6 +305,71 @@ def _cmd_calibrate(args) -> int:
     return 0
 
 
+def _cmd_allocate(args) -> int:
+    import math
+
+    from .allocation import bits_per_coordinate, calibrate_bits
+    from .config import model_facts
+
+    if not math.isfinite(args.budget) or args.budget <= 0:
+        print(f"error: --budget must be a positive number of bits per coordinate, got {args.budget}", file=sys.stderr)
+        return 2
+    if args.tokens <= args.chunk or args.chunk < 1:
+        print(f"error: --tokens ({args.tokens}) must exceed --chunk ({args.chunk}) >= 1: the positions after the first "
+              "chunk are scored", file=sys.stderr)
+        return 2
+    out = args.out or args.model_dir
+    if args.model_dir == EMBEDDED_MODEL and not args.out:
+        print(f"error: {EMBEDDED_MODEL!r} lives inside an installed package: pass --out DIR", file=sys.stderr)
+        return 2
+    if args.model_dir != EMBEDDED_MODEL and not os.path.isdir(args.model_dir):
+        print(f"error: MODEL_DIR {args.model_dir!r} is not a folder (or {EMBEDDED_MODEL!r})", file=sys.stderr)
+        return 2
+    problem = _unwritable(out)
+    if problem:
+        print(f"error: cannot write the output folder {out!r}: {problem}", file=sys.stderr)
+        return 2
+    try:
+        base = TurboQuantConfig(seed=args.seed)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if args.text:
+        try:
+            with open(args.text, encoding="utf-8") as f:
+                text = f.read()
+        except (OSError, UnicodeDecodeError) as e:
+            print(f"error: cannot read --text {args.text!r}: {e}", file=sys.stderr)
+            return 2
+        source = args.text
+    else:
+        from .texts import TEXT_SOURCE, package_text
+
+        text, source = package_text(min_chars=8 * args.tokens), TEXT_SOURCE
+    try:
+        model, tok = _load_model(args.model_dir, args.gguf_file)
+    except (OSError, ValueError) as e:
+        print(f"error: cannot load {args.model_dir!r}: {e}", file=sys.stderr)
+        return 2
+    try:
+        cfg, sens = calibrate_bits(model, text, args.budget, tokenizer=tok, tokens=args.tokens, chunk=args.chunk,
+                                   base=base, progress=not args.no_progress)
+        path = cfg.save_pretrained(out, model_config=model.config, extra={"bit_allocation": {
+            "budget": args.budget, "tokens": args.tokens, "chunk": args.chunk, "text_source": source,
+            "sensitivity_kl": {str(i): v for i, v in sens.items()},
+        }})
+    except (OSError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    head_dim = model_facts(model.config)["head_dim"]
+    print(f"wrote {path}: {bits_per_coordinate(cfg.layer_bits, head_dim):.3f} bits per coordinate "
+          f"(budget {args.budget})")
+    print("layer  key bits  value bits")
+    for i, (k, v) in sorted(cfg.layer_bits.items()):
+        print(f"{i:>5}  {k:>8}  {v:>10}")
+    return 0
+
+
 def _unwritable(folder: str) -> str | None:
     """Why `folder` cannot receive the calibration files (None when it can); creates it if needed."""
     try:
@@ -362,6 +442,8 @@ def main(argv: list[str] | None = None) -> int:
     args = _build_parser().parse_args(argv)
     if args.command == "calibrate":
         return _cmd_calibrate(args)
+    if args.command == "allocate":
+        return _cmd_allocate(args)
     if args.command == "bench":
         return _cmd_bench(args)
     return _cmd_info(args)

@@ -40,6 +40,8 @@ class CacheSpec:
         if self.family == "turboquant":
             from ..cache import TurboQuantCache
 
+            if "config_dir" in self.overrides:
+                return TurboQuantCache.from_pretrained(self.overrides["config_dir"], config=model_config)
             return TurboQuantCache(self.overrides.get("preset", self.name), config=model_config,
                                    **{k: v for k, v in self.overrides.items() if k != "preset"})
         if self.family in ("quanto", "hqq"):
@@ -79,6 +81,10 @@ class CacheSpec:
             return 2 * h * d * dtype_bytes
         if self.family == "turboquant":
             norm = 4 if self.overrides.get("norm_dtype") == "float32" else 2
+            per_layer = self.overrides.get("layer_bits")
+            if per_layer:  # a per-layer allocation: the mean over its layers
+                return h * sum(packed_bytes(d, k) + norm + packed_bytes(d, v) + norm
+                               for k, v in per_layer.values()) / len(per_layer)
             return h * (packed_bytes(d, self.key_bits) + norm + packed_bytes(d, self.value_bits) + norm)
         if self.family in ("quanto", "hqq"):
             groups = math.ceil(d / QUANTIZED_CACHE_GROUP)
@@ -94,6 +100,20 @@ def turboquant_spec(preset: str, **overrides) -> CacheSpec:
     k, v = PRESETS[preset]
     name = preset if not overrides else preset + "-" + "-".join(f"{a}{b}" for a, b in sorted(overrides.items()))
     return CacheSpec(name, "turboquant", k, v, {"preset": preset, **overrides})
+
+
+def folder_spec(path: str) -> CacheSpec:
+    """The cache a folder's turboquant_config.json describes (e.g. a `tq-hf-cache allocate` result), named by the
+    folder; its bytes formula averages the folder's per-layer bits."""
+    import os
+
+    from ..config import TurboQuantConfig
+
+    cfg = TurboQuantConfig.from_pretrained(path)
+    over = {"config_dir": path, "residual_length": cfg.residual_length, "norm_dtype": cfg.norm_dtype}
+    if cfg.layer_bits:
+        over["layer_bits"] = {int(i): list(v) for i, v in cfg.layer_bits.items()}
+    return CacheSpec(os.path.basename(os.path.normpath(path)), "turboquant", cfg.key_bits, cfg.value_bits, over)
 
 
 def all_specs() -> dict[str, CacheSpec]:

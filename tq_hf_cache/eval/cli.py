@@ -69,7 +69,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="smollm2",
                         help="builtin 'smollm2' (default) or 'gemma3-270m', or a local HF model folder or .gguf file")
     parser.add_argument("--caches", type=_names, default=list(DEFAULT_CACHES),
-                        help=f"comma-separated caches (default: {','.join(DEFAULT_CACHES)}); known: {','.join(all_specs())}")
+                        help=f"comma-separated caches (default: {','.join(DEFAULT_CACHES)}); known: {','.join(all_specs())}; "
+                             "or a folder with a turboquant_config.json (e.g. from tq-hf-cache allocate)")
     parser.add_argument("--tasks", type=_names, default=list(TASKS), help=f"comma-separated subset of {','.join(TASKS)}")
     parser.add_argument("--ppl-tokens", type=_at_least(2), default=d.ppl_tokens, help="tokens of package text scored (default %(default)s)")
     parser.add_argument("--chunk", type=_at_least(1), default=d.chunk, help="chunked-prefill chunk size (default %(default)s)")
@@ -123,10 +124,21 @@ def run(args) -> int:
     from .models import load_model
     from .runner import run_eval
 
+    from ..config import TURBOQUANT_CONFIG_NAME
+    from .caches import folder_spec
+
     specs = all_specs()
+    for c in args.caches:  # a folder holding a turboquant_config.json (e.g. from `tq-hf-cache allocate`)
+        if c not in specs and os.path.isfile(os.path.join(c, TURBOQUANT_CONFIG_NAME)):
+            try:
+                specs[c] = folder_spec(c)
+            except ValueError as e:
+                print(f"error: {e}", file=sys.stderr)
+                return 2
     unknown = [c for c in args.caches if c not in specs]
     if unknown:
-        print(f"unknown caches {unknown}; known: {', '.join(specs)}", file=sys.stderr)
+        print(f"unknown caches {unknown}; known: {', '.join(all_specs())}, or a folder with {TURBOQUANT_CONFIG_NAME}",
+              file=sys.stderr)
         return 2
     if args.threads:
         torch.set_num_threads(args.threads)
