@@ -4,6 +4,7 @@ of the quality floors on the real SmolLM2 model (marked `model`)."""
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 import torch
@@ -181,6 +182,11 @@ def test_unavailable_backend_is_reported(tiny, monkeypatch):
 
 # --- CI subset of the quality floors on the real model ----------------------------------------------------
 
+# the per-layer allocation of 3.25 bits per coordinate for SmolLM2 (docs/quality.md, `tq-hf-cache allocate`)
+ALLOCATED_3BIT = os.path.join(os.path.dirname(__file__), os.pardir, "benchmarks", "results", "allocations",
+                              "smollm2-3.25")
+
+
 @pytest.fixture(scope="module")
 def smollm2_model(smollm2):
     """The session's SmolLM2 (tests/conftest.py) plus the eval's model description."""
@@ -194,8 +200,10 @@ def smollm2_model(smollm2):
 def smollm2_quality(smollm2_model):
     """One small run shared by the floor tests: 512 tokens of package text, chunk 128, a needle at 512 tokens,
     64 greedy tokens after a 256-token prompt."""
+    from tq_hf_cache.eval.caches import folder_spec
+
     model, tok, info = smollm2_model
-    specs = [all_specs()[n] for n in ("fp", DEFAULT_PRESET, "k4v2")]
+    specs = [all_specs()[n] for n in ("fp", DEFAULT_PRESET, "k4v2")] + [folder_spec(ALLOCATED_3BIT)]
     s = EvalSettings(ppl_tokens=512, chunk=128, needle_lengths=[512], needle_depths=[0.5], needle_new_tokens=6,
                      agreement_prompts=1, agreement_prompt_tokens=256, agreement_new_tokens=64, bytes_tokens=0)
     res = run_eval(model, tok, info, specs, tasks_to_run=("ppl", "needle", "agreement"), settings=s, log=None)
@@ -212,6 +220,22 @@ def test_smollm2_perplexity_floors(smollm2_quality):
     c = smollm2_quality["caches"]
     assert c[DEFAULT_PRESET]["perplexity"]["delta_pct"] < 0.5, c[DEFAULT_PRESET]["perplexity"]
     assert c["k4v2"]["perplexity"]["delta_pct"] < 2.0, c["k4v2"]["perplexity"]
+
+
+@pytest.mark.model
+def test_smollm2_allocated_three_bits(smollm2_quality, smollm2_model):
+    """The 3-bit floor (+0.5 %) for the per-layer allocation of 3.25 bits per coordinate, its needle as fp's, and
+    its bytes: at most k4v2's by the formula."""
+    from tq_hf_cache.allocation import bits_per_coordinate
+    from tq_hf_cache.config import TurboQuantConfig
+
+    c = smollm2_quality["caches"]["smollm2-3.25"]
+    assert c["perplexity"]["delta_pct"] < 0.5, c["perplexity"]
+    assert c["needle"]["same_answer_as_fp"] == 1, c["needle"]["prompts"]
+    cfg = TurboQuantConfig.from_pretrained(ALLOCATED_3BIT)
+    head_dim = smollm2_model[2]["head_dim"]
+    assert len(cfg.layer_bits) == smollm2_model[0].config.num_hidden_layers
+    assert bits_per_coordinate(cfg.layer_bits, head_dim) <= bits_per_coordinate({0: [4, 2]}, head_dim) == 3.25
 
 
 @pytest.mark.model

@@ -164,12 +164,15 @@ def calibrate_bits(
     tokens: int = 1024,
     chunk: int = 256,
     base: TurboQuantConfig | None = None,
+    key_bits=KEY_BITS,
+    value_bits=VALUE_BITS,
     progress: bool = True,
 ) -> tuple[TurboQuantConfig, dict]:
     """(a TurboQuantConfig whose `layer_bits` spend `budget` bits per coordinate, the measured sensitivities).
 
     text_or_ids: a string (needs `tokenizer`) or token ids; the first `tokens` tokens are used. The config keeps
-    `base`'s other fields (residual window, sinks, seed, rotation, norm dtype).
+    `base`'s other fields (residual window, sinks, seed, rotation, norm dtype). key_bits / value_bits: the
+    widths to choose from (each costs one prefill per layer).
     """
     base = base or TurboQuantConfig()
     if isinstance(budget, bool) or not isinstance(budget, (int, float)) or not math.isfinite(budget) or budget <= 0:
@@ -185,7 +188,8 @@ def calibrate_bits(
         ids = ids[None] if ids.dim() == 1 else ids
     if ids.shape[-1] < tokens:
         raise ValueError(f"the text gives {ids.shape[-1]} tokens; the sensitivities need tokens={tokens}")
-    sens = measure_sensitivity(model, ids[:, :tokens], chunk=chunk, base=base, progress=progress)
+    sens = measure_sensitivity(model, ids[:, :tokens], chunk=chunk, base=base, key_bits=key_bits,
+                               value_bits=value_bits, progress=progress)
     head_dim = model_facts(model.config)["head_dim"]
     layer_bits = allocate_bits(sens, budget, head_dim, norm_dtype=base.norm_dtype)
     config = TurboQuantConfig.from_dict({**base.to_dict(), "layer_bits": {str(i): v for i, v in layer_bits.items()}})

@@ -362,11 +362,12 @@ class TurboQuantLayer(DynamicLayer):
         return wk, wv
 
     def _reserve_residual(self, tokens: int) -> None:
-        """Grow the residual buffers (doubling, up to `residual_capacity` plus one decode step) to hold `tokens`."""
+        """Grow the residual buffers to hold `tokens`: doubling up to `residual_capacity`, then exactly what a
+        decode step that has not settled yet needs (at most MAX_FUSED_QUERIES more)."""
         cap = self._rk.shape[2]
         if tokens <= cap:
             return
-        new_cap = min(max(tokens, 2 * cap), self.residual_capacity + MAX_FUSED_QUERIES)
+        new_cap = max(tokens, min(2 * cap, self.residual_capacity))
         rk = self._rk.new_empty(self.batch, self.heads, new_cap, self.head_dim)
         rv = self._rv.new_empty(self.batch, self.heads, new_cap, self.head_dim)
         rk[:, :, : self._rlen].copy_(self.res_k)

@@ -9,7 +9,8 @@ assumed additive). Step 3: perplexity
 on the held-out text of the allocation against the uniform preset of the same bytes, over rotation seeds.
 
 Usage: python benchmarks/studies/bit_allocation_study.py [--model smollm2] [--tokens 1024] [--out F.json]
-       [--budgets 3.25,2.5,2.0] [--eval-tokens 4096] [--seeds 0,1,2,3] [--threads 2]
+       [--budgets 3.25,2.5,2.0] [--eval-tokens 4096] [--seeds 0,1,2,3] [--threads 2] [--save-dir DIR]
+       [--sensitivity EARLIER.json]
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
 
-from tq_hf_cache import TurboQuantCache  # noqa: E402
+from tq_hf_cache import TurboQuantCache, TurboQuantConfig  # noqa: E402
 from tq_hf_cache.allocation import allocate_bits, bits_per_coordinate, measure_sensitivity  # noqa: E402
 from tq_hf_cache.eval.models import load_model  # noqa: E402
 from tq_hf_cache.eval.runner import EvalSettings, eval_texts  # noqa: E402
@@ -42,6 +43,8 @@ def main():
     p.add_argument("--seeds", default="0,1,2,3")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--sensitivity", default=None, help="reuse the sensitivities of an earlier output JSON")
+    p.add_argument("--save-dir", default=None,
+                   help="also write each budget's allocation as SAVE_DIR/<model>-<budget>/turboquant_config.json")
     p.add_argument("--out", required=True)
     a = p.parse_args()
     torch.set_num_threads(a.threads)
@@ -64,6 +67,11 @@ def main():
         bpc = bits_per_coordinate(choice, head_dim)
         res["allocations"][str(budget)] = {"layer_bits": choice, "bits_per_coordinate": round(bpc, 4)}
         print(f"budget {budget}: {bpc:.3f} bits/coord, {choice}", flush=True)
+        if a.save_dir:
+            folder = os.path.join(a.save_dir, f"{a.model}-{budget:g}")
+            TurboQuantConfig(layer_bits=choice).save_pretrained(folder, model_config=cfg, extra={"bit_allocation": {
+                "budget": budget, "tokens": a.tokens, "chunk": a.chunk, "made_by": "benchmarks/studies/bit_allocation_study.py",
+                "sensitivity_kl": {str(i): v for i, v in sens.items()}}})
     json.dump(res, open(a.out, "w"), indent=1)
     if a.eval_tokens:
         ids = eval_texts(tok, EvalSettings(ppl_tokens=a.eval_tokens, agreement_prompts=0))[0][:, : a.eval_tokens]
