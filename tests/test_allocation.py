@@ -123,3 +123,24 @@ def test_allocate_cli_refuses_bad_arguments_before_loading_the_model(tmp_path, c
     monkeypatch.setattr(cli, "_load_model", lambda *a, **k: pytest.fail("the model must not load"))
     assert cli.main(args) == 2
     assert match in capsys.readouterr().err
+
+
+def test_sliding_layers_weigh_by_the_tokens_they_hold():
+    from transformers import Gemma3TextConfig
+
+    from tq_hf_cache.allocation import layer_token_weights
+
+    cfg = Gemma3TextConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=6,
+                           num_attention_heads=2, num_key_value_heads=1, head_dim=64, sliding_window=32)
+    w = layer_token_weights(cfg, 128)
+    assert w == {0: 0.25, 1: 0.25, 2: 0.25, 3: 0.25, 4: 0.25, 5: 1.0}
+    assert layer_token_weights(cfg, 16)[0] == 1.0  # a context inside the window: every layer holds all of it
+    with pytest.raises(ValueError, match="context must be a positive"):
+        layer_token_weights(cfg, 0)
+    # equally sensitive layers: the cheap (sliding) ones get the bits, and the weighted bytes stay in the budget
+    sens = {i: {"key": {b: 4.0**-b for b in (2, 3, 4, 5, 6)}, "value": {b: 4.0**-b for b in (1, 2, 3, 4)}}
+            for i in range(6)}
+    choice = allocate_bits(sens, 3.0, 64, weights=w)
+    assert bits_per_coordinate(choice, 64, weights=w) <= 3.0
+    assert sum(choice[0]) > sum(choice[5])
+    assert bits_per_coordinate(choice, 64) > 3.0  # unweighted, it would look over budget

@@ -28,13 +28,32 @@ _PROBE_OTHER_BITS = 8  # the other kind, while one kind is measured: within 0.1 
 _NORM_BYTES = {"float16": 2, "float32": 4}
 
 
-def bits_per_coordinate(layer_bits: dict, head_dim: int, norm_dtype: str = "float16") -> float:
-    """Stored bits per K/V coordinate of a per-layer allocation, norms included (codes packed per vector)."""
+def bits_per_coordinate(layer_bits: dict, head_dim: int, norm_dtype: str = "float16", weights: dict | None = None) -> float:
+    """Stored bits per K/V coordinate of a per-layer allocation, norms included (codes packed per vector).
+
+    weights: {layer: share of the tokens it holds} (see `layer_token_weights`); None counts every layer alike."""
     if not layer_bits:
         raise ValueError("layer_bits is empty")
     norm = _NORM_BYTES[norm_dtype]
-    total = sum(packed_bytes(head_dim, k) + packed_bytes(head_dim, v) + 2 * norm for k, v in layer_bits.values())
-    return total * 8 / (2 * head_dim * len(layer_bits))
+    w = {i: 1.0 for i in layer_bits} if weights is None else {i: float(weights[int(i)]) for i in layer_bits}
+    total = sum(w[i] * (packed_bytes(head_dim, k) + packed_bytes(head_dim, v) + 2 * norm)
+                for i, (k, v) in layer_bits.items())
+    return total * 8 / (2 * head_dim * sum(w.values()))
+
+
+def layer_token_weights(model_config, context: int) -> dict[int, float]:
+    """{layer: tokens it holds at `context` tokens / context}: 1 for full attention, window / context for a
+    sliding-window layer. A budget weighted by these is a budget on the bytes the cache holds at that context."""
+    from ._compat import layer_types_and_kwargs
+
+    if isinstance(context, bool) or not isinstance(context, int) or context < 1:
+        raise ValueError(f"context must be a positive number of tokens, got {context!r}")
+    types, kwargs = layer_types_and_kwargs(model_config)
+    out = {}
+    for i, (t, kw) in enumerate(zip(types, kwargs)):
+        window = kw.get("sliding_window") if t in ("sliding_attention", "chunked_attention") else None
+        out[i] = min(context, int(window)) / context if window else 1.0
+    return out
 
 
 @torch.inference_mode()
@@ -103,12 +122,14 @@ def allocate_bits(
     head_dim: int,
     *,
     norm_dtype: str = "float16",
+    weights: dict | None = None,
 ) -> dict[int, list[int]]:
     """Per-layer [key bits, value bits] minimizing the summed KL of `sensitivity` with at most `budget` stored
-    bits per coordinate (norms included; see `bits_per_coordinate`).
+    bits per coordinate (norms included; see `bits_per_coordinate`, with `weights` when layers hold different
+    numbers of tokens).
 
-    A Lagrangian sweep picks each layer's widths for a price per bit; the cheapest feasible sweep point is then
-    topped up one bit at a time where it lowers the KL most. Raises if even the narrowest widths exceed the budget.
+    A Lagrangian sweep picks each layer's widths for a price per bit (times the layer's weight); the cheapest
+    feasible sweep point is then topped up one bit at a time where it lowers the KL most per weighted bit. Raises if even the narrowest widths exceed the budget.
     """
     layers = sorted(int(i) for i in sensitivity)
     sens = {int(i): {k: {int(b): float(x) for b, x in d.items()} for k, d in v.items()} for i, v in sensitivity.items()}
@@ -116,7 +137,7 @@ def allocate_bits(
     vw = {i: sorted(sens[i]["value"]) for i in layers}
 
     def bpc(choice):
-        return bits_per_coordinate(choice, head_dim, norm_dtype)
+        return bits_per_coordinate(choice, head_dim, norm_dtype, weights)
 
     narrowest = {i: [kw[i][0], vw[i][0]] for i in layers}
     if bpc(narrowest) > budget + 1e-9:
@@ -126,11 +147,13 @@ def allocate_bits(
     def cost(choice):
         return sum(sens[i]["key"][k] + sens[i]["value"][v] for i, (k, v) in choice.items())
 
+    # the price of a bit in layer i is its share of the stored tokens
+    w = {i: 1.0 if weights is None else float(weights[i]) for i in layers}
     best = narrowest
     for step in range(-200, 41):
         lam = 10 ** (step / 20)
-        choice = {i: [min(kw[i], key=lambda b: sens[i]["key"][b] + lam * b),
-                      min(vw[i], key=lambda b: sens[i]["value"][b] + lam * b)] for i in layers}
+        choice = {i: [min(kw[i], key=lambda b: sens[i]["key"][b] + lam * w[i] * b),
+                      min(vw[i], key=lambda b: sens[i]["value"][b] + lam * w[i] * b)] for i in layers}
         if bpc(choice) <= budget + 1e-9 and cost(choice) < cost(best):
             best = choice
     best = {i: list(v) for i, v in best.items()}
@@ -145,7 +168,7 @@ def allocate_bits(
                 if bpc(trial) <= budget + 1e-9:
                     kind = "key" if which == 0 else "value"
                     gain = sens[i][kind][cur] - sens[i][kind][up[0]]
-                    moves.append((gain / (up[0] - cur), i, trial[i]))
+                    moves.append((gain / (w[i] * (up[0] - cur)), i, trial[i]))
         if not moves:
             break
         gain, i, widths = max(moves)
@@ -166,15 +189,18 @@ def calibrate_bits(
     base: TurboQuantConfig | None = None,
     key_bits=KEY_BITS,
     value_bits=VALUE_BITS,
+    context: int = 4096,
     progress: bool = True,
 ) -> tuple[TurboQuantConfig, dict]:
     """(a TurboQuantConfig whose `layer_bits` spend `budget` bits per coordinate, the measured sensitivities).
 
     text_or_ids: a string (needs `tokenizer`) or token ids; the first `tokens` tokens are used. The config keeps
     `base`'s other fields (residual window, sinks, seed, rotation, norm dtype). key_bits / value_bits: the
-    widths to choose from (each costs one prefill per layer).
+    widths to choose from (each costs one prefill per layer). context: the budget holds for the bytes the cache
+    keeps at this many tokens (sliding-window layers keep fewer; see `layer_token_weights`).
     """
     base = base or TurboQuantConfig()
+    layer_token_weights(model.config, context)  # checks context before anything runs
     if isinstance(budget, bool) or not isinstance(budget, (int, float)) or not math.isfinite(budget) or budget <= 0:
         raise ValueError(f"budget must be a positive number of bits per coordinate, got {budget!r}")
     if base.layer_bits or base.skip_layers or base.skip_first or base.skip_last or base.skip_layer_types:
@@ -191,6 +217,7 @@ def calibrate_bits(
     sens = measure_sensitivity(model, ids[:, :tokens], chunk=chunk, base=base, key_bits=key_bits,
                                value_bits=value_bits, progress=progress)
     head_dim = model_facts(model.config)["head_dim"]
-    layer_bits = allocate_bits(sens, budget, head_dim, norm_dtype=base.norm_dtype)
+    weights = layer_token_weights(model.config, context)
+    layer_bits = allocate_bits(sens, budget, head_dim, norm_dtype=base.norm_dtype, weights=weights)
     config = TurboQuantConfig.from_dict({**base.to_dict(), "layer_bits": {str(i): v for i, v in layer_bits.items()}})
     return config, sens

@@ -54,6 +54,9 @@ def _build_parser() -> argparse.ArgumentParser:
     a.add_argument("--gguf-file", help="GGUF file name inside MODEL_DIR")
     a.add_argument("--tokens", type=int, default=1024, help="tokens of text measured (default 1024)")
     a.add_argument("--chunk", type=int, default=256, help="chunked-prefill chunk (default 256)")
+    a.add_argument("--context", type=int, default=4096,
+                   help="the budget holds for the bytes held at this many tokens; sliding-window layers hold fewer "
+                        "(default 4096)")
     a.add_argument("--seed", type=int, default=0, help="rotation seed (layer i uses seed + i)")
     a.add_argument("--out", help="output folder (default MODEL_DIR)")
     a.add_argument("--no-progress", action="store_true", help="hide the progress bar")
@@ -308,11 +311,14 @@ def _cmd_calibrate(args) -> int:
 def _cmd_allocate(args) -> int:
     import math
 
-    from .allocation import bits_per_coordinate, calibrate_bits
+    from .allocation import bits_per_coordinate, calibrate_bits, layer_token_weights
     from .config import model_facts
 
     if not math.isfinite(args.budget) or args.budget <= 0:
         print(f"error: --budget must be a positive number of bits per coordinate, got {args.budget}", file=sys.stderr)
+        return 2
+    if args.context < 1:
+        print(f"error: --context must be a positive number of tokens, got {args.context}", file=sys.stderr)
         return 2
     if args.tokens <= args.chunk or args.chunk < 1:
         print(f"error: --tokens ({args.tokens}) must exceed --chunk ({args.chunk}) >= 1: the positions after the first "
@@ -353,17 +359,19 @@ def _cmd_allocate(args) -> int:
         return 2
     try:
         cfg, sens = calibrate_bits(model, text, args.budget, tokenizer=tok, tokens=args.tokens, chunk=args.chunk,
-                                   base=base, progress=not args.no_progress)
+                                   base=base, context=args.context, progress=not args.no_progress)
         path = cfg.save_pretrained(out, model_config=model.config, extra={"bit_allocation": {
-            "budget": args.budget, "tokens": args.tokens, "chunk": args.chunk, "text_source": source,
+            "budget": args.budget, "context": args.context, "tokens": args.tokens, "chunk": args.chunk,
+            "text_source": source,
             "sensitivity_kl": {str(i): v for i, v in sens.items()},
         }})
     except (OSError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     head_dim = model_facts(model.config)["head_dim"]
-    print(f"wrote {path}: {bits_per_coordinate(cfg.layer_bits, head_dim):.3f} bits per coordinate "
-          f"(budget {args.budget})")
+    weights = layer_token_weights(model.config, args.context)
+    print(f"wrote {path}: {bits_per_coordinate(cfg.layer_bits, head_dim, weights=weights):.3f} bits per coordinate "
+          f"at {args.context} tokens (budget {args.budget})")
     print("layer  key bits  value bits")
     for i, (k, v) in sorted(cfg.layer_bits.items()):
         print(f"{i:>5}  {k:>8}  {v:>10}")

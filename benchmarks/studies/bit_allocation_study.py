@@ -26,11 +26,63 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
 
 from tq_hf_cache import TurboQuantCache, TurboQuantConfig  # noqa: E402
-from tq_hf_cache.allocation import allocate_bits, bits_per_coordinate, measure_sensitivity  # noqa: E402
+from tq_hf_cache.allocation import (allocate_bits, bits_per_coordinate, layer_token_weights,  # noqa: E402
+                                   measure_sensitivity)
 from tq_hf_cache.eval.models import load_model  # noqa: E402
 from tq_hf_cache.eval.runner import EvalSettings, eval_texts  # noqa: E402
 from tq_hf_cache.eval.tasks import perplexity  # noqa: E402
 from tq_hf_cache.texts import package_text  # noqa: E402
+
+
+@torch.inference_mode()
+def refine(model, ids, chunk, layer_bits, rounds, log):
+    """Budget-neutral swaps measured in context: with every layer at its allocated widths, the KL change of one
+    more bit and of one bit less for each layer and kind (one prefill each); then the best gains paired with the
+    cheapest losses, each swap kept only if the whole allocation's KL falls. Widths stay within KEY/VALUE_BITS."""
+    from tq_hf_cache.allocation import KEY_BITS, VALUE_BITS, _chunk_logprobs
+
+    cfg = model.config
+    layers = cfg.num_hidden_layers
+    ref = _chunk_logprobs(model, ids, TurboQuantCache(config=cfg, skip_layers=list(range(layers))), chunk)
+
+    def kl(lb):
+        lp = _chunk_logprobs(model, ids, TurboQuantCache(config=cfg, layer_bits=lb), chunk)
+        return float((ref.exp() * (ref - lp)).sum(-1).mean())
+
+    widths = (KEY_BITS, VALUE_BITS)
+    lb = {i: list(v) for i, v in layer_bits.items()}
+    cur = kl(lb)
+    log(f"refine: start KL {cur:.5f}")
+    for r in range(rounds):
+        ups, downs = [], []
+        for i in range(layers):
+            for w in (0, 1):
+                for step, out in ((1, ups), (-1, downs)):
+                    b = lb[i][w] + step
+                    if b in widths[w]:
+                        trial = {**lb, i: [b, lb[i][1]] if w == 0 else [lb[i][0], b]}
+                        out.append((kl(trial) - cur, i, w, b))
+        ups.sort()
+        downs.sort()
+        touched, changed = set(), 0
+        for du, i, w, b in ups:
+            if du >= 0 or (i, w) in touched:
+                continue
+            for dd, j, v, c in downs:
+                if (j, v) in touched or (j, v) == (i, w) or du + dd >= 0:
+                    continue
+                trial = {k: list(x) for k, x in lb.items()}
+                trial[i][w], trial[j][v] = b, c
+                new = kl(trial)
+                if new < cur:
+                    lb, cur = trial, new
+                    touched |= {(i, w), (j, v)}
+                    changed += 1
+                break
+        log(f"refine: round {r}: {changed} swaps, KL {cur:.5f}")
+        if not changed:
+            break
+    return lb
 
 
 def main():
@@ -45,6 +97,10 @@ def main():
     p.add_argument("--sensitivity", default=None, help="reuse the sensitivities of an earlier output JSON")
     p.add_argument("--save-dir", default=None,
                    help="also write each budget's allocation as SAVE_DIR/<model>-<budget>/turboquant_config.json")
+    p.add_argument("--context", type=int, default=4096,
+                   help="the budget holds for the bytes held at this many tokens (sliding-window layers hold fewer)")
+    p.add_argument("--uniform", type=int, default=1, help="also evaluate the uniform presets (0: allocated only)")
+    p.add_argument("--refine", type=int, default=0, help="rounds of in-context swaps after the allocation (0: none)")
     p.add_argument("--out", required=True)
     a = p.parse_args()
     torch.set_num_threads(a.threads)
@@ -62,15 +118,21 @@ def main():
         sens = measure_sensitivity(model, ids, chunk=a.chunk)
     res["sensitivity"] = sens
     res["allocations"] = {}
+    weights = layer_token_weights(cfg, a.context)
+    res["context"], res["layer_token_weights"] = a.context, weights
     for budget in map(float, a.budgets.split(",")):
-        choice = allocate_bits(sens, budget, head_dim)
-        bpc = bits_per_coordinate(choice, head_dim)
+        choice = allocate_bits(sens, budget, head_dim, weights=weights)
+        if a.refine:
+            ids = tok(package_text(min_chars=a.tokens * 8), return_tensors="pt").input_ids[:, : a.tokens]
+            choice = refine(model, ids, a.chunk, choice, a.refine, lambda m: print(f"[{time.time() - t0:6.0f}s] {m}", flush=True))
+        bpc = bits_per_coordinate(choice, head_dim, weights=weights)
         res["allocations"][str(budget)] = {"layer_bits": choice, "bits_per_coordinate": round(bpc, 4)}
         print(f"budget {budget}: {bpc:.3f} bits/coord, {choice}", flush=True)
         if a.save_dir:
             folder = os.path.join(a.save_dir, f"{a.model}-{budget:g}")
             TurboQuantConfig(layer_bits=choice).save_pretrained(folder, model_config=cfg, extra={"bit_allocation": {
-                "budget": budget, "tokens": a.tokens, "chunk": a.chunk, "made_by": "benchmarks/studies/bit_allocation_study.py",
+                "budget": budget, "context": a.context, "tokens": a.tokens, "chunk": a.chunk,
+                "made_by": "benchmarks/studies/bit_allocation_study.py",
                 "sensitivity_kl": {str(i): v for i, v in sens.items()}}})
     json.dump(res, open(a.out, "w"), indent=1)
     if a.eval_tokens:
@@ -82,8 +144,10 @@ def main():
         uniform = {"3.25": (4, 2), "3.0625": (4, 2), "2.5": (3, 2), "2.0": (2, 2)}
         for budget, alloc in res["allocations"].items():
             for seed in map(int, a.seeds.split(",")):
-                for name, kw in (("allocated", {"layer_bits": alloc["layer_bits"]}),
-                                 ("uniform", dict(zip(("key_bits", "value_bits"), uniform.get(budget, (4, 2)))))):
+                rows = [("allocated", {"layer_bits": alloc["layer_bits"]})]
+                if a.uniform:
+                    rows.append(("uniform", dict(zip(("key_bits", "value_bits"), uniform.get(budget, (4, 2))))))
+                for name, kw in rows:
                     r, _, _ = perplexity(model, ids, lambda: TurboQuantCache(config=cfg, seed=seed, **kw), a.chunk)
                     key = f"{budget}/{name}/seed{seed}"
                     res["eval"][key] = r["ppl"]
