@@ -245,16 +245,8 @@ def _cmd_calibrate(args) -> int:
         print(f"error: --seq-len must be > {HOLDOUT_BLOCK} (every other block of {HOLDOUT_BLOCK} positions is held out), "
               f"got {args.seq_len}", file=sys.stderr)
         return 2
-    out = args.out or args.model_dir
-    if args.model_dir == EMBEDDED_MODEL and not args.out:
-        print(f"error: {EMBEDDED_MODEL!r} lives inside an installed package: pass --out DIR", file=sys.stderr)
-        return 2
-    if args.model_dir != EMBEDDED_MODEL and not os.path.isdir(args.model_dir):
-        print(f"error: MODEL_DIR {args.model_dir!r} is not a folder (or {EMBEDDED_MODEL!r})", file=sys.stderr)
-        return 2
-    problem = _unwritable(out)
-    if problem:  # checked before the model loads and calibration runs, not after
-        print(f"error: cannot write the output folder {out!r}: {problem}", file=sys.stderr)
+    out = _output_folder(args)
+    if out is None:
         return 2
     try:
         if args.preset:
@@ -269,18 +261,9 @@ def _cmd_calibrate(args) -> int:
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    if args.text:
-        try:
-            with open(args.text, encoding="utf-8") as f:
-                text = f.read()
-        except (OSError, UnicodeDecodeError) as e:
-            print(f"error: cannot read --text {args.text!r}: {e}", file=sys.stderr)
-            return 2
-        source = args.text
-    else:
-        from .texts import TEXT_SOURCE, package_text
-
-        text, source = package_text(min_chars=min(6 * args.max_tokens, 100_000)), TEXT_SOURCE
+    text, source = _read_text(args, min(6 * args.max_tokens, 100_000))
+    if text is None:
+        return 2
     try:
         model, tok = _load_model(args.model_dir, args.gguf_file)
     except (OSError, ValueError) as e:
@@ -324,34 +307,17 @@ def _cmd_allocate(args) -> int:
         print(f"error: --tokens ({args.tokens}) must exceed --chunk ({args.chunk}) >= 1: the positions after the first "
               "chunk are scored", file=sys.stderr)
         return 2
-    out = args.out or args.model_dir
-    if args.model_dir == EMBEDDED_MODEL and not args.out:
-        print(f"error: {EMBEDDED_MODEL!r} lives inside an installed package: pass --out DIR", file=sys.stderr)
-        return 2
-    if args.model_dir != EMBEDDED_MODEL and not os.path.isdir(args.model_dir):
-        print(f"error: MODEL_DIR {args.model_dir!r} is not a folder (or {EMBEDDED_MODEL!r})", file=sys.stderr)
-        return 2
-    problem = _unwritable(out)
-    if problem:
-        print(f"error: cannot write the output folder {out!r}: {problem}", file=sys.stderr)
+    out = _output_folder(args)
+    if out is None:
         return 2
     try:
         base = TurboQuantConfig(seed=args.seed)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    if args.text:
-        try:
-            with open(args.text, encoding="utf-8") as f:
-                text = f.read()
-        except (OSError, UnicodeDecodeError) as e:
-            print(f"error: cannot read --text {args.text!r}: {e}", file=sys.stderr)
-            return 2
-        source = args.text
-    else:
-        from .texts import TEXT_SOURCE, package_text
-
-        text, source = package_text(min_chars=8 * args.tokens), TEXT_SOURCE
+    text, source = _read_text(args, 8 * args.tokens)
+    if text is None:
+        return 2
     try:
         model, tok = _load_model(args.model_dir, args.gguf_file)
     except (OSError, ValueError) as e:
@@ -376,6 +342,38 @@ def _cmd_allocate(args) -> int:
     for i, (k, v) in sorted(cfg.layer_bits.items()):
         print(f"{i:>5}  {k:>8}  {v:>10}")
     return 0
+
+
+def _output_folder(args) -> str | None:
+    """The output folder of calibrate / allocate (created), checked before the model loads and anything runs;
+    None after printing why it cannot be used."""
+    out = args.out or args.model_dir
+    if args.model_dir == EMBEDDED_MODEL and not args.out:
+        print(f"error: {EMBEDDED_MODEL!r} lives inside an installed package: pass --out DIR", file=sys.stderr)
+        return None
+    if args.model_dir != EMBEDDED_MODEL and not os.path.isdir(args.model_dir):
+        print(f"error: MODEL_DIR {args.model_dir!r} is not a folder (or {EMBEDDED_MODEL!r})", file=sys.stderr)
+        return None
+    problem = _unwritable(out)
+    if problem:
+        print(f"error: cannot write the output folder {out!r}: {problem}", file=sys.stderr)
+        return None
+    return out
+
+
+def _read_text(args, default_chars: int) -> tuple[str | None, str]:
+    """(text, source): --text's content, or `default_chars` of the prose shipped with Python; (None, why) after
+    printing an unreadable file's error."""
+    if not args.text:
+        from .texts import TEXT_SOURCE, package_text
+
+        return package_text(min_chars=default_chars), TEXT_SOURCE
+    try:
+        with open(args.text, encoding="utf-8") as f:
+            return f.read(), args.text
+    except (OSError, UnicodeDecodeError) as e:
+        print(f"error: cannot read --text {args.text!r}: {e}", file=sys.stderr)
+        return None, str(e)
 
 
 def _unwritable(folder: str) -> str | None:
