@@ -322,15 +322,7 @@ class TurboQuantLayer(DynamicLayer):
         drop = self._drop_old(lr)
         if drop == 0 and lr <= self.residual_capacity:
             return
-        fp_k, fp_v = self.res_k[:, :, drop:], self.res_v[:, :, drop:]
-        overflow = fp_k.shape[2] - self.residual_length
-        if overflow > 0:
-            self._quantize_append(fp_k[:, :, :overflow], fp_v[:, :, :overflow])
-            fp_k, fp_v = fp_k[:, :, overflow:], fp_v[:, :, overflow:]
-        keep = fp_k.shape[2]
-        self._rk[:, :, :keep] = fp_k.clone()
-        self._rv[:, :, :keep] = fp_v.clone()
-        self._rlen = keep
+        self._store_window(self.res_k[:, :, drop:], self.res_v[:, :, drop:])
 
     def _assemble(self, key_states: torch.Tensor, value_states: torch.Tensor):
         """[dequantized history | residual | new] for this step's attention."""
@@ -389,12 +381,17 @@ class TurboQuantLayer(DynamicLayer):
             return
         fp_k = torch.cat([self.res_k, key_states], dim=2) if lr else key_states
         fp_v = torch.cat([self.res_v, value_states], dim=2) if lr else value_states
-        fp_k, fp_v = fp_k[:, :, drop:], fp_v[:, :, drop:]
+        self._store_window(fp_k[:, :, drop:], fp_v[:, :, drop:])
+
+    def _store_window(self, fp_k: torch.Tensor, fp_v: torch.Tensor) -> None:
+        """Keep the newest `residual_length` of these full-precision tokens as the residual window and quantize
+        the older ones. The inputs may be views of the residual buffers themselves."""
         overflow = fp_k.shape[2] - self.residual_length
         if overflow > 0:
             self._quantize_append(fp_k[:, :, :overflow], fp_v[:, :, :overflow])
             fp_k, fp_v = fp_k[:, :, overflow:], fp_v[:, :, overflow:]
         keep = fp_k.shape[2]
+        fp_k, fp_v = fp_k.clone(), fp_v.clone()  # (a view of the buffer would overlap where it is written)
         self._rlen = 0
         self._reserve_residual(keep)
         self._rk[:, :, :keep].copy_(fp_k)
