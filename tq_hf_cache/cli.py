@@ -264,11 +264,10 @@ def _cmd_calibrate(args) -> int:
     text, source = _read_text(args, min(6 * args.max_tokens, 100_000))
     if text is None:
         return 2
-    try:
-        model, tok = _load_model(args.model_dir, args.gguf_file)
-    except (OSError, ValueError) as e:
-        print(f"error: cannot load {args.model_dir!r}: {e}", file=sys.stderr)
+    loaded = _load_model_or_report(args)
+    if loaded is None:
         return 2
+    model, tok = loaded
     per_head = {"auto": None, "yes": True, "no": False}[args.per_head]
     try:
         cb = calibrate(
@@ -318,11 +317,10 @@ def _cmd_allocate(args) -> int:
     text, source = _read_text(args, 8 * args.tokens)
     if text is None:
         return 2
-    try:
-        model, tok = _load_model(args.model_dir, args.gguf_file)
-    except (OSError, ValueError) as e:
-        print(f"error: cannot load {args.model_dir!r}: {e}", file=sys.stderr)
+    loaded = _load_model_or_report(args)
+    if loaded is None:
         return 2
+    model, tok = loaded
     try:
         cfg, sens = calibrate_bits(model, text, args.budget, tokenizer=tok, tokens=args.tokens, chunk=args.chunk,
                                    base=base, context=args.context, progress=not args.no_progress)
@@ -359,6 +357,15 @@ def _output_folder(args) -> str | None:
         print(f"error: cannot write the output folder {out!r}: {problem}", file=sys.stderr)
         return None
     return out
+
+
+def _load_model_or_report(args):
+    """(model, tokenizer) of MODEL_DIR, or None after printing why it could not be loaded."""
+    try:
+        return _load_model(args.model_dir, args.gguf_file)
+    except (OSError, ValueError) as e:
+        print(f"error: cannot load {args.model_dir!r}: {e}", file=sys.stderr)
+        return None
 
 
 def _read_text(args, default_chars: int) -> tuple[str | None, str]:
