@@ -6,11 +6,12 @@ random codes and norms, a 128-token residual window, 4 sink tokens) and SDPA wit
 length (cuDNN where torch offers it, else the backend torch picks; the JSON names it). Both are timed as CUDA
 graph replays (`triton.testing.do_bench_cudagraph`, median), so host launch cost is out of both. The byte floor is
 the bytes the kernel must read (codes, norms, residual, sinks, query) at the device-to-device copy bandwidth
-(bytes read + written per second) measured in the same run. A last part sweeps the kernel's tuning knobs (BLOCK_N, warps, splits, centroid lookup)
+(bytes read + written per second) measured in the same run. The workspace path's dequantize is timed per width
+against the same copy bandwidth. A last part sweeps the kernel's tuning knobs (BLOCK_N, warps, programs per SM, Triton stages)
 at batch 1 / 128k and batch 8 / 32k, each variant's output checked against the default's.
 
 Usage: python benchmarks/bench_attention.py [--presets k5v3,k4v4,k4v2] [--contexts 4096,32768,131072]
-       [--batches 1,8] [--sweep 1] [--out DIR]           writes DIR/bench_attention.json and .png
+       [--batches 1,8] [--sweep 1] [--dequant 1] [--out DIR]           writes DIR/bench_attention.json and .png
 """
 
 from __future__ import annotations
@@ -91,12 +92,26 @@ def kernel_time(kv: PackedKV, b: int, **knobs) -> tuple[float, torch.Tensor]:
     return do_bench_cudagraph(lambda: da.decode_attention(q, kv, None, None, **knobs)), out
 
 
+def dequant_row(bits: int, bw: float, b: int = 1, t: int = 32768) -> dict:
+    """The workspace path's dequantize (packed + norms -> bf16 K or V) of one layer at batch b, context t: time and
+    bytes moved (read + written) against the copy bandwidth."""
+    kv, _ = packed_layer(b, t + RESIDUAL, bits, bits)
+    out = torch.empty(b, HKV, t, D, device=DEV, dtype=torch.bfloat16)
+    f = lambda: kernels.dequantize_into(kv.k_packed, kv.k_norms, kv.rotation, kv.k_codebook, out)  # noqa: E731
+    f()
+    ms = do_bench_cudagraph(f)
+    moved = kv.k_packed.numel() + kv.k_norms.numel() * 2 + out.numel() * 2
+    return {"bits": bits, "batch": b, "context": t, "dequantize_ms": round(ms, 4), "bytes_moved": moved,
+            "GBps": round(moved / (ms * 1e-3) / 1e9, 1), "fraction_of_copy_bw": round(moved / bw / (ms * 1e-3), 3)}
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--presets", default="k5v3,k4v4,k4v2")
     p.add_argument("--contexts", default="4096,32768,131072")
     p.add_argument("--batches", default="1,8")
     p.add_argument("--sweep", type=int, default=1)
+    p.add_argument("--dequant", type=int, default=1)
     p.add_argument("--out", default=os.environ.get("OUT", "."))
     a = p.parse_args()
     t0 = time.time()
@@ -126,17 +141,17 @@ def main():
     if a.sweep:
         for b, t in SWEEP_CASES:
             kv, nbytes = packed_layer(b, t, 5, 3)
-            base = kernels.num_splits_for(b * HKV, t - RESIDUAL, DEV)
             _, want = kernel_time(kv, b)
-            for block_n, warps, splits, lut in itertools.product((64, 128), (4, 8), (base, 2 * base), (0, 1)):
+            for block_n, warps, per_sm, stages in itertools.product((16, 32, 64), (1, 2), (4, 8), (2, 3)):
+                splits = kernels.num_splits_for(b * HKV, t - RESIDUAL, DEV, per_sm)
                 try:
-                    ms, out = kernel_time(kv, b, block_n=block_n, num_warps=warps, num_splits=splits, lut=lut)
+                    ms, out = kernel_time(kv, b, block_n=block_n, num_warps=warps, num_splits=splits, num_stages=stages)
                 except Exception as e:  # noqa: BLE001  (a variant that does not compile: reported, not fatal)
                     ms, err = None, f"{type(e).__name__}: {str(e)[:120]}"
                 else:
                     err = None
                 r = {"batch": b, "context": t, "preset": "k5v3", "block_n": block_n, "num_warps": warps,
-                     "num_splits": splits, "lut": lut, "kernel_ms": None if ms is None else round(ms, 4)}
+                     "programs_per_sm": per_sm, "num_splits": splits, "num_stages": stages, "kernel_ms": None if ms is None else round(ms, 4)}
                 if err:
                     r["error"] = err
                 else:  # every variant must compute the default's function
@@ -145,12 +160,20 @@ def main():
                 print(r, flush=True)
             del kv
             torch.cuda.empty_cache()
+    dequant = [dequant_row(bits, bw) for bits in (2, 3, 4, 5)] if a.dequant else []
+    for r in dequant:
+        print(r, flush=True)
     os.makedirs(a.out, exist_ok=True)
     path = os.path.join(a.out, "bench_attention.json")
     with open(path, "w") as f:
-        json.dump({"env": env, "rows": rows, "sweep": sweep, "seconds": round(time.time() - t0, 1)}, f, indent=1)
+        json.dump({"env": env, "rows": rows, "sweep": sweep, "dequant": dequant, "seconds": round(time.time() - t0, 1)},
+                  f, indent=1)
     plot(rows, os.path.join(a.out, "bench_attention.png"), env["device"])
     print("wrote", path)
+    print(f"{'preset':7} {'batch':>5} {'context':>8} {'kernel ms':>10} {'SDPA ms':>8} {'speedup':>8} {'of copy bw':>10}")
+    for r in rows:
+        print(f"{r['preset']:7} {r['batch']:5} {r['context']:8} {r['kernel_ms']:10.4f} {r['sdpa_ms']:8.4f} "
+              f"{r['speedup_vs_sdpa']:8.2f} {r['fraction_of_copy_bw']:10.2f}")
 
 
 def plot(rows, path, device):

@@ -514,3 +514,26 @@ def test_kernel_propagates_nan_keys_as_sdpa_does(where, splits):
     assert torch.isnan(ref[0, 0, :group]).all() and torch.isfinite(ref[0, 0, group:]).all()
     assert torch.isnan(out[0, 0, :group].float()).all(), f"seed {seed}: a NaN key did not give NaN"
     assert torch.isfinite(out[0, 0, group:].float()).all(), f"seed {seed}: the other head is not finite"
+
+
+@needs_triton
+@pytest.mark.parametrize("bits", range(1, 9))
+@pytest.mark.parametrize("per_head", [False, True])
+def test_lookup_table_entries_hold_the_fp16_centroids_side_by_side(bits, per_head):
+    from tq_hf_cache.kernels.decode_attention import lookup_table
+
+    seed = fresh_seed()
+    g = torch.Generator().manual_seed(seed)
+    heads = 3
+    c = torch.randn((heads, 2**bits) if per_head else (2**bits,), generator=g)
+    cb = Codebook.from_centroids(c, bits)
+    table, stride = lookup_table(cb, heads, torch.device("cpu"))
+    per, key_bits = (8 // bits, 8) if bits in (2, 4, 8) else (2, 2 * bits)
+    assert table.shape[-1] == 2**key_bits and table.element_size() == 2 * per, f"seed {seed}"
+    assert stride == (2**key_bits if per_head else 0)
+    want = cb.centroids.to(torch.float16).reshape(-1, 2**bits)
+    key = torch.arange(2**key_bits)
+    for j in range(per):  # centroid j of entry `key` is that of index (key >> bits * j) & mask
+        half = ((table.to(torch.int64) >> (16 * j)) & 0xFFFF).to(torch.int32).to(torch.int16).view(torch.float16)
+        torch.testing.assert_close(half, want[:, (key >> (bits * j)) & (2**bits - 1)], rtol=0, atol=0,
+                                   msg=lambda m: f"seed {seed}, centroid {j} of each entry: {m}")

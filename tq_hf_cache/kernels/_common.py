@@ -366,25 +366,27 @@ def rows_aligned(packed: torch.Tensor, unit: int = 4) -> bool:
 
 
 @triton.jit
-def load_groups(rows, ok, BITS: tl.constexpr, D: tl.constexpr, WORDS: tl.constexpr):
+def load_groups(rows, ok, BITS: tl.constexpr, D: tl.constexpr, WORDS: tl.constexpr, COLS: tl.constexpr):
     """The packed groups of 8 indices (BITS bytes each, packing.py's LSB-first layout) of the rows at uint8
-    pointers `rows` (BLOCK,), as an int64 (BLOCK, D // 8) tile, for widths that do not divide 8.
+    pointers `rows` (BLOCK,), as an int64 (BLOCK, COLS) tile, for widths that do not divide 8. COLS >= D // 8 (a
+    power of two); columns past D // 8 read as 0, so that a tile can be padded to the 16 columns of a dot.
 
     WORDS (rows start on 4-byte boundaries, see `rows_aligned`), at 3, 5 and 6 bits: each group is cut from the
     two int32 words it overlaps, two loads instead of BITS byte loads; otherwise the bytes are assembled."""
+    col = tl.arange(0, COLS)
+    live = ok[:, None] & (col < D // 8)[None, :]
     if WORDS and (BITS == 3 or BITS == 5 or BITS == 6):
         wrows = rows.to(tl.pointer_type(tl.int32), bitcast=True)
-        bit0 = tl.arange(0, D // 8) * (8 * BITS)
+        bit0 = col * (8 * BITS)
         j0 = bit0 // 32
-        w0 = tl.load(wrows[:, None] + j0[None, :], mask=ok[:, None], other=0)
-        w1 = tl.load(wrows[:, None] + j0[None, :] + 1, mask=ok[:, None] & ((bit0 % 32 + 8 * BITS) > 32)[None, :],
-                     other=0)
+        w0 = tl.load(wrows[:, None] + j0[None, :], mask=live, other=0)
+        w1 = tl.load(wrows[:, None] + j0[None, :] + 1, mask=live & ((bit0 % 32 + 8 * BITS) > 32)[None, :], other=0)
         v = ((w1.to(tl.int64) << 32) | (w0.to(tl.int64) & 0xFFFFFFFF)) >> (bit0 % 32).to(tl.int64)[None, :]
     else:
-        grp = rows[:, None] + (tl.arange(0, D // 8) * BITS)[None, :]
-        v = tl.load(grp, mask=ok[:, None], other=0).to(tl.int64)
+        grp = rows[:, None] + (col * BITS)[None, :]
+        v = tl.load(grp, mask=live, other=0).to(tl.int64)
         for j in tl.static_range(1, BITS):
-            v = v | (tl.load(grp + j, mask=ok[:, None], other=0).to(tl.int64) << (8 * j))
+            v = v | (tl.load(grp + j, mask=live, other=0).to(tl.int64) << (8 * j))
     return v
 
 

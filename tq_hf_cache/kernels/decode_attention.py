@@ -7,11 +7,17 @@ The exact copies (sinks, then the ring: a dynamic layer's residual window, which
 or a static layer's ring buffer) are an unrotated segment with its own accumulator; both share one
 online-softmax state, so the result is exactly softmax over every position the layer holds (see `PackedKV`).
 
+Planes. The coordinates of a packed row are taken in the order the bytes hold them: plane k is coordinates
+P * c + k (P = 8 / bits at 2, 4 and 8 bits, else 8: the groups of 8 indices). Each plane is its own dot against
+the matching plane of q' (K) or its own accumulator, rotated back with the matching rows of Pi (V), so no index
+tile is ever reshuffled. Centroids come from a table whose entries hold several fp16 centroids side by side (a
+byte's 8 / bits, or a pair of indices at the group widths): one load, then shifts (`lookup_table`).
+
 Layout. Grid (B * Hkv, S + 1). Programs 0..S-1 of a (batch, KV head) each take a contiguous slice of the packed
 history; program S takes the exact copies. All query heads of one KV head (GQA) and all n
 queries are the M rows of one tile (row r = g * n + i for query head Hkv_idx * G + g and query i), so each packed
-byte is read once per KV head. Partial (m, l, acc) go to a cached fp32 scratch; `_reduce_kernel` merges them,
-rotates the packed part back and writes (B, n, Hq, D) in the model dtype.
+byte is read once per KV head. Partial (m, l, acc) go to a cached fp32 scratch; the last program of a (batch, KV
+head) merges them and writes (B, n, Hq, D) in the model dtype. One warp per 16 rows (`_warps`).
 
 Causality: the n queries end at the last key; without a mask, query i sees everything but the new tokens j > i.
 With a mask (boolean True = attend, or additive), only the mask decides, as in `reference.attention`.
@@ -33,80 +39,74 @@ if TYPE_CHECKING:
     from ..packed_kv import PackedKV
 
 LOG2E = 1.4426950408889634
-BLOCK_N = 64
+BLOCK_N = 32
+
+
+def planes(bits: int) -> int:
+    """Coordinate planes of a packed row: plane k holds coordinates P * c + k, c = 0 .. D / P - 1."""
+    return 8 // bits if bits in (2, 4, 8) else 8
 
 
 @triton.jit
-def _load_packed(base, offs_t, t_ok, BITS: tl.constexpr, D: tl.constexpr, STRIDE_T: tl.constexpr):
-    """The raw packed bytes of len(offs_t) vectors (row stride STRIDE_T bytes): one int32 element per byte for 2, 4
-    and 8 bits, else one int64 per group of 8 indices (`_common.load_groups`; rows are whole words: the launchers
-    check the base's alignment)."""
+def _load_packed(base, offs_t, t_ok, BITS: tl.constexpr, D: tl.constexpr, STRIDE_T: tl.constexpr,
+                 W: tl.constexpr):
+    """The raw packed words of len(offs_t) rows (row stride STRIDE_T bytes), W columns: at 2, 4 and 8 bits one
+    int32 per byte (W = D * BITS / 8), else one int64 per group of 8 indices (`_common.load_groups`, padded to W >=
+    16 columns with zeros; rows are whole words: the launcher checks the base's alignment)."""
     if BITS == 2 or BITS == 4 or BITS == 8:
-        cols = tl.arange(0, (D * BITS) // 8)
+        cols = tl.arange(0, W)
         v = tl.load(base + offs_t[:, None] * STRIDE_T + cols[None, :], mask=t_ok[:, None], other=0).to(tl.int32)
     else:
-        v = C.load_groups(base + offs_t * STRIDE_T, t_ok, BITS, D, True)
+        v = C.load_groups(base + offs_t * STRIDE_T, t_ok, BITS, D, True, W)
     return v
 
 
 @triton.jit
-def _expand(v, BITS: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr):
-    """Indices (BLOCK, D) int32 from `_load_packed`'s raw tile (LSB-first bitstream, see packing.py)."""
-    if BITS == 8:
-        idx = v
-    elif BITS == 4:
-        idx = tl.reshape(tl.join(v & 15, v >> 4), (BLOCK, D))
-    elif BITS == 2:
-        lo = tl.join(v & 3, (v >> 4) & 3)
-        hi = tl.join((v >> 2) & 3, (v >> 6) & 3)
-        idx = tl.reshape(tl.join(lo, hi), (BLOCK, D))
+def _entries(tab, raw, m: tl.constexpr, BITS: tl.constexpr):
+    """Lookup-table entries of a raw tile, each several fp16 centroids side by side: at 2, 4 and 8 bits the
+    entry of each byte (its 8 / BITS centroids), else the entry of pair m of each group of 8 (two centroids)."""
+    if BITS == 2 or BITS == 4 or BITS == 8:
+        e = tl.load(tab + raw)
     else:
-        idx = C.expand_groups(v, BITS, D, BLOCK)
-    return idx
+        e = tl.load(tab + ((raw >> (2 * m * BITS)) & ((1 << (2 * BITS)) - 1)).to(tl.int32))
+    return e
 
 
 @triton.jit
-def _lookup(cb, idx, LUT: tl.constexpr, BITS: tl.constexpr, BLOCK: tl.constexpr):
-    """Centroid values (BLOCK, D) fp16 of indices idx: LUT 0 gathers from global memory (L1), 1 from a register
-    table (tl.gather), 2 through a select tree (<= 4 bits)."""
-    if LUT == 0:
-        out = tl.load(cb + idx)
-    elif LUT == 1:
-        table = tl.broadcast_to(tl.load(cb + tl.arange(0, 1 << BITS))[None, :], (BLOCK, 1 << BITS))
-        out = tl.gather(table, idx, 1)
-    else:
-        c0 = tl.load(cb)
-        c1 = tl.load(cb + 1)
-        lvl = tl.where((idx & 1) != 0, c1, c0)
-        if BITS >= 2:
-            c2 = tl.load(cb + 2)
-            c3 = tl.load(cb + 3)
-            b0 = (idx & 1) != 0
-            b1 = (idx & 2) != 0
-            lvl = tl.where(b1, tl.where(b0, c3, c2), lvl)
-            if BITS >= 3:
-                c4 = tl.load(cb + 4)
-                c5 = tl.load(cb + 5)
-                c6 = tl.load(cb + 6)
-                c7 = tl.load(cb + 7)
-                b2 = (idx & 4) != 0
-                hi = tl.where(b1, tl.where(b0, c7, c6), tl.where(b0, c5, c4))
-                lvl = tl.where(b2, hi, lvl)
-                if BITS >= 4:
-                    c8 = tl.load(cb + 8)
-                    c9 = tl.load(cb + 9)
-                    c10 = tl.load(cb + 10)
-                    c11 = tl.load(cb + 11)
-                    c12 = tl.load(cb + 12)
-                    c13 = tl.load(cb + 13)
-                    c14 = tl.load(cb + 14)
-                    c15 = tl.load(cb + 15)
-                    b3 = (idx & 8) != 0
-                    lo8 = tl.where(b1, tl.where(b0, c11, c10), tl.where(b0, c9, c8))
-                    hi8 = tl.where(b1, tl.where(b0, c15, c14), tl.where(b0, c13, c12))
-                    lvl = tl.where(b3, tl.where(b2, hi8, lo8), lvl)
-        out = lvl
-    return out.to(tl.float16)
+def _half(e, j: tl.constexpr):
+    """The j-th fp16 centroid of every entry."""
+    if j > 0:
+        e = e >> (16 * j)
+    return e.to(tl.int16).to(tl.float16, bitcast=True)
+
+
+@triton.jit
+def _qk(s, q, e, j: tl.constexpr):
+    """s + q @ plane^T for the plane that is centroid j of the entries e."""
+    return tl.dot(q, tl.trans(_half(e, j)), s)
+
+
+@triton.jit
+def _pv(acc, p, e, j: tl.constexpr):
+    return tl.dot(p, _half(e, j), acc)
+
+
+@triton.jit
+def _query_plane(q, pi_ptr, k: tl.constexpr, P: tl.constexpr, W: tl.constexpr, D: tl.constexpr, scale_log2):
+    """Plane k of the rotated query, (Pi q)[P * c + k] for c < W, pre-scaled for exp2, fp16; padding columns 0."""
+    c = tl.arange(0, W)
+    d = tl.arange(0, D)
+    pit = tl.load(pi_ptr + (P * c[None, :] + k) * D + d[:, None], mask=(c < D // P)[None, :], other=0.0)
+    return (tl.dot(q, pit) * scale_log2).to(tl.float16)
+
+
+@triton.jit
+def _unrotate_plane(out, acc, pi_ptr, k: tl.constexpr, P: tl.constexpr, W: tl.constexpr, D: tl.constexpr):
+    """out + acc @ Pi[P * c + k, :]: plane k's share of the values' inverse rotation (padding rows 0)."""
+    c = tl.arange(0, W)
+    d = tl.arange(0, D)
+    pi = tl.load(pi_ptr + (P * c[:, None] + k) * D + d[None, :], mask=(c < D // P)[:, None], other=0.0)
+    return tl.dot(acc, pi, out)
 
 
 @triton.jit
@@ -163,7 +163,7 @@ def _decode_kernel(
     pi_ptr,
     kp_ptr, skpb, skph, kn_ptr, sknb, sknh,
     vp_ptr, svpb, svph, vn_ptr, svnb, svnh,
-    kc_ptr, vc_ptr,
+    kt_ptr, vt_ptr,
     rk_ptr, srkb, srkh, rv_ptr, srvb, srvh,
     sk_ptr, sskb, sskh, sv_ptr, ssvb, ssvh,
     m_ptr, smb, smh, smi, smt,
@@ -172,9 +172,10 @@ def _decode_kernel(
     Hkv, Lq, Lr, N, Ls, tok_per_split, num_splits, scale_log2,
     len_ptr, from_ptr, ring,
     G: tl.constexpr, D: tl.constexpr, KBITS: tl.constexpr, VBITS: tl.constexpr,
-    KPT: tl.constexpr, VPT: tl.constexpr, KC_SH: tl.constexpr, VC_SH: tl.constexpr,
+    KPT: tl.constexpr, VPT: tl.constexpr, KT_SH: tl.constexpr, VT_SH: tl.constexpr,
+    KP: tl.constexpr, VP: tl.constexpr, KW: tl.constexpr, VW: tl.constexpr,
     BLOCK_M: tl.constexpr, R: tl.constexpr, SC: tl.constexpr, BLOCK_N: tl.constexpr,
-    MASK_KIND: tl.constexpr, KLUT: tl.constexpr, VLUT: tl.constexpr, PREFETCH: tl.constexpr,
+    MASK_KIND: tl.constexpr, PREFETCH: tl.constexpr,
     STATIC: tl.constexpr,
 ):
     """One launch: programs (pid, split) write partial (m, l, acc) for their slice, all in the unrotated domain
@@ -209,22 +210,40 @@ def _decode_kernel(
     m_i = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
     l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
     if split < num_splits:
-        # packed history, rotated domain: q' = Pi q (rows: q @ Pi^T), pre-scaled for exp2
-        pit = tl.load(pi_ptr + d[None, :] * D + d[:, None])  # pit[i, j] = Pi[j, i]
-        qr = (tl.dot(q, pit) * scale_log2).to(tl.float16)
+        # packed history, rotated domain, by coordinate planes (see `planes`): K plane k is scored against the
+        # matching plane of q' = Pi q; V plane k accumulates into its own a_k, rotated back at the end
+        q0 = _query_plane(q, pi_ptr, 0, KP, KW, D, scale_log2)
+        if KP >= 2:
+            q1 = _query_plane(q, pi_ptr, 1, KP, KW, D, scale_log2)
+        if KP >= 4:
+            q2 = _query_plane(q, pi_ptr, 2, KP, KW, D, scale_log2)
+            q3 = _query_plane(q, pi_ptr, 3, KP, KW, D, scale_log2)
+        if KP == 8:
+            q4 = _query_plane(q, pi_ptr, 4, KP, KW, D, scale_log2)
+            q5 = _query_plane(q, pi_ptr, 5, KP, KW, D, scale_log2)
+            q6 = _query_plane(q, pi_ptr, 6, KP, KW, D, scale_log2)
+            q7 = _query_plane(q, pi_ptr, 7, KP, KW, D, scale_log2)
+        a0 = tl.zeros((BLOCK_M, VW), dtype=tl.float32)
+        a1 = tl.zeros((BLOCK_M, VW), dtype=tl.float32)
+        a2 = tl.zeros((BLOCK_M, VW), dtype=tl.float32)
+        a3 = tl.zeros((BLOCK_M, VW), dtype=tl.float32)
+        a4 = tl.zeros((BLOCK_M, VW), dtype=tl.float32)
+        a5 = tl.zeros((BLOCK_M, VW), dtype=tl.float32)
+        a6 = tl.zeros((BLOCK_M, VW), dtype=tl.float32)
+        a7 = tl.zeros((BLOCK_M, VW), dtype=tl.float32)
         start = split * tok_per_split
         end = tl.minimum(start + tok_per_split, Lq)
         kp = kp_ptr + b * skpb + h * skph
         vp = vp_ptr + b * svpb + h * svph
         kn = kn_ptr + b * sknb + h * sknh
         vn = vn_ptr + b * svnb + h * svnh
-        kc = kc_ptr + h * KC_SH
-        vc = vc_ptr + h * VC_SH
+        kt = kt_ptr + h * KT_SH
+        vt = vt_ptr + h * VT_SH
         if PREFETCH == 2:  # software pipelining by hand: the next tile's bytes load during this tile's math
             offs = start + tl.arange(0, BLOCK_N)
             t_ok = offs < end
-            kraw = _load_packed(kp, offs, t_ok, KBITS, D, KPT)
-            vraw = _load_packed(vp, offs, t_ok, VBITS, D, VPT)
+            kraw = _load_packed(kp, offs, t_ok, KBITS, D, KPT, KW)
+            vraw = _load_packed(vp, offs, t_ok, VBITS, D, VPT, VW)
             knorm = tl.load(kn + offs, mask=t_ok, other=0.0).to(tl.float32)
             vnorm = tl.load(vn + offs, mask=t_ok, other=0.0).to(tl.float32)
         for t0 in range(start, end, BLOCK_N):
@@ -234,32 +253,65 @@ def _decode_kernel(
                 k_cur, v_cur, kn_cur, vn_cur = kraw, vraw, knorm, vnorm
                 offs2 = offs + BLOCK_N
                 t_ok2 = offs2 < end
-                kraw = _load_packed(kp, offs2, t_ok2, KBITS, D, KPT)
-                vraw = _load_packed(vp, offs2, t_ok2, VBITS, D, VPT)
+                kraw = _load_packed(kp, offs2, t_ok2, KBITS, D, KPT, KW)
+                vraw = _load_packed(vp, offs2, t_ok2, VBITS, D, VPT, VW)
                 knorm = tl.load(kn + offs2, mask=t_ok2, other=0.0).to(tl.float32)
                 vnorm = tl.load(vn + offs2, mask=t_ok2, other=0.0).to(tl.float32)
-            elif PREFETCH == 1:  # both tiles' loads issued together, before any math
-                k_cur = _load_packed(kp, offs, t_ok, KBITS, D, KPT)
-                v_cur = _load_packed(vp, offs, t_ok, VBITS, D, VPT)
-                kn_cur = tl.load(kn + offs, mask=t_ok, other=0.0).to(tl.float32)
-                vn_cur = tl.load(vn + offs, mask=t_ok, other=0.0).to(tl.float32)
             else:
-                k_cur = _load_packed(kp, offs, t_ok, KBITS, D, KPT)
+                k_cur = _load_packed(kp, offs, t_ok, KBITS, D, KPT, KW)
                 kn_cur = tl.load(kn + offs, mask=t_ok, other=0.0).to(tl.float32)
-            kidx = _expand(k_cur, KBITS, D, BLOCK_N)
-            kcent = _lookup(kc, kidx, KLUT, KBITS, BLOCK_N)
-            s = tl.dot(qr, tl.trans(kcent)) * kn_cur[None, :]
+                v_cur = _load_packed(vp, offs, t_ok, VBITS, D, VPT, VW)
+                vn_cur = tl.load(vn + offs, mask=t_ok, other=0.0).to(tl.float32)
+            e = _entries(kt, k_cur, 0, KBITS)
+            s = tl.dot(q0, tl.trans(_half(e, 0)))
+            if KP == 2:
+                s = _qk(s, q1, e, 1)
+            if KP == 4:
+                s = _qk(_qk(_qk(s, q1, e, 1), q2, e, 2), q3, e, 3)
+            if KP == 8:  # four pair entries
+                s = _qk(s, q1, e, 1)
+                e = _entries(kt, k_cur, 1, KBITS)
+                s = _qk(_qk(s, q2, e, 0), q3, e, 1)
+                e = _entries(kt, k_cur, 2, KBITS)
+                s = _qk(_qk(s, q4, e, 0), q5, e, 1)
+                e = _entries(kt, k_cur, 3, KBITS)
+                s = _qk(_qk(s, q6, e, 0), q7, e, 1)
+            s = s * kn_cur[None, :]
             s = _masked_scores(s, offs, t_ok, row_ok, row_i, heads, m_base, smh, smi, smt, causal_limit, MASK_KIND)
             p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i)
-            if PREFETCH == 0:
-                v_cur = _load_packed(vp, offs, t_ok, VBITS, D, VPT)
-                vn_cur = tl.load(vn + offs, mask=t_ok, other=0.0).to(tl.float32)
-            vidx = _expand(v_cur, VBITS, D, BLOCK_N)
-            vcent = _lookup(vc, vidx, VLUT, VBITS, BLOCK_N)
-            acc = acc * alpha[:, None] + tl.dot((p * vn_cur[None, :]).to(tl.float16), vcent)
+            pv = (p * vn_cur[None, :]).to(tl.float16)
+            al = alpha[:, None]
+            e = _entries(vt, v_cur, 0, VBITS)
+            a0 = _pv(a0 * al, pv, e, 0)
+            if VP == 2:
+                a1 = _pv(a1 * al, pv, e, 1)
+            if VP == 4:
+                a1 = _pv(a1 * al, pv, e, 1)
+                a2 = _pv(a2 * al, pv, e, 2)
+                a3 = _pv(a3 * al, pv, e, 3)
+            if VP == 8:
+                a1 = _pv(a1 * al, pv, e, 1)
+                e = _entries(vt, v_cur, 1, VBITS)
+                a2 = _pv(a2 * al, pv, e, 0)
+                a3 = _pv(a3 * al, pv, e, 1)
+                e = _entries(vt, v_cur, 2, VBITS)
+                a4 = _pv(a4 * al, pv, e, 0)
+                a5 = _pv(a5 * al, pv, e, 1)
+                e = _entries(vt, v_cur, 3, VBITS)
+                a6 = _pv(a6 * al, pv, e, 0)
+                a7 = _pv(a7 * al, pv, e, 1)
         # back from the rotated domain here, so that every partial is unrotated: y @ Pi = Pi^T y
-        pi = tl.load(pi_ptr + d[:, None] * D + d[None, :])
-        acc = tl.dot(acc, pi)
+        acc = _unrotate_plane(acc, a0, pi_ptr, 0, VP, VW, D)
+        if VP >= 2:
+            acc = _unrotate_plane(acc, a1, pi_ptr, 1, VP, VW, D)
+        if VP >= 4:
+            acc = _unrotate_plane(acc, a2, pi_ptr, 2, VP, VW, D)
+            acc = _unrotate_plane(acc, a3, pi_ptr, 3, VP, VW, D)
+        if VP == 8:
+            acc = _unrotate_plane(acc, a4, pi_ptr, 4, VP, VW, D)
+            acc = _unrotate_plane(acc, a5, pi_ptr, 5, VP, VW, D)
+            acc = _unrotate_plane(acc, a6, pi_ptr, 6, VP, VW, D)
+            acc = _unrotate_plane(acc, a7, pi_ptr, 7, VP, VW, D)
     else:
         # the exact copies, unrotated: sinks, then the ring
         acc, m_i, l_i = _fp_segment(q, acc, m_i, l_i, sk_ptr + b * sskb + h * sskh, sv_ptr + b * ssvb + h * ssvh,
@@ -319,9 +371,8 @@ def _decode_kernel(
 
 _SCRATCH: dict[torch.device, torch.Tensor] = {}
 _COUNTERS: dict[torch.device, torch.Tensor] = {}
-DEFAULT_LUT = 1
-DEFAULT_PREFETCH = 2  # measured on the H100: 3-6% faster than 0, no spills
-DEFAULT_WARPS = 4
+DEFAULT_PREFETCH = 2  # the next tile's loads are issued before this tile's math
+DEFAULT_STAGES = 2  # Triton's own software pipelining; with the hand prefetch, 3 stages measured 5-25% slower
 MERGE_ROWS = 64  # splits merged per step of the final merge: SC * R tile rows
 
 
@@ -344,9 +395,26 @@ def _counters(device: torch.device, n: int) -> torch.Tensor:
     return buf
 
 
-def _lut(lut: int | None, bits: int) -> int:
-    lut = DEFAULT_LUT if lut is None else lut
-    return 0 if (lut == 2 and bits > 4) else lut
+@C._per_codebook_and_device
+def lookup_table(codebook, heads: int, device: torch.device) -> tuple[torch.Tensor, int]:
+    """The kernel's centroid table and its head stride (0 when shared): fp16 centroids side by side, so that one
+    load yields several. At 2, 4 and 8 bits one entry per byte value (int64 / int32 / int16 holding its 8 / bits
+    centroids, lowest bits first); else one int32 entry per pair of indices (2 * bits-bit key, low index first)."""
+    bits = codebook.bits
+    c = codebook.centroids.detach().to("cpu", torch.float16).view(torch.int16).to(torch.int64)
+    c = c.reshape(-1, 2**bits)  # (H', 2**bits), bit patterns as signed 16-bit values
+    if bits in (2, 4, 8):
+        per, key_bits = 8 // bits, 8
+    else:
+        per, key_bits = 2, 2 * bits
+    key = torch.arange(2**key_bits)
+    halves = [c[:, (key >> (bits * j)) & (2**bits - 1)] for j in range(per)]
+    entry = halves[-1] << (16 * (per - 1))  # the top half keeps its sign: the sum stays in range
+    for j, h in enumerate(halves[:-1]):
+        entry = entry | ((h & 0xFFFF) << (16 * j))
+    dtype = {1: torch.int16, 2: torch.int32, 4: torch.int64}[per]
+    table = entry.to(dtype).contiguous().to(device)
+    return table, (table.stride(0) if codebook.per_head else 0)
 
 
 def _split_plan(batch_heads: int, lq: int, device, num_splits, block_n: int) -> tuple[int, int]:
@@ -362,6 +430,12 @@ def _rows(group: int, n: int) -> tuple[int, int, int]:
     """(BLOCK_M, R, SC): tile rows (>= 16 for tl.dot), stored rows (a power of 2 >= group * n), merge chunk."""
     rows = triton.next_power_of_2(group * n)
     return max(16, rows), rows, max(1, MERGE_ROWS // rows)
+
+
+def _warps(block_m: int) -> int:
+    """One warp per 16 tile rows: Triton lays a chained dot's warps along M, so a warp beyond that would redo the
+    same rows (measured: 4 warps on 16 rows issued 4x the instructions of one)."""
+    return max(1, min(4, block_m // 16))
 
 
 def _tokens_last(t: torch.Tensor, stride_t: int) -> torch.Tensor:
@@ -399,7 +473,6 @@ def decode_attention(
     num_splits: int | None = None,
     block_n: int = BLOCK_N,
     num_warps: int | None = None,
-    lut: int | None = None,
     prefetch: int | None = None,
     num_stages: int | None = None,
     out: torch.Tensor | None = None,
@@ -456,7 +529,8 @@ def decode_attention(
     pi = kv.rotation.matrix
     if pi.device != query.device:
         pi = pi.to(query.device)
-    kc, vc = kcb.centroids.contiguous(), vcb.centroids.contiguous()
+    (kt, kt_sh), (vt, vt_sh) = lookup_table(kcb, hkv, query.device), lookup_table(vcb, hkv, query.device)
+    kplanes, vplanes = planes(kcb.bits), planes(vcb.bits)
     if out is None:
         out = torch.empty(b, n, hq, d, dtype=query.dtype, device=query.device)
     elif out.shape != (b, n, hq, d) or out.stride(-1) != 1 or out.dtype != query.dtype:
@@ -468,7 +542,7 @@ def decode_attention(
         pi,
         kp, kp.stride(0), kp.stride(1), kn, kn.stride(0), kn.stride(1),
         vp, vp.stride(0), vp.stride(1), vn, vn.stride(0), vn.stride(1),
-        kc, vc,
+        kt, vt,
         rk, rk.stride(0), rk.stride(1), rv, rv.stride(0), rv.stride(1),
         sk, sk.stride(0), sk.stride(1), sv, sv.stride(0), sv.stride(1),
         m_arg, *ms,
@@ -477,10 +551,10 @@ def decode_attention(
         hkv, lq, lr, n, kv.sinks, tok_per_split, num_splits, (d**-0.5 if scale is None else float(scale)) * LOG2E,
         len_ptr, from_ptr, ring,
         G=group, D=d, KBITS=kcb.bits, VBITS=vcb.bits, KPT=kp.shape[-1], VPT=vp.shape[-1],
-        KC_SH=kc.shape[-1] if kc.dim() == 2 else 0, VC_SH=vc.shape[-1] if vc.dim() == 2 else 0,
+        KT_SH=kt_sh, VT_SH=vt_sh, KP=kplanes, VP=vplanes, KW=max(16, d // kplanes), VW=max(16, d // vplanes),
         BLOCK_M=block_m, R=rows, SC=sc, BLOCK_N=block_n, MASK_KIND=mask_kind,
-        KLUT=_lut(lut, kcb.bits), VLUT=_lut(lut, vcb.bits), PREFETCH=DEFAULT_PREFETCH if prefetch is None else prefetch,
+        PREFETCH=DEFAULT_PREFETCH if prefetch is None else prefetch,
         STATIC=kv.static,
-        num_warps=num_warps or DEFAULT_WARPS, **({} if num_stages is None else {"num_stages": num_stages}),
+        num_warps=num_warps or _warps(block_m), num_stages=DEFAULT_STAGES if num_stages is None else num_stages,
     )
     return out

@@ -73,7 +73,7 @@ def _dequantize_tile(
             i3 = (byts[:, :, None] >> (tl.arange(0, PER) * BITS)[None, None, :]) & ((1 << BITS) - 1)
             idx = tl.reshape(i3, (BLOCK_T, D))
     else:  # 8 indices = one group of BITS bytes
-        idx = C.expand_groups(C.load_groups(p_rows, tmask, BITS, D, WORDS), BITS, D, BLOCK_T)
+        idx = C.expand_groups(C.load_groups(p_rows, tmask, BITS, D, WORDS, D // 8), BITS, D, BLOCK_T)
 
     c = C.gather(cen_ptr + h * sch, idx)  # (BLOCK_T, D) fp32 gather from a 2**BITS table
 
