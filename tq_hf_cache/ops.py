@@ -180,6 +180,17 @@ def decode_attention(query: torch.Tensor, kv, mask: torch.Tensor | None, scale: 
     return reference.packed_attention(query, kv, mask, scale)
 
 
+def prepare_fused(kv) -> None:
+    """Build now, outside any CUDA graph, what the fused kernel caches per codebook (its lookup tables): made while
+    torch.compile's cudagraph trees record, they would come from the graph's pool and outlive the recording."""
+    dev = kv.k_packed.device
+    if kernels.available() and (dev.type == "cuda" or kernels.interpreting()):
+        from .kernels.decode_attention import lookup_table
+
+        for codebook in (kv.k_codebook, kv.v_codebook):
+            lookup_table(codebook, kv.k_packed.shape[1], dev)
+
+
 def kernel_serves(query: torch.Tensor, kv) -> bool:
     """Whether the fused Triton kernel takes this query over this PackedKV (else the torch math does)."""
     b, hq, n, d = query.shape

@@ -156,6 +156,7 @@ class TurboQuantStaticLayer(StaticLayer):
             self._shared.counters,
         )
         setattr(self.keys, PACKED_ATTR, self.packed)
+        ops.prepare_fused(self.packed)
         for t in (k_packed, v_packed, k_norms, v_norms, self._sink_k, self._sink_v, self.keys, self.values,
                   self.cumulative_length, self.exact_from):
             _mark_static(t)

@@ -17,7 +17,7 @@ Layout. Grid (B * Hkv, S + 1). Programs 0..S-1 of a (batch, KV head) each take a
 history; program S takes the exact copies. All query heads of one KV head (GQA) and all n
 queries are the M rows of one tile (row r = g * n + i for query head Hkv_idx * G + g and query i), so each packed
 byte is read once per KV head. Partial (m, l, acc) go to a cached fp32 scratch; the last program of a (batch, KV
-head) merges them and writes (B, n, Hq, D) in the model dtype. One warp per 16 rows (`_warps`).
+head) merges them and writes (B, n, Hq, D) in the model dtype. One warp per program (`_warps`).
 
 Causality: the n queries end at the last key; without a mask, query i sees everything but the new tokens j > i.
 With a mask (boolean True = attend, or additive), only the mask decides, as in `reference.attention`.
@@ -433,9 +433,10 @@ def _rows(group: int, n: int) -> tuple[int, int, int]:
 
 
 def _warps(block_m: int) -> int:
-    """One warp per 16 tile rows: Triton lays a chained dot's warps along M, so a warp beyond that would redo the
-    same rows (measured: 4 warps on 16 rows issued 4x the instructions of one)."""
-    return max(1, min(4, block_m // 16))
+    """One warp: Triton lays a chained dot's warps along M, so on 16 rows every further warp redoes the same work
+    (measured: 4 warps issued 4x the instructions of one). Tiles of more rows (several queries) keep one warp
+    too: 4 warps on 64 rows gave a wrong result on the H100 (triton 3.6) in one test case."""
+    return 1
 
 
 def _tokens_last(t: torch.Tensor, stride_t: int) -> torch.Tensor:
