@@ -537,3 +537,35 @@ def test_lookup_table_entries_hold_the_fp16_centroids_side_by_side(bits, per_hea
         half = ((table.to(torch.int64) >> (16 * j)) & 0xFFFF).to(torch.int32).to(torch.int16).view(torch.float16)
         torch.testing.assert_close(half, want[:, (key >> (bits * j)) & (2**bits - 1)], rtol=0, atol=0,
                                    msg=lambda m: f"seed {seed}, centroid {j} of each entry: {m}")
+
+
+@needs_triton
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="a long batched history: GPU only")
+@pytest.mark.parametrize("kbits,vbits", [(5, 3), (4, 4)])
+def test_kernel_at_batch_8_long_context_is_deterministic_and_matches_the_torch_math(kbits, vbits):
+    """Batch 8 x 8 KV heads x 32k packed tokens: two launches give the same bits, also after launches with other
+    split counts in between (the arrival counters must come back to zero), and equal reference.packed_attention."""
+    from tq_hf_cache.packing import packed_bytes
+
+    seed = fresh_seed()
+    g = torch.Generator("cuda").manual_seed(seed)
+    b, hkv, group, d, lq, lr = 8, 8, 4, 128, 32640, 128
+    kcb, vcb = codebook(kbits, d).to("cuda"), codebook(vbits, d).to("cuda")
+    kp = torch.randint(0, 256, (b, hkv, lq, packed_bytes(d, kbits)), dtype=torch.uint8, device="cuda", generator=g)
+    vp = torch.randint(0, 256, (b, hkv, lq, packed_bytes(d, vbits)), dtype=torch.uint8, device="cuda", generator=g)
+    kn = (torch.rand(b, hkv, lq, device="cuda", generator=g) + 1).half()
+    vn = (torch.rand(b, hkv, lq, device="cuda", generator=g) + 1).half()
+    rk = torch.randn(b, hkv, lr, d, device="cuda", generator=g).bfloat16()
+    rv = torch.randn(b, hkv, lr, d, device="cuda", generator=g).bfloat16()
+    kv = PackedKV(kp, kn, vp, vn, rk[:, :, :0], rv[:, :, :0], rk, rv, lq + lr, lq, make_rotation(d, seed % 1000).to("cuda"),
+                  kcb, vcb, 0, -1, -1)
+    q = torch.randn(b, hkv * group, 1, d, device="cuda", generator=g).bfloat16()
+    first = decode_attention(q, kv)
+    for splits in (3, 17, 1):
+        decode_attention(q, kv, num_splits=splits)
+    again = decode_attention(q, kv)
+    torch.cuda.synchronize()
+    assert torch.equal(first, again), f"seed {seed}: max diff {(first.float() - again.float()).abs().max():.3g}"
+    ref = reference.packed_attention(q, kv, None, None)
+    err = ((first.float() - ref.float()).norm() / ref.float().norm()).item()
+    assert err < TOL[torch.bfloat16], f"seed {seed}: relative error {err:.2e}"
