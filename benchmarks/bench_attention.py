@@ -89,6 +89,7 @@ def kernel_time(kv: PackedKV, b: int, **knobs) -> tuple[float, torch.Tensor]:
     """(median ms, the output of one call); the query is the same for every call with the same batch."""
     q = torch.randn(b, HQ, 1, D, device=DEV, dtype=torch.bfloat16, generator=torch.Generator(DEV).manual_seed(b))
     out = da.decode_attention(q, kv, None, None, **knobs)  # compile, grow the scratch: outside the graph
+    torch.cuda.synchronize()  # do_bench_cudagraph works on a side stream that does not wait for this one
     return do_bench_cudagraph(lambda: da.decode_attention(q, kv, None, None, **knobs)), out
 
 

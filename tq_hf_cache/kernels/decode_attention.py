@@ -25,6 +25,7 @@ With a mask (boolean True = attend, or additive), only the mask decides, as in `
 
 from __future__ import annotations
 
+import collections
 from typing import TYPE_CHECKING
 
 import torch
@@ -369,30 +370,37 @@ def _decode_kernel(
 # ---------------------------------------------------------------------------------------------------------------
 # the launcher
 
-_SCRATCH: dict[torch.device, torch.Tensor] = {}
-_COUNTERS: dict[torch.device, torch.Tensor] = {}
+_SCRATCH: "collections.OrderedDict[tuple, tuple[torch.Tensor, torch.Tensor]]" = collections.OrderedDict()
+_SCRATCH_STREAMS = 16  # (device, stream) pairs whose scratch is kept; the least recently used goes first
 DEFAULT_PREFETCH = 2  # the next tile's loads are issued before this tile's math
 DEFAULT_STAGES = 2  # Triton's own software pipelining; with the hand prefetch, 3 stages measured 5-25% slower
 MERGE_ROWS = 64  # splits merged per step of the final merge: SC * R tile rows
 
 
-def _scratch(device: torch.device, numel: int) -> torch.Tensor:
-    """One fp32 split-K scratch per device for eager calls, grown (never shrunk) on demand."""
-    buf = _SCRATCH.get(device)
-    if buf is None or buf.numel() < numel:
-        _SCRATCH.pop(device, None)
-        buf = torch.empty(max(numel, 1 << 16) + numel // 4, dtype=torch.float32, device=device)
-        _SCRATCH[device] = buf
-    return buf
+def _scratch(device: torch.device, numel: int, n_counters: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The fp32 split-K scratch and the arrival counters (one int32 per (batch, KV head), zero between launches: the
+    merging program resets its own) for eager calls, grown (never shrunk) on demand.
 
-
-def _counters(device: torch.device, n: int) -> torch.Tensor:
-    """Arrival counters, one int32 per (batch, KV head); zero between launches (the merging program resets its own)."""
-    buf = _COUNTERS.get(device)
-    if buf is None or buf.numel() < n:
-        buf = torch.zeros(max(n, 1024), dtype=torch.int32, device=device)
-        _COUNTERS[device] = buf
-    return buf
+    One pair per device and stream: two launches on different streams may run at once, and sharing the counters
+    would let one merge the other's partials (seen on the H100: a launch on a side stream overlapping one on the
+    default stream gave garbage). Buffers are made on their stream, so the allocator reuses them only in its order.
+    """
+    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+    key = (device, stream)
+    pair = _SCRATCH.get(key)
+    if pair is None or pair[0].numel() < numel or pair[1].numel() < n_counters:
+        _SCRATCH.pop(key, None)
+        old = pair or (None, None)
+        buf = old[0] if old[0] is not None and old[0].numel() >= numel else torch.empty(
+            max(numel, 1 << 16) + numel // 4, dtype=torch.float32, device=device)
+        cnt = old[1] if old[1] is not None and old[1].numel() >= n_counters else torch.zeros(
+            max(n_counters, 1024), dtype=torch.int32, device=device)
+        pair = (buf, cnt)
+        while len(_SCRATCH) >= _SCRATCH_STREAMS:
+            _SCRATCH.popitem(last=False)
+    _SCRATCH[key] = pair
+    _SCRATCH.move_to_end(key)
+    return pair
 
 
 @C._per_codebook_and_device
@@ -513,7 +521,7 @@ def decode_attention(
     slots = b * hkv * (num_splits + 1)
     need = slots * rows * (d + 2)
     if kv.scratch is None:
-        scratch, counters = _scratch(query.device, need), _counters(query.device, b * hkv)
+        scratch, counters = _scratch(query.device, need, b * hkv)
     else:
         scratch, counters = kv.scratch, kv.counters
         if scratch.numel() < need or counters.numel() < b * hkv:
