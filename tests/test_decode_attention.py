@@ -420,7 +420,7 @@ def test_generate_through_the_triton_kernel(monkeypatch):
 
 
 @needs_triton
-@pytest.mark.parametrize("prefetch", [1, 2])
+@pytest.mark.parametrize("prefetch", [0, 2])
 def test_kernel_prefetch_variants_match_reference(prefetch):
     """The hand-pipelined loop variants (tile loads issued early / one tile ahead) compute the same function."""
     for kbits, vbits, d, group, n, lq, lr, splits in ((4, 4, 128, 4, 1, 301, 17, None), (3, 2, 64, 3, 2, 130, 5, 2)):

@@ -372,8 +372,8 @@ def _decode_kernel(
 
 _SCRATCH: "collections.OrderedDict[tuple, tuple[torch.Tensor, torch.Tensor]]" = collections.OrderedDict()
 _SCRATCH_STREAMS = 16  # (device, stream) pairs whose scratch is kept; the least recently used goes first
-DEFAULT_PREFETCH = 2  # the next tile's loads are issued before this tile's math
-DEFAULT_STAGES = 2  # Triton's own software pipelining; with the hand prefetch, 3 stages measured 5-25% slower
+DEFAULT_PREFETCH = 2  # 2: the next tile's loads are issued before this tile's math; 0: each tile loads its own
+DEFAULT_STAGES = 2  # Triton's own software pipelining; with the hand prefetch, 3 stages ran slower (H100 sweep)
 MERGE_ROWS = 64  # splits merged per step of the final merge: SC * R tile rows
 
 
