@@ -371,7 +371,7 @@ def _decode_kernel(
 # the launcher
 
 _SCRATCH: "collections.OrderedDict[tuple, tuple[torch.Tensor, torch.Tensor]]" = collections.OrderedDict()
-_SCRATCH_STREAMS = 16  # (device, stream) pairs whose scratch is kept; the least recently used goes first
+_SCRATCH_STREAMS = 16  # (device, stream) pairs whose scratch is kept
 DEFAULT_PREFETCH = 2  # 2: the next tile's loads are issued before this tile's math; 0: each tile loads its own
 DEFAULT_STAGES = 2  # Triton's own software pipelining; with the hand prefetch, 3 stages ran slower (H100 sweep)
 MERGE_ROWS = 64  # splits merged per step of the final merge: SC * R tile rows
@@ -386,21 +386,15 @@ def _scratch(device: torch.device, numel: int, n_counters: int) -> tuple[torch.T
     default stream gave garbage). Buffers are made on their stream, so the allocator reuses them only in its order.
     """
     stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
-    key = (device, stream)
-    pair = _SCRATCH.get(key)
-    if pair is None or pair[0].numel() < numel or pair[1].numel() < n_counters:
-        _SCRATCH.pop(key, None)
-        old = pair or (None, None)
-        buf = old[0] if old[0] is not None and old[0].numel() >= numel else torch.empty(
-            max(numel, 1 << 16) + numel // 4, dtype=torch.float32, device=device)
-        cnt = old[1] if old[1] is not None and old[1].numel() >= n_counters else torch.zeros(
-            max(n_counters, 1024), dtype=torch.int32, device=device)
-        pair = (buf, cnt)
-        while len(_SCRATCH) >= _SCRATCH_STREAMS:
-            _SCRATCH.popitem(last=False)
-    _SCRATCH[key] = pair
-    _SCRATCH.move_to_end(key)
-    return pair
+    buf, cnt = _SCRATCH.pop((device, stream), (None, None))
+    if buf is None or buf.numel() < numel:
+        buf = torch.empty(max(numel, 1 << 16) + numel // 4, dtype=torch.float32, device=device)
+    if cnt is None or cnt.numel() < n_counters:
+        cnt = torch.zeros(max(n_counters, 1024), dtype=torch.int32, device=device)
+    while len(_SCRATCH) >= _SCRATCH_STREAMS:
+        _SCRATCH.popitem(last=False)  # the least recently used stream's pair
+    _SCRATCH[(device, stream)] = (buf, cnt)
+    return buf, cnt
 
 
 @C._per_codebook_and_device
