@@ -28,8 +28,8 @@ def sm_count(device) -> int:
 
 
 def num_splits_for(batch_heads: int, packed_len: int, device, per_sm: int | None = None) -> int:
-    """Splits of the packed history for the fused kernel: about PROGRAMS_PER_SM programs per SM (the loop is
-    latency-bound: more programs in flight hide it), at least MIN_TOKENS_PER_SPLIT tokens each."""
+    """Splits of the packed history for the fused kernel: about `per_sm` (default PROGRAMS_PER_SM) programs per SM,
+    at least MIN_TOKENS_PER_SPLIT tokens each."""
     per_sm = PROGRAMS_PER_SM if per_sm is None else per_sm
     want = max(1, (per_sm * sm_count(device) + batch_heads - 1) // batch_heads)
     most = max(1, (packed_len + MIN_TOKENS_PER_SPLIT - 1) // MIN_TOKENS_PER_SPLIT)
