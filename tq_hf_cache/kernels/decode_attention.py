@@ -17,7 +17,7 @@ Layout. Grid (B * Hkv, S + 1). Programs 0..S-1 of a (batch, KV head) each take a
 history; program S takes the exact copies. All query heads of one KV head (GQA) and all n
 queries are the M rows of one tile (row r = g * n + i for query head Hkv_idx * G + g and query i), so each packed
 byte is read once per KV head. Partial (m, l, acc) go to a cached fp32 scratch; the last program of a (batch, KV
-head) merges them and writes (B, n, Hq, D) in the model dtype. One warp per program (`_warps`).
+head) merges them and writes (B, n, Hq, D) in the model dtype. One warp per program (`DEFAULT_WARPS`).
 
 Causality: the n queries end at the last key; without a mask, query i sees everything but the new tokens j > i.
 With a mask (boolean True = attend, or additive), only the mask decides, as in `reference.attention`.
@@ -373,6 +373,10 @@ def _decode_kernel(
 _SCRATCH: "collections.OrderedDict[tuple, tuple[torch.Tensor, torch.Tensor]]" = collections.OrderedDict()
 _SCRATCH_STREAMS = 16  # (device, stream) pairs whose scratch is kept
 DEFAULT_PREFETCH = 2  # 2: the next tile's loads are issued before this tile's math; 0: each tile loads its own
+# One warp per program: Triton lays a chained dot's warps along M, so on 16 rows every further warp redoes the same
+# work (4 warps issued 4x the instructions of one); on 64 rows (several queries) 4 warps gave a wrong result on the
+# H100 (triton 3.6) in one test case.
+DEFAULT_WARPS = 1
 DEFAULT_STAGES = 2  # Triton's own software pipelining; with the hand prefetch, 3 stages ran slower (H100 sweep)
 MERGE_ROWS = 64  # splits merged per step of the final merge: SC * R tile rows
 
@@ -432,13 +436,6 @@ def _rows(group: int, n: int) -> tuple[int, int, int]:
     """(BLOCK_M, R, SC): tile rows (>= 16 for tl.dot), stored rows (a power of 2 >= group * n), merge chunk."""
     rows = triton.next_power_of_2(group * n)
     return max(16, rows), rows, max(1, MERGE_ROWS // rows)
-
-
-def _warps(block_m: int) -> int:
-    """One warp: Triton lays a chained dot's warps along M, so on 16 rows every further warp redoes the same work
-    (measured: 4 warps issued 4x the instructions of one). Tiles of more rows (several queries) keep one warp
-    too: 4 warps on 64 rows gave a wrong result on the H100 (triton 3.6) in one test case."""
-    return 1
 
 
 def _tokens_last(t: torch.Tensor, stride_t: int) -> torch.Tensor:
@@ -558,6 +555,6 @@ def decode_attention(
         BLOCK_M=block_m, R=rows, SC=sc, BLOCK_N=block_n, MASK_KIND=mask_kind,
         PREFETCH=DEFAULT_PREFETCH if prefetch is None else prefetch,
         STATIC=kv.static,
-        num_warps=num_warps or _warps(block_m), num_stages=DEFAULT_STAGES if num_stages is None else num_stages,
+        num_warps=num_warps or DEFAULT_WARPS, num_stages=DEFAULT_STAGES if num_stages is None else num_stages,
     )
     return out
