@@ -40,17 +40,15 @@ def tool(name: str) -> str:
     return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", name)
 
 
-def compile_kernel(kbits, vbits, d, group, block_n, warps, stages, prefetch, lut=0):
+def compile_kernel(kbits, vbits, d, group, block_n, warps, stages, prefetch):
     """The cubin of `_decode_kernel` for one configuration (one query, no mask, dynamic layer)."""
     params = list(inspect.signature(da._decode_kernel.fn).parameters)
     kp, vp = da.planes(kbits), da.planes(vbits)
     block_m, rows, sc = da._rows(group, 1)
     cons = dict(G=group, D=d, KBITS=kbits, VBITS=vbits, KPT=d * kbits // 8, VPT=d * vbits // 8, KT_SH=0, VT_SH=0,
                 KP=kp, VP=vp, KW=max(16, d // kp), VW=max(16, d // vp), BLOCK_M=block_m, R=rows, SC=sc,
-                BLOCK_N=block_n, MASK_KIND=0, PREFETCH=prefetch, STATIC=False, LUT=lut)
+                BLOCK_N=block_n, MASK_KIND=0, PREFETCH=prefetch, STATIC=False)
     ptrs = dict(POINTERS, kt_ptr=TABLE_TYPES.get(kbits, "*i32"), vt_ptr=TABLE_TYPES.get(vbits, "*i32"))
-    if lut:
-        ptrs.update(kt_ptr="*fp16", vt_ptr="*fp16")
     sig = {p: "constexpr" if p in cons else ptrs.get(p, "fp32" if p == "scale_log2" else "i32") for p in params}
     src = ASTSource(fn=da._decode_kernel, signature=sig, constexprs={(params.index(k),): v for k, v in cons.items()})
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": stages})
@@ -84,16 +82,14 @@ def main():
     p.add_argument("--warps", default="1,4")
     p.add_argument("--stages", default="2")
     p.add_argument("--prefetch", default="2")
-    p.add_argument("--lut", default="0")
     p.add_argument("--sass-out", default=None, help="also write each variant's SASS here")
     a = p.parse_args()
     kbits, vbits = map(int, a.bits.split(","))
     ints = lambda s: [int(x) for x in s.split(",")]  # noqa: E731
-    print(f"{'lut':>3} {'block_n':>7} {'warps':>5} {'stages':>6} {'prefetch':>8} {'regs':>4} {'stack':>5} {'loop':>5} "
+    print(f"{'block_n':>7} {'warps':>5} {'stages':>6} {'prefetch':>8} {'regs':>4} {'stack':>5} {'loop':>5} "
           f"{'per token':>9}  top instructions of the loop")
-    for lut, bn, w, st, pf in itertools.product(ints(a.lut), ints(a.block_n), ints(a.warps), ints(a.stages),
-                                               ints(a.prefetch)):
-        k = compile_kernel(kbits, vbits, a.head_dim, a.group, bn, w, st, pf, lut)
+    for bn, w, st, pf in itertools.product(ints(a.block_n), ints(a.warps), ints(a.stages), ints(a.prefetch)):
+        k = compile_kernel(kbits, vbits, a.head_dim, a.group, bn, w, st, pf)
         with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
             f.write(k.asm["cubin"])
             f.flush()
@@ -107,10 +103,10 @@ def main():
         n = sum(mix.values())
         per_token = n * 32 * w / bn  # thread-instructions per token per KV head (the loop's share)
         top = ", ".join(f"{op} {c}" for op, c in mix.most_common(8))
-        print(f"{lut:3} {bn:7} {w:5} {st:6} {pf:8} {regs:>4} {stack:>5} {n:5} {per_token:9.0f}  {top}")
+        print(f"{bn:7} {w:5} {st:6} {pf:8} {regs:>4} {stack:>5} {n:5} {per_token:9.0f}  {top}")
         if a.sass_out:
             os.makedirs(a.sass_out, exist_ok=True)
-            with open(os.path.join(a.sass_out, f"k{kbits}v{vbits}_l{lut}_n{bn}_w{w}_s{st}_p{pf}.sass"), "w") as f:
+            with open(os.path.join(a.sass_out, f"k{kbits}v{vbits}_n{bn}_w{w}_s{st}_p{pf}.sass"), "w") as f:
                 f.write(sass)
 
 

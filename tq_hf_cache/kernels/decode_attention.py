@@ -74,31 +74,6 @@ def _entries(tab, raw, m: tl.constexpr, BITS: tl.constexpr):
 
 
 @triton.jit
-def _lane_ids(like):
-    """%laneid of the thread holding each element of `like` (GPU only)."""
-    return tl.inline_asm_elementwise("mov.u32 $0, %laneid;", "=r,r", [like], dtype=tl.int32, is_pure=True, pack=1)
-
-
-@triton.jit
-def _lane_table(tab, like, BITS: tl.constexpr):
-    """Each thread's element of the one-centroid table held across the warp: lane l holds c[l mod 2**BITS]."""
-    lane = _lane_ids(like) & ((1 << BITS) - 1)
-    return tl.load(tab + lane).to(tl.int16, bitcast=True).to(tl.int32)
-
-
-@triton.jit
-def _plane(raw, tab, lanes, k: tl.constexpr, BITS: tl.constexpr, LUT: tl.constexpr):
-    """Plane k of a raw tile as fp16 centroids, one lookup per index (LUT 1: global table; 2: warp shuffle)."""
-    idx = ((raw >> (k * BITS)) & ((1 << BITS) - 1)).to(tl.int32)
-    if LUT == 1:
-        c = tl.load(tab + idx)
-    else:
-        c = tl.inline_asm_elementwise("shfl.sync.idx.b32 $0, $1, $2, 31, -1;", "=r,r,r", [lanes, idx],
-                                      dtype=tl.int32, is_pure=True, pack=1).to(tl.int16).to(tl.float16, bitcast=True)
-    return c
-
-
-@triton.jit
 def _half(e, j: tl.constexpr):
     """The j-th fp16 centroid of every entry."""
     if j > 0:
@@ -202,7 +177,7 @@ def _decode_kernel(
     KP: tl.constexpr, VP: tl.constexpr, KW: tl.constexpr, VW: tl.constexpr,
     BLOCK_M: tl.constexpr, R: tl.constexpr, SC: tl.constexpr, BLOCK_N: tl.constexpr,
     MASK_KIND: tl.constexpr, PREFETCH: tl.constexpr,
-    STATIC: tl.constexpr, LUT: tl.constexpr = 0,
+    STATIC: tl.constexpr,
 ):
     """One launch: programs (pid, split) write partial (m, l, acc) for their slice, all in the unrotated domain
     (the packed splits rotate their accumulator back themselves); the last program of a (batch, KV head) to
@@ -265,8 +240,6 @@ def _decode_kernel(
         vn = vn_ptr + b * svnb + h * svnh
         kt = kt_ptr + h * KT_SH
         vt = vt_ptr + h * VT_SH
-        klanes = 0
-        vlanes = 0
         if PREFETCH == 2:  # software pipelining by hand: the next tile's bytes load during this tile's math
             offs = start + tl.arange(0, BLOCK_N)
             t_ok = offs < end
@@ -274,12 +247,6 @@ def _decode_kernel(
             vraw = _load_packed(vp, offs, t_ok, VBITS, D, VPT, VW)
             knorm = tl.load(kn + offs, mask=t_ok, other=0.0).to(tl.float32)
             vnorm = tl.load(vn + offs, mask=t_ok, other=0.0).to(tl.float32)
-            if LUT == 2:
-                klanes = _lane_table(kt, kraw, KBITS)
-                vlanes = _lane_table(vt, vraw, VBITS)
-            else:
-                klanes = kraw
-                vlanes = vraw
         for t0 in range(start, end, BLOCK_N):
             offs = t0 + tl.arange(0, BLOCK_N)
             t_ok = (offs < end) & (offs >= Ls)
@@ -296,71 +263,44 @@ def _decode_kernel(
                 kn_cur = tl.load(kn + offs, mask=t_ok, other=0.0).to(tl.float32)
                 v_cur = _load_packed(vp, offs, t_ok, VBITS, D, VPT, VW)
                 vn_cur = tl.load(vn + offs, mask=t_ok, other=0.0).to(tl.float32)
-            if LUT == 0:
-                e = _entries(kt, k_cur, 0, KBITS)
-                s = tl.dot(q0, tl.trans(_half(e, 0)))
-                if KP == 2:
-                    s = _qk(s, q1, e, 1)
-                if KP == 4:
-                    s = _qk(_qk(_qk(s, q1, e, 1), q2, e, 2), q3, e, 3)
-                if KP == 8:  # four pair entries
-                    s = _qk(s, q1, e, 1)
-                    e = _entries(kt, k_cur, 1, KBITS)
-                    s = _qk(_qk(s, q2, e, 0), q3, e, 1)
-                    e = _entries(kt, k_cur, 2, KBITS)
-                    s = _qk(_qk(s, q4, e, 0), q5, e, 1)
-                    e = _entries(kt, k_cur, 3, KBITS)
-                    s = _qk(_qk(s, q6, e, 0), q7, e, 1)
-            else:
-                s = tl.dot(q0, tl.trans(_plane(k_cur, kt, klanes, 0, KBITS, LUT)))
-                if KP >= 2:
-                    s = tl.dot(q1, tl.trans(_plane(k_cur, kt, klanes, 1, KBITS, LUT)), s)
-                if KP >= 4:
-                    s = tl.dot(q2, tl.trans(_plane(k_cur, kt, klanes, 2, KBITS, LUT)), s)
-                    s = tl.dot(q3, tl.trans(_plane(k_cur, kt, klanes, 3, KBITS, LUT)), s)
-                if KP == 8:
-                    s = tl.dot(q4, tl.trans(_plane(k_cur, kt, klanes, 4, KBITS, LUT)), s)
-                    s = tl.dot(q5, tl.trans(_plane(k_cur, kt, klanes, 5, KBITS, LUT)), s)
-                    s = tl.dot(q6, tl.trans(_plane(k_cur, kt, klanes, 6, KBITS, LUT)), s)
-                    s = tl.dot(q7, tl.trans(_plane(k_cur, kt, klanes, 7, KBITS, LUT)), s)
+            e = _entries(kt, k_cur, 0, KBITS)
+            s = tl.dot(q0, tl.trans(_half(e, 0)))
+            if KP == 2:
+                s = _qk(s, q1, e, 1)
+            if KP == 4:
+                s = _qk(_qk(_qk(s, q1, e, 1), q2, e, 2), q3, e, 3)
+            if KP == 8:  # four pair entries
+                s = _qk(s, q1, e, 1)
+                e = _entries(kt, k_cur, 1, KBITS)
+                s = _qk(_qk(s, q2, e, 0), q3, e, 1)
+                e = _entries(kt, k_cur, 2, KBITS)
+                s = _qk(_qk(s, q4, e, 0), q5, e, 1)
+                e = _entries(kt, k_cur, 3, KBITS)
+                s = _qk(_qk(s, q6, e, 0), q7, e, 1)
             s = s * kn_cur[None, :]
             s = _masked_scores(s, offs, t_ok, row_ok, row_i, heads, m_base, smh, smi, smt, causal_limit, MASK_KIND)
             p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i)
             pv = (p * vn_cur[None, :]).to(tl.float16)
             al = alpha[:, None]
-            if LUT == 0:
-                e = _entries(vt, v_cur, 0, VBITS)
-                a0 = _pv(a0 * al, pv, e, 0)
-                if VP == 2:
-                    a1 = _pv(a1 * al, pv, e, 1)
-                if VP == 4:
-                    a1 = _pv(a1 * al, pv, e, 1)
-                    a2 = _pv(a2 * al, pv, e, 2)
-                    a3 = _pv(a3 * al, pv, e, 3)
-                if VP == 8:
-                    a1 = _pv(a1 * al, pv, e, 1)
-                    e = _entries(vt, v_cur, 1, VBITS)
-                    a2 = _pv(a2 * al, pv, e, 0)
-                    a3 = _pv(a3 * al, pv, e, 1)
-                    e = _entries(vt, v_cur, 2, VBITS)
-                    a4 = _pv(a4 * al, pv, e, 0)
-                    a5 = _pv(a5 * al, pv, e, 1)
-                    e = _entries(vt, v_cur, 3, VBITS)
-                    a6 = _pv(a6 * al, pv, e, 0)
-                    a7 = _pv(a7 * al, pv, e, 1)
-            else:
-                a0 = tl.dot(pv, _plane(v_cur, vt, vlanes, 0, VBITS, LUT), a0 * al)
-                if VP >= 2:
-                    a1 = tl.dot(pv, _plane(v_cur, vt, vlanes, 1, VBITS, LUT), a1 * al)
-                if VP >= 4:
-                    a2 = tl.dot(pv, _plane(v_cur, vt, vlanes, 2, VBITS, LUT), a2 * al)
-                    a3 = tl.dot(pv, _plane(v_cur, vt, vlanes, 3, VBITS, LUT), a3 * al)
-                if VP == 8:
-                    a4 = tl.dot(pv, _plane(v_cur, vt, vlanes, 4, VBITS, LUT), a4 * al)
-                    a5 = tl.dot(pv, _plane(v_cur, vt, vlanes, 5, VBITS, LUT), a5 * al)
-                    a6 = tl.dot(pv, _plane(v_cur, vt, vlanes, 6, VBITS, LUT), a6 * al)
-                    a7 = tl.dot(pv, _plane(v_cur, vt, vlanes, 7, VBITS, LUT), a7 * al)
-
+            e = _entries(vt, v_cur, 0, VBITS)
+            a0 = _pv(a0 * al, pv, e, 0)
+            if VP == 2:
+                a1 = _pv(a1 * al, pv, e, 1)
+            if VP == 4:
+                a1 = _pv(a1 * al, pv, e, 1)
+                a2 = _pv(a2 * al, pv, e, 2)
+                a3 = _pv(a3 * al, pv, e, 3)
+            if VP == 8:
+                a1 = _pv(a1 * al, pv, e, 1)
+                e = _entries(vt, v_cur, 1, VBITS)
+                a2 = _pv(a2 * al, pv, e, 0)
+                a3 = _pv(a3 * al, pv, e, 1)
+                e = _entries(vt, v_cur, 2, VBITS)
+                a4 = _pv(a4 * al, pv, e, 0)
+                a5 = _pv(a5 * al, pv, e, 1)
+                e = _entries(vt, v_cur, 3, VBITS)
+                a6 = _pv(a6 * al, pv, e, 0)
+                a7 = _pv(a7 * al, pv, e, 1)
         # back from the rotated domain here, so that every partial is unrotated: y @ Pi = Pi^T y
         acc = _unrotate_plane(acc, a0, pi_ptr, 0, VP, VW, D)
         if VP >= 2:
@@ -483,13 +423,6 @@ def lookup_table(codebook, heads: int, device: torch.device) -> tuple[torch.Tens
     return table, (table.stride(0) if codebook.per_head else 0)
 
 
-@C._per_codebook_and_device
-def centroid_table(codebook, heads: int, device: torch.device) -> tuple[torch.Tensor, int]:
-    """fp16 centroids (H', 2**bits) and their head stride (0 when shared)."""
-    t = codebook.centroids.detach().to("cpu", torch.float16).reshape(-1, 2**codebook.bits).contiguous().to(device)
-    return t, (t.stride(0) if codebook.per_head else 0)
-
-
 def _split_plan(batch_heads: int, lq: int, device, num_splits, block_n: int) -> tuple[int, int]:
     if num_splits is None:
         num_splits = num_splits_for(batch_heads, lq, device)
@@ -542,7 +475,6 @@ def decode_attention(
     num_warps: int | None = None,
     prefetch: int | None = None,
     num_stages: int | None = None,
-    lut: int = 0,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of query (B, Hq, n, D) over every position of `kv` (see `PackedKV`); the n queries are the last n
@@ -597,10 +529,7 @@ def decode_attention(
     pi = kv.rotation.matrix
     if pi.device != query.device:
         pi = pi.to(query.device)
-    if lut:
-        (kt, kt_sh), (vt, vt_sh) = centroid_table(kcb, hkv, query.device), centroid_table(vcb, hkv, query.device)
-    else:
-        (kt, kt_sh), (vt, vt_sh) = lookup_table(kcb, hkv, query.device), lookup_table(vcb, hkv, query.device)
+    (kt, kt_sh), (vt, vt_sh) = lookup_table(kcb, hkv, query.device), lookup_table(vcb, hkv, query.device)
     kplanes, vplanes = planes(kcb.bits), planes(vcb.bits)
     if out is None:
         out = torch.empty(b, n, hq, d, dtype=query.dtype, device=query.device)
@@ -625,7 +554,7 @@ def decode_attention(
         KT_SH=kt_sh, VT_SH=vt_sh, KP=kplanes, VP=vplanes, KW=max(16, d // kplanes), VW=max(16, d // vplanes),
         BLOCK_M=block_m, R=rows, SC=sc, BLOCK_N=block_n, MASK_KIND=mask_kind,
         PREFETCH=DEFAULT_PREFETCH if prefetch is None else prefetch,
-        STATIC=kv.static, LUT=lut,
+        STATIC=kv.static,
         num_warps=num_warps or DEFAULT_WARPS, num_stages=DEFAULT_STAGES if num_stages is None else num_stages,
     )
     return out
