@@ -93,17 +93,26 @@ def kernel_time(kv: PackedKV, b: int, **knobs) -> tuple[float, torch.Tensor]:
     return do_bench_cudagraph(lambda: da.decode_attention(q, kv, None, None, **knobs)), out
 
 
-def dequant_row(bits: int, bw: float, b: int = 1, t: int = 32768) -> dict:
+def dequant_row(bits: int, bw: float, b: int = 1, t: int = 32768, **knobs) -> dict:
     """The workspace path's dequantize (packed + norms -> bf16 K or V) of one layer at batch b, context t: time and
-    bytes moved (read + written) against the copy bandwidth."""
+    bytes moved (read + written) against the copy bandwidth. With knobs: also the largest difference from the
+    default knobs' output."""
     kv, _ = packed_layer(b, t + RESIDUAL, bits, bits)
     out = torch.empty(b, HKV, t, D, device=DEV, dtype=torch.bfloat16)
-    f = lambda: kernels.dequantize_into(kv.k_packed, kv.k_norms, kv.rotation, kv.k_codebook, out)  # noqa: E731
+    want = None
+    if knobs:
+        want = torch.empty_like(out)
+        kernels.dequantize_into(kv.k_packed, kv.k_norms, kv.rotation, kv.k_codebook, want)
+    f = lambda: kernels.dequantize_into(kv.k_packed, kv.k_norms, kv.rotation, kv.k_codebook, out, **knobs)  # noqa: E731
     f()
+    torch.cuda.synchronize()
     ms = do_bench_cudagraph(f)
     moved = kv.k_packed.numel() + kv.k_norms.numel() * 2 + out.numel() * 2
-    return {"bits": bits, "batch": b, "context": t, "dequantize_ms": round(ms, 4), "bytes_moved": moved,
-            "GBps": round(moved / (ms * 1e-3) / 1e9, 1), "fraction_of_copy_bw": round(moved / bw / (ms * 1e-3), 3)}
+    r = {"bits": bits, "batch": b, "context": t, **knobs, "dequantize_ms": round(ms, 4), "bytes_moved": moved,
+         "GBps": round(moved / (ms * 1e-3) / 1e9, 1), "fraction_of_copy_bw": round(moved / bw / (ms * 1e-3), 3)}
+    if want is not None:
+        r["max_abs_diff_vs_default"] = float((out.float() - want.float()).abs().max())
+    return r
 
 
 def main():
@@ -113,6 +122,7 @@ def main():
     p.add_argument("--batches", default="1,8")
     p.add_argument("--sweep", type=int, default=1)
     p.add_argument("--dequant", type=int, default=1)
+    p.add_argument("--dequant_sweep", type=int, default=0, help="also time the dequantize's knobs per width")
     p.add_argument("--out", default=os.environ.get("OUT", "."))
     a = p.parse_args()
     t0 = time.time()
@@ -143,7 +153,7 @@ def main():
         for b, t in SWEEP_CASES:
             kv, nbytes = packed_layer(b, t, 5, 3)
             _, want = kernel_time(kv, b)
-            for block_n, warps, per_sm, stages in itertools.product((16, 32, 64), (1, 2), (4, 8), (2, 3)):
+            for block_n, warps, per_sm, stages in itertools.product((16, 32, 64), (1,), (2, 4, 8), (2, 3)):
                 splits = kernels.num_splits_for(b * HKV, t - RESIDUAL, DEV, per_sm)
                 try:
                     ms, out = kernel_time(kv, b, block_n=block_n, num_warps=warps, num_splits=splits, num_stages=stages)
@@ -161,13 +171,20 @@ def main():
                 print(r, flush=True)
             del kv
             torch.cuda.empty_cache()
-    dequant = [dequant_row(bits, bw) for bits in (2, 3, 4, 5)] if a.dequant else []
+    dequant = [dequant_row(bits, bw) for bits in range(1, 9)] if a.dequant else []
     for r in dequant:
         print(r, flush=True)
+    dequant_sweep = []
+    if a.dequant_sweep:
+        for bits in range(1, 9):
+            for block_t, warps, per_sm, stages in itertools.product((64, 128), (4, 8), (0, 2, 4), (1, 2)):
+                r = dequant_row(bits, bw, block_t=block_t, num_warps=warps, progs_per_sm=per_sm, stages=stages)
+                dequant_sweep.append(r)
+                print(r, flush=True)
     os.makedirs(a.out, exist_ok=True)
     path = os.path.join(a.out, "bench_attention.json")
     with open(path, "w") as f:
-        json.dump({"env": env, "rows": rows, "sweep": sweep, "dequant": dequant, "seconds": round(time.time() - t0, 1)},
+        json.dump({"env": env, "rows": rows, "sweep": sweep, "dequant": dequant, "dequant_sweep": dequant_sweep, "seconds": round(time.time() - t0, 1)},
                   f, indent=1)
     plot(rows, os.path.join(a.out, "bench_attention.png"), env["device"])
     print("wrote", path)

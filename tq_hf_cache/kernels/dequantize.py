@@ -23,6 +23,7 @@ from . import _common as C
 from .quantize import _load_rot
 
 C_SCALE = 1024.0  # power of two: exact to apply and to undo
+PROGS_PER_SM = 4  # best of 0 (a program per tile) / 2 / 4 on the H100 (benchmarks/results/bench_attention_h100.json)
 
 
 @triton.jit
@@ -63,16 +64,9 @@ def _dequantize_tile(
 
     # ---- unpack, LSB first (packing.py's layout)
     p_rows = p_ptr + b * spb + h.to(tl.int64) * sph + t64 * spt
-    if (8 % BITS) == 0:  # whole indices per byte: contiguous full-byte loads
-        PER: tl.constexpr = 8 // BITS
-        NB: tl.constexpr = D // PER
-        byts = tl.load(p_rows[:, None] + tl.arange(0, NB)[None, :], mask=tmask[:, None], other=0).to(tl.int32)
-        if BITS == 8:
-            idx = byts
-        else:
-            i3 = (byts[:, :, None] >> (tl.arange(0, PER) * BITS)[None, None, :]) & ((1 << BITS) - 1)
-            idx = tl.reshape(i3, (BLOCK_T, D))
-    else:  # 8 indices = one group of BITS bytes
+    if BITS == 8:  # one index per byte
+        idx = tl.load(p_rows[:, None] + d[None, :], mask=tmask[:, None], other=0).to(tl.int32)
+    else:  # 8 indices = one group of BITS bytes (whole words where rows are aligned: faster than byte tiles)
         idx = C.expand_groups(C.load_groups(p_rows, tmask, BITS, D, WORDS, D // 8), BITS, D, BLOCK_T)
 
     c = C.gather(cen_ptr + h * sch, idx)  # (BLOCK_T, D) fp32 gather from a 2**BITS table
@@ -158,7 +152,7 @@ def dequantize_into(
     bt = C.block_t(tokens) if block_t is None else block_t
     n_t = triton.cdiv(tokens, bt)
     n_tiles = n_t * bsz * heads
-    grid = (C.persistent_grid(n_tiles, dev, progs_per_sm),)
+    grid = (C.persistent_grid(n_tiles, dev, PROGS_PER_SM if progs_per_sm is None else progs_per_sm),)
     return _dequantize_kernel[grid](
         packed, *packed.stride()[:3],
         norms, *norms.stride(),
