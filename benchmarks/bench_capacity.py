@@ -1,0 +1,225 @@
+"""Capacity and time to first token, measured by allocation and by the clock on a Llama-3.1-8B-shaped model (random
+bf16 weights, 32 layers) on one GPU.
+
+- Capacity: at --context tokens, the largest batch whose chunked prefill (--chunk tokens per row per forward) and
+  --new greedy decode steps run without running out of memory, per cache. The search starts from the memory one
+  row takes (a batch-1 and a batch-2 run, by `torch.cuda.max_memory_allocated`), then runs the predicted largest
+  batch, then bisects between the largest batch that ran and the smallest that did not: every reported batch ran,
+  and (when "confirmed") the next one up did not.
+- TTFT: batch 1, chunked prefill of each --ttft_contexts prompt plus the first token, per cache. The first call in the
+  process (Triton compiles and autotunes; with --cold_triton 1 into an empty Triton cache) is reported apart from the
+  warm calls (median of --repeats).
+
+Caches: "dynamic" (DynamicCache, sdpa) and TurboQuant presets (TurboQuantCache, attn_implementation="turboquant":
+the fused kernel for decode steps, dequantize + SDPA for prefill chunks).
+
+Usage: python benchmarks/bench_capacity.py [--context 32768] [--caches dynamic,k5v3,k4v2] [--chunk 2048]
+       [--ttft_contexts 32768,131072] [--start_batch B] [--known_oom B] [--out DIR]
+                                                       writes DIR/bench_capacity.json and .png
+       python benchmarks/bench_capacity.py --replot FILE.json     redraws FILE.png
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+p = argparse.ArgumentParser()
+p.add_argument("--context", type=int, default=32768)
+p.add_argument("--caches", default="dynamic,k5v3,k4v2")
+p.add_argument("--chunk", type=int, default=2048)
+p.add_argument("--new", type=int, default=16)
+p.add_argument("--ttft_contexts", default="32768,131072")
+p.add_argument("--ttft_chunk", type=int, default=8192)
+p.add_argument("--repeats", type=int, default=2)
+p.add_argument("--capacity", type=int, default=1)
+p.add_argument("--cold_triton", type=int, default=1, help="start with an empty Triton cache")
+p.add_argument("--start_batch", type=int, default=None, help="first batch to try instead of the prediction")
+p.add_argument("--known_oom", type=int, default=None, help="a batch already seen to run out of memory")
+p.add_argument("--budget_s", type=float, default=560)
+p.add_argument("--out", default=os.environ.get("OUT", "."))
+p.add_argument("--replot", default=None, help="redraw the PNG beside this JSON and exit")
+a = p.parse_args()
+
+
+def plot(results, path):
+    """Largest batch per cache, and warm TTFT per context and cache."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    caps = [c for c in results["capacity"] if c["largest_batch"]]
+    axes[0].bar([c["cache"] for c in caps], [c["largest_batch"] for c in caps], color="tab:blue")
+    ctx = caps[0]["context"] // 1024 if caps else 0
+    axes[0].set_title(f"largest batch at {ctx}k (chunked prefill + decode)")
+    ctxs = sorted({r["context"] for r in results["ttft"]})
+    kinds = list(dict.fromkeys(r["cache"] for r in results["ttft"]))
+    w = 0.8 / max(1, len(kinds))
+    for i, kind in enumerate(kinds):
+        ys = [next((r["warm_s"] for r in results["ttft"] if r["cache"] == kind and r["context"] == c), 0) for c in ctxs]
+        axes[1].bar([j + i * w for j in range(len(ctxs))], ys, w, label=kind)
+    axes[1].set_xticks([j + w * (len(kinds) - 1) / 2 for j in range(len(ctxs))], [f"{c // 1024}k" for c in ctxs])
+    axes[1].set_ylabel("s")
+    axes[1].set_title("warm time to first token, batch 1")
+    axes[1].legend()
+    fig.suptitle(f"Llama-3.1-8B shape, bf16, {results['env']['device']}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+if a.replot:  # only redraw the plot of a JSON (e.g. one merged from several runs)
+    with open(a.replot) as f:
+        plot(json.load(f), os.path.splitext(a.replot)[0] + ".png")
+    sys.exit(0)
+if a.cold_triton:
+    os.environ["TRITON_CACHE_DIR"] = tempfile.mkdtemp(prefix="triton_cold_")
+
+import torch  # noqa: E402
+import transformers  # noqa: E402
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from tq_hf_cache import TurboQuantCache, bench  # noqa: E402
+
+T0 = time.time()
+DEV = torch.device("cuda")
+GiB = 2**30
+
+
+def log(*x):
+    print(f"[{time.time() - T0:6.1f}s]", *x, flush=True)
+
+
+cfg = bench.llama_8b_config(32)
+torch.manual_seed(0)
+with torch.device(DEV):
+    model = transformers.LlamaForCausalLM(cfg).to(torch.bfloat16).eval()
+WEIGHTS = torch.cuda.memory_allocated()
+
+
+def make_cache(kind: str):
+    if kind == "dynamic":
+        model.set_attn_implementation("sdpa")
+        return transformers.DynamicCache(config=cfg)
+    model.set_attn_implementation("turboquant")
+    return TurboQuantCache(kind, config=cfg)
+
+
+@torch.no_grad()
+def prefill_and_decode(kind: str, batch: int, context: int, chunk: int, new: int) -> dict:
+    """One real run: chunked prefill, then `new` greedy steps; times and the peak over the weights."""
+    gc.collect()
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    ids = torch.randint(0, cfg.vocab_size, (batch, context), device=DEV)
+    cache = make_cache(kind)
+    try:
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        for s in range(0, context, chunk):
+            logits = model(ids[:, s:s + chunk], past_key_values=cache, logits_to_keep=1).logits
+        tok = logits[:, -1:].argmax(-1)
+        torch.cuda.synchronize()
+        ttft = time.perf_counter() - t
+        for _ in range(new):
+            tok = model(tok, past_key_values=cache).logits[:, -1:].argmax(-1)
+        torch.cuda.synchronize()
+        return {"ttft_s": round(ttft, 3), "peak_GiB": round((torch.cuda.max_memory_allocated() - WEIGHTS) / GiB, 3)}
+    finally:
+        del cache, ids
+
+
+def fits(kind: str, batch: int) -> bool:
+    try:
+        r = prefill_and_decode(kind, batch, a.context, a.chunk, a.new)
+    except torch.cuda.OutOfMemoryError:
+        log(kind, "batch", batch, "OOM")
+        return False
+    log(kind, "batch", batch, r)
+    return True
+
+
+def capacity(kind: str) -> dict:
+    free = torch.cuda.mem_get_info()[1] - WEIGHTS  # what the weights leave of the whole device
+    p1 = prefill_and_decode(kind, 1, a.context, a.chunk, a.new)["peak_GiB"]
+    p2 = prefill_and_decode(kind, 2, a.context, a.chunk, a.new)["peak_GiB"]
+    per_row = p2 - p1
+    guess = max(1, int((free / GiB - (p1 - per_row)) / per_row))
+    log(kind, f"per row {per_row:.3f} GiB, fixed {p1 - per_row:.3f} GiB, predicted largest batch {guess}")
+    tried = {1: True, 2: True}
+    lo, hi = 2, a.known_oom  # the largest batch seen to fit, the smallest seen not to
+    if hi is not None:
+        tried[hi] = False
+    b = a.start_batch or max(guess, 3)
+    while (hi is None or hi - lo > 1) and time.time() - T0 < a.budget_s:
+        tried[b] = fits(kind, b)
+        if tried[b]:
+            lo = b
+        else:
+            hi = b
+        b = (lo + hi) // 2 if hi is not None else lo + max(1, lo // 8)
+    ok = [k for k, v in tried.items() if v]
+    largest = max(ok) if ok else None
+    return {"cache": kind, "context": a.context, "chunk": a.chunk, "new_tokens": a.new, "per_row_GiB": round(per_row, 3),
+            "predicted": guess, "tried": {str(k): v for k, v in sorted(tried.items())},
+            "largest_batch": largest, "confirmed": largest is not None and tried.get(largest + 1) is False}
+
+
+results = {"env": {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+                   "transformers": transformers.__version__, "weights_GiB": round(WEIGHTS / GiB, 2),
+                   "cold_triton_cache": bool(a.cold_triton)}, "ttft": [], "capacity": []}
+out_json = os.path.join(a.out, "bench_capacity.json")
+
+
+def save():
+    os.makedirs(a.out, exist_ok=True)
+    with open(out_json, "w") as f:
+        json.dump(results, f, indent=1)
+
+
+kinds = a.caches.split(",")
+for ctx in [int(x) for x in a.ttft_contexts.split(",") if x]:
+    for kind in kinds:
+        first = prefill_and_decode(kind, 1, ctx, a.ttft_chunk, 1)["ttft_s"]
+        warm = [prefill_and_decode(kind, 1, ctx, a.ttft_chunk, 1)["ttft_s"] for _ in range(a.repeats)]
+        r = {"cache": kind, "context": ctx, "chunk": a.ttft_chunk, "first_call_s": first,
+             "warm_s": statistics.median(warm), "warm_runs_s": warm}
+        results["ttft"].append(r)
+        log(r)
+        save()
+base = {r["context"]: r["warm_s"] for r in results["ttft"] if r["cache"] == "dynamic"}
+for r in results["ttft"]:
+    if r["context"] in base:
+        r["vs_dynamic"] = round(r["warm_s"] / base[r["context"]], 3)
+if a.capacity:
+    for kind in kinds:
+        if time.time() - T0 > a.budget_s:
+            log("budget reached; stopping")
+            break
+        results["capacity"].append(capacity(kind))
+        log(results["capacity"][-1])
+        save()
+    dyn = next((c["largest_batch"] for c in results["capacity"] if c["cache"] == "dynamic"), None)
+    for c in results["capacity"]:
+        if dyn and c["largest_batch"]:
+            c["vs_dynamic"] = round(c["largest_batch"] / dyn, 2)
+save()
+
+
+try:
+    plot(results, os.path.join(a.out, "bench_capacity.png"))
+except Exception as e:  # noqa: BLE001  (the JSON is the result; a plot failure is reported)
+    log("plot failed:", e)
+log("wrote", out_json)
+for r in results["ttft"]:
+    log(r)
+for c in results["capacity"]:
+    log(c)
