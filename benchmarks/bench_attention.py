@@ -7,11 +7,13 @@ length (cuDNN where torch offers it, else the backend torch picks; the JSON name
 graph replays (`triton.testing.do_bench_cudagraph`, median), so host launch cost is out of both. The byte floor is
 the bytes the kernel must read (codes, norms, residual, sinks, query) at the device-to-device copy bandwidth
 (bytes read + written per second) measured in the same run. The workspace path's dequantize is timed per width
-against the same copy bandwidth. A last part sweeps the kernel's tuning knobs (BLOCK_N, warps, programs per SM, Triton stages)
-at batch 1 / 128k and batch 8 / 32k, each variant's output checked against the default's.
+against the same copy bandwidth (1 to 8 bits; --dequant_sweep 1 also times its knobs, each variant's output checked
+against the default's). A last part sweeps the kernel's tuning knobs (BLOCK_N, programs per SM, Triton stages) at
+batch 1 / 128k and batch 8 / 32k, each variant's output checked against the default's.
 
 Usage: python benchmarks/bench_attention.py [--presets k5v3,k4v4,k4v2] [--contexts 4096,32768,131072]
-       [--batches 1,8] [--sweep 1] [--dequant 1] [--out DIR]           writes DIR/bench_attention.json and .png
+       [--batches 1,8] [--sweep 1] [--dequant 1] [--dequant_sweep 0] [--out DIR]
+                                                                  writes DIR/bench_attention.json and .png
 """
 
 from __future__ import annotations
@@ -184,8 +186,8 @@ def main():
     os.makedirs(a.out, exist_ok=True)
     path = os.path.join(a.out, "bench_attention.json")
     with open(path, "w") as f:
-        json.dump({"env": env, "rows": rows, "sweep": sweep, "dequant": dequant, "dequant_sweep": dequant_sweep, "seconds": round(time.time() - t0, 1)},
-                  f, indent=1)
+        json.dump({"env": env, "rows": rows, "sweep": sweep, "dequant": dequant, "dequant_sweep": dequant_sweep,
+                   "seconds": round(time.time() - t0, 1)}, f, indent=1)
     plot(rows, os.path.join(a.out, "bench_attention.png"), env["device"])
     print("wrote", path)
     print(f"{'preset':7} {'batch':>5} {'context':>8} {'kernel ms':>10} {'SDPA ms':>8} {'speedup':>8} {'of copy bw':>10}")

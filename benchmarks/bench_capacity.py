@@ -40,8 +40,10 @@ p.add_argument("--ttft_chunk", type=int, default=8192)
 p.add_argument("--repeats", type=int, default=2)
 p.add_argument("--capacity", type=int, default=1)
 p.add_argument("--cold_triton", type=int, default=1, help="start with an empty Triton cache")
-p.add_argument("--start_batch", type=int, default=None, help="first batch to try instead of the prediction (every cache of the run)")
-p.add_argument("--known_oom", type=int, default=None, help="a batch already seen to run out of memory (every cache of the run)")
+p.add_argument("--start_batch", type=int, default=None,
+               help="first batch to try instead of the prediction (every cache of the run)")
+p.add_argument("--known_oom", type=int, default=None,
+               help="a batch already seen to run out of memory (every cache of the run)")
 p.add_argument("--budget_s", type=float, default=560)
 p.add_argument("--out", default=os.environ.get("OUT", "."))
 p.add_argument("--replot", default=None, help="redraw the PNG beside this JSON and exit")
@@ -168,7 +170,8 @@ def capacity(kind: str) -> dict:
         b = (lo + hi) // 2 if hi is not None else lo + max(1, lo // 8)
     ok = [k for k, v in tried.items() if v]
     largest = max(ok) if ok else None
-    return {"cache": kind, "context": a.context, "chunk": a.chunk, "new_tokens": a.new, "per_row_GiB": round(per_row, 3),
+    return {"cache": kind, "context": a.context, "chunk": a.chunk, "new_tokens": a.new,
+            "per_row_GiB": round(per_row, 3),
             "predicted": guess, "tried": {str(k): v for k, v in sorted(tried.items())},
             "largest_batch": largest, "confirmed": largest is not None and tried.get(largest + 1) is False}
 
