@@ -368,15 +368,16 @@ def rows_aligned(packed: torch.Tensor, unit: int = 4) -> bool:
 @triton.jit
 def load_groups(rows, ok, BITS: tl.constexpr, D: tl.constexpr, WORDS: tl.constexpr, COLS: tl.constexpr):
     """The packed groups of 8 indices (BITS bytes each, packing.py's LSB-first layout) of the rows at uint8
-    pointers `rows` (BLOCK,), as an int64 (BLOCK, COLS) tile, for widths that do not divide 8. COLS >= D // 8 (a
-    power of two); columns past D // 8 read as 0, so that a tile can be padded to the 16 columns of a dot.
+    pointers `rows` (BLOCK,), as an int64 (BLOCK, COLS) tile (dequantize reads every width but 8 this way).
+    COLS >= D // 8 (a power of two); columns past D // 8 read as 0, so that a tile can be padded to the 16 columns
+    of a dot.
 
-    WORDS (rows start on 4-byte boundaries, see `rows_aligned`): at 2 and 4 bits a group is cut from one int32 word, at
-    3, 5 and 6 bits from the two it overlaps, instead of BITS byte loads; otherwise the bytes are assembled.
+    WORDS (rows start on 4-byte boundaries, see `rows_aligned`): at 2 and 4 bits a group is cut from one int32
+    word, at 3, 5 and 6 bits from the two it overlaps, instead of BITS byte loads; otherwise the bytes are assembled.
     Bits past a group's 8 * BITS may be set at 2 bits; `expand_groups` masks them off."""
     col = tl.arange(0, COLS)
     live = ok[:, None] & (col < D // 8)[None, :]
-    if WORDS and (BITS == 2 or BITS == 4):  # a group is half a word or one word
+    if WORDS and (BITS == 2 or BITS == 4):  # a group is half a word or one word: no second load
         wrows = rows.to(tl.pointer_type(tl.int32), bitcast=True)
         w0 = tl.load(wrows[:, None] + (col * BITS // 4)[None, :], mask=live, other=0)
         v = (w0.to(tl.int64) & 0xFFFFFFFF) >> ((col * 8 * BITS) % 32).to(tl.int64)[None, :]

@@ -23,7 +23,7 @@ from . import _common as C
 from .quantize import _load_rot
 
 C_SCALE = 1024.0  # power of two: exact to apply and to undo
-PROGS_PER_SM = 4  # best of 0 (a program per tile) / 2 / 4 on the H100 (benchmarks/results/bench_attention_h100.json)
+PROGS_PER_SM = 4  # best of 0 (a program per tile) / 2 / 4 on the H100 (benchmarks/results/dequant_sweep_h100.json)
 
 
 @triton.jit
