@@ -89,7 +89,7 @@ import transformers  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from tq_hf_cache import TurboQuantCache, bench  # noqa: E402
+from tq_hf_cache import bench  # noqa: E402
 
 T0 = time.time()
 DEV = torch.device("cuda")
@@ -108,11 +108,10 @@ WEIGHTS = torch.cuda.memory_allocated()
 
 
 def make_cache(kind: str):
-    if kind == "dynamic":
-        model.set_attn_implementation("sdpa")
-        return transformers.DynamicCache(config=cfg)
-    model.set_attn_implementation("turboquant")
-    return TurboQuantCache(kind, config=cfg)
+    """DynamicCache under sdpa, or TurboQuantCache with preset `kind` under turboquant (bench's `tq_fused` row)."""
+    cache, impl = bench._make_cache("dynamic" if kind == "dynamic" else "tq_fused", cfg, a.context, kind)
+    model.set_attn_implementation(impl)
+    return cache
 
 
 @torch.no_grad()
