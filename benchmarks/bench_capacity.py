@@ -2,10 +2,11 @@
 bf16 weights, 32 layers) on one GPU.
 
 - Capacity: at --context tokens, the largest batch whose chunked prefill (--chunk tokens per row per forward) and
-  --new greedy decode steps run without running out of memory, per cache. The search starts from the memory one
-  row takes (a batch-1 and a batch-2 run, by `torch.cuda.max_memory_allocated`), then runs the predicted largest
-  batch, then bisects between the largest batch that ran and the smallest that did not: every reported batch ran,
-  and (when "confirmed") the next one up did not.
+  --new greedy decode steps run without running out of memory, per cache. The search measures the memory one row
+  takes (a batch-1 and a batch-2 run, by `torch.cuda.max_memory_allocated`), runs the predicted largest batch (or
+  --start's), gallops up or down from there by 1, 2, 4, ... until a batch that ran and one that did not bracket the
+  answer, then bisects: every reported batch ran, and (when "confirmed") the next one up did not. Every cache runs
+  under the same allocator settings (--alloc_conf, PYTORCH_CUDA_ALLOC_CONF).
 - TTFT: batch 1, chunked prefill of each --ttft_contexts prompt plus the first token, per cache. The first call in the
   process (Triton compiles and autotunes; with --cold_triton 1 into an empty Triton cache) is reported apart from the
   warm calls (median of --repeats).
@@ -14,7 +15,7 @@ Caches: "dynamic" (DynamicCache, sdpa) and TurboQuant presets (TurboQuantCache, 
 the fused kernel for decode steps, dequantize + SDPA for prefill chunks).
 
 Usage: python benchmarks/bench_capacity.py [--context 32768] [--caches dynamic,k5v3,k4v2] [--chunk 2048]
-       [--ttft_contexts 32768,131072] [--start_batch B] [--known_oom B] [--out DIR]
+       [--ttft_contexts 32768,131072] [--start k5v3=48,...] [--known_oom k5v3=60,...] [--out DIR]
                                                        writes DIR/bench_capacity.json and .png
        python benchmarks/bench_capacity.py --replot FILE.json     redraws FILE.png
 """
@@ -40,10 +41,10 @@ p.add_argument("--ttft_chunk", type=int, default=8192)
 p.add_argument("--repeats", type=int, default=2)
 p.add_argument("--capacity", type=int, default=1)
 p.add_argument("--cold_triton", type=int, default=1, help="start with an empty Triton cache")
-p.add_argument("--start_batch", type=int, default=None,
-               help="first batch to try instead of the prediction (every cache of the run)")
-p.add_argument("--known_oom", type=int, default=None,
-               help="a batch already seen to run out of memory (every cache of the run)")
+p.add_argument("--start", default="", help="CACHE=BATCH,...: the first batch to try instead of the prediction")
+p.add_argument("--known_oom", default="", help="CACHE=BATCH,...: a batch already seen to run out of memory")
+p.add_argument("--alloc_conf", default="expandable_segments:True",
+               help="PYTORCH_CUDA_ALLOC_CONF for every cache of the run ('' = the allocator's defaults)")
 p.add_argument("--budget_s", type=float, default=560)
 p.add_argument("--out", default=os.environ.get("OUT", "."))
 p.add_argument("--replot", default=None, help="redraw the PNG beside this JSON and exit")
@@ -83,6 +84,22 @@ if a.replot:  # only redraw the plot of a JSON (e.g. one merged from several run
     sys.exit(0)
 if a.cold_triton:
     os.environ["TRITON_CACHE_DIR"] = tempfile.mkdtemp(prefix="triton_cold_")
+if a.alloc_conf:
+    os.environ["PYTORCH_CUDA_ALLOC_CONF"] = a.alloc_conf
+
+
+def per_cache(spec: str) -> dict:
+    """'k5v3=48,dynamic=13' -> {'k5v3': 48, 'dynamic': 13}."""
+    out = {}
+    for item in filter(None, spec.split(",")):
+        kind, _, batch = item.partition("=")
+        if not batch.isdigit() or int(batch) < 3:
+            raise SystemExit(f"expected CACHE=BATCH with BATCH >= 3 (1 and 2 always run), got {item!r}")
+        out[kind] = int(batch)
+    return out
+
+
+START, KNOWN_OOM = per_cache(a.start), per_cache(a.known_oom)
 
 import torch  # noqa: E402
 import transformers  # noqa: E402
@@ -156,17 +173,26 @@ def capacity(kind: str) -> dict:
     guess = max(1, int((free / GiB - (p1 - per_row)) / per_row))
     log(kind, f"per row {per_row:.3f} GiB, fixed {p1 - per_row:.3f} GiB, predicted largest batch {guess}")
     tried = {1: True, 2: True}
-    lo, hi = 2, a.known_oom  # the largest batch seen to fit, the smallest seen not to
+    lo, hi = 2, KNOWN_OOM.get(kind)  # the largest batch seen to fit, the smallest seen not to
     if hi is not None:
         tried[hi] = False
-    b = a.start_batch or max(guess, 3)
+    b, step, bracketed = max(START.get(kind, guess), 3), 1, False
+    if hi is not None:
+        b = min(b, hi - 1)
     while (hi is None or hi - lo > 1) and time.time() - T0 < a.budget_s:
         tried[b] = fits(kind, b)
         if tried[b]:
             lo = b
         else:
             hi = b
-        b = (lo + hi) // 2 if hi is not None else lo + max(1, lo // 8)
+        bracketed = bracketed or (tried[b] and hi is not None) or (not tried[b] and lo > 2)
+        if hi is None:  # every try so far ran: gallop up
+            b = lo + step
+        elif not bracketed:  # every try so far ran out of memory: gallop down
+            b = max(lo + 1, hi - step)
+        else:
+            b = (lo + hi) // 2
+        step *= 2
     ok = [k for k, v in tried.items() if v]
     largest = max(ok) if ok else None
     return {"cache": kind, "context": a.context, "chunk": a.chunk, "new_tokens": a.new,
@@ -177,7 +203,8 @@ def capacity(kind: str) -> dict:
 
 results = {"env": {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
                    "transformers": transformers.__version__, "weights_GiB": round(WEIGHTS / GiB, 2),
-                   "cold_triton_cache": bool(a.cold_triton)}, "ttft": [], "capacity": []}
+                   "cold_triton_cache": bool(a.cold_triton), "alloc_conf": a.alloc_conf},
+           "ttft": [], "capacity": []}
 out_json = os.path.join(a.out, "bench_capacity.json")
 
 

@@ -333,12 +333,15 @@ def test_turboquant_generate_matches_sdpa_on_the_same_cache(preset, count_paths)
     assert ca.layers[0].quantized_length == cb.layers[0].quantized_length > 0
 
 
-def test_turboquant_chunked_prefill_and_long_chunks_use_the_workspace(count_paths):
-    """Prefill in chunks: long chunks get dense keys and values (SDPA), decode steps the fused path."""
+@pytest.mark.parametrize("row_group_bytes", [None, 1])
+def test_turboquant_chunked_prefill_fills_long_chunks_whole_or_by_row_groups(row_group_bytes, count_paths, monkeypatch):
+    """Prefill in chunks: a long chunk over a packed history gets dense keys and values (SDPA), for the whole batch
+    at once or (row_group_bytes=1: one row per group) a row group at a time; decode steps take the fused path."""
+    if row_group_bytes is not None:
+        monkeypatch.setattr(attention, "ROW_GROUP_BYTES", row_group_bytes)
     model = _llama()
     ids, mask = _left_padded_batch(fresh_seed(), lengths=(40, 33))
-    cache_s, cache_t = TurboQuantCache("k4v4", config=model.config, residual_length=4), None
-    logits = {}
+    logits, caches = {}, {}
     for impl in ("sdpa", attention.NAME):
         model.set_attn_implementation(impl)
         cache = TurboQuantCache("k4v4", config=model.config, residual_length=4)
@@ -347,13 +350,18 @@ def test_turboquant_chunked_prefill_and_long_chunks_use_the_workspace(count_path
             second = model(ids[:, 20:], attention_mask=mask, past_key_values=cache)
             step = model(second.logits[:, -1:].argmax(-1), attention_mask=torch.cat([mask, mask[:, :1] * 0 + 1], 1),
                          past_key_values=cache)
-        logits[impl] = (first.logits, second.logits, step.logits)
-        cache_s, cache_t = (cache, cache_t) if impl == "sdpa" else (cache_s, cache)
+        logits[impl], caches[impl] = (first.logits, second.logits, step.logits), cache
     assert count_paths["fused"] == 2  # the decode step, in each of the 2 layers
-    assert count_paths["filled"] == 2 * 2  # the same step under sdpa: keys and values of 2 layers
-    for x, y in zip(logits["sdpa"], logits[attention.NAME]):
-        assert (x - y).abs().max().item() < 1e-4
-    assert cache_t.get_seq_length() == cache_s.get_seq_length() == 41
+    # keys and values of 2 layers: the second chunk under sdpa, under turboquant (whole, or each of 2 rows), and the
+    # decode step under sdpa
+    assert count_paths["filled"] == 2 * 2 + (2 * 2 if row_group_bytes is None else 2 * 2 * 2) + 2 * 2
+    for name, x, y in zip(("first chunk", "second chunk", "decode step"), logits["sdpa"], logits[attention.NAME]):
+        assert (x - y).abs().max().item() < 1e-4, name
+    assert caches[attention.NAME].get_seq_length() == caches["sdpa"].get_seq_length() == 41
+    for la, lb in zip(caches["sdpa"].layers, caches[attention.NAME].layers):
+        assert la.quantized_length == lb.quantized_length > 0
+    first_a, first_b = caches["sdpa"].layers[0], caches[attention.NAME].layers[0]  # its inputs are the same tokens
+    assert torch.equal(first_a.keys, first_b.keys) and torch.equal(first_a.values, first_b.values)
 
 
 def test_unsupported_head_dim_falls_back_with_a_warning(count_paths, caplog):

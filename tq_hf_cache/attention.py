@@ -7,9 +7,11 @@ Nothing here imports Triton until a fused step runs on CUDA.
 What the function does with the keys a layer returned (`packed_kv.packed_source(key)`):
 - no PackedKV (DynamicCache, no cache, layers kept in full precision, prefill chunks): transformers' SDPA.
 - a static layer's (`TurboQuantStaticCache`): the fused custom op `tq_hf_cache::static_attention`.
-- a dynamic layer's (`TurboQuantCache` decode steps): the fused kernel (CUDA) or its torch math, where the step
-  fits it (few queries, head dim 64/128, no dropout or extra features); otherwise SDPA on the keys and values
-  themselves, which are `LazyKV`s that fill on first use.
+- a dynamic layer's (`TurboQuantCache` decode steps and prefill chunks over a packed history): the fused kernel
+  (CUDA) or its torch math, where the step fits it (few queries, head dim 64/128, no dropout or extra features);
+  otherwise SDPA on the keys and values themselves, which are `LazyKV`s that fill on first use. A long chunk of a
+  large batch is attended a group of batch rows at a time (`ROW_GROUP_BYTES`): the dense history, and the copies
+  per query head that SDPA makes under a mask, then exist for one group, not for the whole batch.
 Nothing is remembered between calls: which attention runs is decided by the model at every step, and the cache
 gives every implementation what it needs.
 """
@@ -22,9 +24,11 @@ import torch
 
 from . import ops  # noqa: F401  (registers the tq_hf_cache:: custom ops)
 from .kernels import DECODE_HEAD_DIMS, DECODE_MAX_ROWS, SUPPORTED_BITS  # limits only: no triton import
-from .packed_kv import MAX_FUSED_QUERIES, packed_source
+from .packed_kv import MAX_FUSED_QUERIES, fill_rows, packed_source
 
 NAME = "turboquant"
+# dense bytes one row group of a long step may take: its keys and values plus SDPA's copies per query head
+ROW_GROUP_BYTES = 512 * 2**20
 _UNSUPPORTED_KWARGS = ("s_aux", "sinks", "softcap", "position_bias", "head_mask")
 
 logger = logging.getLogger(__name__)
@@ -105,7 +109,30 @@ def _dynamic(module, query, key, value, kv, attention_mask, dropout, scaling, is
         if kwargs.get("output_attentions", False):
             _warn_once("output_attentions", "tq_hf_cache: the turboquant attention returns no attention weights")
         return ops.decode_attention(query, kv, attention_mask, scaling), None
+    rows = _group_rows(query, key)
+    if rows < query.shape[0] and not any(kwargs.get(k) is not None for k in _UNSUPPORTED_KWARGS):
+        return _by_row_groups(module, query, key, attention_mask, rows, dropout, scaling, is_causal, **kwargs), None
     return _sdpa(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, is_causal=is_causal, **kwargs)
+
+
+def _group_rows(query, key) -> int:
+    """Batch rows per group: as many as ROW_GROUP_BYTES of dense K/V (with SDPA's per-query-head copies) hold, >= 1."""
+    _, hq, _, d = query.shape
+    per_row = 2 * key.shape[2] * d * key.element_size() * (key.shape[1] + hq)
+    return max(1, ROW_GROUP_BYTES // per_row)
+
+
+def _by_row_groups(module, query, lazy_key, mask, rows, dropout, scaling, is_causal, **kwargs):
+    """SDPA over `rows` batch rows at a time, each group's keys and values filled into the workspace just before."""
+    b, hq, n, d = query.shape
+    out = query.new_empty(b, n, hq, d)
+    for start in range(0, b, rows):
+        stop = min(b, start + rows)
+        k, v = fill_rows(lazy_key, start, stop)
+        m = mask[start:stop] if mask is not None and mask.shape[0] == b else mask
+        o, _ = _sdpa(module, query[start:stop], k, v, m, dropout=dropout, scaling=scaling, is_causal=is_causal, **kwargs)
+        out[start:stop] = o
+    return out
 
 
 def register(name: str = NAME) -> None:

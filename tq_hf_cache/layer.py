@@ -6,7 +6,9 @@ history being written into the cache's shared workspace. For a decode step (at m
 tokens) the new tokens join the residual window and `update` returns `LazyKV`s carrying the layer's
 `PackedKV`: the turboquant attention reads the packed codes directly, and anything else that reads the keys
 fills them then. The window's overflow from such a step is quantized at the layer's next update (`_settle`),
-so the step attends to exactly what the dense path would have given it.
+so the step attends to exactly what the dense path would have given it. A longer chunk over a packed history
+(a full-attention layer's prefill chunk) also returns `LazyKV`s, of a copy of [residual | new] beside the packed
+views, and is pushed at once; the turboquant attention fills them a few batch rows at a time.
 
 Attention sinks: the first `sink_tokens` tokens of the sequence draw a large share of the attention while
 often having small keys, so their quantization error costs more than anyone else's (benchmarks/
@@ -17,8 +19,6 @@ slots; they are quantized and packed like every other token, so nothing else cha
 from __future__ import annotations
 
 import warnings
-from functools import partial
-
 import torch
 from transformers.cache_utils import DynamicLayer
 
@@ -276,6 +276,8 @@ class TurboQuantLayer(DynamicLayer):
         self.cumulative_length += n
         if n <= MAX_FUSED_QUERIES and self._lazy_ok(key_states, value_states):
             return self._decode_step(key_states, value_states)
+        if not self.is_sliding and self.k_buf.length and self._lazy_ok(key_states, value_states):
+            return self._chunk_step(key_states, value_states)
         out_k, out_v = self._visible(*self._assemble(key_states, value_states), n)
         self._push(key_states, value_states)
         return out_k, out_v
@@ -300,9 +302,40 @@ class TurboQuantLayer(DynamicLayer):
         lq = self.k_buf.length
         if lq == 0:  # nothing packed: the residual window is the whole history
             return self.res_k, self.res_v
-        shape = (self.batch, self.heads, lq + lr + n, self.head_dim)
-        alloc = partial(self.workspace.views, *shape, self.dtype, self.device)
-        return lazy_pair(self.packed_kv(), shape, self.dtype, alloc)
+        return self._lazy(self.packed_kv())
+
+    def _chunk_step(self, key_states: torch.Tensor, value_states: torch.Tensor):
+        """A long chunk over a packed history: LazyKVs of [history | residual | new], then the usual push.
+
+        The turboquant attention fills them a few batch rows at a time, so a whole batch's dense history never
+        exists at once; any other consumer fills them whole, as `_assemble` would. Their exact tail is a copy of
+        the residual and the new tokens, and their packed views are taken after the push's room is made, so the
+        push changes nothing they read."""
+        lr, n = self._rlen, key_states.shape[2]
+        fp_k = torch.cat([self.res_k, key_states], dim=2) if lr else key_states
+        fp_v = torch.cat([self.res_v, value_states], dim=2) if lr else value_states
+        if lr + n > self.residual_capacity:  # the push quantizes all but the newest residual_length tokens
+            self.k_buf.reserve(lr + n - self.residual_length)
+            self.v_buf.reserve(lr + n - self.residual_length)
+        pk, nk = self.k_buf.live()
+        pv, nv = self.v_buf.live()
+        lq = self.k_buf.length
+        kv = PackedKV(
+            pk, nk, pv, nv, self._sk, self._sv, fp_k, fp_v, lq + lr + n, lq, self.rotation,
+            self.k_codebook, self.v_codebook, self.exact_sinks, -1, -1,
+        )
+        out = self._lazy(kv)
+        self._push(key_states, value_states)
+        return out
+
+    def _lazy(self, kv: PackedKV):
+        """LazyKVs of kv, filled (whole or by batch rows) into the shared workspace."""
+        shape = (self.batch, self.heads, kv.length, self.head_dim)
+
+        def alloc(rows: int):
+            return self.workspace.views(rows, self.heads, kv.length, self.head_dim, self.dtype, self.device)
+
+        return lazy_pair(kv, shape, self.dtype, alloc)
 
     def packed_kv(self) -> PackedKV:
         """What the layer holds, as a `PackedKV` of views (valid until the next update; no quantizer ids: they

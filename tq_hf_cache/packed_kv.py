@@ -1,19 +1,19 @@
 """The seam between TurboQuant cache layers and attention: `PackedKV` (what a layer holds, as tensors) and
-`LazyKV` (what a dynamic layer's `update` returns for a decode step).
+`LazyKV` (what a dynamic layer's `update` returns for a decode step or a chunk over a packed history).
 
 `PackedKV` is the one object the kernels, the torch reference and the attention function exchange. A layer's
 positions [0, length) are read as follows:
 - [0, sinks): the exact copies in `sink_k` / `sink_v` (attention sinks);
 - [sinks, exact_from): the packed codes and norms at slot = position;
 - [exact_from, length): the exact copies in the ring `ring_k` / `ring_v`.
-A dynamic layer (`TurboQuantCache`) has host-int lengths and its ring is its residual window, in order (slot =
-position - exact_from). A static layer (`TurboQuantStaticCache`) has its lengths on the device (a captured CUDA
+A dynamic layer (`TurboQuantCache`) has host-int lengths and its ring is its residual window (with a chunk's new
+tokens after it), in order (slot = position - exact_from). A static layer (`TurboQuantStaticCache`) has its lengths on the device (a captured CUDA
 graph replays them) and quantizes every position as it arrives; its ring holds position p at slot p % ring size.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch.utils._pytree import tree_map_only
@@ -69,6 +69,13 @@ class PackedKV:
     def static(self) -> bool:
         """Whether the lengths live on the device (a static layer: every shape fixed, the ring wraps)."""
         return isinstance(self.length, torch.Tensor)
+
+    def rows(self, start: int, stop: int) -> PackedKV:
+        """The same state restricted to batch rows [start, stop) (views)."""
+        pick = {name: getattr(self, name)[start:stop] for name in
+                ("k_packed", "k_norms", "v_packed", "v_norms", "sink_k", "sink_v", "ring_k", "ring_v")
+                if getattr(self, name) is not None}
+        return replace(self, **pick)
 
 
 def packed_source(key: torch.Tensor) -> PackedKV | None:
@@ -130,9 +137,9 @@ _METADATA = frozenset({
 class LazyKV(torch.Tensor):
     """Dense keys or values of a dynamic layer that are written only when something reads them.
 
-    A dynamic layer's decode step returns a pair of these, carrying the layer's `PackedKV` (attribute
-    `turboquant_packed`). The turboquant attention reads the PackedKV and never touches the data, so the step
-    allocates nothing. Any other consumer (SDPA, eager, flex, user code) triggers the fill on its first torch
+    A dynamic layer's decode step (or long chunk over a packed history) returns a pair of these, carrying the
+    layer's `PackedKV` (attribute `turboquant_packed`). The turboquant attention reads the PackedKV and never
+    touches the data, so a decode step allocates nothing (a long chunk is filled by row groups, `fill_rows`). Any other consumer (SDPA, eager, flex, user code) triggers the fill on its first torch
     operation: the pair takes its views of the cache's shared workspace, the dequantized keys or values are
     written there, and the consumer gets that plain dense tensor. So every attention implementation sees the
     right keys and values at every step. Like any workspace view, a LazyKV is valid until the next layer's update.
@@ -156,7 +163,7 @@ class LazyKV(torch.Tensor):
         if state["_dense"] is None:
             pair = state["_pair"]
             if pair["views"] is None:
-                pair["views"] = pair["alloc"]()
+                pair["views"] = pair["alloc"](self.shape[0])
             out = pair["views"][0 if state["_kind"] == "key" else 1]
             with torch._C.DisableTorchFunctionSubclass():
                 state["_dense"] = fill_dense(out, state[PACKED_ATTR], state["_kind"])
@@ -164,8 +171,8 @@ class LazyKV(torch.Tensor):
 
 
 def lazy_pair(kv: PackedKV, shape: tuple, dtype: torch.dtype, alloc) -> tuple[LazyKV, LazyKV]:
-    """LazyKVs of kv's keys and values, of `shape` (B, H, length, D); `alloc() -> (key buffer, value buffer)`
-    gives their storage when the first of them is filled."""
+    """LazyKVs of kv's keys and values, of `shape` (B, H, length, D); `alloc(rows) -> (key buffer, value buffer)`
+    of shape (rows, H, length, D) gives their storage when they are filled (rows = B) or read by rows."""
     placeholder = torch.empty(1, dtype=dtype, device=kv.k_packed.device).expand(*shape)
     pair = {"alloc": alloc, "views": None}
     out = []
@@ -174,3 +181,13 @@ def lazy_pair(kv: PackedKV, shape: tuple, dtype: torch.dtype, alloc) -> tuple[La
         t.__dict__.update({PACKED_ATTR: kv, "_kind": kind, "_pair": pair, "_dense": None})
         out.append(t)
     return out[0], out[1]
+
+
+def fill_rows(lazy: LazyKV, start: int, stop: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dense keys and values of batch rows [start, stop) of a LazyKV pair (either member), written into the pair's
+    storage for that many rows: valid until its next use, so one row group is consumed before the next is filled."""
+    state = lazy.__dict__
+    kv = state[PACKED_ATTR].rows(start, stop)
+    k, v = state["_pair"]["alloc"](stop - start)
+    with torch._C.DisableTorchFunctionSubclass():
+        return fill_dense(k, kv, "key"), fill_dense(v, kv, "value")
