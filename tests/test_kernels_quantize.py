@@ -452,10 +452,10 @@ def test_sat_search_per_head_alignment_and_refusal():
     with pytest.raises(ValueError, match="at most 4 bits"):
         quantize_poisoned(x, rot, shared_codebook(5, 64).to(DEV), torch.float16, search="sat")
     # rows 1 byte off a word (nb + 1 byte stride): 'sat' (<= 4 bits) refuses them, the default scans; 5 and 8 bits
-    # store bytes instead of int32 words; dequantize reads them back as bytes (3 and 5 bits read words when aligned)
+    # store bytes instead of int32 words; dequantize reads them back as bytes (every width reads words when aligned)
     from tq_hf_cache.kernels import dequantize as DQ
 
-    for bits in (3, 4, 5, 8):
+    for bits in (1, 3, 4, 5, 7, 8):
         cb = shared_codebook(bits, 64).to(DEV)
         nb = packed_bytes(64, bits)
         big = torch.full((1, 3, 9, nb + 1), 0xA5, dtype=torch.uint8, device=DEV)

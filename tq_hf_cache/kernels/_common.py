@@ -368,26 +368,31 @@ def rows_aligned(packed: torch.Tensor, unit: int = 4) -> bool:
 @triton.jit
 def load_groups(rows, ok, BITS: tl.constexpr, D: tl.constexpr, WORDS: tl.constexpr, COLS: tl.constexpr):
     """The packed groups of 8 indices (BITS bytes each, packing.py's LSB-first layout) of the rows at uint8
-    pointers `rows` (BLOCK,), as an int64 (BLOCK, COLS) tile (dequantize reads every width but 8 this way).
-    COLS >= D // 8 (a power of two); columns past D // 8 read as 0, so that a tile can be padded to the 16 columns
-    of a dot.
+    pointers `rows` (BLOCK,), as an int64 (BLOCK, COLS) tile. COLS >= D // 8 (a power of two); columns past D // 8
+    read as 0, so that a tile can be padded to the 16 columns of a dot.
 
-    WORDS (rows start on 4-byte boundaries, see `rows_aligned`): at 2 and 4 bits a group is cut from one int32
-    word, at 3, 5 and 6 bits from the two it overlaps, instead of BITS byte loads; otherwise the bytes are assembled.
-    Bits past a group's 8 * BITS may be set at 2 bits; `expand_groups` masks them off."""
+    WORDS (rows start on 4-byte boundaries, see `rows_aligned`): a group is cut from the int32 words it overlaps
+    (one at 1, 2 and 4 bits; two at 3, 5, 6 and 8; two or three at 7) instead of BITS byte loads; otherwise the
+    bytes are assembled. Bits past a group's 8 * BITS may be set; `expand_groups` masks them off."""
     col = tl.arange(0, COLS)
     live = ok[:, None] & (col < D // 8)[None, :]
-    if WORDS and (BITS == 2 or BITS == 4):  # a group is half a word or one word: no second load
+    if WORDS and (BITS == 1 or BITS == 2 or BITS == 4):  # a group is a quarter, half or whole word
         wrows = rows.to(tl.pointer_type(tl.int32), bitcast=True)
         w0 = tl.load(wrows[:, None] + (col * BITS // 4)[None, :], mask=live, other=0)
         v = (w0.to(tl.int64) & 0xFFFFFFFF) >> ((col * 8 * BITS) % 32).to(tl.int64)[None, :]
-    elif WORDS and (BITS == 3 or BITS == 5 or BITS == 6):
+    elif WORDS:
         wrows = rows.to(tl.pointer_type(tl.int32), bitcast=True)
         bit0 = col * (8 * BITS)
         j0 = bit0 // 32
+        s = (bit0 % 32).to(tl.int64)[None, :]
         w0 = tl.load(wrows[:, None] + j0[None, :], mask=live, other=0)
         w1 = tl.load(wrows[:, None] + j0[None, :] + 1, mask=live & ((bit0 % 32 + 8 * BITS) > 32)[None, :], other=0)
-        v = ((w1.to(tl.int64) << 32) | (w0.to(tl.int64) & 0xFFFFFFFF)) >> (bit0 % 32).to(tl.int64)[None, :]
+        v = ((w1.to(tl.int64) << 32) | (w0.to(tl.int64) & 0xFFFFFFFF)) >> s  # bits from 64 - s on: w1's sign
+        if BITS == 7:  # groups starting 16 or 24 bits into a word end in a third one
+            third = (bit0 % 32 + 8 * BITS) > 64
+            w2 = tl.load(wrows[:, None] + j0[None, :] + 2, mask=live & third[None, :], other=0)
+            top = tl.where(third[None, :], 64 - s, 63)  # < 64: a shift by the width is undefined
+            v = (v & ((tl.full(top.shape, 1, tl.int64) << top) - 1)) | ((w2.to(tl.int64) & 0xFFFFFFFF) << top)
     else:
         grp = rows[:, None] + (col * BITS)[None, :]
         v = tl.load(grp, mask=live, other=0).to(tl.int64)
