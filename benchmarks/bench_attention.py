@@ -125,6 +125,7 @@ def main():
     p.add_argument("--sweep", type=int, default=1)
     p.add_argument("--dequant", type=int, default=1)
     p.add_argument("--dequant_sweep", type=int, default=0, help="also time the dequantize's knobs per width")
+    p.add_argument("--dequant_bits", default="1,2,3,4,5,6,7,8", help="the widths of the dequantize rows and sweep")
     p.add_argument("--out", default=os.environ.get("OUT", "."))
     a = p.parse_args()
     t0 = time.time()
@@ -173,12 +174,13 @@ def main():
                 print(r, flush=True)
             del kv
             torch.cuda.empty_cache()
-    dequant = [dequant_row(bits, bw) for bits in range(1, 9)] if a.dequant else []
+    dq_bits = [int(x) for x in a.dequant_bits.split(",")]
+    dequant = [dequant_row(bits, bw) for bits in dq_bits] if a.dequant else []
     for r in dequant:
         print(r, flush=True)
     dequant_sweep = []
     if a.dequant_sweep:
-        for bits in range(1, 9):
+        for bits in dq_bits:
             for block_t, warps, per_sm, stages in itertools.product((64, 128), (4, 8), (0, 2, 4), (1, 2)):
                 r = dequant_row(bits, bw, block_t=block_t, num_warps=warps, progs_per_sm=per_sm, stages=stages)
                 dequant_sweep.append(r)

@@ -370,7 +370,7 @@ def load_groups(rows, ok, BITS: tl.constexpr, D: tl.constexpr, WORDS: tl.constex
     """The packed groups of 8 indices (BITS bytes each, packing.py's LSB-first layout) of the rows at uint8
     pointers `rows` (BLOCK,), as an int64 (BLOCK, COLS) tile. COLS >= D // 8 (a power of two); columns past D // 8
     read as 0, so that a tile can be padded to the 16 columns of a dot. Dequantize reads every width but 8 this way
-    (8-bit byte tiles are faster there: benchmarks/results/bench_attention_dequant_h100.json).
+    (its int32 words of four 8-bit indices are faster: benchmarks/results/bench_attention_dequant_h100.json).
 
     WORDS (rows start on 4-byte boundaries, see `rows_aligned`): a group is cut from the int32 words it overlaps
     (one at 1, 2 and 4 bits; two at 3, 5, 6 and 8; two or three at 7) instead of BITS byte loads; otherwise the

@@ -64,7 +64,12 @@ def _dequantize_tile(
 
     # ---- unpack, LSB first (packing.py's layout)
     p_rows = p_ptr + b * spb + h.to(tl.int64) * sph + t64 * spt
-    if BITS == 8:  # one index per byte (a byte tile: 68% of copy bandwidth on the H100, two-word groups 51%)
+    if BITS == 8 and WORDS:  # four indices per int32 word, split in int32 (int64 groups were slower)
+        w = tl.load(p_rows.to(tl.pointer_type(tl.int32), bitcast=True)[:, None] + tl.arange(0, D // 4)[None, :],
+                    mask=tmask[:, None], other=0)
+        idx = tl.reshape(tl.join(tl.join(w & 255, (w >> 16) & 255), tl.join((w >> 8) & 255, (w >> 24) & 255)),
+                         (BLOCK_T, D))
+    elif BITS == 8:  # one index per byte
         idx = tl.load(p_rows[:, None] + d[None, :], mask=tmask[:, None], other=0).to(tl.int32)
     else:  # 8 indices = one group of BITS bytes (whole words where rows are aligned: faster than byte tiles)
         idx = C.expand_groups(C.load_groups(p_rows, tmask, BITS, D, WORDS, D // 8), BITS, D, BLOCK_T)
