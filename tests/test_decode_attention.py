@@ -362,6 +362,9 @@ def test_turboquant_chunked_prefill_fills_long_chunks_whole_or_by_row_groups(row
         assert la.quantized_length == lb.quantized_length > 0
     first_a, first_b = caches["sdpa"].layers[0], caches[attention.NAME].layers[0]  # its inputs are the same tokens
     assert torch.equal(first_a.keys, first_b.keys) and torch.equal(first_a.values, first_b.values)
+    # the workspace is sized by what was filled at once: both rows under sdpa, one row per group here
+    held_s, held_t = caches["sdpa"].nbytes()["workspace"], caches[attention.NAME].nbytes()["workspace"]
+    assert held_s > 0 and held_t == (held_s if row_group_bytes is None else held_s // 2), (held_s, held_t)
 
 
 def test_unsupported_head_dim_falls_back_with_a_warning(count_paths, caplog):
