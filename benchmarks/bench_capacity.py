@@ -155,13 +155,18 @@ def prefill_and_decode(kind: str, batch: int, context: int, chunk: int, new: int
         del cache, ids
 
 
+TRIALS: dict = {}  # (cache, batch) -> the run's ttft_s and peak_GiB, or "OOM"
+
+
 def fits(kind: str, batch: int) -> bool:
     try:
         r = prefill_and_decode(kind, batch, a.context, a.chunk, a.new)
     except torch.cuda.OutOfMemoryError:
         log(kind, "batch", batch, "OOM")
+        TRIALS[kind, batch] = "OOM"
         return False
     log(kind, "batch", batch, r)
+    TRIALS[kind, batch] = r
     return True
 
 
@@ -198,6 +203,7 @@ def capacity(kind: str) -> dict:
     return {"cache": kind, "context": a.context, "chunk": a.chunk, "new_tokens": a.new,
             "per_row_GiB": round(per_row, 3),
             "predicted": guess, "tried": {str(k): v for k, v in sorted(tried.items())},
+            "trials": {str(b): r for (k, b), r in sorted(TRIALS.items()) if k == kind},
             "largest_batch": largest, "confirmed": largest is not None and tried.get(largest + 1) is False}
 
 
