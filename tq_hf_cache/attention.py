@@ -130,8 +130,9 @@ def _by_row_groups(module, query, lazy_key, mask, rows, dropout, scaling, is_cau
         stop = min(b, start + rows)
         k, v = fill_rows(lazy_key, start, stop)
         m = mask[start:stop] if mask is not None and mask.shape[0] == b else mask
-        o, _ = _sdpa(module, query[start:stop], k, v, m, dropout=dropout, scaling=scaling, is_causal=is_causal, **kwargs)
-        out[start:stop] = o
+        out[start:stop] = _sdpa(
+            module, query[start:stop], k, v, m, dropout=dropout, scaling=scaling, is_causal=is_causal, **kwargs
+        )[0]
     return out
 
 

@@ -7,8 +7,9 @@ positions [0, length) are read as follows:
 - [sinks, exact_from): the packed codes and norms at slot = position;
 - [exact_from, length): the exact copies in the ring `ring_k` / `ring_v`.
 A dynamic layer (`TurboQuantCache`) has host-int lengths and its ring is its residual window (with a chunk's new
-tokens after it), in order (slot = position - exact_from). A static layer (`TurboQuantStaticCache`) has its lengths on the device (a captured CUDA
-graph replays them) and quantizes every position as it arrives; its ring holds position p at slot p % ring size.
+tokens after it), in order (slot = position - exact_from). A static layer (`TurboQuantStaticCache`) has its lengths
+on the device (a captured CUDA graph replays them) and quantizes every position as it arrives; its ring holds
+position p at slot p % ring size.
 """
 
 from __future__ import annotations
@@ -139,9 +140,10 @@ class LazyKV(torch.Tensor):
 
     A dynamic layer's decode step (or long chunk over a packed history) returns a pair of these, carrying the
     layer's `PackedKV` (attribute `turboquant_packed`). The turboquant attention reads the PackedKV and never
-    touches the data, so a decode step allocates nothing (a long chunk is filled by row groups, `fill_rows`). Any other consumer (SDPA, eager, flex, user code) triggers the fill on its first torch
-    operation: the pair takes its views of the cache's shared workspace, the dequantized keys or values are
-    written there, and the consumer gets that plain dense tensor. So every attention implementation sees the
+    touches the data, so a decode step allocates nothing (a long chunk is filled by row groups, `fill_rows`). Any
+    other consumer (SDPA, eager, flex, user code) triggers the fill on its first torch operation: the pair takes its
+    views of the cache's shared workspace, the dequantized keys or values are written there, and the consumer gets
+    that plain dense tensor. So every attention implementation sees the
     right keys and values at every step. Like any workspace view, a LazyKV is valid until the next layer's update.
     Until filled, a LazyKV is a stride-0 view of one element: metadata reads (shape, dtype, device) need no data.
     """
