@@ -2,6 +2,7 @@
 
     PYTHONPATH=. python benchmarks/studies/key_fix_study.py                      # SmolLM2, 4096 tokens, seeds 0-2
     PYTHONPATH=. python benchmarks/studies/key_fix_study.py --model gemma3-270m --tokens 2048 --seeds 0 --variants plain,c_pre
+    (--presets takes preset names and folders written by `tq-hf-cache allocate`)
 
 Simulation: a TurboQuantCache whose quantized layers are switched to a subclass (`SimLayer`, defined here) that
 keeps the cache's bookkeeping (residual window of 128 exact tokens, each token quantized once when it leaves the
@@ -32,7 +33,7 @@ import time
 import torch
 from transformers import DynamicCache
 
-from tq_hf_cache import TurboQuantCache
+from tq_hf_cache import TurboQuantCache, TurboQuantConfig
 from tq_hf_cache import reference
 from tq_hf_cache.layer import TurboQuantLayer, TurboQuantSlidingLayer
 from tq_hf_cache.texts import package_text, HELD_OUT_START
@@ -190,7 +191,9 @@ SimSlidingLayer = type("SimSlidingLayer", (TurboQuantSlidingLayer,), dict(_SIM))
 
 
 def sim_cache(model, preset, seed, opts, rope, oracle):
-    cache = TurboQuantCache(preset, config=model.config, seed=seed)
+    """preset: a preset name, or a folder `tq-hf-cache allocate` wrote (its per-layer widths)."""
+    tq = TurboQuantConfig.from_pretrained(preset) if os.path.isdir(preset) else preset
+    cache = TurboQuantCache(tq, config=model.config, seed=seed)
     n = 0
     for layer in cache.layers:
         if type(layer) is TurboQuantLayer:
@@ -289,7 +292,8 @@ def main():
 
     def record(preset, variant, seed, ppl, secs):
         d = 100 * (ppl / fp - 1)
-        out["rows"].append({"preset": preset, "variant": variant, "seed": seed, "ppl": ppl, "delta_pct": d})
+        name = os.path.basename(os.path.normpath(preset)) if os.path.isdir(preset) else preset
+        out["rows"].append({"preset": name, "variant": variant, "seed": seed, "ppl": ppl, "delta_pct": d})
         print(f"{preset} {variant:12s} seed {seed} ppl {ppl:.4f} delta {d:+.3f}% ({secs:.0f}s)", flush=True)
         json.dump(out, open(out_path, "w"), indent=1)
 
