@@ -19,6 +19,7 @@ slots; they are quantized and packed like every other token, so nothing else cha
 from __future__ import annotations
 
 import warnings
+
 import torch
 from transformers.cache_utils import DynamicLayer
 
@@ -325,7 +326,7 @@ class TurboQuantLayer(DynamicLayer):
             self.k_codebook, self.v_codebook, self.exact_sinks, -1, -1,
         )
         out = self._lazy(kv)
-        self._push(key_states, value_states)
+        self._push(key_states, value_states, fp=(fp_k, fp_v))
         return out
 
     def _lazy(self, kv: PackedKV):
@@ -399,8 +400,9 @@ class TurboQuantLayer(DynamicLayer):
         rv[:, :, : self._rlen].copy_(self.res_v)
         self._rk, self._rv = rk, rv
 
-    def _push(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        """Append the new tokens to the residual window; quantize the oldest ones once it overflows.
+    def _push(self, key_states: torch.Tensor, value_states: torch.Tensor, fp=None) -> None:
+        """Append the new tokens to the residual window; quantize the oldest ones once it overflows. fp: the
+        caller's [residual | new] keys and values, when it already has them.
 
         The cache keeps values, not autograd history: gradients reach only the tokens of the current call."""
         key_states, value_states = key_states.detach(), value_states.detach()
@@ -412,9 +414,10 @@ class TurboQuantLayer(DynamicLayer):
             self._rv[:, :, lr : lr + n].copy_(value_states)
             self._rlen = lr + n
             return
-        fp_k = torch.cat([self.res_k, key_states], dim=2) if lr else key_states
-        fp_v = torch.cat([self.res_v, value_states], dim=2) if lr else value_states
-        self._store_window(fp_k[:, :, drop:], fp_v[:, :, drop:])
+        if fp is None:
+            fp = (torch.cat([self.res_k, key_states], dim=2) if lr else key_states,
+                  torch.cat([self.res_v, value_states], dim=2) if lr else value_states)
+        self._store_window(fp[0][:, :, drop:].detach(), fp[1][:, :, drop:].detach())
 
     def _store_window(self, fp_k: torch.Tensor, fp_v: torch.Tensor) -> None:
         """Keep the newest `residual_length` of these full-precision tokens as the residual window and quantize
