@@ -309,3 +309,23 @@ def test_attention_sinks_stay_exact_through_quantization_crop_and_batch_ops():
     assert sliding.sink_tokens == 0
     with pytest.raises(ValueError, match="sink_tokens"):
         TurboQuantCache(sink_tokens=-1)
+
+
+def test_a_decode_steps_lazy_keys_survive_the_layer_settling_before_attention_reads_them():
+    """transformers' offloading calls `offload` (which settles the layer: quantizes the residual window's overflow)
+    between a layer's update and its attention: the LazyKVs that update returned must still read the same keys."""
+    torch.manual_seed(0)
+    k, v = torch.randn(2, 2, 30, 64), torch.randn(2, 2, 30, 64)
+    caches = [TurboQuantCache("k4v4", residual_length=4) for _ in range(2)]
+    outs = []
+    for settle, cache in zip((False, True), caches):
+        cache.update(k[:, :, :20], v[:, :, :20], 0)
+        for t in range(20, 25):  # five decode steps fill the window past its capacity (4 + 4)
+            ko, vo = cache.update(k[:, :, t : t + 1], v[:, :, t : t + 1], 0)
+        assert cache.layers[0].residual_tokens > cache.layers[0].residual_capacity
+        if settle:
+            cache.layers[0]._settle()
+            assert cache.layers[0].residual_tokens == 4
+        outs.append((ko + 0, vo + 0))  # the first torch op fills them
+    assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
+    assert torch.equal(outs[1][0][:, :, -9:], k[:, :, 16:25])  # the residual window, exact

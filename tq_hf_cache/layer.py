@@ -421,18 +421,19 @@ class TurboQuantLayer(DynamicLayer):
 
     def _store_window(self, fp_k: torch.Tensor, fp_v: torch.Tensor) -> None:
         """Keep the newest `residual_length` of these full-precision tokens as the residual window and quantize
-        the older ones. The inputs may be views of the residual buffers themselves."""
+        the older ones. The window moves to new buffers: the inputs may be views of the old ones, and so may the
+        unread LazyKVs of a decode step (transformers' offloading settles a layer before its attention runs)."""
         overflow = fp_k.shape[2] - self.residual_length
         if overflow > 0:
             self._quantize_append(fp_k[:, :, :overflow], fp_v[:, :, :overflow])
             fp_k, fp_v = fp_k[:, :, overflow:], fp_v[:, :, overflow:]
         keep = fp_k.shape[2]
-        fp_k, fp_v = fp_k.clone(), fp_v.clone()  # (a view of the buffer would overlap where it is written)
-        self._rlen = 0
-        self._reserve_residual(keep)
-        self._rk[:, :, :keep].copy_(fp_k)
-        self._rv[:, :, :keep].copy_(fp_v)
-        self._rlen = keep
+        cap = max(keep, self._rk.shape[2])
+        rk = fp_k.new_empty(self.batch, self.heads, cap, self.head_dim)
+        rv = fp_v.new_empty(self.batch, self.heads, cap, self.head_dim)
+        rk[:, :, :keep].copy_(fp_k)
+        rv[:, :, :keep].copy_(fp_v)
+        self._rk, self._rv, self._rlen = rk, rv, keep
 
     def _drop_old(self, fp_tokens: int) -> int:
         """Full-attention layers keep everything; sliding layers drop what left the window (see there)."""
