@@ -21,6 +21,7 @@ Variants (mu per (batch, KV head), estimated once from the first block the layer
   sinks        the first 4 tokens of the sequence are never quantized (kept exact)
   sinks_c_pre  sinks + c_pre (mu_pre estimated without the sink tokens)
   sinks_c_pre_orc  sinks + c_pre_orc (diagnostic: is the oracle's loss on the first tokens?)
+  fsinks, fsinks_c_pre  sinks / sinks_c_pre with exact sinks in full-attention layers only, as the cache keeps them
   c_pre_nc     c_pre + norm correction (store ||x|| / ||c[idx]||, the dequantized vector keeps the exact norm)
   c_post_blk   c_post, but mu re-estimated for every flushed block (each block subtracts its own mean; costs a
                stored mu per block) -- RoPE-free alternative to c_pre
@@ -54,6 +55,8 @@ VARIANTS = {
     "sinks_c_pre": {"center": "pre", "sinks": SINKS},
     "c_pre_nc": {"center": "pre", "normcorr": True},
     "sinks_c_pre_orc": {"center": "pre", "oracle": True, "sinks": SINKS},
+    "fsinks": {"sinks": SINKS, "full_only": True},
+    "fsinks_c_pre": {"center": "pre", "sinks": SINKS, "full_only": True},
     "c_post_blk": {"center": "post_block"},
 }
 
@@ -154,7 +157,7 @@ class SimMixin:
             vh = qdq((v.double() - self._mu_v).float(), self.rotation, self.v_codebook, self.norm_dtype).double() + self._mu_v
         else:
             vh = qdq(v, self.rotation, self.v_codebook, self.norm_dtype)
-        s = self.opts.get("sinks", 0)
+        s = 0 if self.opts.get("full_only") and self.is_sliding else self.opts.get("sinks", 0)
         if s and p0 < s:
             m = min(s - p0, n)
             kh[:, :, :m] = k[:, :, :m].to(kh.dtype)
