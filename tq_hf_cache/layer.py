@@ -313,21 +313,19 @@ class TurboQuantLayer(DynamicLayer):
         the residual and the new tokens, and their packed views are taken after the push's room is made, so the
         push changes nothing they read."""
         lr, n = self._rlen, key_states.shape[2]
-        fp_k = torch.cat([self.res_k, key_states], dim=2) if lr else key_states
-        fp_v = torch.cat([self.res_v, value_states], dim=2) if lr else value_states
+        fp = self._with_residual(key_states, value_states)
         if lr + n > self.residual_capacity:  # the push quantizes all but the newest residual_length tokens
             self.k_buf.reserve(lr + n - self.residual_length)
             self.v_buf.reserve(lr + n - self.residual_length)
-        pk, nk = self.k_buf.live()
-        pv, nv = self.v_buf.live()
-        lq = self.k_buf.length
-        kv = PackedKV(
-            pk, nk, pv, nv, self._sk, self._sv, fp_k, fp_v, lq + lr + n, lq, self.rotation,
-            self.k_codebook, self.v_codebook, self.exact_sinks, -1, -1,
-        )
-        out = self._lazy(kv)
-        self._push(key_states, value_states, fp=(fp_k, fp_v))
+        out = self._lazy(self.packed_kv(*fp))
+        self._push(key_states, value_states, fp=fp)
         return out
+
+    def _with_residual(self, key_states: torch.Tensor, value_states: torch.Tensor):
+        """[residual | new] keys and values (the new ones themselves when the window is empty)."""
+        if not self._rlen:
+            return key_states, value_states
+        return torch.cat([self.res_k, key_states], dim=2), torch.cat([self.res_v, value_states], dim=2)
 
     def _lazy(self, kv: PackedKV):
         """LazyKVs of kv, filled (whole or by batch rows) into the shared workspace."""
@@ -338,14 +336,17 @@ class TurboQuantLayer(DynamicLayer):
 
         return lazy_pair(kv, shape, self.dtype, alloc)
 
-    def packed_kv(self) -> PackedKV:
+    def packed_kv(self, ring_k: torch.Tensor | None = None, ring_v: torch.Tensor | None = None) -> PackedKV:
         """What the layer holds, as a `PackedKV` of views (valid until the next update; no quantizer ids: they
-        serve the static layers' custom ops)."""
+        serve the static layers' custom ops). ring_k / ring_v: the exact tokens after the packed ones, when they
+        are not the residual window (a chunk step's [residual | new])."""
         pk, nk = self.k_buf.live()
         pv, nv = self.v_buf.live()
         lq = self.k_buf.length
+        if ring_k is None:
+            ring_k, ring_v = self.res_k, self.res_v
         return PackedKV(
-            pk, nk, pv, nv, self._sk, self._sv, self.res_k, self.res_v, lq + self._rlen, lq, self.rotation,
+            pk, nk, pv, nv, self._sk, self._sv, ring_k, ring_v, lq + ring_k.shape[2], lq, self.rotation,
             self.k_codebook, self.v_codebook, self.exact_sinks, -1, -1,
         )
 
@@ -415,8 +416,7 @@ class TurboQuantLayer(DynamicLayer):
             self._rlen = lr + n
             return
         if fp is None:
-            fp = (torch.cat([self.res_k, key_states], dim=2) if lr else key_states,
-                  torch.cat([self.res_v, value_states], dim=2) if lr else value_states)
+            fp = self._with_residual(key_states, value_states)
         self._store_window(fp[0][:, :, drop:].detach(), fp[1][:, :, drop:].detach())
 
     def _store_window(self, fp_k: torch.Tensor, fp_v: torch.Tensor) -> None:
