@@ -35,6 +35,11 @@ logger = logging.getLogger(__name__)
 _warned: set = set()
 
 
+def _unsupported(kwargs) -> list[str]:
+    """The attention features among kwargs that the fused op and the row-group path do not serve."""
+    return [k for k in _UNSUPPORTED_KWARGS if kwargs.get(k) is not None]
+
+
 def _sdpa(*args, **kwargs):
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
@@ -48,7 +53,7 @@ def _warn_once(key, msg: str) -> None:
 
 
 def _fusable(query, kv, dropout, kwargs) -> bool:
-    if dropout or any(kwargs.get(k) is not None for k in _UNSUPPORTED_KWARGS):
+    if dropout or _unsupported(kwargs):
         return False
     b, hq, n, d = query.shape
     hkv = kv.k_packed.shape[1]
@@ -87,7 +92,7 @@ def turboquant_attention_forward(
 
 def _static(query, ring_k, ring_v, kv, mask, dropout, scaling, kwargs):
     """The fused op over a static layer's PackedKV; traced by torch.compile as one opaque op."""
-    bad = [k for k in _UNSUPPORTED_KWARGS if kwargs.get(k) is not None]
+    bad = _unsupported(kwargs)
     if dropout or bad:
         raise ValueError(
             f"the turboquant attention on a TurboQuantStaticCache has no dropout, {', '.join(_UNSUPPORTED_KWARGS)}; "
@@ -110,7 +115,7 @@ def _dynamic(module, query, key, value, kv, attention_mask, dropout, scaling, is
             _warn_once("output_attentions", "tq_hf_cache: the turboquant attention returns no attention weights")
         return ops.decode_attention(query, kv, attention_mask, scaling), None
     rows = _group_rows(query, key)
-    if rows < query.shape[0] and not any(kwargs.get(k) is not None for k in _UNSUPPORTED_KWARGS):
+    if rows < query.shape[0] and not _unsupported(kwargs):
         return _by_row_groups(module, query, key, attention_mask, rows, dropout, scaling, is_causal, **kwargs), None
     return _sdpa(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, is_causal=is_causal, **kwargs)
 
