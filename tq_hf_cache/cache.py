@@ -12,6 +12,7 @@ from . import _compat
 from .codebook import Codebook, theoretical_codebook
 from .config import TurboQuantConfig, model_facts
 from .layer import TurboQuantLayer, TurboQuantSlidingLayer, hybrid_classes
+from .rope import rope_angles
 from .rotation import make_rotation
 from .workspace import Workspace
 
@@ -87,6 +88,14 @@ class TurboQuantCache(DynamicCache):
                 self._make_layer(i, t, kw, private_output=i in stores)
                 for i, (t, kw) in enumerate(zip(layer_types, layer_kwargs))
             ]
+            if self.tq_config.key_centering:
+                centred = [(layer, t) for layer, t in zip(layers, layer_types) if isinstance(layer, TurboQuantLayer)]
+                ropes = rope_angles(config, [t for _, t in centred])
+                for layer, t in centred:
+                    layer.rope = ropes[t]
+        elif self.tq_config.key_centering:
+            raise ValueError("key_centering=True needs the model's config (TurboQuantCache(..., config=model.config)): "
+                             "the cache takes the model's RoPE from it")
         Cache.__init__(
             self,
             layers=layers,

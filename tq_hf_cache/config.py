@@ -46,6 +46,9 @@ class TurboQuantConfig:
     skip_first / skip_last / skip_layers: layers kept in full precision (a plain DynamicLayer).
     skip_layer_types: layer types kept in full precision, e.g. ["sliding_attention"].
     layer_bits: per-layer {layer_idx: [key_bits, value_bits]} overrides.
+    key_centering: quantize each key minus R(t) mu, its layer's pre-RoPE mean rotated to its position (mu per batch
+        row and KV head, from the first tokens the layer quantizes), and add it back on every read. Needs the
+        model's RoPE (`config=` of a transformers model with rotary embeddings); `TurboQuantCache` only.
     """
 
     key_bits: int = PRESETS[DEFAULT_PRESET][0]
@@ -60,8 +63,11 @@ class TurboQuantConfig:
     skip_layers: list[int] = field(default_factory=list)
     skip_layer_types: list[str] = field(default_factory=list)
     layer_bits: dict[int, list[int]] = field(default_factory=dict)
+    key_centering: bool = False
 
     def __post_init__(self):
+        if not isinstance(self.key_centering, bool):
+            raise ValueError(f"key_centering must be True or False, got {self.key_centering!r}")
         check_bits(self.key_bits, "key_bits")
         check_bits(self.value_bits, "value_bits")
         limits = {"residual_length": MAX_RESIDUAL_LENGTH, "sink_tokens": MAX_SINK_TOKENS,

@@ -28,6 +28,7 @@ from ._compat import IS_V5
 from .codebook import Codebook
 from .packed_kv import MAX_FUSED_QUERIES, PackedKV, lazy_pair
 from .packing import packed_bytes
+from .rope import KeyOffset, RopeAngles
 from .rotation import Rotation
 from .workspace import Workspace
 
@@ -132,6 +133,7 @@ class TurboQuantLayer(DynamicLayer):
         private_output: bool = False,
         sink_tokens: int = 0,
         codebook_check=None,
+        rope: RopeAngles | None = None,
     ):
         DynamicLayer.__init__(self)
         self.sink_tokens = 0 if self.is_sliding else int(sink_tokens)
@@ -145,6 +147,7 @@ class TurboQuantLayer(DynamicLayer):
         self.private_output = private_output
         self._rotation_for = rotation_for  # dim -> Rotation
         self._codebook_for = codebook_for  # (kind, bits, dim) -> Codebook
+        self.rope = rope  # set: keys are centred before quantizing (pre-RoPE key centring, see `rope`)
         self._clear()
 
     def _clear(self) -> None:
@@ -159,6 +162,7 @@ class TurboQuantLayer(DynamicLayer):
         self._sk: torch.Tensor | None = None  # exact copies of the first sink_tokens tokens (B, H, sink_tokens, D)
         self._sv: torch.Tensor | None = None
         self._slen = 0  # how many of them are kept: the quantized ones among the first sink_tokens
+        self._mu: torch.Tensor | None = None  # pre-RoPE key mean (B, H, 1, D) float32, from the first quantized block
 
     @property
     def res_k(self) -> torch.Tensor | None:
@@ -336,6 +340,13 @@ class TurboQuantLayer(DynamicLayer):
 
         return lazy_pair(kv, shape, self.dtype, alloc)
 
+    def _key_offset(self, held: int) -> KeyOffset | None:
+        """The offset of the packed keys, when they are centred; `held`: the positions after packed slot 0 that the
+        caller reads (packed, then exact), the newest ending at `cumulative_length`."""
+        if self._mu is None:
+            return None
+        return KeyOffset(self._mu, self.rope, self.cumulative_length - held)
+
     def packed_kv(self, ring_k: torch.Tensor | None = None, ring_v: torch.Tensor | None = None) -> PackedKV:
         """What the layer holds, as a `PackedKV` of views (valid until the next update; no quantizer ids: they
         serve the static layers' custom ops). ring_k / ring_v: the exact tokens after the packed ones, when they
@@ -348,6 +359,7 @@ class TurboQuantLayer(DynamicLayer):
         return PackedKV(
             pk, nk, pv, nv, self._sk, self._sv, ring_k, ring_v, lq + ring_k.shape[2], lq, self.rotation,
             self.k_codebook, self.v_codebook, self.exact_sinks, -1, -1,
+            key_offset=self._key_offset(lq + ring_k.shape[2]),
         )
 
     def _settle(self) -> None:
@@ -377,6 +389,8 @@ class TurboQuantLayer(DynamicLayer):
         pv, nv = self.v_buf.live()
         ops.dequantize_into(pk, nk, self.rotation, self.k_codebook, wk[:, :, :lq])
         ops.dequantize_into(pv, nv, self.rotation, self.v_codebook, wv[:, :, :lq])
+        if self._mu is not None:
+            self._key_offset(lq + lr + n).add_to(wk[:, :, :lq], 0)
         ns = self.exact_sinks
         if ns:
             wk[:, :, :ns].copy_(self._sk[:, :, :ns])
@@ -425,7 +439,7 @@ class TurboQuantLayer(DynamicLayer):
         unread LazyKVs of a decode step (transformers' offloading settles a layer before its attention runs)."""
         overflow = fp_k.shape[2] - self.residual_length
         if overflow > 0:
-            self._quantize_append(fp_k[:, :, :overflow], fp_v[:, :, :overflow])
+            self._quantize_append(fp_k[:, :, :overflow], fp_v[:, :, :overflow], self.cumulative_length - fp_k.shape[2])
             fp_k, fp_v = fp_k[:, :, overflow:], fp_v[:, :, overflow:]
         keep = fp_k.shape[2]
         cap = max(keep, self._rk.shape[2])
@@ -439,10 +453,19 @@ class TurboQuantLayer(DynamicLayer):
         """Full-attention layers keep everything; sliding layers drop what left the window (see there)."""
         return 0
 
-    def _quantize_append(self, k: torch.Tensor, v: torch.Tensor) -> None:
-        if self.norm_dtype == torch.float16:
-            self._widen_norms_if_needed(k, v)
+    def _quantize_append(self, k: torch.Tensor, v: torch.Tensor, pos0: int) -> None:
+        """Quantize k, v (absolute positions pos0, pos0 + 1, ...) into the packed buffers."""
         n = k.shape[2]
+        kq = k
+        if self.rope is not None:  # pre-RoPE key centring: quantize k - R(t) mu
+            pos = torch.arange(pos0, pos0 + n, device=k.device)
+            if self._mu is None:
+                keep = pos >= self.sink_tokens  # the sinks stay exact: they would pull the mean
+                src, at = (k[:, :, keep], pos[keep]) if bool(keep.any()) else (k, pos)
+                self._mu = self.rope.invert(src, at).mean(dim=2, keepdim=True)
+            kq = k.float() - self.rope.apply(self._mu, pos)
+        if self.norm_dtype == torch.float16:
+            self._widen_norms_if_needed(kq, v)
         if self._slen < self.sink_tokens:
             # the sequence's first tokens are being quantized: keep exact copies of them (attention sinks). While
             # they sit in the residual window they are exact anyway, so a short prompt holds no second copy.
@@ -452,7 +475,11 @@ class TurboQuantLayer(DynamicLayer):
             self._slen += take
         pk, nk = self.k_buf.append_slots(n)
         pv, nv = self.v_buf.append_slots(n)
-        ops.quantize_kv_into(k, v, self.rotation, self.k_codebook, self.v_codebook, pk, nk, pv, nv)
+        if kq is k:
+            ops.quantize_kv_into(k, v, self.rotation, self.k_codebook, self.v_codebook, pk, nk, pv, nv)
+        else:
+            ops.quantize_into(kq, self.rotation, self.k_codebook, pk, nk)
+            ops.quantize_into(v, self.rotation, self.v_codebook, pv, nv)
 
     def _widen_norms_if_needed(self, k: torch.Tensor, v: torch.Tensor) -> None:
         """float16 norms end at 65504: before a finite norm above that is stored, switch this layer's norms to
@@ -480,6 +507,8 @@ class TurboQuantLayer(DynamicLayer):
         out = res.new_empty(self.batch, self.heads, buf.length + res.shape[2], self.head_dim)
         if buf.length:
             ops.dequantize_into(packed, norms, self.rotation, cb, out[:, :, : buf.length])
+            if kind == "key" and self._mu is not None:
+                self._key_offset(out.shape[2]).add_to(out[:, :, : buf.length], 0)
             ns = self.exact_sinks
             out[:, :, :ns].copy_((self._sk if kind == "key" else self._sv)[:, :, :ns])
         out[:, :, buf.length :].copy_(res)
@@ -539,6 +568,8 @@ class TurboQuantLayer(DynamicLayer):
         self.v_buf.map_batch(fn)
         self._rk, self._rv = fn(self._rk), fn(self._rv)
         self._sk, self._sv = fn(self._sk), fn(self._sv)
+        if self._mu is not None:
+            self._mu = fn(self._mu)
         self.batch = self._rk.shape[0]
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
@@ -558,6 +589,8 @@ class TurboQuantLayer(DynamicLayer):
                 buf.to("cpu")
             self._rk, self._rv = self._rk.to("cpu", non_blocking=True), self._rv.to("cpu", non_blocking=True)
             self._sk, self._sv = self._sk.to("cpu", non_blocking=True), self._sv.to("cpu", non_blocking=True)
+            if self._mu is not None:
+                self._mu = self._mu.to("cpu", non_blocking=True)
 
     def prefetch(self) -> None:
         if self.is_initialized and self._rk.device != self.device:
@@ -565,6 +598,8 @@ class TurboQuantLayer(DynamicLayer):
                 buf.to(self.device)
             self._rk, self._rv = self._rk.to(self.device, non_blocking=True), self._rv.to(self.device, non_blocking=True)
             self._sk, self._sv = self._sk.to(self.device, non_blocking=True), self._sv.to(self.device, non_blocking=True)
+            if self._mu is not None:
+                self._mu = self._mu.to(self.device, non_blocking=True)
 
     def nbytes(self) -> dict[str, int]:
         """Bytes held between steps: packed buffers, residual window buffers (allocated capacity), sink copies."""

@@ -169,6 +169,8 @@ def decode_attention(query: torch.Tensor, kv, mask: torch.Tensor | None, scale: 
     """Attention of query (B, Hq, n, D) over a `PackedKV` -> (B, n, Hq, D): the fused Triton kernel where it
     serves the call (CUDA, or FUSED_BACKEND "triton"), else the torch math (`reference.packed_attention` for a
     dynamic layer, `reference.static_attention` for a static one)."""
+    if getattr(kv, "key_offset", None) is not None:
+        mask = _centring_mask(query, kv, mask, scale)
     backend = FUSED_BACKEND
     if backend == "triton" or (backend == "auto" and use_kernels(query)):
         if kernel_serves(query, kv):
@@ -178,6 +180,24 @@ def decode_attention(query: torch.Tensor, kv, mask: torch.Tensor | None, scale: 
     if kv.static:
         return reference.static_attention(query, kv, mask, scale)
     return reference.packed_attention(query, kv, mask, scale)
+
+
+def _centring_mask(query: torch.Tensor, kv, mask: torch.Tensor | None, scale: float | None) -> torch.Tensor:
+    """An additive mask (B, Hq, n, T) float32 that adds scale * q . R(t) mu to the scores of a centred layer's
+    packed positions (its sinks and ring are exact) and keeps what `mask` (or, without one, causality) allows."""
+    b, hq, n, d = query.shape
+    t, lq, ns = int(kv.length), int(kv.exact_from), kv.sinks
+    bias = query.new_zeros(b, hq, n, t, dtype=torch.float32)
+    if lq > ns:
+        bias[..., ns:lq] = kv.key_offset.scores(query, ns, lq) * (d**-0.5 if scale is None else scale)
+    if mask is None:
+        if n == 1:  # one query at the last position sees every key
+            return bias
+        mask = torch.arange(t, device=query.device)[None, :] <= torch.arange(t - n, t, device=query.device)[:, None]
+    mask = mask[..., :t]
+    if mask.dtype == torch.bool:
+        return bias.masked_fill(~mask, float("-inf"))
+    return bias + mask.float()
 
 
 def prepare_fused(kv) -> None:

@@ -20,6 +20,7 @@ import torch
 from torch.utils._pytree import tree_map_only
 
 from .codebook import Codebook
+from .rope import KeyOffset
 from .rotation import Rotation
 
 MAX_FUSED_QUERIES = 16  # queries per step that the fused attention serves; longer ones (prefill chunks) get dense K/V
@@ -41,6 +42,8 @@ class PackedKV:
         k_quantizer, v_quantizer: their ids in `tq_hf_cache.ops` (custom ops take ids, not objects).
         scratch, counters: the fused kernel's split-K scratch (float32) and arrival counters (int32, zero); None
             lets the kernel use its own per-device ones (eager use only).
+        key_offset: a centred dynamic layer's `rope.KeyOffset`: its packed keys are k - R(t) mu, so every read adds
+            R(t) mu back (to dequantized keys, or q . R(t) mu to their scores); None when the keys are not centred.
     """
 
     k_packed: torch.Tensor
@@ -61,6 +64,7 @@ class PackedKV:
     v_quantizer: int
     scratch: torch.Tensor | None = None
     counters: torch.Tensor | None = None
+    key_offset: KeyOffset | None = None
 
     @property
     def capacity(self) -> int:
@@ -76,6 +80,8 @@ class PackedKV:
         pick = {name: getattr(self, name)[start:stop] for name in
                 ("k_packed", "k_norms", "v_packed", "v_norms", "sink_k", "sink_v", "ring_k", "ring_v")
                 if getattr(self, name) is not None}
+        if self.key_offset is not None:
+            pick["key_offset"] = self.key_offset.rows(start, stop)
         return replace(self, **pick)
 
 
@@ -121,6 +127,8 @@ def fill_dense(out: torch.Tensor, kv: PackedKV, kind: str) -> torch.Tensor:
         packed, norms, cb, sinks, ring = kv.v_packed, kv.v_norms, kv.v_codebook, kv.sink_v, kv.ring_v
     if lq:
         ops.dequantize_into(packed[:, :, :lq], norms[:, :, :lq], kv.rotation, cb, out[:, :, :lq])
+        if kind == "key" and kv.key_offset is not None:
+            kv.key_offset.add_to(out[:, :, :lq], 0)
         if kv.sinks:
             out[:, :, : kv.sinks].copy_(sinks[:, :, : kv.sinks])
     out[:, :, lq : kv.length].copy_(ring[:, :, : kv.length - lq])

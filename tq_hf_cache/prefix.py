@@ -61,6 +61,8 @@ def save_prefix(cache, path: str, token_ids) -> str:
         raise ValueError(f"token_ids must be (seq,) or (batch, seq), got shape {tuple(ids.shape)}")
     if cache.num_model_layers is None:
         raise ValueError("save_prefix needs a cache built with config=model.config (the model facts are stored)")
+    if cache.tq_config.key_centering:
+        raise ValueError("save_prefix does not store a key_centering cache's key means yet; use key_centering=False")
     if cache.model_facts is None:
         raise ValueError(
             "save_prefix needs one layer count, KV head count and head dim for the whole model; this model's config "

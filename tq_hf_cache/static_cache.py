@@ -314,6 +314,8 @@ class TurboQuantStaticCache(Cache):
         ):
             raise ValueError(f"max_batch_size must be a positive integer or None, got {max_batch_size!r}")
         self.tq_config = resolve_config(tq_config, **overrides)
+        if self.tq_config.key_centering:
+            raise ValueError("key_centering=True is not supported by TurboQuantStaticCache; use TurboQuantCache")
         self.codebooks = codebooks
         self.capacity = max_cache_len  # (Cache.max_cache_len is a read-only property in some transformers 5.x)
         self.model_facts = model_facts(config)

@@ -137,7 +137,7 @@ class SimMixin:
             return self._mu_k
         return self.rope.apply(li, self._mu_k.expand(-1, -1, pos.numel(), -1), pos)
 
-    def _quantize_append(self, k, v):
+    def _quantize_append(self, k, v, pos0=None):
         n = k.shape[2]
         # bookkeeping of the real layer (lengths, sliding drops); the packed bytes themselves are not used
         self.k_buf.append_slots(n)

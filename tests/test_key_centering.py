@@ -1,0 +1,168 @@
+"""Pre-RoPE key centring (`TurboQuantConfig.key_centering`): the RoPE the cache takes from the model, the offset math,
+and a centred cache read on every path (workspace + SDPA, the fused op's torch math, the Triton kernel)."""
+
+import pytest
+import torch
+import transformers
+from transformers import DynamicCache
+
+from conftest import tiny_llama_config
+from tq_hf_cache import TurboQuantCache, TurboQuantConfig, TurboQuantStaticCache, ops
+from tq_hf_cache._compat import IS_V5
+from tq_hf_cache.rope import KeyOffset, RopeAngles, rope_angles
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"  # on a CPU the kernel runs in the interpreter (conftest)
+TOL = 2e-3 if DEV == "cuda" else 1e-4  # "turboquant" on CUDA is the kernel (fp16 tiles), on a CPU the fp32 math
+
+
+def _gemma3_config(**kw):
+    return transformers.Gemma3TextConfig(
+        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=6, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=64, sliding_window=48, max_position_embeddings=2048, **kw)
+
+
+@pytest.mark.parametrize("which", ["llama3", "qwen3", "gemma3"])
+def test_rope_angles_match_the_models_own_rotary_embedding(which):
+    if which == "llama3":
+        cfg = tiny_llama_config(rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                              "high_freq_factor": 4.0, "original_max_position_embeddings": 64})
+        model = transformers.LlamaForCausalLM(cfg)
+    elif which == "qwen3":
+        cfg = transformers.Qwen3Config(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                       num_attention_heads=4, num_key_value_heads=2, head_dim=32)
+        model = transformers.Qwen3ForCausalLM(cfg)
+    else:
+        cfg = _gemma3_config()
+        model = transformers.Gemma3ForCausalLM(cfg)
+    types = getattr(cfg, "layer_types", None) or ["full_attention"]
+    angles = rope_angles(cfg, types)
+    assert set(angles) == set(types)
+    pos = torch.arange(0, 5000, 7)
+    for lt, a in angles.items():
+        if which == "gemma3" and hasattr(model.model, "rotary_emb_local"):  # transformers 4.x
+            rot = model.model.rotary_emb_local if lt == "sliding_attention" else model.model.rotary_emb
+            cos, sin = rot(torch.zeros(1), pos[None])
+        elif which == "gemma3":
+            cos, sin = model.model.rotary_emb(torch.zeros(1), pos[None], lt)
+        else:
+            cos, sin = model.model.rotary_emb(torch.zeros(1), pos[None])
+        c, s = a.cos_sin(pos)
+        # the model rounds position * frequency in float32: ~3e-4 rad at position 5000
+        torch.testing.assert_close(c, cos[0].float(), atol=1e-3, rtol=0, msg=f"{which} {lt} cos")
+        torch.testing.assert_close(s, sin[0].float(), atol=1e-3, rtol=0, msg=f"{which} {lt} sin")
+    if which == "gemma3":  # its local and global layers rotate at different rates
+        assert not torch.equal(angles["sliding_attention"].theta, angles["full_attention"].theta)
+
+
+def test_key_offset_scores_equal_the_query_dotted_with_the_rotated_mean():
+    seed = int(torch.randint(0, 2**31 - 1, ()).item())
+    g = torch.Generator().manual_seed(seed)
+    d = 32
+    rope = RopeAngles(1.0 / (10000 ** (torch.arange(0, d, 2, dtype=torch.float64) / d)), 1.25)
+    off = KeyOffset(torch.randn(2, 2, 1, d, generator=g), rope, pos0=1234)
+    q = torch.randn(2, 6, 3, d, generator=g)
+    start, stop = 5, 5 + 777  # not a multiple of the angle-addition block
+    keys = off.keys(start, stop)  # (2, 2, 777, d)
+    want = torch.einsum("bhgnd,bhtd->bhgnt", q.reshape(2, 2, 3, 3, d), keys).reshape(2, 6, 3, stop - start)
+    torch.testing.assert_close(off.scores(q, start, stop), want, atol=2e-4, rtol=1e-5, msg=f"scores (seed {seed})")
+    x = torch.randn(2, 2, 9, d, generator=g)
+    p = torch.arange(4000, 4009)
+    torch.testing.assert_close(rope.invert(rope.apply(x, p), p), x, atol=1e-5, rtol=1e-5, msg=f"invert (seed {seed})")
+
+
+def _biased_llama():
+    """A tiny Llama whose keys have a large pre-RoPE mean (a k_proj bias), as trained models' keys often do."""
+    torch.manual_seed(0)
+    cfg = tiny_llama_config(head_dim=64, hidden_size=64, attention_bias=True)
+    model = transformers.LlamaForCausalLM(cfg).eval()
+    for layer in model.model.layers:
+        torch.nn.init.normal_(layer.self_attn.k_proj.bias, std=3.0)
+    return model.to(DEV)
+
+
+def _run(model, cache, ids, chunk=40, prefill=280, step=1):
+    outs = []
+    with torch.no_grad():
+        for s in range(0, prefill, chunk):
+            outs.append(model(ids[:, s : s + chunk], past_key_values=cache).logits)
+        for t in range(prefill, ids.shape[1], step):
+            outs.append(model(ids[:, t : t + step], past_key_values=cache).logits)
+    return torch.cat(outs, 1)
+
+
+def test_a_centred_cache_reads_the_same_on_every_path_and_holds_its_keys_closer(monkeypatch):
+    model = _biased_llama()
+    cfg = model.config
+    ids = torch.randint(3, 128, (2, 304), generator=torch.Generator().manual_seed(1)).to(DEV)
+    model.set_attn_implementation("sdpa")
+    fp_cache = DynamicCache(config=cfg)
+    fp = _run(model, fp_cache, ids, step=3)
+    logits, err = {}, {}
+    for centred in (False, True):
+        for impl, backend in (("sdpa", "auto"), ("turboquant", "auto"), ("turboquant", "triton")):
+            monkeypatch.setattr(ops, "FUSED_BACKEND", backend)
+            model.set_attn_implementation(impl)
+            cache = TurboQuantCache("k4v4", config=cfg, residual_length=16, key_centering=centred)
+            logits[centred, impl, backend] = _run(model, cache, ids, step=3)  # 3-token steps: causal bias rows
+        k, k_fp = cache.layers[1].keys, fp_cache.layers[1].keys
+        err[centred] = float((k - k_fp).norm() / k_fp.norm())
+    assert err[True] < err[False] / 5, err  # the mean no longer takes the quantizer's range
+    for centred in (False, True):
+        ref = logits[centred, "sdpa", "auto"]
+        torch.testing.assert_close(logits[centred, "turboquant", "auto"], ref, atol=TOL, rtol=TOL,
+                                   msg=f"fused torch math vs workspace, centred={centred}")
+        torch.testing.assert_close(logits[centred, "turboquant", "triton"], ref, atol=2e-3, rtol=2e-3,
+                                   msg=f"Triton kernel vs workspace, centred={centred}")
+    assert (logits[True, "sdpa", "auto"] - fp).abs().max() < (logits[False, "sdpa", "auto"] - fp).abs().max()
+
+
+def test_a_centred_cache_keeps_each_rows_mean_through_batch_selection():
+    model = _biased_llama()
+    ids = torch.randint(3, 128, (2, 200), generator=torch.Generator().manual_seed(2)).to(DEV)
+    model.set_attn_implementation("turboquant")
+    both = TurboQuantCache("k4v4", config=model.config, residual_length=16, key_centering=True)
+    alone = TurboQuantCache("k4v4", config=model.config, residual_length=16, key_centering=True)
+    with torch.no_grad():
+        model(ids[:, :160], past_key_values=both)
+        model(ids[1:, :160], past_key_values=alone)
+        both.batch_select_indices(torch.tensor([1], device=DEV))
+        a = model(ids[1:, 160:], past_key_values=both).logits
+        b = model(ids[1:, 160:], past_key_values=alone).logits
+    torch.testing.assert_close(a, b, atol=TOL / 10, rtol=TOL / 10, msg="row 1 after batch_select_indices vs alone")
+
+
+def test_a_centred_sliding_window_model_matches_its_own_workspace_path_after_the_window_slides():
+    torch.manual_seed(0)
+    model = transformers.Gemma3ForCausalLM(_gemma3_config(attention_bias=True)).eval()
+    for layer in model.model.layers:
+        torch.nn.init.normal_(layer.self_attn.k_proj.bias, std=3.0)
+    model.to(DEV)
+    ids = torch.randint(3, 128, (1, 220), generator=torch.Generator().manual_seed(3)).to(DEV)
+    out = {}
+    for impl in ("sdpa", "turboquant"):
+        model.set_attn_implementation(impl)
+        cache = TurboQuantCache("k4v4", config=model.config, residual_length=8, key_centering=True)
+        out[impl] = _run(model, cache, ids, chunk=32, prefill=160)
+    torch.testing.assert_close(out["turboquant"], out["sdpa"], atol=TOL, rtol=TOL, msg="gemma3 sliding, centred")
+    sliding = [layer for layer in cache.layers if getattr(layer, "is_sliding", False)]
+    assert sliding and all(layer._mu is not None and layer.rope is not None for layer in sliding)
+
+
+def test_key_centering_is_refused_where_it_cannot_work():
+    with pytest.raises(ValueError, match="key_centering must be True or False, got 1"):
+        TurboQuantConfig(key_centering=1)
+    with pytest.raises(ValueError, match="needs the model's config"):
+        TurboQuantCache("k4v4", key_centering=True)
+    if IS_V5:  # transformers 4.x has no TurboQuantStaticCache at all
+        with pytest.raises(ValueError, match="not supported by TurboQuantStaticCache"):
+            TurboQuantStaticCache(config=tiny_llama_config(), max_cache_len=64, key_centering=True)
+    model = _biased_llama()
+    cache = TurboQuantCache("k4v4", config=model.config, residual_length=16, key_centering=True)
+    ids = torch.randint(3, 128, (1, 64)).to(DEV)
+    with torch.no_grad():
+        model(ids, past_key_values=cache)
+    with pytest.raises(ValueError, match="does not store a key_centering cache"):
+        cache.save_prefix("/nonexistent", ids)
+    cfg = TurboQuantConfig(key_centering=True)
+    assert TurboQuantConfig.from_dict(cfg.to_dict()).key_centering is True
+    assert TurboQuantConfig.from_dict({k: v for k, v in cfg.to_dict().items() if k != "key_centering"}).key_centering is False
