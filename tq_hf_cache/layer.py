@@ -460,9 +460,9 @@ class TurboQuantLayer(DynamicLayer):
         if self.rope is not None:  # pre-RoPE key centring: quantize k - R(t) mu
             pos = torch.arange(pos0, pos0 + n, device=k.device)
             if self._mu is None:
-                keep = pos >= self.sink_tokens  # the sinks stay exact: they would pull the mean
-                src, at = (k[:, :, keep], pos[keep]) if bool(keep.any()) else (k, pos)
-                self._mu = self.rope.invert(src, at).mean(dim=2, keepdim=True)
+                first = max(self.sink_tokens - pos0, 0)  # the sinks stay exact: they would pull the mean
+                first = first if first < n else 0
+                self._mu = self.rope.invert(k[:, :, first:], pos[first:]).mean(dim=2, keepdim=True)
             kq = k.float() - self.rope.apply(self._mu, pos)
         if self.norm_dtype == torch.float16:
             self._widen_norms_if_needed(kq, v)

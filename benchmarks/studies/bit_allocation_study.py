@@ -101,6 +101,7 @@ def main():
                    help="the budget holds for the bytes held at this many tokens (sliding-window layers hold fewer)")
     p.add_argument("--uniform", type=int, default=1, help="also evaluate the uniform presets (0: allocated only)")
     p.add_argument("--refine", type=int, default=0, help="rounds of in-context swaps after the allocation (0: none)")
+    p.add_argument("--key-centering", type=int, default=0, help="1: measure, save and evaluate with key_centering on")
     p.add_argument("--out", required=True)
     a = p.parse_args()
     torch.set_num_threads(a.threads)
@@ -108,14 +109,15 @@ def main():
     cfg = model.config
     layers = cfg.num_hidden_layers
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    res = {"model": a.model, "tokens": a.tokens, "chunk": a.chunk, "head_dim": head_dim, "layers": layers}
+    res = {"model": a.model, "tokens": a.tokens, "chunk": a.chunk, "head_dim": head_dim, "layers": layers,
+           "key_centering": bool(a.key_centering)}
     t0 = time.time()
     if a.sensitivity:
         old = json.load(open(a.sensitivity))
         sens = {int(i): {k: {int(b): x for b, x in d.items()} for k, d in v.items()} for i, v in old["sensitivity"].items()}
     else:
         ids = tok(package_text(min_chars=a.tokens * 8), return_tensors="pt").input_ids[:, : a.tokens]
-        sens = measure_sensitivity(model, ids, chunk=a.chunk)
+        sens = measure_sensitivity(model, ids, chunk=a.chunk, base=TurboQuantConfig(key_centering=bool(a.key_centering)))
     res["sensitivity"] = sens
     res["allocations"] = {}
     weights = layer_token_weights(cfg, a.context)
@@ -129,8 +131,8 @@ def main():
         res["allocations"][str(budget)] = {"layer_bits": choice, "bits_per_coordinate": round(bpc, 4)}
         print(f"budget {budget}: {bpc:.3f} bits/coord, {choice}", flush=True)
         if a.save_dir:
-            folder = os.path.join(a.save_dir, f"{a.model}-{budget:g}")
-            TurboQuantConfig(layer_bits=choice).save_pretrained(folder, model_config=cfg, extra={"bit_allocation": {
+            folder = os.path.join(a.save_dir, f"{a.model}-{budget:g}" + ("-c" if a.key_centering else ""))
+            TurboQuantConfig(layer_bits=choice, key_centering=bool(a.key_centering)).save_pretrained(folder, model_config=cfg, extra={"bit_allocation": {
                 "budget": budget, "context": a.context, "tokens": a.tokens, "chunk": a.chunk,
                 "made_by": "benchmarks/studies/bit_allocation_study.py",
                 "sensitivity_kl": {str(i): v for i, v in sens.items()}}})
@@ -148,7 +150,8 @@ def main():
                 if a.uniform:
                     rows.append(("uniform", dict(zip(("key_bits", "value_bits"), uniform.get(budget, (4, 2))))))
                 for name, kw in rows:
-                    r, _, _ = perplexity(model, ids, lambda: TurboQuantCache(config=cfg, seed=seed, **kw), a.chunk)
+                    r, _, _ = perplexity(model, ids, lambda: TurboQuantCache(
+                        config=cfg, seed=seed, key_centering=bool(a.key_centering), **kw), a.chunk)
                     key = f"{budget}/{name}/seed{seed}"
                     res["eval"][key] = r["ppl"]
                     print(f"[{time.time() - t0:6.0f}s] {key}: ppl {r['ppl']:.4f} ({100 * (r['ppl'] / fp['ppl'] - 1):+.2f} %)",
