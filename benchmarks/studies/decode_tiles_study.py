@@ -196,44 +196,8 @@ def _tile_kernel(
     _merge(pid, base, num_splits, acc_ptr, ml_ptr, cnt_ptr, o_ptr, sob, son, soh, b, h, d, G, N, R, SC, D)
 
 
-@triton.jit
-def _merge(pid, base, num_splits, acc_ptr, ml_ptr, cnt_ptr, o_ptr, sob, son, soh, b, h, d,
-           G: tl.constexpr, N, R: tl.constexpr, SC: tl.constexpr, D: tl.constexpr):
-    """After this program's partial is written: the last program of its (batch, KV head) merges them all."""
-    tl.debug_barrier()
-    arrived = tl.atomic_add(cnt_ptr + pid, 1, sem="acq_rel", scope="gpu")
-    if arrived == num_splits:
-        tl.atomic_xchg(cnt_ptr + pid, 0, sem="relaxed", scope="gpu")
-        rr = tl.arange(0, R)
-        sc = tl.arange(0, SC)
-        m = tl.full((R,), float("-inf"), dtype=tl.float32)
-        for s0 in range(0, num_splits + 1, SC):
-            sl = s0 + sc
-            ok = sl < num_splits + 1
-            mv = tl.load(ml_ptr + (base + sl)[:, None] * 2 * R + rr[None, :], mask=ok[:, None],
-                         other=float("-inf"), cache_modifier=".cg")
-            m = tl.maximum(m, tl.max(mv, 0))
-        m_safe = tl.where(m == float("-inf"), 0.0, m)
-        l = tl.zeros((R,), dtype=tl.float32)
-        out = tl.zeros((R, D), dtype=tl.float32)
-        for s0 in range(0, num_splits + 1, SC):
-            sl = s0 + sc
-            ok = sl < num_splits + 1
-            mv = tl.load(ml_ptr + (base + sl)[:, None] * 2 * R + rr[None, :], mask=ok[:, None],
-                         other=float("-inf"), cache_modifier=".cg")
-            lv = tl.load(ml_ptr + (base + sl)[:, None] * 2 * R + R + rr[None, :], mask=ok[:, None],
-                         other=0.0, cache_modifier=".cg")
-            w = tl.exp2(mv - m_safe[None, :])
-            l += tl.sum(w * lv, 0)
-            av = tl.load(acc_ptr + ((base + sl)[:, None, None] * R + rr[None, :, None]) * D + d[None, None, :],
-                         mask=ok[:, None, None], other=0.0, cache_modifier=".cg")
-            out += tl.sum(w[:, :, None] * av, 0)
-        out = out / tl.where(l > 0, l, 1.0)[:, None]
-        gg = rr // N
-        ri = rr % N
-        hh = h * G + gg
-        tl.store(o_ptr + b * sob + ri[:, None] * son + hh[:, None] * soh + d[None, :],
-                 out.to(o_ptr.dtype.element_ty), mask=(rr < G * N)[:, None])
+_merge = da._merge  # the package kernel's split merge, as is
+
 
 
 def tiles_attention(query, kv, mask=None, scale=None, *, num_splits=None, block_n=64, num_warps=4, fp_block=16):

@@ -328,8 +328,16 @@ def _decode_kernel(
     tl.store(acc_ptr + (slot * R + r[:, None]) * D + d[None, :], acc, mask=keep[:, None])
     tl.store(ml_ptr + slot * 2 * R + r, m_i, mask=keep)
     tl.store(ml_ptr + slot * 2 * R + R + r, l_i, mask=keep)
-    # the last program of this (batch, KV head) to get here merges: the barrier orders every thread's stores
-    # before the release of the counter; the acquire orders the merge's (L2, .cg) loads after all of them
+    _merge(pid, base, num_splits, acc_ptr, ml_ptr, cnt_ptr, o_ptr, sob, son, soh, b, h, d, G, N, R, SC, D)
+
+
+@triton.jit
+def _merge(pid, base, num_splits, acc_ptr, ml_ptr, cnt_ptr, o_ptr, sob, son, soh, b, h, d,
+           G: tl.constexpr, N, R: tl.constexpr, SC: tl.constexpr, D: tl.constexpr):
+    """After a program's partial (m, l, acc) is stored: the last program of its (batch, KV head) to get here merges
+    the num_splits + 1 partials and writes the output, then re-zeroes the counter. The barrier orders every
+    thread's stores before the release of the counter; the acquire orders the merge's (L2, .cg) loads after all of
+    them."""
     tl.debug_barrier()
     arrived = tl.atomic_add(cnt_ptr + pid, 1, sem="acq_rel", scope="gpu")
     if arrived == num_splits:
@@ -364,7 +372,6 @@ def _decode_kernel(
         hh = h * G + gg
         tl.store(o_ptr + b * sob + ri[:, None] * son + hh[:, None] * soh + d[None, :],
                  out.to(o_ptr.dtype.element_ty), mask=(rr < G * N)[:, None])
-
 
 
 # ---------------------------------------------------------------------------------------------------------------
