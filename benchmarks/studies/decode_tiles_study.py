@@ -123,23 +123,11 @@ def _tile_kernel(
     are the centroids in the rotated domain (natural coordinate order); the rest is the package kernel's."""
     pid = tl.program_id(0)
     split = tl.program_id(1)
-    b = (pid // Hkv).to(tl.int64)
-    h = (pid % Hkv).to(tl.int64)
-    r = tl.arange(0, BLOCK_M)
-    g = r // N
-    row_i = r % N
-    row_ok = r < G * N
-    heads = h * G + g
+    b, h, r, row_i, row_ok, heads = da._program_rows(pid, Hkv, N, G, BLOCK_M)
     d = tl.arange(0, D)
     q_rows = q_ptr + b * sqb + heads * sqh + row_i * sqn
     m_base = m_ptr + b * smb
-    if STATIC:
-        T = tl.load(len_ptr).to(tl.int32)
-        Lq = tl.load(from_ptr).to(tl.int32)
-        Lr = T - Lq
-        Ls = tl.minimum(Ls, Lq)
-    else:
-        T = Lq + Lr
+    T, Lq, Lr, Ls = da._lengths(Lq, Lr, Ls, len_ptr, from_ptr, STATIC)
     causal_limit = T - N + row_i
     acc = tl.zeros((BLOCK_M, D), dtype=tl.float32)
     m_t = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)

@@ -158,6 +158,30 @@ def _fp_segment(q, acc, m_i, l_i, k_base, v_base, sk, sv, length, pos0, scale_lo
     return acc, m_i, l_i
 
 
+@triton.jit
+def _program_rows(pid, Hkv, N, G: tl.constexpr, BLOCK_M: tl.constexpr):
+    """A program's (batch, KV head) and its tile rows: row r is query r % N of query head h * G + r // N."""
+    b = (pid // Hkv).to(tl.int64)
+    h = (pid % Hkv).to(tl.int64)
+    r = tl.arange(0, BLOCK_M)
+    row_i = r % N
+    return b, h, r, row_i, r < G * N, h * G + r // N
+
+
+@triton.jit
+def _lengths(Lq, Lr, Ls, len_ptr, from_ptr, STATIC: tl.constexpr):
+    """(T, Lq, Lr, Ls): positions held, packed ones, exact ones after them, sinks. A static layer's are read on the
+    device (a CUDA graph replays them); a dynamic layer's come from the host."""
+    if STATIC:
+        T = tl.load(len_ptr).to(tl.int32)
+        Lq = tl.load(from_ptr).to(tl.int32)
+        Lr = T - Lq
+        Ls = tl.minimum(Ls, Lq)
+    else:
+        T = Lq + Lr
+    return T, Lq, Lr, Ls
+
+
 @triton.jit(do_not_specialize=["Lq", "Lr", "N", "Ls", "tok_per_split", "num_splits", "ring"])
 def _decode_kernel(
     q_ptr, sqb, sqh, sqn,
@@ -188,24 +212,12 @@ def _decode_kernel(
     [Lq, Lq + Lr) in order. STATIC: lengths on the device, the ring holds position p at slot p % ring."""
     pid = tl.program_id(0)
     split = tl.program_id(1)
-    b = (pid // Hkv).to(tl.int64)
-    h = (pid % Hkv).to(tl.int64)
-    r = tl.arange(0, BLOCK_M)
-    g = r // N
-    row_i = r % N
-    row_ok = r < G * N
-    heads = h * G + g
+    b, h, r, row_i, row_ok, heads = _program_rows(pid, Hkv, N, G, BLOCK_M)
     d = tl.arange(0, D)
     q = tl.load(q_ptr + b * sqb + heads[:, None] * sqh + row_i[:, None] * sqn + d[None, :],
                 mask=row_ok[:, None], other=0.0).to(tl.float32)
     m_base = m_ptr + b * smb
-    if STATIC:  # a static layer: lengths on the device
-        T = tl.load(len_ptr).to(tl.int32)
-        Lq = tl.load(from_ptr).to(tl.int32)
-        Lr = T - Lq
-        Ls = tl.minimum(Ls, Lq)
-    else:
-        T = Lq + Lr
+    T, Lq, Lr, Ls = _lengths(Lq, Lr, Ls, len_ptr, from_ptr, STATIC)
     causal_limit = T - N + row_i  # the last position query i may see (used without a mask)
     acc = tl.zeros((BLOCK_M, D), dtype=tl.float32)
     m_i = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
