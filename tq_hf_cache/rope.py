@@ -31,10 +31,6 @@ class RopeAngles:
     theta: torch.Tensor
     scale: float
 
-    @property
-    def head_dim(self) -> int:
-        return 2 * self.theta.numel()
-
     def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(cos, sin), each (T, D) float32 on the positions' device, for absolute positions (T,)."""
         ang = positions.to(torch.float64)[:, None] * self.theta.to(positions.device)[None, :]
