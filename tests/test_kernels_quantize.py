@@ -321,6 +321,55 @@ def test_quantize_kv_equals_two_launches():
         assert (buf[:, :, [0, 8]] == 0xA5).all() and torch.isnan(nrm[:, :, [0, 8]]).all()
 
 
+@pytest.mark.parametrize("n, start", [(1, 0), (1, 3), (1, 29), (5, 2), (21, 0), (21, 15), (3, 31), (2, 33)])
+def test_static_append_matches_reference(n, start):
+    """The static layer's append (one quantize + copy launch, one launch for the lengths) against
+    `reference.static_append`: capacity 33, a ring of 8, 4 sinks; chunks longer than the ring, chunks crossing the
+    sinks, and chunks running past the capacity (those rows are dropped, never written out of bounds)."""
+    seed, g = fresh_gen()
+    b, h, d, cap, ring, sinks = 2, 3, 64, 33, 8, 4
+    rot = make_rotation(d, seed % 1000).to(DEV)
+    kcb, vcb = shared_codebook(5, d).to(DEV), per_head_codebook(g, 3, h, d).to(DEV)
+    k, v = make_x(g, b, h, n, d, torch.bfloat16), make_x(g, b, h, n, d, torch.bfloat16)
+
+    def buffers():
+        return {
+            "k_packed": torch.full((b, h, cap, packed_bytes(d, 5)), 0xA5, dtype=torch.uint8, device=DEV),
+            "k_norms": torch.full((b, h, cap), NORM_POISON, dtype=torch.float16, device=DEV),
+            "v_packed": torch.full((b, h, cap, packed_bytes(d, 3)), 0xA5, dtype=torch.uint8, device=DEV),
+            "v_norms": torch.full((b, h, cap), NORM_POISON, dtype=torch.float16, device=DEV),
+            "ring_k": torch.full((b, h, ring, d), -3.0, dtype=torch.bfloat16, device=DEV),
+            "ring_v": torch.full((b, h, ring, d), -3.0, dtype=torch.bfloat16, device=DEV),
+            "sink_k": torch.full((b, h, sinks + 1, d), -3.0, dtype=torch.bfloat16, device=DEV),
+            "sink_v": torch.full((b, h, sinks + 1, d), -3.0, dtype=torch.bfloat16, device=DEV),
+            "length": torch.tensor(start, dtype=torch.int64, device=DEV),
+            "exact_from": torch.tensor(max(0, start - ring), dtype=torch.int64, device=DEV),
+        }
+
+    got, want = buffers(), buffers()
+    kernels.append_kv_into(k, v, rot, kcb, vcb, got["k_packed"], got["k_norms"], got["v_packed"], got["v_norms"],
+                           got["ring_k"], got["ring_v"], got["sink_k"], got["sink_v"], got["length"],
+                           got["exact_from"], sinks)
+    reference.static_append(k, v, *(want[name] for name in ("k_packed", "k_norms", "v_packed", "v_norms", "ring_k",
+                                                             "ring_v", "sink_k", "sink_v", "length", "exact_from")),
+                            sinks, rot, kcb, vcb)
+    for name in ("ring_k", "ring_v", "sink_k", "sink_v", "length", "exact_from"):
+        assert torch.equal(got[name], want[name]), f"seed {seed}: {name} differs from the reference"
+    rows = slice(min(start, cap), min(start + n, cap))
+    m = rows.stop - rows.start
+    for kind, x, cb in (("k", k, kcb), ("v", v, vcb)):
+        packed, norms = got[f"{kind}_packed"], got[f"{kind}_norms"]
+        outside = torch.ones(cap, dtype=torch.bool)
+        outside[rows] = False
+        assert (packed[:, :, outside] == 0xA5).all(), f"seed {seed}: {kind} packed bytes written outside their rows"
+        assert (norms[:, :, outside] == NORM_POISON).all(), f"seed {seed}: {kind} norms written outside their rows"
+        if m:  # the same bytes as the quantize kernel, indices within rounding of the reference
+            pk, nk = quantize_poisoned(x[:, :, :m], rot, cb, torch.float16)
+            assert torch.equal(packed[:, :, rows], pk), f"seed {seed}: {kind} packed differs from quantize_into"
+            assert torch.equal(norms[:, :, rows], nk), f"seed {seed}: {kind} norms differ from quantize_into"
+            check_indices(x[:, :, :m], rot, cb, packed[:, :, rows], seed)
+
+
 def test_norm_edge_cases():
     """A zero vector (indices of y = 0, norm 0) and a norm past fp16's range (inf: never a made-up finite norm; the
     cache widens its norms to float32 before that happens)."""

@@ -131,7 +131,10 @@ def test_opcheck_every_custom_op():
     kv, ring_k, ring_v, _, _ = make_kv(1, 2, 80, 20, 2, 60, 40, 64, 5, 3, torch.float16, seed)
     q = torch.randn(1, 4, 1, 64).to(torch.float16).to(DEVICE)
     x = torch.randn(1, 2, 5, 64).to(torch.float16).to(DEVICE)
-    torch.library.opcheck(torch.ops.tq_hf_cache.quantize.default, (x, kv.k_quantizer, "float16"))
+    bufs = [t.clone() for t in (kv.k_packed, kv.k_norms, kv.v_packed, kv.v_norms, ring_k, ring_v, kv.sink_k, kv.sink_v,
+                                kv.length, kv.exact_from)]
+    torch.library.opcheck(torch.ops.tq_hf_cache.static_append.default,
+                          (x, x.clone(), *bufs, kv.sinks, kv.k_quantizer, kv.v_quantizer))
     torch.library.opcheck(torch.ops.tq_hf_cache.dequantize.default, (kv.k_packed, kv.k_norms, kv.k_quantizer, "bfloat16"))
     args = (q, ring_k, ring_v, kv.k_packed, kv.k_norms, kv.v_packed, kv.v_norms, kv.sink_k, kv.sink_v, kv.length,
             kv.exact_from, None, kv.sinks, kv.k_quantizer, kv.v_quantizer, 0.125, kv.scratch, kv.counters)

@@ -13,7 +13,6 @@ import torch
 
 from . import kernels, reference
 from .codebook import Codebook
-from .packing import packed_bytes
 from .rotation import Rotation
 
 _WARNED: set = set()
@@ -104,7 +103,6 @@ def quantize_kv_into(
 
 _QUANTIZERS: list[tuple[Rotation, Codebook]] = []
 _QUANTIZER_IDS: dict[tuple, int] = {}
-_NORM_DTYPES = {"float16": torch.float16, "float32": torch.float32}
 _OUT_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 
 
@@ -129,23 +127,47 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-@torch.library.custom_op("tq_hf_cache::quantize", mutates_args=())
-def quantize(x: torch.Tensor, quantizer_id: int, norm_dtype: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """x (B, H, T, D) -> (packed (B, H, T, bytes) uint8, norms (B, H, T) in `norm_dtype`)."""
-    rotation, codebook = quantizer(quantizer_id)
-    b, h, t, d = x.shape
-    packed = torch.empty(b, h, t, packed_bytes(d, codebook.bits), dtype=torch.uint8, device=x.device)
-    norms = torch.empty(b, h, t, dtype=_NORM_DTYPES[norm_dtype], device=x.device)
-    quantize_into(x, rotation, codebook, packed, norms)
-    return packed, norms
+@torch.library.custom_op(
+    "tq_hf_cache::static_append",
+    mutates_args=("k_packed", "k_norms", "v_packed", "v_norms", "ring_k", "ring_v", "sink_k", "sink_v", "length",
+                  "exact_from"),
+)
+def static_append(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_packed: torch.Tensor,
+    k_norms: torch.Tensor,
+    v_packed: torch.Tensor,
+    v_norms: torch.Tensor,
+    ring_k: torch.Tensor,
+    ring_v: torch.Tensor,
+    sink_k: torch.Tensor,
+    sink_v: torch.Tensor,
+    length: torch.Tensor,
+    exact_from: torch.Tensor,
+    n_sinks: int,
+    k_quantizer: int,
+    v_quantizer: int,
+) -> None:
+    """A static layer's append of key, value (B, H, n, D), with its lengths on the device (see
+    `reference.static_append`): two launches on CUDA (quantize + exact copies, then the lengths), the reference
+    elsewhere."""
+    rotation, kcb = quantizer(k_quantizer)
+    _, vcb = quantizer(v_quantizer)
+    args = (key, value, k_packed, k_norms, v_packed, v_norms, ring_k, ring_v, sink_k, sink_v, length, exact_from,
+            n_sinks)
+    if (_kernel_ok(key, rotation.dim, kcb.bits) and kernels.supports(rotation.dim, vcb.bits)
+            and k_norms.dtype == v_norms.dtype):
+        kernels.append_kv_into(key, value, rotation, kcb, vcb, k_packed, k_norms, v_packed, v_norms, ring_k, ring_v,
+                               sink_k, sink_v, length, exact_from, n_sinks)
+        return
+    reference.static_append(*args, rotation, kcb, vcb)
 
 
-@quantize.register_fake
-def _(x, quantizer_id, norm_dtype):
-    rotation, codebook = quantizer(quantizer_id)
-    b, h, t, d = x.shape
-    return (x.new_empty(b, h, t, packed_bytes(d, codebook.bits), dtype=torch.uint8),
-            x.new_empty(b, h, t, dtype=_NORM_DTYPES[norm_dtype]))
+@static_append.register_fake
+def _(key, value, k_packed, k_norms, v_packed, v_norms, ring_k, ring_v, sink_k, sink_v, length, exact_from, n_sinks,
+      k_quantizer, v_quantizer):
+    return None
 
 
 @torch.library.custom_op("tq_hf_cache::dequantize", mutates_args=())

@@ -203,6 +203,45 @@ def packed_attention(query: torch.Tensor, kv, mask: torch.Tensor | None, scale: 
     return out.view(b, hq, n, d).transpose(1, 2).to(query.dtype).contiguous()
 
 
+def static_append(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_packed: torch.Tensor,
+    k_norms: torch.Tensor,
+    v_packed: torch.Tensor,
+    v_norms: torch.Tensor,
+    ring_k: torch.Tensor,
+    ring_v: torch.Tensor,
+    sink_k: torch.Tensor,
+    sink_v: torch.Tensor,
+    length: torch.Tensor,
+    exact_from: torch.Tensor,
+    n_sinks: int,
+    rotation: Rotation,
+    k_codebook: Codebook,
+    v_codebook: Codebook,
+) -> None:
+    """A static layer's append, by definition. The n new tokens (B, H, n, D) take positions length .. length + n - 1;
+    those below the capacity (the packed buffers' token axis) are quantized into their slots, the last min(n, ring)
+    of them are copied to ring slot position % ring and those below n_sinks to sink slot position. Then length +=
+    n and exact_from = max(exact_from, length - ring)."""
+    n, cap, ring = key.shape[2], k_packed.shape[2], ring_k.shape[2]
+    i = torch.arange(n, device=key.device)
+    pos = i + length
+    ok = pos < cap
+    last = ok & (i >= n - ring)
+    sink = ok & (pos < n_sinks)
+    for x, packed, norms, cb, r, s in ((key, k_packed, k_norms, k_codebook, ring_k, sink_k),
+                                       (value, v_packed, v_norms, v_codebook, ring_v, sink_v)):
+        p, nm = quantize(x[:, :, ok], rotation, cb, norms.dtype)
+        packed.index_copy_(2, pos[ok], p)
+        norms.index_copy_(2, pos[ok], nm)
+        r.index_copy_(2, pos[last] % ring, x[:, :, last].to(r.dtype))
+        s.index_copy_(2, pos[sink], x[:, :, sink].to(s.dtype))
+    length.add_(n)
+    exact_from.copy_(torch.maximum(exact_from, length - ring))
+
+
 def static_attention(query: torch.Tensor, kv, mask: torch.Tensor | None = None, scale: float | None = None) -> torch.Tensor:
     """Attention of query (B, Hq, n, D) over the positions a static layer holds (`PackedKV`), by definition:
     dequantize every slot, write the exact copies over theirs, attend to [0, length) (the n queries are the last

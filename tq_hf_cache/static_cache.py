@@ -138,7 +138,7 @@ class TurboQuantStaticLayer(StaticLayer):
         k_norms = zeros(b, h, cap, dtype=self.norm_dtype, device=dev)
         v_norms = zeros(b, h, cap, dtype=self.norm_dtype, device=dev)
         sinks = min(self.sink_tokens, cap)
-        # one spare slot past the sinks: positions >= sinks are written there (and ignored), with no branch
+        # one row more than the sinks, so that the buffers are never empty (sink_tokens=0); it is never written
         self._sink_k = zeros(b, h, sinks + 1, d, dtype=self.dtype, device=dev)
         self._sink_v = zeros(b, h, sinks + 1, d, dtype=self.dtype, device=dev)
         self.keys = zeros(b, h, self.ring_size, d, dtype=self.dtype, device=dev)  # the ring
@@ -176,22 +176,10 @@ class TurboQuantStaticLayer(StaticLayer):
             self.lazy_initialization(key_states, value_states)
         p = self.packed
         n = key_states.shape[2]
-        pos = torch.arange(n, device=self.device) + self.cumulative_length
-        pk, nk = ops.quantize(key_states, p.k_quantizer, ops.dtype_name(self.norm_dtype))
-        pv, nv = ops.quantize(value_states, p.v_quantizer, ops.dtype_name(self.norm_dtype))
-        p.k_packed.index_copy_(2, pos, pk)
-        p.k_norms.index_copy_(2, pos, nk)
-        p.v_packed.index_copy_(2, pos, pv)
-        p.v_norms.index_copy_(2, pos, nv)
-        sink_slot = pos.clamp(max=self._sink_k.shape[2] - 1)
-        self._sink_k.index_copy_(2, sink_slot, key_states)
-        self._sink_v.index_copy_(2, sink_slot, value_states)
-        ring = self.ring_size
-        m = min(n, ring)
-        self.keys.index_copy_(2, torch.remainder(pos[n - m :], ring), key_states[:, :, n - m :])
-        self.values.index_copy_(2, torch.remainder(pos[n - m :], ring), value_states[:, :, n - m :])
-        self.cumulative_length.add_(n)
-        self.exact_from.copy_(torch.maximum(self.exact_from, self.cumulative_length - ring))
+        pos = torch.arange(n, device=self.device) + self.cumulative_length  # before the append moves the length
+        ops.static_append(key_states, value_states, p.k_packed, p.k_norms, p.v_packed, p.v_norms, self.keys,
+                          self.values, self._sink_k, self._sink_v, self.cumulative_length, self.exact_from, p.sinks,
+                          p.k_quantizer, p.v_quantizer)
         if self._fused(n):
             return self.keys, self.values
         return self._full(key_states, value_states, pos)

@@ -70,12 +70,13 @@ def _quantize_tile(
     p_ptr, spb, sph, spt,
     n_ptr, snb, snh, snt,
     rop, bnd_ptr, sbh, lut_ptr, slh, lo_ptr, invw_ptr, hsel, NLUT,
-    pid_t, pid_bh, H, T, inv_sqrt_d,
+    pid_t, pid_bh, H, T, inv_sqrt_d, t_out0,
     D: tl.constexpr, LOG2D: tl.constexpr, BITS: tl.constexpr, BLOCK_T: tl.constexpr,
     ROT: tl.constexpr, XMODE: tl.constexpr, X_UNIT: tl.constexpr, SEARCH: tl.constexpr,
     PERM: tl.constexpr, WORDS: tl.constexpr,
 ):
-    """One (BLOCK_T, D) tile of one (batch, head); rop is the (D, D) matrix operand."""
+    """One (BLOCK_T, D) tile of one (batch, head); rop is the (D, D) matrix operand. Input row t is stored at output
+    row t_out0 + t."""
     b = pid_bh // H
     h = pid_bh % H
     t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -160,7 +161,7 @@ def _quantize_tile(
             idx = _in_coordinate_order(idx, BLOCK_T, D)
 
     # ---- pack, LSB first (packing.py's layout)
-    p_rows = p_ptr + b.to(tl.int64) * spb + h.to(tl.int64) * sph + t64 * spt
+    p_rows = p_ptr + b.to(tl.int64) * spb + h.to(tl.int64) * sph + (t64 + t_out0) * spt
     if SEARCH == 4:
         # Indices are whole numbers in fp32: sum idx_k * 2**(BITS k) over a 16-bit (24-bit at 3 bits) group on the FMA
         # pipe, exact below 2**24, then store whole 16/32-bit words (the launcher checks their alignment).
@@ -241,7 +242,7 @@ def _quantize_tile(
             tl.store(p_rows[:, None, None] + off, byts, mask=tmask[:, None, None] & (k8 < BITS)[None, None, :])
 
     # ---- norm: stored as it is (a float16 overflow becomes inf; the cache widens its norms before that happens)
-    n_rows = n_ptr + b.to(tl.int64) * snb + h.to(tl.int64) * snh + t64 * snt
+    n_rows = n_ptr + b.to(tl.int64) * snb + h.to(tl.int64) * snh + (t64 + t_out0) * snt
     tl.store(n_rows, norm.to(n_ptr.dtype.element_ty), mask=tmask)
 
 
@@ -266,7 +267,7 @@ def _quantize_kernel(
         _quantize_tile(
             x_ptr, sxb, sxh, sxt, sxd, p_ptr, spb, sph, spt, n_ptr, snb, snh, snt,
             rop, bnd_ptr, sbh, lut_ptr, slh, lo_ptr, invw_ptr, hsel, NLUT,
-            tile % n_t_tiles, tile // n_t_tiles, H, T, inv_sqrt_d,
+            tile % n_t_tiles, tile // n_t_tiles, H, T, inv_sqrt_d, 0,
             D, LOG2D, BITS, BLOCK_T, ROT, XMODE, X_UNIT, SEARCH, PERM, WORDS,
         )
 
@@ -289,16 +290,82 @@ def _quantize_kv_kernel(
         _quantize_tile(
             k_ptr, skb, skh, skt, skd, pk_ptr, spkb, spkh, spkt, nk_ptr, snkb, snkh, snkt,
             rop, bndk_ptr, sbkh, lutk_ptr, slkh, lok_ptr, invwk_ptr, hselk, NLUTK,
-            tile % n_t_tiles, tile // n_t_tiles, H, T, inv_sqrt_d,
+            tile % n_t_tiles, tile // n_t_tiles, H, T, inv_sqrt_d, 0,
             D, LOG2D, KBITS, BLOCK_T, ROT, XMODE, K_UNIT, KSEARCH, PERM, KWORDS,
         )
     else:
         _quantize_tile(
             v_ptr, svb, svh, svt, svd, pv_ptr, spvb, spvh, spvt, nv_ptr, snvb, snvh, snvt,
             rop, bndv_ptr, sbvh, lutv_ptr, slvh, lov_ptr, invwv_ptr, hselv, NLUTV,
-            tile % n_t_tiles, tile // n_t_tiles, H, T, inv_sqrt_d,
+            tile % n_t_tiles, tile // n_t_tiles, H, T, inv_sqrt_d, 0,
             D, LOG2D, VBITS, BLOCK_T, ROT, XMODE, V_UNIT, VSEARCH, PERM, VWORDS,
         )
+
+
+@triton.jit
+def _exact_copy(x_ptr, sxb, sxh, sxt, r_ptr, srb, srh, srt, s_ptr, ssb, ssh, sst, pid_t, pid_bh, H, T, pos0, cap,
+                ring, n_sinks, D: tl.constexpr, BLOCK_T: tl.constexpr):
+    """The exact copies of one tile's rows (x has unit last-dim stride): row t, at position pos0 + t, goes to ring
+    slot (pos0 + t) % ring when it is among the last `ring` rows, and to sink slot pos0 + t below n_sinks."""
+    b = (pid_bh // H).to(tl.int64)
+    h = (pid_bh % H).to(tl.int64)
+    t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
+    pos = pos0 + t.to(tl.int64)
+    ok = (t < T) & (pos < cap)
+    d = tl.arange(0, D)
+    x = tl.load(x_ptr + b * sxb + h * sxh + t.to(tl.int64)[:, None] * sxt + d[None, :], mask=ok[:, None])
+    to_ring = ok & (t >= T - ring)
+    tl.store(r_ptr + b * srb + h * srh + (pos % ring)[:, None] * srt + d[None, :], x, mask=to_ring[:, None])
+    to_sink = ok & (pos < n_sinks)
+    tl.store(s_ptr + b * ssb + h * ssh + pos[:, None] * sst + d[None, :], x, mask=to_sink[:, None])
+
+
+@triton.jit
+def _append_kv_kernel(
+    k_ptr, skb, skh, skt, skd, pk_ptr, spkb, spkh, spkt, nk_ptr, snkb, snkh, snkt,
+    bndk_ptr, sbkh, lutk_ptr, slkh, lok_ptr, invwk_ptr, hselk, NLUTK,
+    v_ptr, svb, svh, svt, svd, pv_ptr, spvb, spvh, spvt, nv_ptr, snvb, snvh, snvt,
+    bndv_ptr, sbvh, lutv_ptr, slvh, lov_ptr, invwv_ptr, hselv, NLUTV,
+    rk_ptr, srkb, srkh, srkt, rv_ptr, srvb, srvh, srvt, sk_ptr, sskb, sskh, sskt, sv_ptr, ssvb, ssvh, ssvt,
+    len_ptr, cap, ring, n_sinks,
+    mat_ptr, H, T, inv_sqrt_d, n_t_tiles,
+    D: tl.constexpr, LOG2D: tl.constexpr, KBITS: tl.constexpr, VBITS: tl.constexpr, BLOCK_T: tl.constexpr,
+    ROT: tl.constexpr, XMODE: tl.constexpr,
+    KSEARCH: tl.constexpr, VSEARCH: tl.constexpr, PERM: tl.constexpr, KWORDS: tl.constexpr, VWORDS: tl.constexpr,
+):
+    """`_quantize_kv_kernel` into a static layer at the position its device length holds, plus the exact copies (ring
+    and sinks). Rows past the capacity are not written. The length itself is advanced by `_advance_kernel`, after."""
+    rop = _load_rot(mat_ptr, D)
+    tile = tl.program_id(0)
+    pid_t, pid_bh = tile % n_t_tiles, tile // n_t_tiles
+    pos0 = tl.load(len_ptr).to(tl.int64)
+    t_ok = tl.minimum(T, cap - pos0).to(tl.int32)
+    if tl.program_id(1) == 0:
+        _quantize_tile(
+            k_ptr, skb, skh, skt, skd, pk_ptr, spkb, spkh, spkt, nk_ptr, snkb, snkh, snkt,
+            rop, bndk_ptr, sbkh, lutk_ptr, slkh, lok_ptr, invwk_ptr, hselk, NLUTK,
+            pid_t, pid_bh, H, t_ok, inv_sqrt_d, pos0,
+            D, LOG2D, KBITS, BLOCK_T, ROT, XMODE, True, KSEARCH, PERM, KWORDS,
+        )
+        _exact_copy(k_ptr, skb, skh, skt, rk_ptr, srkb, srkh, srkt, sk_ptr, sskb, sskh, sskt, pid_t, pid_bh, H, T, pos0,
+                    cap, ring, n_sinks, D, BLOCK_T)
+    else:
+        _quantize_tile(
+            v_ptr, svb, svh, svt, svd, pv_ptr, spvb, spvh, spvt, nv_ptr, snvb, snvh, snvt,
+            rop, bndv_ptr, sbvh, lutv_ptr, slvh, lov_ptr, invwv_ptr, hselv, NLUTV,
+            pid_t, pid_bh, H, t_ok, inv_sqrt_d, pos0,
+            D, LOG2D, VBITS, BLOCK_T, ROT, XMODE, True, VSEARCH, PERM, VWORDS,
+        )
+        _exact_copy(v_ptr, svb, svh, svt, rv_ptr, srvb, srvh, srvt, sv_ptr, ssvb, ssvh, ssvt, pid_t, pid_bh, H, T, pos0,
+                    cap, ring, n_sinks, D, BLOCK_T)
+
+
+@triton.jit
+def _advance_kernel(len_ptr, from_ptr, n, ring):
+    """length += n; exact_from = max(exact_from, length - ring): one program, after `_append_kv_kernel`."""
+    length = tl.load(len_ptr) + n
+    tl.store(len_ptr, length)
+    tl.store(from_ptr, tl.maximum(tl.load(from_ptr), length - ring))
 
 
 def _modes(x_dtype: torch.dtype, rotation: Rotation, rot: str | None) -> tuple[int, int, torch.dtype]:
@@ -401,6 +468,21 @@ def _check_x(where: str, x: torch.Tensor, rotation: Rotation, codebook: Codebook
     return bits
 
 
+def _check_static(where: str, x: torch.Tensor, rotation: Rotation, codebook: Codebook, packed, norms) -> int:
+    """`_check_x` for a static layer's buffers, whose token axis is the capacity, not x's."""
+    if not isinstance(x, torch.Tensor) or x.dim() != 4 or x.dtype not in C.X_DTYPES:
+        raise ValueError(f"{where}: x must be a (B, H, n, D) tensor of one of {C.X_DTYPES}, got "
+                         f"{tuple(getattr(x, 'shape', ()))} {getattr(x, 'dtype', None)}")
+    bsz, heads, _, dim = x.shape
+    bits, nbytes = C.check_common(where, rotation, codebook, dim)
+    lead = (bsz, heads, packed.shape[2] if packed.dim() == 4 else -1)
+    for name, t in (("x", x), ("packed", packed), ("norms", norms)):
+        C.check_device(f"{where}: {name}", t, x.device)
+    C.check_packed(where, packed, lead, nbytes, dim, bits)
+    C.check_norms(where, norms, lead)
+    return bits
+
+
 def _launch_cfg(tokens: int, block: int | None, num_warps: int | None) -> tuple[int, int]:
     bt = C.block_t(tokens) if block is None else block
     return bt, (num_warps if num_warps is not None else 4)
@@ -500,3 +582,68 @@ def quantize_kv_into(
         PERM=rmode == C.ROT_PM1_DOT, KWORDS=_word_stores(k_packed, kbits, dim),
         VWORDS=_word_stores(v_packed, vbits, dim), num_warps=nw,
     )
+
+
+def append_kv_into(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    rotation: Rotation,
+    k_codebook: Codebook,
+    v_codebook: Codebook,
+    k_packed: torch.Tensor,
+    k_norms: torch.Tensor,
+    v_packed: torch.Tensor,
+    v_norms: torch.Tensor,
+    ring_k: torch.Tensor,
+    ring_v: torch.Tensor,
+    sink_k: torch.Tensor,
+    sink_v: torch.Tensor,
+    length: torch.Tensor,
+    exact_from: torch.Tensor,
+    n_sinks: int,
+) -> None:
+    """A static layer's append in two launches, with no host read of its lengths (a CUDA graph replays it): the n
+    tokens of k, v (B, H, n, D) are quantized into the packed buffers (B, H, capacity, bytes) and norms at positions
+    length .. length + n - 1 (none past the capacity), the last min(n, ring) of them copied to the ring (B, H, ring,
+    D) at slot position % ring and those below n_sinks to sink slot position; then length += n and exact_from =
+    max(exact_from, length - ring). The reference is `reference.static_append`."""
+    bsz, heads, tokens, dim = k.shape
+    cap, ring = k_packed.shape[2], ring_k.shape[2]
+    kbits = _check_static("append_kv_into (keys)", k, rotation, k_codebook, k_packed, k_norms)
+    vbits = _check_static("append_kv_into (values)", v, rotation, v_codebook, v_packed, v_norms)
+    if k.shape != v.shape or k.dtype != v.dtype or k.device != v.device:
+        raise ValueError(f"append_kv_into: keys {tuple(k.shape)} {k.dtype} {k.device} and values {tuple(v.shape)} "
+                         f"{v.dtype} {v.device} must match in shape, dtype and device")
+    for name, t, rows in (("ring_k", ring_k, ring), ("ring_v", ring_v, ring), ("sink_k", sink_k, sink_k.shape[2]),
+                          ("sink_v", sink_v, sink_v.shape[2])):
+        if t.shape != (bsz, heads, rows, dim) or t.dtype != k.dtype or t.device != k.device or t.stride(-1) != 1:
+            raise ValueError(f"append_kv_into: {name} must be ({bsz}, {heads}, rows, {dim}) {k.dtype} on {k.device} "
+                             f"with unit last stride, got {tuple(t.shape)} {t.dtype} {t.device}")
+    if sink_k.shape != sink_v.shape or not 0 <= n_sinks <= sink_k.shape[2]:
+        raise ValueError(f"append_kv_into: n_sinks={n_sinks} must be in [0, {sink_k.shape[2]}], the sink buffers' rows")
+    if ring < 1:
+        raise ValueError("append_kv_into: the ring must hold at least one token")
+    if tokens == 0:
+        return
+    k = k if k.stride(-1) == 1 else k.contiguous()
+    v = v if v.stride(-1) == 1 else v.contiguous()
+    dev = k.device
+    rmode, xmode, mdtype = _modes(k.dtype, rotation, None)
+    mat = C.rotation_operand(rotation, dev, "fwd_mma" if rmode == C.ROT_PM1_DOT else "fwd", mdtype)
+    kargs, kmode = _search_args(k_codebook, heads, dev, None, k_packed)
+    vargs, vmode = _search_args(v_codebook, heads, dev, None, v_packed)
+    bt, nw = _launch_cfg(tokens, None, None)
+    n_t = triton.cdiv(tokens, bt)
+    _append_kv_kernel[(n_t * bsz * heads, 2)](
+        k, *k.stride(), k_packed, *k_packed.stride()[:3], k_norms, *k_norms.stride(), *kargs,
+        v, *v.stride(), v_packed, *v_packed.stride()[:3], v_norms, *v_norms.stride(), *vargs,
+        ring_k, *ring_k.stride()[:3], ring_v, *ring_v.stride()[:3], sink_k, *sink_k.stride()[:3],
+        sink_v, *sink_v.stride()[:3],
+        length, cap, ring, n_sinks,
+        mat, heads, tokens, dim**-0.5, n_t,
+        D=dim, LOG2D=dim.bit_length() - 1, KBITS=kbits, VBITS=vbits, BLOCK_T=bt,
+        ROT=rmode, XMODE=xmode, KSEARCH=kmode, VSEARCH=vmode,
+        PERM=rmode == C.ROT_PM1_DOT, KWORDS=_word_stores(k_packed, kbits, dim),
+        VWORDS=_word_stores(v_packed, vbits, dim), num_warps=nw,
+    )
+    _advance_kernel[(1,)](length, exact_from, tokens, ring)
