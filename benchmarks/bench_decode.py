@@ -12,18 +12,17 @@ and graph capture happen there; timed as warmup_s), then --steps decode steps ea
 synchronize (wall ms, median), then a few steps under torch.profiler for the GPU time per step (sum of the
 kernels' device time). Peak memory over the model across prefill and decode. A last check runs
 `model.generate()` with each static cache (transformers' own compile path) at batch 1 and each of
---generate_contexts prompt lengths, and reports ms per new token.
+--generate_contexts prompt lengths, the two measured in turns (--generate_reps), and reports ms per new token.
 
 Usage: python benchmarks/bench_decode.py [--contexts 4096,32768,131072] [--batches 1,8]
        [--generate_contexts 4096] [--out DIR]
-Writes DIR/bench_decode.json and .png.
+Writes DIR/bench_decode.json, bench_decode.png (the rows) and bench_decode_generate.png (the generate() check).
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
-import itertools
 import json
 import os
 import sys
@@ -49,6 +48,7 @@ p.add_argument("--warmup", type=int, default=4)
 p.add_argument("--max_tokens", type=int, default=8 * 32768, help="skip (batch, context) beyond batch * context")
 p.add_argument("--generate_check", type=int, default=1)
 p.add_argument("--generate_contexts", default="4096", help="prompt lengths of the generate() check")
+p.add_argument("--generate_reps", type=int, default=4, help="turns of the generate() check (both caches each turn)")
 p.add_argument("--budget_s", type=float, default=560)
 p.add_argument("--out", default=os.environ.get("OUT", "/tmp"))
 a = p.parse_args()
@@ -67,18 +67,22 @@ with torch.device(DEV):
 rows = bench.check_rows(a.rows.split(","), DEV)
 
 
-def generate_check(static_cls, impl, ctx=4096, short=32, long=160):
-    """transformers' own compile path: generate() with a compileable cache compiles the decode step. ms per new
-    token = the time `long - short` more new tokens take (best of two calls each, after a first call that compiles),
-    so the prefill, the same in both, drops out."""
+def generate_check(ctx: int, reps: int, short: int = 16, long: int = 272) -> dict:
+    """transformers' own compile path: generate() with a compileable cache compiles the decode step. ms per new token =
+    the time `long - short` more new tokens take (best of two calls each), so the prefill, the same in both, drops
+    out. StaticCache (sdpa) and TurboQuantStaticCache ("turboquant") are compiled first (the first call of each,
+    compile included, is reported), then measured in turns, `reps` times, so that drift on the shared host hits
+    both alike; the ratio is taken per turn."""
     gc.collect()
     torch.cuda.empty_cache()
     torch._dynamo.reset()
-    model.set_attn_implementation(impl)
     ids = torch.randint(0, cfg.vocab_size, (1, ctx), device=DEV)
+    caches = {"StaticCache": (transformers.StaticCache, "sdpa"), "TurboQuantStaticCache": (TurboQuantStaticCache, "turboquant")}
 
-    def run(new):
-        cache = static_cls(config=cfg, max_cache_len=ctx + long + 8)
+    def run(name, new):
+        cls, impl = caches[name]
+        model.set_attn_implementation(impl)
+        cache = cls(config=cfg, max_cache_len=ctx + long + 8)
         torch.cuda.synchronize()
         t = time.perf_counter()
         out = model.generate(ids, past_key_values=cache, max_new_tokens=new, min_new_tokens=new, do_sample=False)
@@ -86,12 +90,17 @@ def generate_check(static_cls, impl, ctx=4096, short=32, long=160):
         assert out.shape[1] == ctx + new
         return time.perf_counter() - t
 
-    first = run(short)
-    t_short = min(run(short) for _ in range(2))
-    t_long = min(run(long) for _ in range(2))
-    return {"cache": static_cls.__name__, "attn": impl, "context": ctx, "new_tokens": [short, long],
-            "first_call_s": round(first, 2), "short_call_s": round(t_short, 3), "long_call_s": round(t_long, 3),
-            "ms_per_new_token": round((t_long - t_short) / (long - short) * 1e3, 3)}
+    first = {name: round(run(name, short), 2) for name in caches}
+    ms = {name: [] for name in caches}
+    for _ in range(reps):
+        for name in caches:
+            t_short = min(run(name, short) for _ in range(2))
+            t_long = min(run(name, long) for _ in range(2))
+            ms[name].append(round((t_long - t_short) / (long - short) * 1e3, 3))
+    ratios = [round(t / s, 3) for t, s in zip(ms["TurboQuantStaticCache"], ms["StaticCache"])]
+    return {"context": ctx, "new_tokens": [short, long], "first_call_s": first, "ms_per_new_token": ms,
+            "ratio_per_turn": ratios, "ratio_median": sorted(ratios)[len(ratios) // 2],
+            "ratio_mean": round(sum(ratios) / len(ratios), 3)}
 
 
 results = {"env": {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
@@ -128,21 +137,39 @@ for b in [int(x) for x in a.batches.split(",")]:
             save()
 
 if a.generate_check and time.time() - T0 < a.budget_s:
-    for ctx, (cls, impl) in itertools.product([int(x) for x in a.generate_contexts.split(",")],
-                                              ((transformers.StaticCache, "sdpa"), (TurboQuantStaticCache, "turboquant"))):
+    for ctx in [int(x) for x in a.generate_contexts.split(",")]:
         try:
-            r = generate_check(cls, impl, ctx)
+            r = generate_check(ctx, a.generate_reps)
             results["generate"].append(r)
             log(r)
         except Exception as e:
-            results["errors"].append({"generate": cls.__name__, "error": f"{type(e).__name__}: {e}"[:2000]})
-            log("generate", cls.__name__, "ERROR", type(e).__name__, str(e)[:2000])
+            results["errors"].append({"generate": ctx, "error": f"{type(e).__name__}: {e}"[:2000]})
+            log("generate", ctx, "ERROR", type(e).__name__, str(e)[:2000])
         save()
 
-try:
+
+def plot_generate(rows: list[dict], path: str) -> None:
+    """Bars of ms per new token through generate() (median of the turns), one group per prompt length."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(max(5, 2 + 2 * len(rows)), 4))
+    for i, name in enumerate(("StaticCache", "TurboQuantStaticCache")):
+        ys = [sorted(r["ms_per_new_token"][name])[len(r["ms_per_new_token"][name]) // 2] for r in rows]
+        ax.bar([x + i * 0.4 for x in range(len(rows))], ys, 0.4, label=f"{name} + compile")
+    ax.set_xticks([x + 0.2 for x in range(len(rows))], [f"{r['context']} tokens" for r in rows])
+    ax.set_ylabel("ms per new token, generate() (median)")
+    ax.set_title(f"{results['env']['device']}: batch 1, Llama-3.1-8B shape")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+if results["rows"]:
     bench.plot(results["rows"], os.path.join(a.out, "bench_decode.png"),
-               f"Llama-3.1-8B shape, bf16, {results['env']['device']}")
-except Exception as e:
-    log("plot failed:", e)
-save()
-log("wrote", out_json)
+               f"{results['env']['device']}: decode step, Llama-3.1-8B shape")
+if results["generate"]:
+    plot_generate(results["generate"], os.path.join(a.out, "bench_decode_generate.png"))
