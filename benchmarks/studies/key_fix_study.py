@@ -147,7 +147,11 @@ class SimMixin:
         pos = torch.arange(p0, p0 + n)
         off = self._key_offset(k, pos)
         nc = self.opts.get("normcorr", False)
-        if off is None:
+        if self.opts.get("key_qdq") is not None:  # another key format (outlier_channel_study.py)
+            x = k if off is None else (k.double() - off).float()
+            kh = self.opts["key_qdq"](self, x).double()
+            kh = kh if off is None else kh + off
+        elif off is None:
             kh = qdq(k, self.rotation, self.k_codebook, self.norm_dtype, nc)
         else:
             kh = qdq((k.double() - off).float(), self.rotation, self.k_codebook, self.norm_dtype, nc).double() + off
@@ -155,6 +159,8 @@ class SimMixin:
             if self._mu_v is None:
                 self._mu_v = v.double().mean(2, keepdim=True)
             vh = qdq((v.double() - self._mu_v).float(), self.rotation, self.v_codebook, self.norm_dtype).double() + self._mu_v
+        elif self.opts.get("value_qdq") is not None:
+            vh = self.opts["value_qdq"](self, v)
         else:
             vh = qdq(v, self.rotation, self.v_codebook, self.norm_dtype)
         s = 0 if self.opts.get("full_only") and self.is_sliding else self.opts.get("sinks", 0)
