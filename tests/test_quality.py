@@ -13,7 +13,7 @@ from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 from tq_hf_cache import DEFAULT_PRESET, TurboQuantCache
 from tq_hf_cache.eval import tasks
 from tq_hf_cache.eval.caches import CacheSpec, all_specs, backend_status, cache_bytes, measure_bytes_synthetic
-from tq_hf_cache.eval.report import markdown_table, plot, update_markdown
+from tq_hf_cache.eval.report import markdown_table, plot, seed_groups, update_markdown
 from tq_hf_cache.eval.runner import EvalSettings, run_eval
 
 
@@ -136,6 +136,13 @@ def test_quantized_cache_backends_measured(tiny, family):
     formula = spec.formula_bytes_per_token_layer(2, 32)  # 2 * 2 * (16 + 2 groups... ) with fp16 scales
     # everything is quantized after a 255-token prefill + 1 decode token below the residual: within 2x of formula
     assert 0.5 * formula * 2 * 256 <= syn["total"] <= 2 * formula * 2 * 256
+
+
+def test_plot_groups_a_configuration_over_seeds():
+    caches = {"fp": {"x": 0}, "k4v4-seed1": {"x": 1}, "a-seed0-c": {"x": 2}, "a-seed1-c": {"x": 3}, "a-seed2": {"x": 4}}
+    groups = dict(seed_groups(caches))
+    assert groups == {"fp": [{"x": 0}], "k4v4-seed1": [{"x": 1}], "a-seed*-c": [{"x": 2}, {"x": 3}],
+                      "a-seed2": [{"x": 4}]}
 
 
 def test_run_eval_end_to_end(tiny, tmp_path):

@@ -113,6 +113,8 @@ def folder_spec(path: str) -> CacheSpec:
     over = {"config_dir": path, "residual_length": cfg.residual_length, "norm_dtype": cfg.norm_dtype}
     if cfg.layer_bits:
         over["layer_bits"] = {int(i): list(v) for i, v in cfg.layer_bits.items()}
+    if cfg.key_centering:
+        over["key_centering"] = True
     return CacheSpec(os.path.basename(os.path.normpath(path)), "turboquant", cfg.key_bits, cfg.value_bits, over)
 
 

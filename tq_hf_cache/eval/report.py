@@ -111,8 +111,23 @@ def update_markdown(path: str, results: list[dict]) -> None:
         f.write(text)
 
 
+def seed_groups(caches: dict) -> list[tuple[str, list[dict]]]:
+    """The caches as plotted: those named alike but for a `-seed<k>` part (one configuration over rotation seeds) are
+    one group, labelled `<name>-seed*` when it holds several; every other cache is its own group."""
+    groups: dict[str, list[tuple[str, dict]]] = {}
+    for name, e in caches.items():
+        groups.setdefault(re.sub(r"-seed\d+", "-seed*", name), []).append((name, e))
+    return [(key if len(members) > 1 else members[0][0], [e for _, e in members]) for key, members in groups.items()]
+
+
+def _mean(values: list) -> float | None:
+    values = [v for v in values if v is not None]
+    return sum(values) / len(values) if values else None
+
+
 def plot(results: list[dict], path: str) -> None:
-    """Quality vs bytes per token: Δperplexity (%) and greedy top-1 agreement against fp16-formula bits/coordinate."""
+    """Quality vs bytes per token: Δperplexity (%) and greedy top-1 agreement against fp16-formula bits/coordinate. A
+    configuration run over several rotation seeds is one point, their mean (see `seed_groups`)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -124,18 +139,20 @@ def plot(results: list[dict], path: str) -> None:
     for mi, res in enumerate(results):
         color = colors[mi % len(colors)]
         short = res["model"]["name"]
-        for name, e in res["caches"].items():
+        for name, members in seed_groups(res["caches"]):
+            e = members[0]
             x = _formula(res, e)[1]
-            if x is None or not e.get("available", False):
+            if x is None or not all(m.get("available", False) for m in members):
                 continue
             fam = e["spec"]["family"]
-            for ax, y in ((axes[0], (e.get("perplexity") or {}).get("delta_pct")),
-                          (axes[1], (e.get("agreement") or {}).get("top1_agreement"))):
+            marker = "D" if e["spec"].get("overrides", {}).get("key_centering") else markers.get(fam, "o")
+            for ax, task, key in ((axes[0], "perplexity", "delta_pct"), (axes[1], "agreement", "top1_agreement")):
+                y = _mean([(m.get(task) or {}).get(key) for m in members])
                 if y is None:
                     continue
-                ax.scatter([x], [y], marker=markers.get(fam, "o"), color=color, s=60,
-                           label=f"{short}" if name == "fp" else None)
-                ax.annotate(name, (x, y), textcoords="offset points", xytext=(4, 4), fontsize=7, color=color)
+                ax.scatter([x], [y], marker=marker, color=color, s=60, label=f"{short}" if name == "fp" else None)
+                label = name.removeprefix(short + "-")  # an allocation folder named after its model
+                ax.annotate(label, (x, y), textcoords="offset points", xytext=(4, 4), fontsize=7, color=color)
     axes[0].set_yscale("symlog", linthresh=1.0)
     axes[0].set_ylabel("perplexity increase vs fp (%)")
     axes[1].set_ylabel("greedy top-1 agreement with fp (teacher-forced)")
@@ -143,7 +160,8 @@ def plot(results: list[dict], path: str) -> None:
         ax.set_xlabel("KV bits per coordinate (fp16 formula; fp16 = 16)")
         ax.set_xscale("log", base=2)
         ax.grid(True, alpha=0.3)
-    axes[0].legend(title="model (o TurboQuant, s quanto, ^ HQQ)", fontsize=8)
+    axes[0].legend(title="o TurboQuant, D with key centring,\ns quanto, ^ HQQ; -seed*: mean over seeds",
+                   loc="upper right", fontsize=8, title_fontsize=8)
     fig.suptitle("KV-cache quality vs size (chunked prefill, CPU)")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
