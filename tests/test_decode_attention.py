@@ -127,6 +127,9 @@ CASES = [
     (6, 7, 64, 2, 1, 93, 4, torch.float16, "additive", 2, False),
     (7, 1, 128, 1, 3, 71, 2, torch.bfloat16, None, 1, False),
     (1, 5, 64, 4, 1, 66, 0, torch.float16, None, 2, True),
+    # one query: the mask's row is loaded once per key for every head of the group (MASK_KIND 3 and 4)
+    (5, 3, 128, 4, 1, 203, 7, torch.bfloat16, "bool", 3, False),
+    (4, 4, 64, 2, 1, 150, 5, torch.float16, "additive", 2, False),
 ]
 
 

@@ -112,16 +112,24 @@ def _unrotate_plane(out, acc, pi_ptr, k: tl.constexpr, P: tl.constexpr, W: tl.co
 
 @triton.jit
 def _masked_scores(s, pos, t_ok, row_ok, row_i, heads, m_base, smh, smi, smt, causal_limit, MASK_KIND: tl.constexpr):
-    """Scores (base 2) with -inf where a key is out of range or masked out."""
+    """Scores (base 2) with -inf where a key is out of range or masked out. MASK_KIND: 0 causal (no mask), 1 boolean,
+    2 additive, one value per tile element; 3 boolean, 4 additive, one row shared by every tile row (a mask that
+    broadcasts over the heads and the queries: one load per key instead of one per row and key)."""
     ok = t_ok[None, :] & row_ok[:, None]
     if MASK_KIND == 0:
         ok = ok & (pos[None, :] <= causal_limit[:, None])
     elif MASK_KIND == 1:
         mv = tl.load(m_base + heads[:, None] * smh + row_i[:, None] * smi + pos[None, :] * smt, mask=ok, other=0)
         ok = ok & (mv != 0)
-    else:
+    elif MASK_KIND == 2:
         mv = tl.load(m_base + heads[:, None] * smh + row_i[:, None] * smi + pos[None, :] * smt, mask=ok, other=0.0)
         s = s + mv.to(tl.float32) * 1.4426950408889634
+    elif MASK_KIND == 3:
+        mv = tl.load(m_base + pos * smt, mask=t_ok, other=0)
+        ok = ok & (mv != 0)[None, :]
+    else:
+        mv = tl.load(m_base + pos * smt, mask=t_ok, other=0.0)
+        s = s + (mv.to(tl.float32) * 1.4426950408889634)[None, :]
     return tl.where(ok, s, float("-inf"))
 
 
@@ -480,7 +488,10 @@ def _mask_args(mask, b, hq, n, t, query):
         kind, m_arg = 1, mk.view(torch.uint8)
     else:
         kind, m_arg = 2, mk
-    return kind, m_arg, m_arg.stride()
+    strides = m_arg.stride()
+    if strides[1] == 0 and (strides[2] == 0 or n == 1):  # one row serves every head and query of a batch row
+        kind += 2
+    return kind, m_arg, strides
 
 
 def decode_attention(
