@@ -537,6 +537,28 @@ def quantize_into(
     )
 
 
+def _kv_operands(where: str, check, k, v, rotation: Rotation, k_codebook: Codebook, v_codebook: Codebook, k_packed,
+                k_norms, v_packed, v_norms) -> tuple[torch.Tensor, tuple, tuple, dict]:
+    """The checks and kernel operands the two keys + values launchers share: (rotation operand, key search args,
+    value search args, constexprs). `check` is `_check_x` or `_check_static`."""
+    kbits = check(f"{where} (keys)", k, rotation, k_codebook, k_packed, k_norms)
+    vbits = check(f"{where} (values)", v, rotation, v_codebook, v_packed, v_norms)
+    if k.shape != v.shape or k.dtype != v.dtype or k.device != v.device:
+        raise ValueError(f"{where}: keys {tuple(k.shape)} {k.dtype} {k.device} and values {tuple(v.shape)} {v.dtype} "
+                         f"{v.device} must match in shape, dtype and device")
+    if k_norms.dtype != v_norms.dtype:
+        raise TypeError(f"{where}: key norms are {k_norms.dtype}, value norms {v_norms.dtype}; use one dtype")
+    heads, dim, dev = k.shape[1], k.shape[3], k.device
+    rmode, xmode, mdtype = _modes(k.dtype, rotation, None)
+    mat = C.rotation_operand(rotation, dev, "fwd_mma" if rmode == C.ROT_PM1_DOT else "fwd", mdtype)
+    kargs, kmode = _search_args(k_codebook, heads, dev, None, k_packed)
+    vargs, vmode = _search_args(v_codebook, heads, dev, None, v_packed)
+    meta = dict(D=dim, LOG2D=dim.bit_length() - 1, KBITS=kbits, VBITS=vbits, ROT=rmode, XMODE=xmode, KSEARCH=kmode,
+                VSEARCH=vmode, PERM=rmode == C.ROT_PM1_DOT, KWORDS=_word_stores(k_packed, kbits, dim),
+                VWORDS=_word_stores(v_packed, vbits, dim))
+    return mat, kargs, vargs, meta
+
+
 def quantize_kv_into(
     k: torch.Tensor,
     v: torch.Tensor,
@@ -552,23 +574,11 @@ def quantize_kv_into(
     num_warps: int | None = None,
 ):
     """`quantize_into` for keys and values of one layer in a single launch (the per-decode-step path)."""
-    kbits = _check_x("quantize_kv_into (keys)", k, rotation, k_codebook, k_packed, k_norms)
-    vbits = _check_x("quantize_kv_into (values)", v, rotation, v_codebook, v_packed, v_norms)
-    if k.shape != v.shape or k.dtype != v.dtype or k.device != v.device:
-        raise ValueError(
-            f"quantize_kv_into: keys {tuple(k.shape)} {k.dtype} {k.device} and values "
-            f"{tuple(v.shape)} {v.dtype} {v.device} must match in shape, dtype and device"
-        )
-    if k_norms.dtype != v_norms.dtype:
-        raise TypeError(f"quantize_kv_into: key norms are {k_norms.dtype}, value norms {v_norms.dtype}; use one dtype")
+    mat, kargs, vargs, meta = _kv_operands("quantize_kv_into", _check_x, k, v, rotation, k_codebook, v_codebook,
+                                           k_packed, k_norms, v_packed, v_norms)
     bsz, heads, tokens, dim = k.shape
     if k.numel() == 0:
         return None
-    dev = k.device
-    rmode, xmode, mdtype = _modes(k.dtype, rotation, None)
-    mat = C.rotation_operand(rotation, dev, "fwd_mma" if rmode == C.ROT_PM1_DOT else "fwd", mdtype)
-    kargs, kmode = _search_args(k_codebook, heads, dev, None, k_packed)
-    vargs, vmode = _search_args(v_codebook, heads, dev, None, v_packed)
     bt, nw = _launch_cfg(tokens, block_t, num_warps)
     n_t = triton.cdiv(tokens, bt)
     grid = (n_t * bsz * heads, 2)
@@ -576,11 +586,7 @@ def quantize_kv_into(
         k, *k.stride(), k_packed, *k_packed.stride()[:3], k_norms, *k_norms.stride(), *kargs,
         v, *v.stride(), v_packed, *v_packed.stride()[:3], v_norms, *v_norms.stride(), *vargs,
         mat, heads, tokens, dim**-0.5, n_t, n_t * bsz * heads,
-        D=dim, LOG2D=dim.bit_length() - 1, KBITS=kbits, VBITS=vbits, BLOCK_T=bt,
-        ROT=rmode, XMODE=xmode,
-        K_UNIT=k.stride(-1) == 1, V_UNIT=v.stride(-1) == 1, KSEARCH=kmode, VSEARCH=vmode,
-        PERM=rmode == C.ROT_PM1_DOT, KWORDS=_word_stores(k_packed, kbits, dim),
-        VWORDS=_word_stores(v_packed, vbits, dim), num_warps=nw,
+        BLOCK_T=bt, K_UNIT=k.stride(-1) == 1, V_UNIT=v.stride(-1) == 1, num_warps=nw, **meta,
     )
 
 
@@ -609,11 +615,8 @@ def append_kv_into(
     max(exact_from, length - ring). The reference is `reference.static_append`."""
     bsz, heads, tokens, dim = k.shape
     cap, ring = k_packed.shape[2], ring_k.shape[2]
-    kbits = _check_static("append_kv_into (keys)", k, rotation, k_codebook, k_packed, k_norms)
-    vbits = _check_static("append_kv_into (values)", v, rotation, v_codebook, v_packed, v_norms)
-    if k.shape != v.shape or k.dtype != v.dtype or k.device != v.device:
-        raise ValueError(f"append_kv_into: keys {tuple(k.shape)} {k.dtype} {k.device} and values {tuple(v.shape)} "
-                         f"{v.dtype} {v.device} must match in shape, dtype and device")
+    mat, kargs, vargs, meta = _kv_operands("append_kv_into", _check_static, k, v, rotation, k_codebook, v_codebook,
+                                           k_packed, k_norms, v_packed, v_norms)
     for name, t, rows in (("ring_k", ring_k, ring), ("ring_v", ring_v, ring), ("sink_k", sink_k, sink_k.shape[2]),
                           ("sink_v", sink_v, sink_v.shape[2])):
         if t.shape != (bsz, heads, rows, dim) or t.dtype != k.dtype or t.device != k.device or t.stride(-1) != 1:
@@ -627,11 +630,6 @@ def append_kv_into(
         return
     k = k if k.stride(-1) == 1 else k.contiguous()
     v = v if v.stride(-1) == 1 else v.contiguous()
-    dev = k.device
-    rmode, xmode, mdtype = _modes(k.dtype, rotation, None)
-    mat = C.rotation_operand(rotation, dev, "fwd_mma" if rmode == C.ROT_PM1_DOT else "fwd", mdtype)
-    kargs, kmode = _search_args(k_codebook, heads, dev, None, k_packed)
-    vargs, vmode = _search_args(v_codebook, heads, dev, None, v_packed)
     bt, nw = _launch_cfg(tokens, None, None)
     n_t = triton.cdiv(tokens, bt)
     _append_kv_kernel[(n_t * bsz * heads, 2)](
@@ -641,9 +639,6 @@ def append_kv_into(
         sink_v, *sink_v.stride()[:3],
         length, cap, ring, n_sinks,
         mat, heads, tokens, dim**-0.5, n_t,
-        D=dim, LOG2D=dim.bit_length() - 1, KBITS=kbits, VBITS=vbits, BLOCK_T=bt,
-        ROT=rmode, XMODE=xmode, KSEARCH=kmode, VSEARCH=vmode,
-        PERM=rmode == C.ROT_PM1_DOT, KWORDS=_word_stores(k_packed, kbits, dim),
-        VWORDS=_word_stores(v_packed, vbits, dim), num_warps=nw,
+        BLOCK_T=bt, num_warps=nw, **meta,
     )
     _advance_kernel[(1,)](length, exact_from, tokens, ring)
