@@ -176,16 +176,17 @@ class TurboQuantStaticLayer(StaticLayer):
             self.lazy_initialization(key_states, value_states)
         p = self.packed
         n = key_states.shape[2]
-        pos = torch.arange(n, device=self.device) + self.cumulative_length  # before the append moves the length
         ops.static_append(key_states, value_states, p.k_packed, p.k_norms, p.v_packed, p.v_norms, self.keys,
                           self.values, self._sink_k, self._sink_v, self.cumulative_length, self.exact_from, p.sinks,
                           p.k_quantizer, p.v_quantizer)
         if self._fused(n):
             return self.keys, self.values
-        return self._full(key_states, value_states, pos)
+        return self._full(key_states, value_states)
 
-    def _full(self, key_states, value_states, pos):
+    def _full(self, key_states, value_states):
         """Keys and values of every position: dequantized, the exact copies and this step's tokens over them."""
+        n = key_states.shape[2]
+        pos = self.cumulative_length - n + torch.arange(n, device=self.device)  # this step's, after the append
         p, name = self.packed, ops.dtype_name(self.dtype)
         k = ops.dequantize(p.k_packed, p.k_norms, p.k_quantizer, name)
         v = ops.dequantize(p.v_packed, p.v_norms, p.v_quantizer, name)
