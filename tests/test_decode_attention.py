@@ -229,6 +229,28 @@ def test_kernel_fully_masked_rows_give_zeros_and_mask_wider_than_keys():
 
 
 @needs_triton
+@pytest.mark.parametrize("kind", ["bool", "additive"])
+def test_kernel_mask_that_differs_by_head(kind):
+    """One query, a mask whose rows differ by query head: it is read per tile row, not as the one shared row that a
+    (B, 1, 1, T) mask is read as."""
+    seed = fresh_seed()
+    b, hkv, group, n, d, lq, lr = 2, 2, 3, 1, 64, 120, 5
+    state, kf, vf = make_state(b, hkv, lq, lr, n, d, 4, 3, torch.float16, seed)
+    q = make_query(b, hkv * group, n, d, torch.float16, seed)
+    t = lq + lr + n
+    g = torch.Generator().manual_seed(seed)
+    allowed = torch.rand(b, hkv * group, n, t, generator=g) > 0.4
+    allowed[..., -1] = True  # every row sees its own token
+    mask = allowed if kind == "bool" else torch.zeros(allowed.shape).masked_fill(~allowed, float("-inf"))
+    mask = mask.to(DEVICE)
+    out = decode_attention(q, state, mask, None, num_splits=3)
+    ref = _oracle(q, kf, vf, mask, None)
+    assert rel_err(out, ref) < TOL[torch.float16], f"seed {seed}"
+    shared = decode_attention(q, state, mask[:, :1].expand_as(mask), None, num_splits=3)
+    assert rel_err(shared, ref) > 10 * TOL[torch.float16], f"seed {seed}: the heads' masks must matter"
+
+
+@needs_triton
 @pytest.mark.parametrize("kbits", [5, 3])
 def test_kernel_copies_packed_rows_off_a_word(kbits):
     """3/5/6-bit rows are read as int32 words: a packed buffer that starts off a 4-byte boundary is copied first,
