@@ -24,7 +24,7 @@ import torch
 
 from . import ops  # noqa: F401  (registers the tq_hf_cache:: custom ops)
 from .kernels import DECODE_HEAD_DIMS, DECODE_MAX_ROWS, SUPPORTED_BITS  # limits only: no triton import
-from .packed_kv import MAX_FUSED_QUERIES, fill_rows, packed_source
+from .packed_kv import MAX_FUSED_QUERIES, StaticKV, fill_rows, packed_source
 
 NAME = "turboquant"
 # dense bytes one row group of a long step may take: its keys and values plus SDPA's copies per query head
@@ -85,7 +85,7 @@ def turboquant_attention_forward(
     kv = packed_source(key)
     if kv is None:  # not a TurboQuant layer's packed state: transformers' SDPA, traceable
         return _sdpa(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, is_causal=is_causal, **kwargs)
-    if kv.static:
+    if isinstance(kv, StaticKV):
         return _static(query, key, value, kv, attention_mask, dropout, scaling, kwargs), None
     return _dynamic(module, query, key, value, kv, attention_mask, dropout, scaling, is_causal, **kwargs)
 
@@ -102,8 +102,8 @@ def _static(query, ring_k, ring_v, kv, mask, dropout, scaling, kwargs):
     if mask is not None and mask.dtype != torch.bool:
         mask = mask.to(torch.float32)
     return torch.ops.tq_hf_cache.static_attention(
-        query, ring_k, ring_v, kv.k_packed, kv.k_norms, kv.v_packed, kv.v_norms, kv.sink_k, kv.sink_v, kv.length,
-        kv.exact_from, mask, kv.sinks, kv.k_quantizer, kv.v_quantizer, scale, kv.scratch, kv.counters,
+        query, ring_k, ring_v, kv.store, mask, kv.capacity, kv.sinks, kv.norm_dtype, kv.k_quantizer, kv.v_quantizer,
+        scale, kv.scratch, kv.counters,
     )
 
 

@@ -127,46 +127,55 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-@torch.library.custom_op(
-    "tq_hf_cache::static_append",
-    mutates_args=("k_packed", "k_norms", "v_packed", "v_norms", "ring_k", "ring_v", "sink_k", "sink_v", "length",
-                  "exact_from"),
-)
+NORM_DTYPES = {"float16": torch.float16, "float32": torch.float32}
+
+
+def static_packed_kv(store: torch.Tensor, ring_k: torch.Tensor, ring_v: torch.Tensor, capacity: int, sinks: int,
+                     norm_dtype: str, k_quantizer: int, v_quantizer: int, scratch=None, counters=None):
+    """The `PackedKV` (views) of a static layer's one buffer (`packed_kv.static_parts`) and its rings."""
+    from .packed_kv import PackedKV, static_views
+    from .packing import packed_bytes
+
+    if norm_dtype not in NORM_DTYPES:
+        raise ValueError(f"norm_dtype must be one of {sorted(NORM_DTYPES)}, got {norm_dtype!r}")
+    rotation, kcb = quantizer(k_quantizer)
+    _, vcb = quantizer(v_quantizer)
+    d = rotation.dim
+    p = static_views(store, ring_k, capacity, sinks, NORM_DTYPES[norm_dtype], packed_bytes(d, kcb.bits),
+                     packed_bytes(d, vcb.bits))
+    return PackedKV(p["k_packed"], p["k_norms"], p["v_packed"], p["v_norms"], p["sink_k"], p["sink_v"], ring_k, ring_v,
+                    p["length"], p["exact_from"], rotation, kcb, vcb, sinks, k_quantizer, v_quantizer, scratch,
+                    counters)
+
+
+@torch.library.custom_op("tq_hf_cache::static_append", mutates_args=("store", "ring_k", "ring_v"))
 def static_append(
     key: torch.Tensor,
     value: torch.Tensor,
-    k_packed: torch.Tensor,
-    k_norms: torch.Tensor,
-    v_packed: torch.Tensor,
-    v_norms: torch.Tensor,
+    store: torch.Tensor,
     ring_k: torch.Tensor,
     ring_v: torch.Tensor,
-    sink_k: torch.Tensor,
-    sink_v: torch.Tensor,
-    length: torch.Tensor,
-    exact_from: torch.Tensor,
+    capacity: int,
     n_sinks: int,
+    norm_dtype: str,
     k_quantizer: int,
     v_quantizer: int,
 ) -> None:
-    """A static layer's append of key, value (B, H, n, D), with its lengths on the device (see
-    `reference.static_append`): two launches on CUDA (quantize + exact copies, then the lengths), the reference
+    """A static layer's append of key, value (B, H, n, D) into its buffer and rings, with its lengths on the device
+    (see `reference.static_append`): two launches on CUDA (quantize + exact copies, then the lengths), the reference
     elsewhere."""
-    rotation, kcb = quantizer(k_quantizer)
-    _, vcb = quantizer(v_quantizer)
-    args = (key, value, k_packed, k_norms, v_packed, v_norms, ring_k, ring_v, sink_k, sink_v, length, exact_from,
-            n_sinks)
-    if (_kernel_ok(key, rotation.dim, kcb.bits) and kernels.supports(rotation.dim, vcb.bits)
-            and k_norms.dtype == v_norms.dtype):
-        kernels.append_kv_into(key, value, rotation, kcb, vcb, k_packed, k_norms, v_packed, v_norms, ring_k, ring_v,
-                               sink_k, sink_v, length, exact_from, n_sinks)
+    kv = static_packed_kv(store, ring_k, ring_v, capacity, n_sinks, norm_dtype, k_quantizer, v_quantizer)
+    rotation, kcb, vcb = kv.rotation, kv.k_codebook, kv.v_codebook
+    args = (key, value, kv.k_packed, kv.k_norms, kv.v_packed, kv.v_norms, ring_k, ring_v, kv.sink_k, kv.sink_v,
+            kv.length, kv.exact_from, n_sinks)
+    if _kernel_ok(key, rotation.dim, kcb.bits) and kernels.supports(rotation.dim, vcb.bits):
+        kernels.append_kv_into(key, value, rotation, kcb, vcb, *args[2:])
         return
     reference.static_append(*args, rotation, kcb, vcb)
 
 
 @static_append.register_fake
-def _(key, value, k_packed, k_norms, v_packed, v_norms, ring_k, ring_v, sink_k, sink_v, length, exact_from, n_sinks,
-      k_quantizer, v_quantizer):
+def _(key, value, store, ring_k, ring_v, capacity, n_sinks, norm_dtype, k_quantizer, v_quantizer):
     return None
 
 
@@ -246,35 +255,26 @@ def static_attention(
     query: torch.Tensor,
     ring_k: torch.Tensor,
     ring_v: torch.Tensor,
-    k_packed: torch.Tensor,
-    k_norms: torch.Tensor,
-    v_packed: torch.Tensor,
-    v_norms: torch.Tensor,
-    sink_k: torch.Tensor,
-    sink_v: torch.Tensor,
-    length: torch.Tensor,
-    exact_from: torch.Tensor,
+    store: torch.Tensor,
     mask: torch.Tensor | None,
+    capacity: int,
     sinks: int,
+    norm_dtype: str,
     k_quantizer: int,
     v_quantizer: int,
     scale: float,
     scratch: torch.Tensor,
     counters: torch.Tensor,
 ) -> torch.Tensor:
-    """Attention of query (B, Hq, n, D) over a static layer's positions (see `PackedKV`) -> (B, n, Hq, D).
-    The Triton kernel on CUDA, `reference.static_attention` elsewhere."""
-    from .packed_kv import PackedKV
-
-    rotation, kcb = quantizer(k_quantizer)
-    _, vcb = quantizer(v_quantizer)
-    kv = PackedKV(k_packed, k_norms, v_packed, v_norms, sink_k, sink_v, ring_k, ring_v, length, exact_from, rotation,
-                  kcb, vcb, sinks, k_quantizer, v_quantizer, scratch, counters)
+    """Attention of query (B, Hq, n, D) over a static layer's positions (its buffer and rings, see `PackedKV`) ->
+    (B, n, Hq, D). The Triton kernel on CUDA, `reference.static_attention` elsewhere."""
+    kv = static_packed_kv(store, ring_k, ring_v, capacity, sinks, norm_dtype, k_quantizer, v_quantizer, scratch,
+                          counters)
     return decode_attention(query, kv, mask, scale)
 
 
 @static_attention.register_fake
-def _(query, ring_k, ring_v, k_packed, k_norms, v_packed, v_norms, sink_k, sink_v, length, exact_from, mask, sinks,
-      k_quantizer, v_quantizer, scale, scratch, counters):
+def _(query, ring_k, ring_v, store, mask, capacity, sinks, norm_dtype, k_quantizer, v_quantizer, scale, scratch,
+      counters):
     b, hq, n, d = query.shape
     return query.new_empty(b, n, hq, d)

@@ -85,8 +85,77 @@ class PackedKV:
         return replace(self, **pick)
 
 
-def packed_source(key: torch.Tensor) -> PackedKV | None:
-    """The `PackedKV` behind keys a TurboQuant layer returned, else None."""
+_ALIGN = 16  # bytes: every part of a static layer's buffer starts on this boundary
+
+
+def static_parts(batch: int, heads: int, capacity: int, dim: int, key_bytes: int, value_bytes: int, sinks: int,
+                 norm_dtype: torch.dtype, dtype: torch.dtype) -> tuple[list[tuple[str, torch.dtype, tuple, int]], int]:
+    """([(name, dtype, shape, byte offset)], total bytes) of a static layer's one uint8 buffer: the packed keys and
+    values, their norms, the exact copies of the sinks (one row more than `sinks`, so never empty) and the lengths
+    (length, exact_from) as int64."""
+    parts, off = [], 0
+    for name, dt, shape in (
+        ("k_packed", torch.uint8, (batch, heads, capacity, key_bytes)),
+        ("v_packed", torch.uint8, (batch, heads, capacity, value_bytes)),
+        ("k_norms", norm_dtype, (batch, heads, capacity)),
+        ("v_norms", norm_dtype, (batch, heads, capacity)),
+        ("sink_k", dtype, (batch, heads, sinks + 1, dim)),
+        ("sink_v", dtype, (batch, heads, sinks + 1, dim)),
+        ("lengths", torch.int64, (2,)),
+    ):
+        parts.append((name, dt, shape, off))
+        n = dt.itemsize
+        for s in shape:
+            n *= s
+        off += -(-n // _ALIGN) * _ALIGN
+    return parts, off
+
+
+@dataclass(eq=False)
+class StaticKV:
+    """What a static layer's ring (the keys its `update` returns) carries for the attention: the layer's one uint8
+    buffer and how to read it. One buffer instead of eight tensors keeps a compiled step's guards and CUDA-graph
+    input checks to three tensors per layer (this buffer and the two rings), near `StaticCache`'s two.
+
+    Args:
+        store: the uint8 buffer laid out by `static_parts`.
+        capacity, sinks: positions held at most; sink positions kept exact.
+        norm_dtype: the norms' dtype name ("float16" or "float32").
+        k_quantizer, v_quantizer: `tq_hf_cache.ops` quantizer ids (rotation + codebook).
+        scratch, counters: the fused kernel's split-K scratch and arrival counters, shared by a cache's layers.
+    """
+
+    store: torch.Tensor
+    capacity: int
+    sinks: int
+    norm_dtype: str
+    k_quantizer: int
+    v_quantizer: int
+    scratch: torch.Tensor
+    counters: torch.Tensor
+
+
+def static_views(store: torch.Tensor, ring_k: torch.Tensor, capacity: int, sinks: int, norm_dtype: torch.dtype,
+                 key_bytes: int, value_bytes: int) -> dict[str, torch.Tensor]:
+    """Views of a static layer's buffer by part name (see `static_parts`), plus "length" and "exact_from" (0-d);
+    batch, heads, head dim and dtype are the ring's."""
+    b, h, _, d = ring_k.shape
+    parts, total = static_parts(b, h, capacity, d, key_bytes, value_bytes, sinks, norm_dtype, ring_k.dtype)
+    if store.dtype != torch.uint8 or store.dim() != 1 or store.numel() != total:
+        raise ValueError(f"a static layer's buffer must be uint8 of {total} bytes for this layout, got "
+                         f"{store.dtype} of shape {tuple(store.shape)}")
+    out = {}
+    for name, dt, shape, off in parts:
+        n = dt.itemsize
+        for s in shape:
+            n *= s
+        out[name] = store[off: off + n].view(dt).view(shape)
+    out["length"], out["exact_from"] = out["lengths"][0], out["lengths"][1]
+    return out
+
+
+def packed_source(key: torch.Tensor) -> PackedKV | StaticKV | None:
+    """What a TurboQuant layer's returned keys carry (`PackedKV`, or a static layer's `StaticKV`), else None."""
     return getattr(key, PACKED_ATTR, None)
 
 

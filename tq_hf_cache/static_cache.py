@@ -1,14 +1,16 @@
 """`TurboQuantStaticCache`: a `StaticCache` whose full-attention layers hold TurboQuant-packed keys and values, with
 every shape fixed, so that `torch.compile(mode="reduce-overhead")` captures the decode step in CUDA graphs.
 
-A layer preallocates, for `max_cache_len` positions: packed keys/values and their norms, a ring buffer of the
-newest `residual_length + MAX_FUSED_QUERIES` positions kept exact, and exact copies of the first `sink_tokens`
-positions (attention sinks). Every update quantizes its new tokens into their packed slots and writes them into the
+A layer preallocates, for `max_cache_len` positions, one uint8 buffer (`packed_kv.static_parts`: packed
+keys/values, their norms, exact copies of the first `sink_tokens` positions (attention sinks) and the lengths) and
+a ring buffer each for keys and values, of the newest `residual_length + MAX_FUSED_QUERIES` positions kept exact.
+Three tensors per layer, so that a compiled step's guards and CUDA-graph input checks cost about what
+`StaticCache`'s two do. Every update quantizes its new tokens into their packed slots and writes them into the
 ring; nothing is re-quantized and no branch depends on the current length, which lives on the device.
 
 What `update` returns depends only on the static shapes and on the model config's current
 `_attn_implementation`, never on what ran before:
-- "turboquant" and at most MAX_FUSED_QUERIES new tokens: the ring buffers. They carry the layer's `PackedKV` as
+- "turboquant" and at most MAX_FUSED_QUERIES new tokens: the ring buffers. They carry the layer's `StaticKV` as
   the attribute `turboquant_packed` (set once, when the buffers are made); the turboquant attention reads it and
   runs the fused op `tq_hf_cache::static_attention`. Any other attention given them fails loudly: its mask is
   `max_cache_len` long, the ring is not.
@@ -32,10 +34,8 @@ from .attention import NAME
 from .cache import _check_codebooks, _codebook, _rotation, resolve_config
 from .config import model_facts
 from .kernels import DECODE_MAX_ROWS, decode_supports
-from .packed_kv import MAX_FUSED_QUERIES, PACKED_ATTR, PackedKV, overlay_exact
+from .packed_kv import MAX_FUSED_QUERIES, PACKED_ATTR, PackedKV, StaticKV, overlay_exact, static_parts
 from .packing import packed_bytes
-
-_NORM_DTYPES = {"float16": torch.float16, "float32": torch.float32}
 
 
 class _Shared:
@@ -92,8 +92,6 @@ class TurboQuantStaticLayer(StaticLayer):
         self._attn_config, self._group = attn_config, query_group
         self._shared = shared
         self._codebook_check = codebook_check
-        self.cumulative_length = torch.tensor(0, dtype=torch.int64)
-        self.exact_from = torch.tensor(0, dtype=torch.int64)
 
     @property
     def ring_size(self) -> int:
@@ -132,35 +130,43 @@ class TurboQuantStaticLayer(StaticLayer):
         rotation = self._rotation_for(d).to(dev)
         kcb = self._codebook_for("key", self.key_bits, d).to(dev)
         vcb = self._codebook_for("value", self.value_bits, d).to(dev)
-        zeros = torch.zeros
-        k_packed = zeros(b, h, cap, packed_bytes(d, self.key_bits), dtype=torch.uint8, device=dev)
-        v_packed = zeros(b, h, cap, packed_bytes(d, self.value_bits), dtype=torch.uint8, device=dev)
-        k_norms = zeros(b, h, cap, dtype=self.norm_dtype, device=dev)
-        v_norms = zeros(b, h, cap, dtype=self.norm_dtype, device=dev)
         sinks = min(self.sink_tokens, cap)
-        # one row more than the sinks, so that the buffers are never empty (sink_tokens=0); it is never written
-        self._sink_k = zeros(b, h, sinks + 1, d, dtype=self.dtype, device=dev)
-        self._sink_v = zeros(b, h, sinks + 1, d, dtype=self.dtype, device=dev)
-        self.keys = zeros(b, h, self.ring_size, d, dtype=self.dtype, device=dev)  # the ring
-        self.values = zeros(b, h, self.ring_size, d, dtype=self.dtype, device=dev)
-        self.cumulative_length = self.cumulative_length.to(dev)
-        self.exact_from = self.exact_from.to(dev)
+        _, nbytes = static_parts(b, h, cap, d, packed_bytes(d, self.key_bits), packed_bytes(d, self.value_bits), sinks,
+                                 self.norm_dtype, self.dtype)
+        store = torch.zeros(nbytes, dtype=torch.uint8, device=dev)  # packed K/V, norms, sinks, lengths
+        self.keys = torch.zeros(b, h, self.ring_size, d, dtype=self.dtype, device=dev)  # the ring
+        self.values = torch.zeros(b, h, self.ring_size, d, dtype=self.dtype, device=dev)
         rows = min(DECODE_MAX_ROWS, _next_pow2(self._group * MAX_FUSED_QUERIES))
         splits = _max_splits(b * h, cap, dev)
         self._shared.ensure(b * h * (splits + 1) * rows * (d + 2), b * h, dev)
-        # the ring is what update returns, and it carries this PackedKV: the ring fields stay None (no cycle)
-        self.packed = PackedKV(
-            k_packed, k_norms, v_packed, v_norms, self._sink_k, self._sink_v, None, None,
-            self.cumulative_length, self.exact_from, rotation, kcb, vcb, sinks,
-            ops.quantizer_id(rotation, kcb), ops.quantizer_id(rotation, vcb), self._shared.scratch,
-            self._shared.counters,
-        )
-        setattr(self.keys, PACKED_ATTR, self.packed)
+        # the ring is what update returns, and it carries the StaticKV that the attention reads
+        static = StaticKV(store, cap, sinks, ops.dtype_name(self.norm_dtype), ops.quantizer_id(rotation, kcb),
+                          ops.quantizer_id(rotation, vcb), self._shared.scratch, self._shared.counters)
+        setattr(self.keys, PACKED_ATTR, static)
         ops.prepare_fused(self.packed)
-        for t in (k_packed, v_packed, k_norms, v_norms, self._sink_k, self._sink_v, self.keys, self.values,
-                  self.cumulative_length, self.exact_from):
+        for t in (store, self.keys, self.values):
             _mark_static(t)
         self.is_initialized = True
+
+    @property
+    def packed(self) -> PackedKV:
+        """The layer's state as a `PackedKV` of views of its buffer and rings (traced as view ops when compiled)."""
+        s = getattr(self.keys, PACKED_ATTR)
+        return ops.static_packed_kv(s.store, self.keys, self.values, s.capacity, s.sinks, s.norm_dtype, s.k_quantizer,
+                                    s.v_quantizer, s.scratch, s.counters)
+
+    @property
+    def cumulative_length(self) -> torch.Tensor:
+        """Positions held, a 0-d int64 tensor (on the device once initialized: a view of the layer's buffer)."""
+        if not self.is_initialized:
+            return torch.zeros((), dtype=torch.int64)
+        return self.packed.length
+
+    @cumulative_length.setter
+    def cumulative_length(self, value) -> None:
+        """`StaticLayer.__init__` sets a zero before the buffer exists; after, the length is the buffer's to keep."""
+        if getattr(self, "is_initialized", False):
+            raise AttributeError("a TurboQuantStaticLayer's length lives in its buffer: use crop() or reset()")
 
     def _fused(self, n: int) -> bool:
         """Whether this update serves the fused attention: static facts and the live attention setting only."""
@@ -174,11 +180,10 @@ class TurboQuantStaticLayer(StaticLayer):
         self._check(key_states, value_states)
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        p = self.packed
+        s = getattr(self.keys, PACKED_ATTR)  # the attention's path to it: one source for torch.compile to guard
         n = key_states.shape[2]
-        ops.static_append(key_states, value_states, p.k_packed, p.k_norms, p.v_packed, p.v_norms, self.keys,
-                          self.values, self._sink_k, self._sink_v, self.cumulative_length, self.exact_from, p.sinks,
-                          p.k_quantizer, p.v_quantizer)
+        ops.static_append(key_states, value_states, s.store, self.keys, self.values, s.capacity, s.sinks, s.norm_dtype,
+                          s.k_quantizer, s.v_quantizer)
         if self._fused(n):
             return self.keys, self.values
         return self._full(key_states, value_states)
@@ -186,8 +191,8 @@ class TurboQuantStaticLayer(StaticLayer):
     def _full(self, key_states, value_states):
         """Keys and values of every position: dequantized, the exact copies and this step's tokens over them."""
         n = key_states.shape[2]
-        pos = self.cumulative_length - n + torch.arange(n, device=self.device)  # this step's, after the append
         p, name = self.packed, ops.dtype_name(self.dtype)
+        pos = p.length - n + torch.arange(n, device=self.device)  # this step's, after the append
         k = ops.dequantize(p.k_packed, p.k_norms, p.k_quantizer, name)
         v = ops.dequantize(p.v_packed, p.v_norms, p.v_quantizer, name)
         overlay_exact(k, self.keys, p.sink_k[:, :, : p.sinks], p.length, p.exact_from)
@@ -197,7 +202,7 @@ class TurboQuantStaticLayer(StaticLayer):
         return k, v
 
     def get_seq_length(self) -> int:
-        return self.cumulative_length if self.is_initialized else 0
+        return self.packed.length if self.is_initialized else 0
 
     def get_mask_sizes(self, *args, **kwargs) -> tuple[int, int]:
         return self.max_cache_len, 0
@@ -207,30 +212,28 @@ class TurboQuantStaticLayer(StaticLayer):
 
     def reset(self) -> None:
         if self.is_initialized:
-            for t in (self.packed.k_packed, self.packed.v_packed, self.packed.k_norms, self.packed.v_norms,
-                      self._sink_k, self._sink_v, self.keys, self.values):
+            for t in (getattr(self.keys, PACKED_ATTR).store, self.keys, self.values):
                 t.zero_()
-        self.cumulative_length.zero_()
-        self.exact_from.zero_()
 
     def crop(self, max_length: int) -> None:
         """Negative: remove that many newest positions; positive: keep the first `max_length` (a length)."""
         if not self.is_initialized:
             return
-        seq = int(self.cumulative_length)
+        p = self.packed
+        seq = int(p.length)
         target = seq - abs(max_length) if max_length < 0 or (max_length == 0 and _compat.IS_V5) else max_length
         if target >= seq:
             return
         target = max(target, 0)
-        self.cumulative_length.fill_(target)
-        self.exact_from.clamp_(max=target)
+        p.length.fill_(target)
+        p.exact_from.clamp_(max=target)
 
     def _map_batch(self, fn) -> None:
         """Apply a batch-dim map to every buffer, in place (their addresses stay, as compiled graphs need)."""
         if not self.is_initialized:
             return
         p = self.packed
-        for t in (p.k_packed, p.v_packed, p.k_norms, p.v_norms, self._sink_k, self._sink_v, self.keys, self.values):
+        for t in (p.k_packed, p.v_packed, p.k_norms, p.v_norms, p.sink_k, p.sink_v, self.keys, self.values):
             t.copy_(fn(t))
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
@@ -252,7 +255,7 @@ class TurboQuantStaticLayer(StaticLayer):
         return {
             "packed": size(p.k_packed, p.v_packed, p.k_norms, p.v_norms),
             "residual": size(self.keys, self.values),
-            "sinks": size(self._sink_k, self._sink_v),
+            "sinks": size(p.sink_k, p.sink_v),
         }
 
     def __repr__(self) -> str:
@@ -336,7 +339,7 @@ class TurboQuantStaticCache(Cache):
                     max_cache_len=max_cache_len, key_bits=bits[0], value_bits=bits[1],
                     residual_length=cfg.residual_length, sink_tokens=cfg.sink_tokens,
                     rotation_for=partial(_rotation, seed=cfg.seed + idx, kind=cfg.rotation),
-                    codebook_for=partial(_codebook, codebooks, idx), norm_dtype=_NORM_DTYPES[cfg.norm_dtype],
+                    codebook_for=partial(_codebook, codebooks, idx), norm_dtype=ops.NORM_DTYPES[cfg.norm_dtype],
                     layer_idx=idx, attn_config=text, query_group=heads // kv_heads, shared=shared,
                     max_batch_size=max_batch_size,
                     codebook_check=partial(_check_codebooks, codebooks) if codebooks is not None else None,
