@@ -111,10 +111,23 @@ def _unrotate_plane(out, acc, pi_ptr, k: tl.constexpr, P: tl.constexpr, W: tl.co
 
 
 @triton.jit
-def _masked_scores(s, pos, t_ok, row_ok, row_i, heads, m_base, smh, smi, smt, causal_limit, MASK_KIND: tl.constexpr):
+def _mask_row(m_base, pos, t_ok, smt, MASK_KIND: tl.constexpr):
+    """The shared mask row of keys `pos` (MASK_KIND 3 / 4; 0 elsewhere): loaded ahead of its tile by the packed loop."""
+    if MASK_KIND == 3:
+        return tl.load(m_base + pos * smt, mask=t_ok, other=0)
+    elif MASK_KIND == 4:
+        return tl.load(m_base + pos * smt, mask=t_ok, other=0.0)
+    else:
+        return tl.zeros(pos.shape, dtype=tl.int8)
+
+
+@triton.jit
+def _masked_scores(s, pos, t_ok, row_ok, row_i, heads, m_base, smh, smi, smt, causal_limit, MASK_KIND: tl.constexpr,
+                   mrow=None, ROW_GIVEN: tl.constexpr = False):
     """Scores (base 2) with -inf where a key is out of range or masked out. MASK_KIND: 0 causal (no mask), 1 boolean,
     2 additive, one value per tile element; 3 boolean, 4 additive, one row shared by every tile row (a mask that
-    broadcasts over the heads and the queries: one load per key instead of one per row and key)."""
+    broadcasts over the heads and the queries: one load per key instead of one per row and key), passed in as
+    `mrow` with ROW_GIVEN (`_mask_row`, loaded a tile ahead)."""
     ok = t_ok[None, :] & row_ok[:, None]
     if MASK_KIND == 0:
         ok = ok & (pos[None, :] <= causal_limit[:, None])
@@ -125,10 +138,10 @@ def _masked_scores(s, pos, t_ok, row_ok, row_i, heads, m_base, smh, smi, smt, ca
         mv = tl.load(m_base + heads[:, None] * smh + row_i[:, None] * smi + pos[None, :] * smt, mask=ok, other=0.0)
         s = s + mv.to(tl.float32) * 1.4426950408889634
     elif MASK_KIND == 3:
-        mv = tl.load(m_base + pos * smt, mask=t_ok, other=0)
+        mv = mrow if ROW_GIVEN else _mask_row(m_base, pos, t_ok, smt, MASK_KIND)
         ok = ok & (mv != 0)[None, :]
     else:
-        mv = tl.load(m_base + pos * smt, mask=t_ok, other=0.0)
+        mv = mrow if ROW_GIVEN else _mask_row(m_base, pos, t_ok, smt, MASK_KIND)
         s = s + (mv.to(tl.float32) * 1.4426950408889634)[None, :]
     return tl.where(ok, s, float("-inf"))
 
@@ -267,22 +280,25 @@ def _decode_kernel(
             vraw = _load_packed(vp, offs, t_ok, VBITS, D, VPT, VW)
             knorm = tl.load(kn + offs, mask=t_ok, other=0.0).to(tl.float32)
             vnorm = tl.load(vn + offs, mask=t_ok, other=0.0).to(tl.float32)
+            mrow = _mask_row(m_base, offs, t_ok, smt, MASK_KIND)
         for t0 in range(start, end, BLOCK_N):
             offs = t0 + tl.arange(0, BLOCK_N)
             t_ok = (offs < end) & (offs >= Ls)
             if PREFETCH == 2:
-                k_cur, v_cur, kn_cur, vn_cur = kraw, vraw, knorm, vnorm
+                k_cur, v_cur, kn_cur, vn_cur, m_cur = kraw, vraw, knorm, vnorm, mrow
                 offs2 = offs + BLOCK_N
                 t_ok2 = offs2 < end
                 kraw = _load_packed(kp, offs2, t_ok2, KBITS, D, KPT, KW)
                 vraw = _load_packed(vp, offs2, t_ok2, VBITS, D, VPT, VW)
                 knorm = tl.load(kn + offs2, mask=t_ok2, other=0.0).to(tl.float32)
                 vnorm = tl.load(vn + offs2, mask=t_ok2, other=0.0).to(tl.float32)
+                mrow = _mask_row(m_base, offs2, t_ok2, smt, MASK_KIND)
             else:
                 k_cur = _load_packed(kp, offs, t_ok, KBITS, D, KPT, KW)
                 kn_cur = tl.load(kn + offs, mask=t_ok, other=0.0).to(tl.float32)
                 v_cur = _load_packed(vp, offs, t_ok, VBITS, D, VPT, VW)
                 vn_cur = tl.load(vn + offs, mask=t_ok, other=0.0).to(tl.float32)
+                m_cur = _mask_row(m_base, offs, t_ok, smt, MASK_KIND)
             e = _entries(kt, k_cur, 0, KBITS)
             s = tl.dot(q0, tl.trans(_half(e, 0)))
             if KP == 2:
@@ -298,7 +314,8 @@ def _decode_kernel(
                 e = _entries(kt, k_cur, 3, KBITS)
                 s = _qk(_qk(s, q6, e, 0), q7, e, 1)
             s = s * kn_cur[None, :]
-            s = _masked_scores(s, offs, t_ok, row_ok, row_i, heads, m_base, smh, smi, smt, causal_limit, MASK_KIND)
+            s = _masked_scores(s, offs, t_ok, row_ok, row_i, heads, m_base, smh, smi, smt, causal_limit, MASK_KIND,
+                               m_cur, True)
             p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i)
             pv = (p * vn_cur[None, :]).to(tl.float16)
             al = alpha[:, None]
