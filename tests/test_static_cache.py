@@ -178,3 +178,34 @@ def test_overflowing_the_capacity_is_refused_in_eager_mode():
         with pytest.raises(ValueError, match="6 new tokens after 15 exceed max_cache_len=20"):
             model(prompt(length=6), past_key_values=cache)
         assert int(cache.get_seq_length()) == 15
+
+
+def _cache_tensor_guards(cache_cls, **kw) -> int:
+    """Tensor guards a compiled decode step installs on the cache (dynamo's guard tree, printed)."""
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+
+    cfg, model = build("llama")
+    torch._dynamo.reset()
+    cache = cache_cls(config=cfg, max_cache_len=CAP, **kw)
+    forward = torch.compile(model.forward, backend="eager", fullgraph=True)
+    with torch.no_grad():
+        tok = model(prompt(), past_key_values=cache).logits[:, -1:].argmax(-1)
+        pos = torch.tensor([PROMPT])
+        forward(tok, past_key_values=cache, cache_position=pos, position_ids=pos[None])
+    f, entries = model.forward.__func__, []
+    while not entries and f is not None:
+        entries = _debug_get_cache_entry_list(f.__code__)
+        f = getattr(f, "__wrapped__", None)
+    assert len(entries) == 1, f"expected one compiled frame, found {len(entries)}"
+    guards = str(entries[0].guard_manager).splitlines()
+    return sum("TENSOR_MATCH" in g and "past_key_values" in g for g in guards)
+
+
+def test_a_compiled_step_checks_few_tensors_per_layer():
+    """Every tensor a compiled step reads from the cache is guarded (and, under CUDA graphs, checked as an input) at
+    every step: a static layer must stay near StaticCache's two (its one buffer and two rings), not one per part."""
+    ours = _cache_tensor_guards(TurboQuantStaticCache, residual_length=4, sink_tokens=2)
+    theirs = _cache_tensor_guards(transformers.StaticCache)
+    layers = build("llama")[0].num_hidden_layers
+    assert theirs >= 2 * layers, theirs  # the count works: StaticCache's keys and values per layer
+    assert ours <= theirs + layers + 3, (ours, theirs)  # + the buffer per layer, the shared scratch and counters
