@@ -104,11 +104,15 @@ def static_parts(batch: int, heads: int, capacity: int, dim: int, key_bytes: int
         ("lengths", torch.int64, (2,)),
     ):
         parts.append((name, dt, shape, off))
-        n = dt.itemsize
-        for s in shape:
-            n *= s
-        off += -(-n // _ALIGN) * _ALIGN
+        off += -(-_nbytes(dt, shape) // _ALIGN) * _ALIGN
     return parts, off
+
+
+def _nbytes(dtype: torch.dtype, shape: tuple) -> int:
+    n = dtype.itemsize
+    for s in shape:
+        n *= s
+    return n
 
 
 @dataclass(eq=False)
@@ -146,10 +150,7 @@ def static_views(store: torch.Tensor, ring_k: torch.Tensor, capacity: int, sinks
                          f"{store.dtype} of shape {tuple(store.shape)}")
     out = {}
     for name, dt, shape, off in parts:
-        n = dt.itemsize
-        for s in shape:
-            n *= s
-        out[name] = store[off: off + n].view(dt).view(shape)
+        out[name] = store[off: off + _nbytes(dt, shape)].view(dt).view(shape)
     out["length"], out["exact_from"] = out["lengths"][0], out["lengths"][1]
     return out
 
