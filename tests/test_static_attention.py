@@ -183,3 +183,16 @@ def test_quantizer_ids_are_stable_and_checked():
     assert ops.quantizer_id(make_rotation(64, 4), cb) != a
     with pytest.raises(ValueError, match="unknown quantizer id -1"):
         ops.quantizer(-1)
+
+
+def test_a_buffer_of_another_layout_is_refused():
+    kv, ring_k, ring_v, _, _ = make_kv(1, 2, 80, 20, 2, 60, 40, 64, 5, 3, torch.float16, 0)
+    store = to_store(kv, ring_k)
+    args = (80, kv.sinks, "float16", kv.k_quantizer, kv.v_quantizer)
+    with pytest.raises(ValueError, match=f"must be uint8 of {store.numel()} bytes for this layout, got torch.uint8 "
+                                         f"of shape \\({store.numel() - 16},\\)"):
+        ops.static_packed_kv(store[:-16], ring_k, ring_v, *args)
+    with pytest.raises(ValueError, match="must be uint8 of"):  # a capacity the buffer was not made for
+        ops.static_packed_kv(store, ring_k, ring_v, 96, *args[1:])
+    with pytest.raises(ValueError, match="norm_dtype must be one of \\['float16', 'float32'\\], got 'bfloat16'"):
+        ops.static_packed_kv(store, ring_k, ring_v, 80, kv.sinks, "bfloat16", kv.k_quantizer, kv.v_quantizer)
