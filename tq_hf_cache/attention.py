@@ -57,6 +57,10 @@ def _fusable(query, kv, dropout, kwargs) -> bool:
         return False
     b, hq, n, d = query.shape
     hkv = kv.k_packed.shape[1]
+    if kv.key_split is not None:
+        _warn_once("key_split", "tq_hf_cache: no fused decode attention for split keys yet; their layers use the "
+                   "workspace (dequantize + SDPA) path")
+        return False
     if n > MAX_FUSED_QUERIES or hq % hkv or (hq // hkv) * n > DECODE_MAX_ROWS:
         return False
     kbits, vbits = kv.k_codebook.bits, kv.v_codebook.bits

@@ -207,6 +207,9 @@ def make_layer(
     """The cache layer for one decoder layer, by the layer type transformers assigns it."""
     bits = tq_config.bits_for_layer(idx, num_model_layers, layer_type)
     extra = {"private_output": True} if private_output else {}
+    if (layer_type in _UNTOUCHED_TYPES or bits is None) and idx in tq_config.key_split:
+        raise ValueError(f"key_split names layer {idx}, which the config keeps in full precision (layer type "
+                         f"{layer_type!r}); split only quantized layers")
     if layer_type in _UNTOUCHED_TYPES:  # recurrent / conv state only, or KV-sharing consumers: no KV here
         return _compat.transformers_layer(layer_type, kwargs, idx)
     if bits is None:
@@ -242,6 +245,7 @@ def _tq_layer(tq_config, codebooks, workspace, cls, idx: int, bits: tuple[int, i
         norm_dtype=_NORM_DTYPES[cfg.norm_dtype],
         layer_idx=idx,
         codebook_check=partial(_check_codebooks, codebooks) if codebooks is not None else None,
+        key_split=cfg.key_split.get(idx),
         **extra,
     )
 

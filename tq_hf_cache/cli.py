@@ -4,6 +4,7 @@ evaluate, benchmark.
     tq-hf-cache calibrate MODEL_DIR [--text FILE] [--gguf-file NAME] [--preset k5v3 | --key-bits K --value-bits V]
                           [--out DIR] [--max-tokens N] [--extra-bits 2 3 ...]
     tq-hf-cache allocate MODEL_DIR --budget BITS [--text FILE] [--out DIR] [--tokens N]
+    tq-hf-cache split-keys MODEL_DIR --sizes 64,64,128 --deltas 2,0,-1 [--base k4v2 | DIR] [--key-centering] [--out DIR]
     tq-hf-cache info DIR [--json]
     tq-hf-cache eval ...           (delegates to tq_hf_cache.eval.cli)
     tq-hf-cache bench [--model smollm2 | DIR | llama-3.1-8b] [--contexts 1024,3072] [--batch 1] [--rows ...]
@@ -60,6 +61,20 @@ def _build_parser() -> argparse.ArgumentParser:
     a.add_argument("--seed", type=int, default=0, help="rotation seed (layer i uses seed + i)")
     a.add_argument("--out", help="output folder (default MODEL_DIR)")
     a.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+
+    k = sub.add_parser("split-keys", help="split every layer's keys into parts of calibrated channels, each at its own "
+                       "width (the paper's outlier channels)")
+    k.add_argument("model_dir", help=f"checkpoint folder, or {EMBEDDED_MODEL!r} for the embedded SmolLM2-135M GGUF")
+    k.add_argument("--sizes", required=True, help="channels per part, heaviest RoPE pairs first; even, summing to the "
+                   "head dim (e.g. 64,64,128)")
+    k.add_argument("--deltas", required=True, help="bits added to each layer's key bits, per part (e.g. 2,0,-1)")
+    k.add_argument("--base", default=DEFAULT_PRESET, help="the per-layer bits to start from: a preset name, or a folder "
+                   f"holding a {TURBOQUANT_CONFIG_NAME} (an allocation); default {DEFAULT_PRESET}")
+    k.add_argument("--key-centering", action="store_true", help="also centre the keys (TurboQuantConfig.key_centering)")
+    k.add_argument("--text", help="UTF-8 text file to measure on (default: prose shipped with Python)")
+    k.add_argument("--gguf-file", help="GGUF file name inside MODEL_DIR")
+    k.add_argument("--tokens", type=int, default=1024, help="tokens of text measured (default 1024)")
+    k.add_argument("--out", help="output folder (default MODEL_DIR)")
 
     i = sub.add_parser("info", help="print what a folder's turboquant files store")
     i.add_argument("dir")
@@ -342,8 +357,62 @@ def _cmd_allocate(args) -> int:
     return 0
 
 
+def _cmd_split_keys(args) -> int:
+    from .key_split import calibrate_key_split, split_bits
+
+    try:
+        sizes = _positive_ints(args.sizes, "--sizes")
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    try:
+        deltas = [int(x) for x in args.deltas.split(",")]
+    except ValueError:
+        print(f"error: --deltas must be comma-separated integers, got {args.deltas!r}", file=sys.stderr)
+        return 2
+    if args.tokens < 16:
+        print(f"error: --tokens must be >= 16, got {args.tokens}", file=sys.stderr)
+        return 2
+    try:
+        if args.base in PRESETS:
+            base = TurboQuantConfig.from_preset(args.base)
+        elif os.path.isdir(args.base):
+            base = TurboQuantConfig.from_pretrained(args.base)
+        else:
+            raise ValueError(f"--base must be a preset ({', '.join(sorted(PRESETS))}) or a folder, got {args.base!r}")
+    except (OSError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    out = _output_folder(args)
+    if out is None:
+        return 2
+    text, source = _read_text(args, 8 * args.tokens)
+    if text is None:
+        return 2
+    loaded = _load_model_or_report(args)
+    if loaded is None:
+        return 2
+    model, tok = loaded
+    ids = tok(text, return_tensors="pt")["input_ids"][:, : args.tokens]
+    try:
+        spec = calibrate_key_split(model, ids, sizes, deltas, base)
+        cfg = TurboQuantConfig.from_dict({**base.to_dict(), "key_split": spec,
+                                          "key_centering": args.key_centering or base.key_centering})
+        path = cfg.save_pretrained(out, model_config=model.config, extra={"key_split_calibration": {
+            "sizes": sizes, "deltas": deltas, "base": args.base, "tokens": int(ids.shape[1]), "text_source": source}})
+    except (OSError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(f"wrote {path}")
+    print("layer  key parts (channels x bits)      key bits per coordinate")
+    for i, layer in sorted(spec.items()):
+        parts = " + ".join(f"{n}x{b}" for n, b in zip(layer["sizes"], layer["bits"]))
+        print(f"{i:>5}  {parts:<32}  {split_bits(layer) / sum(layer['sizes']):.3f}")
+    return 0
+
+
 def _output_folder(args) -> str | None:
-    """The output folder of calibrate / allocate (created), checked before the model loads and anything runs;
+    """The output folder of calibrate / allocate / split-keys (created), checked before the model loads and anything runs;
     None after printing why it cannot be used."""
     out = args.out or args.model_dir
     if args.model_dir == EMBEDDED_MODEL and not args.out:
@@ -419,6 +488,11 @@ def _cmd_info(args) -> int:
     print(f"{os.path.join(args.dir, TURBOQUANT_CONFIG_NAME)}: format version {d['format_version']}")
     print(f"  bits: key {tq['key_bits']}, value {tq['value_bits']}; layer_bits {tq['layer_bits'] or 'none'}; "
           f"seed {tq['seed']}; rotation {tq['rotation']}; residual_length {tq['residual_length']}")
+    if tq.get("key_centering"):
+        print("  key centring: on")
+    if tq.get("key_split"):
+        kinds = sorted({" + ".join(f"{n}x{b}" for n, b in zip(v["sizes"], v["bits"])) for v in tq["key_split"].values()})
+        print(f"  split keys (channels x bits) in {len(tq['key_split'])} layers: {'; '.join(kinds)}")
     if d.get("model"):
         m = d["model"]
         print(f"  model: {m['model_type']}, {m['num_hidden_layers']} layers, {m['num_key_value_heads']} KV heads, "
@@ -457,6 +531,8 @@ def main(argv: list[str] | None = None) -> int:
         return _cmd_calibrate(args)
     if args.command == "allocate":
         return _cmd_allocate(args)
+    if args.command == "split-keys":
+        return _cmd_split_keys(args)
     if args.command == "bench":
         return _cmd_bench(args)
     return _cmd_info(args)

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .codebook import check_bits
+from .key_split import check_spec
 from .rotation import ROTATION_KINDS
 
 # (key bits, value bits). Keys carry the quantization loss (docs/eval_findings.md: 4-bit values cost nothing
@@ -49,6 +50,10 @@ class TurboQuantConfig:
     key_centering: quantize each key minus R(t) mu, its layer's pre-RoPE mean rotated to its position (mu per batch
         row and KV head, from the first tokens the layer quantizes), and add it back on every read. Needs the
         model's RoPE (`config=` of a transformers model with rotary embeddings); `TurboQuantCache` only.
+    key_split: per-layer {layer_idx: {"bits": [b0, b1, ...], "sizes": [n0, n1, ...], "order": [[channels] per KV
+        head]}}: the layer's keys are TurboQuant vectors of parts of their channels, part p the next n_p channels of
+        the order at b_p bits (`key_split`; `calibrate_key_split` orders the channels). It replaces the layer's key
+        bits. `TurboQuantCache` only.
     """
 
     key_bits: int = PRESETS[DEFAULT_PRESET][0]
@@ -64,6 +69,7 @@ class TurboQuantConfig:
     skip_layer_types: list[str] = field(default_factory=list)
     layer_bits: dict[int, list[int]] = field(default_factory=dict)
     key_centering: bool = False
+    key_split: dict[int, dict] = field(default_factory=dict)
 
     def __post_init__(self):
         if not isinstance(self.key_centering, bool):
@@ -89,28 +95,32 @@ class TurboQuantConfig:
         if not all(isinstance(t, str) and t for t in types):
             raise ValueError(f"skip_layer_types holds layer type names such as 'sliding_attention', got {self.skip_layer_types!r}")
         self.skip_layer_types = sorted(set(types))
-        if not isinstance(self.layer_bits, dict):
-            raise TypeError(
-                f"layer_bits must be a dict {{layer_idx: [key_bits, value_bits]}}, got {type(self.layer_bits).__name__}"
-            )
-        bits = {}
-        for k, v in self.layer_bits.items():
+        self.layer_bits = self._layer_dict(self.layer_bits, "layer_bits", "{layer_idx: [key_bits, value_bits]}",
+                                           _check_layer_bits)
+        self.key_split = self._layer_dict(self.key_split, "key_split",
+                                          '{layer_idx: {"bits": [...], "sizes": [...], "order": [...]}}', check_spec)
+
+    def _layer_dict(self, value, what: str, shape: str, check) -> dict:
+        """{layer index: check(v, index)} from a dict keyed by layer indices (ints, or digit strings from JSON)."""
+        if not isinstance(value, dict):
+            raise TypeError(f"{what} must be a dict {shape}, got {type(value).__name__}")
+        out = {}
+        for k, v in value.items():
             if isinstance(k, str):
                 if not k.isdigit():
-                    raise ValueError(f"layer_bits holds layer indices >= 0 as keys, got {k!r}")
+                    raise ValueError(f"{what} holds layer indices >= 0 as keys, got {k!r}")
                 idx = int(k)
             else:
-                idx = self._layer_index(k, "layer_bits")
-            if idx in bits:
-                raise ValueError(f"layer_bits names layer {idx} twice (keys {k!r} and an earlier one)")
-            if not isinstance(v, (list, tuple)) or len(v) != 2:
-                raise ValueError(f"layer_bits[{idx}] must be [key_bits, value_bits], got {v!r}")
-            bits[idx] = [check_bits(v[0], f"layer_bits[{idx}] key bits"), check_bits(v[1], f"layer_bits[{idx}] value bits")]
-        self.layer_bits = bits
+                idx = self._layer_index(k, what)
+            if idx in out:
+                raise ValueError(f"{what} names layer {idx} twice (keys {k!r} and an earlier one)")
+            out[idx] = check(v, idx)
+        return out
 
     def check_layers(self, num_layers: int) -> None:
         """Refuse per-layer settings that name layers a model of `num_layers` layers does not have."""
-        named = {"skip_layers": self.skip_layers, "layer_bits": sorted(self.layer_bits)}
+        named = {"skip_layers": self.skip_layers, "layer_bits": sorted(self.layer_bits),
+                 "key_split": sorted(self.key_split)}
         for what, idx in named.items():
             bad = [i for i in idx if i >= num_layers]
             if bad:
@@ -162,6 +172,8 @@ class TurboQuantConfig:
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
         d["layer_bits"] = {str(k): list(v) for k, v in self.layer_bits.items()}
+        d["key_split"] = {str(k): {"bits": list(v["bits"]), "sizes": list(v["sizes"]),
+                                   "order": [list(c) for c in v["order"]]} for k, v in self.key_split.items()}
         return d
 
     def to_json_string(self) -> str:
@@ -256,6 +268,12 @@ class TurboQuantConfig:
         doc = read_turboquant_json(directory)
         check_model_facts(doc, directory, config)
         return cls.from_dict(doc["tq_config"])
+
+
+def _check_layer_bits(v, idx: int) -> list[int]:
+    if not isinstance(v, (list, tuple)) or len(v) != 2:
+        raise ValueError(f"layer_bits[{idx}] must be [key_bits, value_bits], got {v!r}")
+    return [check_bits(v[0], f"layer_bits[{idx}] key bits"), check_bits(v[1], f"layer_bits[{idx}] value bits")]
 
 
 def _sequence(value, what: str, example: str) -> list:

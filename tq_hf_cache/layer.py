@@ -25,7 +25,8 @@ from transformers.cache_utils import DynamicLayer
 
 from . import ops
 from ._compat import IS_V5
-from .codebook import Codebook
+from .codebook import Codebook, theoretical_codebook
+from .key_split import KeySplit, make_split
 from .packed_kv import MAX_FUSED_QUERIES, PackedKV, lazy_pair
 from .packing import packed_bytes
 from .rope import KeyOffset, RopeAngles
@@ -134,6 +135,7 @@ class TurboQuantLayer(DynamicLayer):
         sink_tokens: int = 0,
         codebook_check=None,
         rope: RopeAngles | None = None,
+        key_split: dict | None = None,
     ):
         DynamicLayer.__init__(self)
         self.sink_tokens = 0 if self.is_sliding else int(sink_tokens)
@@ -148,6 +150,7 @@ class TurboQuantLayer(DynamicLayer):
         self._rotation_for = rotation_for  # dim -> Rotation
         self._codebook_for = codebook_for  # (kind, bits, dim) -> Codebook
         self.rope = rope  # set: keys are centred before quantizing (pre-RoPE key centring, see `rope`)
+        self.key_split_spec = key_split  # set: keys are split in parts (`key_split`), checked at the first update
         self._clear()
 
     def _clear(self) -> None:
@@ -156,6 +159,8 @@ class TurboQuantLayer(DynamicLayer):
         self.cumulative_length = 0
         self.k_buf: PackedBuffer | None = None
         self.v_buf: PackedBuffer | None = None
+        self.k_more: list[PackedBuffer] = []  # split keys: k_buf holds part 0, these the other parts
+        self.key_split: KeySplit | None = None
         self._rk: torch.Tensor | None = None  # residual buffers (B, H, capacity, D); the first _rlen are live
         self._rv: torch.Tensor | None = None
         self._rlen = 0
@@ -238,6 +243,10 @@ class TurboQuantLayer(DynamicLayer):
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor | None = None) -> None:
         b, h, _, d = key_states.shape
+        split = None
+        if self.key_split_spec is not None:
+            # the parts are vectors of their own dims: the theoretical codebooks of those dims, never calibrated ones
+            split = make_split(self.key_split_spec, self.layer_idx, h, d, self._rotation_for, theoretical_codebook)
         rot = self._rotation_for(d)
         k_codebook: Codebook = self._codebook_for("key", self.key_bits, d)
         v_codebook: Codebook = self._codebook_for("value", self.value_bits, d)
@@ -250,7 +259,13 @@ class TurboQuantLayer(DynamicLayer):
         self.batch, self.heads, self.head_dim = b, h, d
         self.rotation = rot.to(self.device)
         self.k_codebook, self.v_codebook = k_codebook.to(self.device), v_codebook.to(self.device)
-        self.k_buf = PackedBuffer(b, h, d, self.key_bits, self.norm_dtype, self.device)
+        if split is not None:
+            self.key_split = split.to(self.device)
+            self.k_codebook = self.key_split.parts[0][1]
+            parts = [PackedBuffer(b, h, rot.dim, cb.bits, self.norm_dtype, self.device) for rot, cb in split.parts]
+            self.k_buf, self.k_more = parts[0], parts[1:]
+        else:
+            self.k_buf = PackedBuffer(b, h, d, self.key_bits, self.norm_dtype, self.device)
         self.v_buf = PackedBuffer(b, h, d, self.value_bits, self.norm_dtype, self.device)
         # residual window and sink copies grow with the sequence: a short prompt holds no more than it needs
         self._rk = key_states.new_empty(b, h, 0, d)
@@ -260,6 +275,10 @@ class TurboQuantLayer(DynamicLayer):
         self._sv = key_states.new_empty(b, h, 0, d)
         self._slen = 0
         self.is_initialized = True
+
+    def _buffers(self) -> list[PackedBuffer]:
+        """Every packed buffer the layer holds (they hold the same tokens)."""
+        return [b for b in (self.k_buf, *self.k_more, self.v_buf) if b is not None]
 
     @property
     def quantized_length(self) -> int:
@@ -319,8 +338,8 @@ class TurboQuantLayer(DynamicLayer):
         lr, n = self._rlen, key_states.shape[2]
         fp = self._with_residual(key_states, value_states)
         if lr + n > self.residual_capacity:  # the push quantizes all but the newest residual_length tokens
-            self.k_buf.reserve(lr + n - self.residual_length)
-            self.v_buf.reserve(lr + n - self.residual_length)
+            for buf in self._buffers():
+                buf.reserve(lr + n - self.residual_length)
         out = self._lazy(self.packed_kv(*fp))
         self._push(key_states, value_states, fp=fp)
         return out
@@ -359,7 +378,8 @@ class TurboQuantLayer(DynamicLayer):
         return PackedKV(
             pk, nk, pv, nv, self._sk, self._sv, ring_k, ring_v, lq + ring_k.shape[2], lq, self.rotation,
             self.k_codebook, self.v_codebook, self.exact_sinks, -1, -1,
-            key_offset=self._key_offset(lq + ring_k.shape[2]),
+            key_offset=self._key_offset(lq + ring_k.shape[2]), key_split=self.key_split,
+            key_parts=tuple(b.live() for b in (self.k_buf, *self.k_more)) if self.key_split is not None else None,
         )
 
     def _settle(self) -> None:
@@ -385,9 +405,8 @@ class TurboQuantLayer(DynamicLayer):
             wv = value_states.new_empty(self.batch, self.heads, lq + lr + n, self.head_dim)
         else:
             wk, wv = self.workspace.views(self.batch, self.heads, lq + lr + n, self.head_dim, self.dtype, self.device)
-        pk, nk = self.k_buf.live()
         pv, nv = self.v_buf.live()
-        ops.dequantize_into(pk, nk, self.rotation, self.k_codebook, wk[:, :, :lq])
+        self._dequantize_keys(wk[:, :, :lq])
         ops.dequantize_into(pv, nv, self.rotation, self.v_codebook, wv[:, :, :lq])
         if self._mu is not None:
             self._key_offset(lq + lr + n).add_to(wk[:, :, :lq], 0)
@@ -475,7 +494,10 @@ class TurboQuantLayer(DynamicLayer):
             self._slen += take
         pk, nk = self.k_buf.append_slots(n)
         pv, nv = self.v_buf.append_slots(n)
-        if kq is k:
+        if self.key_split is not None:
+            ops.quantize_split_into(kq, self.key_split, [(pk, nk)] + [b.append_slots(n) for b in self.k_more])
+            ops.quantize_into(v, self.rotation, self.v_codebook, pv, nv)
+        elif kq is k:
             ops.quantize_kv_into(k, v, self.rotation, self.k_codebook, self.v_codebook, pk, nk, pv, nv)
         else:
             ops.quantize_into(kq, self.rotation, self.k_codebook, pk, nk)
@@ -495,7 +517,7 @@ class TurboQuantLayer(DynamicLayer):
                 stacklevel=2,
             )
             self.norm_dtype = torch.float32
-            for buf in (self.k_buf, self.v_buf):
+            for buf in self._buffers():
                 buf.norms = buf.norms.float()
 
     def _materialize(self, kind: str) -> torch.Tensor | None:
@@ -506,13 +528,23 @@ class TurboQuantLayer(DynamicLayer):
         packed, norms = buf.live()
         out = res.new_empty(self.batch, self.heads, buf.length + res.shape[2], self.head_dim)
         if buf.length:
-            ops.dequantize_into(packed, norms, self.rotation, cb, out[:, :, : buf.length])
+            if kind == "key":
+                self._dequantize_keys(out[:, :, : buf.length])
+            else:
+                ops.dequantize_into(packed, norms, self.rotation, cb, out[:, :, : buf.length])
             if kind == "key" and self._mu is not None:
                 self._key_offset(out.shape[2]).add_to(out[:, :, : buf.length], 0)
             ns = self.exact_sinks
             out[:, :, :ns].copy_((self._sk if kind == "key" else self._sv)[:, :, :ns])
         out[:, :, buf.length :].copy_(res)
         return out
+
+    def _dequantize_keys(self, out: torch.Tensor) -> None:
+        """The packed keys (without their centring offset) into out (B, H, quantized tokens, D)."""
+        if self.key_split is not None:
+            ops.dequantize_split_into([b.live() for b in (self.k_buf, *self.k_more)], self.key_split, out)
+        else:
+            ops.dequantize_into(*self.k_buf.live(), self.rotation, self.k_codebook, out)
 
     def get_seq_length(self) -> int:
         return self.cumulative_length
@@ -555,8 +587,8 @@ class TurboQuantLayer(DynamicLayer):
         if stored >= lq:
             self._rlen = min(self._rlen, stored - lq)
         else:
-            self.k_buf.truncate(stored)
-            self.v_buf.truncate(stored)
+            for buf in self._buffers():
+                buf.truncate(stored)
             self._rlen = 0
         self._slen = min(self._slen, stored)
 
@@ -564,8 +596,8 @@ class TurboQuantLayer(DynamicLayer):
         if not self.is_initialized:
             return
         self._settle()
-        self.k_buf.map_batch(fn)
-        self.v_buf.map_batch(fn)
+        for buf in self._buffers():
+            buf.map_batch(fn)
         self._rk, self._rv = fn(self._rk), fn(self._rv)
         self._sk, self._sv = fn(self._sk), fn(self._sv)
         if self._mu is not None:
@@ -585,7 +617,7 @@ class TurboQuantLayer(DynamicLayer):
     def offload(self) -> None:
         if self.is_initialized:
             self._settle()
-            for buf in (self.k_buf, self.v_buf):
+            for buf in self._buffers():
                 buf.to("cpu")
             self._rk, self._rv = self._rk.to("cpu", non_blocking=True), self._rv.to("cpu", non_blocking=True)
             self._sk, self._sv = self._sk.to("cpu", non_blocking=True), self._sv.to("cpu", non_blocking=True)
@@ -594,7 +626,7 @@ class TurboQuantLayer(DynamicLayer):
 
     def prefetch(self) -> None:
         if self.is_initialized and self._rk.device != self.device:
-            for buf in (self.k_buf, self.v_buf):
+            for buf in self._buffers():
                 buf.to(self.device)
             self._rk, self._rv = self._rk.to(self.device, non_blocking=True), self._rv.to(self.device, non_blocking=True)
             self._sk, self._sv = self._sk.to(self.device, non_blocking=True), self._sv.to(self.device, non_blocking=True)
@@ -608,7 +640,7 @@ class TurboQuantLayer(DynamicLayer):
         self._settle()
         res = (self._rk.numel() + self._rv.numel()) * self._rk.element_size()
         sinks = (self._sk.numel() + self._sv.numel()) * self._sk.element_size()
-        return {"packed": self.k_buf.nbytes() + self.v_buf.nbytes(), "residual": res, "sinks": sinks}
+        return {"packed": sum(b.nbytes() for b in self._buffers()), "residual": res, "sinks": sinks}
 
     def __repr__(self) -> str:
         return (
@@ -637,8 +669,8 @@ class TurboQuantSlidingLayer(TurboQuantLayer):
         if excess <= 0:
             return 0
         from_packed = min(excess, self.k_buf.length)
-        self.k_buf.drop_front(from_packed)
-        self.v_buf.drop_front(from_packed)
+        for buf in self._buffers():
+            buf.drop_front(from_packed)
         return excess - from_packed
 
     def get_mask_sizes(self, query_length_or_cache_position, *args) -> tuple[int, int]:
@@ -704,8 +736,8 @@ class TurboQuantSlidingLayer(TurboQuantLayer):
         if excess <= 0:
             return
         from_packed = min(excess, self.k_buf.length)
-        self.k_buf.drop_front(from_packed)
-        self.v_buf.drop_front(from_packed)
+        for buf in self._buffers():
+            buf.drop_front(from_packed)
         e = excess - from_packed
         if e:
             rest = self._rlen - e

@@ -97,6 +97,23 @@ def quantize_kv_into(
     quantize_into(v, rotation, v_codebook, v_packed, v_norms)
 
 
+def quantize_split_into(x: torch.Tensor, split, outs) -> None:
+    """Split keys (`key_split.KeySplit`): x (B, H, T, D) into each part's (packed, norms) of `outs` (the kernels, or
+    the reference, on each part)."""
+    for part, (rot, cb), (packed, norms) in zip(split.split(x), split.parts, outs):
+        quantize_into(part, rot, cb, packed, norms)
+
+
+def dequantize_split_into(parts, split, out: torch.Tensor) -> None:
+    """Split keys, per part (packed, norms), back into out (B, H, T, D) in out's dtype: each part dequantized, then
+    its channels put back."""
+    dense = []
+    for (packed, norms), (rot, cb) in zip(parts, split.parts):
+        dense.append(out.new_empty(*out.shape[:-1], rot.dim))
+        dequantize_into(packed, norms, rot, cb, dense[-1])
+    split.join(dense, out)
+
+
 # --- custom ops: what torch.compile sees of a static TurboQuant layer ---------------------------------------------
 # Each op is opaque to dynamo (no graph break) and has a fake implementation for shapes. A quantizer (rotation +
 # codebook on one device) is passed as an id into this registry, since custom ops take tensors and scalars only.
@@ -200,6 +217,9 @@ def decode_attention(query: torch.Tensor, kv, mask: torch.Tensor | None, scale: 
     """Attention of query (B, Hq, n, D) over a `PackedKV` -> (B, n, Hq, D): the fused Triton kernel where it
     serves the call (CUDA, or FUSED_BACKEND "triton"), else the torch math (`reference.packed_attention` for a
     dynamic layer, `reference.static_attention` for a static one)."""
+    if getattr(kv, "key_split", None) is not None:
+        raise ValueError("the fused decode attention does not take split keys (PackedKV.key_split) yet; attend to "
+                         "the dense keys (the workspace path)")
     if getattr(kv, "key_offset", None) is not None:
         mask = _centring_mask(query, kv, mask, scale)
     backend = FUSED_BACKEND

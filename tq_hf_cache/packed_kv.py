@@ -20,6 +20,7 @@ import torch
 from torch.utils._pytree import tree_map_only
 
 from .codebook import Codebook
+from .key_split import KeySplit
 from .rope import KeyOffset
 from .rotation import Rotation
 
@@ -44,6 +45,8 @@ class PackedKV:
             lets the kernel use its own per-device ones (eager use only).
         key_offset: a centred dynamic layer's `rope.KeyOffset`: its packed keys are k - R(t) mu, so every read adds
             R(t) mu back (to dequantized keys, or q . R(t) mu to their scores); None when the keys are not centred.
+        key_split: a dynamic layer's `key_split.KeySplit` when its keys are split; None otherwise.
+        key_parts: then, per part, (packed (B, H, slots, bytes), norms (B, H, slots)); part 0's are k_packed / k_norms.
     """
 
     k_packed: torch.Tensor
@@ -65,6 +68,8 @@ class PackedKV:
     scratch: torch.Tensor | None = None
     counters: torch.Tensor | None = None
     key_offset: KeyOffset | None = None
+    key_split: KeySplit | None = None
+    key_parts: tuple[tuple[torch.Tensor, torch.Tensor], ...] | None = None
 
     @property
     def capacity(self) -> int:
@@ -82,6 +87,8 @@ class PackedKV:
                 if getattr(self, name) is not None}
         if self.key_offset is not None:
             pick["key_offset"] = self.key_offset.rows(start, stop)
+        if self.key_parts is not None:
+            pick["key_parts"] = tuple((p[start:stop], n[start:stop]) for p, n in self.key_parts)
         return replace(self, **pick)
 
 
@@ -196,7 +203,11 @@ def fill_dense(out: torch.Tensor, kv: PackedKV, kind: str) -> torch.Tensor:
     else:
         packed, norms, cb, sinks, ring = kv.v_packed, kv.v_norms, kv.v_codebook, kv.sink_v, kv.ring_v
     if lq:
-        ops.dequantize_into(packed[:, :, :lq], norms[:, :, :lq], kv.rotation, cb, out[:, :, :lq])
+        if kind == "key" and kv.key_split is not None:
+            parts = [(p[:, :, :lq], n[:, :, :lq]) for p, n in kv.key_parts]
+            ops.dequantize_split_into(parts, kv.key_split, out[:, :, :lq])
+        else:
+            ops.dequantize_into(packed[:, :, :lq], norms[:, :, :lq], kv.rotation, cb, out[:, :, :lq])
         if kind == "key" and kv.key_offset is not None:
             kv.key_offset.add_to(out[:, :, :lq], 0)
         if kv.sinks:

@@ -63,6 +63,8 @@ def save_prefix(cache, path: str, token_ids) -> str:
         raise ValueError("save_prefix needs a cache built with config=model.config (the model facts are stored)")
     if cache.tq_config.key_centering:
         raise ValueError("save_prefix does not store a key_centering cache's key means yet; use key_centering=False")
+    if cache.tq_config.key_split:
+        raise ValueError("save_prefix does not store split keys yet; use a config without key_split")
     if cache.model_facts is None:
         raise ValueError(
             "save_prefix needs one layer count, KV head count and head dim for the whole model; this model's config "

@@ -123,6 +123,18 @@ def dequantize(
     return (rotation.inverse(y) * norms.float().unsqueeze(-1)).to(dtype)
 
 
+def split_quantize(x: torch.Tensor, split, norm_dtype: torch.dtype = torch.float16) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Split keys (`key_split.KeySplit`): x (B, H, T, D) -> per part (packed, norms), each part `quantize`d with its
+    own rotation and codebook."""
+    return [quantize(part, rot, cb, norm_dtype) for part, (rot, cb) in zip(split.split(x), split.parts)]
+
+
+def split_dequantize(parts, split, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Inverse of `split_quantize` up to the quantization error: per part (packed, norms) -> (B, H, T, D) in `dtype`."""
+    dense = [dequantize(p, n, rot, cb, dtype) for (p, n), (rot, cb) in zip(parts, split.parts)]
+    return split.join(dense, dense[0].new_empty(*dense[0].shape[:-1], split.dim))
+
+
 def attention(
     query: torch.Tensor,
     key: torch.Tensor,

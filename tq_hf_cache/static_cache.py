@@ -308,6 +308,8 @@ class TurboQuantStaticCache(Cache):
         self.tq_config = resolve_config(tq_config, **overrides)
         if self.tq_config.key_centering:
             raise ValueError("key_centering=True is not supported by TurboQuantStaticCache; use TurboQuantCache")
+        if self.tq_config.key_split:
+            raise ValueError("key_split is not supported by TurboQuantStaticCache yet; use TurboQuantCache")
         self.codebooks = codebooks
         self.capacity = max_cache_len  # (Cache.max_cache_len is a read-only property in some transformers 5.x)
         self.model_facts = model_facts(config)

@@ -72,7 +72,8 @@ class CacheSpec:
         model whose activations are `dtype_bytes` wide, ignoring the full-precision residual window.
 
         fp: 2 * H * D * dtype_bytes.
-        turboquant: H * (ceil(D*kb/8) + norm + ceil(D*vb/8) + norm), norm = 2 bytes (float16) or 4 (float32).
+        turboquant: H * (ceil(D*kb/8) + norm + ceil(D*vb/8) + norm), norm = 2 bytes (float16) or 4 (float32);
+        split keys cost sum over parts of (ceil(n*b/8) + norm).
         quanto / hqq (QuantizedCache, axis 0, group 64): H * 2 * (D*b/8 + ceil(D/64) * 2 * dtype_bytes), one
         scale and one zero-point per group of 64 in the model dtype.
         """
@@ -81,11 +82,17 @@ class CacheSpec:
             return 2 * h * d * dtype_bytes
         if self.family == "turboquant":
             norm = 4 if self.overrides.get("norm_dtype") == "float32" else 2
-            per_layer = self.overrides.get("layer_bits")
-            if per_layer:  # a per-layer allocation: the mean over its layers
-                return h * sum(packed_bytes(d, k) + norm + packed_bytes(d, v) + norm
-                               for k, v in per_layer.values()) / len(per_layer)
-            return h * (packed_bytes(d, self.key_bits) + norm + packed_bytes(d, self.value_bits) + norm)
+            per_layer = self.overrides.get("layer_bits") or {}
+            split = self.overrides.get("key_split_parts") or {}  # {layer: [[channels, bits], ...]}
+            layers = sorted(set(per_layer) | set(split))
+            if not layers:
+                return h * (packed_bytes(d, self.key_bits) + norm + packed_bytes(d, self.value_bits) + norm)
+            total = 0  # a per-layer allocation or split keys: the mean over the layers they name
+            for i in layers:
+                kb, vb = per_layer.get(i, (self.key_bits, self.value_bits))
+                keys = sum(packed_bytes(n, b) + norm for n, b in split[i]) if i in split else packed_bytes(d, kb) + norm
+                total += keys + packed_bytes(d, vb) + norm
+            return h * total / len(layers)
         if self.family in ("quanto", "hqq"):
             groups = math.ceil(d / QUANTIZED_CACHE_GROUP)
             return h * 2 * (d * self.key_bits / 8 + groups * 2 * dtype_bytes)
@@ -115,6 +122,8 @@ def folder_spec(path: str) -> CacheSpec:
         over["layer_bits"] = {int(i): list(v) for i, v in cfg.layer_bits.items()}
     if cfg.key_centering:
         over["key_centering"] = True
+    if cfg.key_split:
+        over["key_split_parts"] = {i: [[n, b] for n, b in zip(v["sizes"], v["bits"])] for i, v in cfg.key_split.items()}
     return CacheSpec(os.path.basename(os.path.normpath(path)), "turboquant", cfg.key_bits, cfg.value_bits, over)
 
 

@@ -1,0 +1,274 @@
+"""Split keys (`TurboQuantConfig.key_split`): the format against its definition, the channel calibration, and a split
+cache on every path a dynamic layer has (prefill chunks, decode steps, sliding windows, batch ops, crop)."""
+
+import json
+
+import pytest
+import torch
+import transformers
+from transformers import DynamicCache
+
+from conftest import tiny_llama_config
+from tq_hf_cache import TurboQuantCache, TurboQuantConfig, TurboQuantStaticCache, ops, reference
+from tq_hf_cache._compat import IS_V5
+from tq_hf_cache.codebook import theoretical_codebook
+from tq_hf_cache.key_split import calibrate_key_split, check_spec, make_split
+from tq_hf_cache.packing import packed_bytes
+from tq_hf_cache.rotation import make_rotation
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _random_spec(g, heads, sizes, bits):
+    order = [torch.randperm(sum(sizes), generator=g).tolist() for _ in range(heads)]
+    return check_spec({"bits": list(bits), "sizes": list(sizes), "order": order}, 0)
+
+
+@pytest.mark.parametrize("sizes,bits", [((32, 32), (5, 3)), ((48, 80), (3, 1)), ((6, 34), (8, 2)),
+                                        ((16, 16, 32), (7, 4, 3))])
+def test_split_keys_are_turboquant_vectors_of_their_channel_sets(sizes, bits):
+    seed = int(torch.randint(0, 2**31 - 1, ()).item())
+    g = torch.Generator().manual_seed(seed)
+    heads, dim = 3, sum(sizes)
+    spec = _random_spec(g, heads, sizes, bits)
+    split = make_split(spec, 0, heads, dim, lambda d: make_rotation(d, seed % 1000), theoretical_codebook)
+    x = torch.randn(2, heads, 37, dim, generator=g) * torch.rand(dim, generator=g) * 4
+    parts = reference.split_quantize(x, split, torch.float16)
+    assert [p.shape[-1] for p, _ in parts] == [packed_bytes(n, b) for n, b in zip(sizes, bits)]
+    want = torch.empty_like(x)
+    for h in range(heads):
+        at = 0
+        for p, (n, (rot, cb), (packed, norms)) in enumerate(zip(sizes, split.parts, parts)):
+            chans = torch.tensor(spec["order"][h][at : at + n])
+            at += n
+            pk, nm = reference.quantize(x[:, h, :, chans], rot, cb, torch.float16)
+            assert torch.equal(packed[:, h], pk), f"packed codes, part {p}, head {h} (seed {seed})"
+            assert torch.equal(norms[:, h], nm), f"norms, part {p}, head {h} (seed {seed})"
+            want[:, h, :, chans] = reference.dequantize(pk, nm, rot, cb)
+    got = reference.split_dequantize(parts, split)
+    torch.testing.assert_close(got, want, atol=0, rtol=0, msg=f"split_dequantize (seed {seed})")
+    # the cache's entry points (the kernels on CUDA, the reference elsewhere) write into caller-owned buffers
+    xd = x.to(DEV)
+    split_d = split.to(DEV)
+    bufs = [tuple(torch.full_like(t, 7, device=DEV) for t in pair) for pair in parts]  # poisoned
+    ops.quantize_split_into(xd, split_d, bufs)
+    out = torch.full((2, heads, 37, dim), float("nan"), device=DEV)
+    ops.dequantize_split_into(bufs, split_d, out)
+    tol = 0 if DEV == "cpu" else 2e-3
+    torch.testing.assert_close(out.cpu(), want, atol=tol * x.abs().max(), rtol=tol, msg=f"ops round trip (seed {seed})")
+
+
+def test_a_bad_split_is_refused_naming_the_value():
+    ok = {"bits": [5, 3], "sizes": [2, 2], "order": [[3, 0, 2, 1]]}
+    assert check_spec(ok, 2) == ok
+    cases = [
+        ({**ok, "bits": [9, 3]}, r"key_split\[2\] bits of part 0 must be an integer in \[1, 8\], got 9"),
+        ({**ok, "bits": [5]}, "one entry per part, at least 2 parts; got bits=\\[5\\], sizes=\\[2, 2\\]"),
+        ({**ok, "sizes": [1, 3]}, "part 0 must hold an integer >= 2 of channels, got 1"),
+        ({**ok, "order": [[0, 0, 1, 2]]}, r"KV head 0: the order must be a permutation of the channels 0..3"),
+        ({**ok, "order": [[0, 1, 2, 3], [0, 1, 2]]}, r"KV head 1: the order must be a permutation"),
+        ({"bits": [5, 3]}, "must be {'bits'"),
+    ]
+    for spec, msg in cases:
+        with pytest.raises(ValueError, match=msg):
+            check_spec(spec, 2)
+    with pytest.raises(ValueError, match=r"key_split\[0\] gives channel orders for 1 KV heads, the layer has 2"):
+        make_split(check_spec(ok, 0), 0, 2, 4, make_rotation, theoretical_codebook)
+    with pytest.raises(ValueError, match=r"parts of sizes \[2, 2\] hold 4 channels, the layer's head dim is 32"):
+        make_split(check_spec(ok, 0), 0, 1, 32, make_rotation, theoretical_codebook)
+    with pytest.raises(ValueError, match="key_split names layers \\[7\\], but the model has 2 layers"):
+        TurboQuantCache("k4v2", config=tiny_llama_config(), key_split={7: ok})
+    with pytest.raises(ValueError, match="key_split names layer 0, which the config keeps in full precision"):
+        TurboQuantCache("k4v2", config=tiny_llama_config(), key_split={0: ok}, skip_layers=[0])
+    if IS_V5:
+        with pytest.raises(ValueError, match="key_split is not supported by TurboQuantStaticCache"):
+            TurboQuantStaticCache(config=tiny_llama_config(), max_cache_len=64, key_split={0: ok})
+
+
+def _pair_heavy_llama(pairs=(3, 9), head_dim=64, scale=8.0, **kw):
+    """A tiny Llama whose queries and keys are large on a few RoPE pairs, as trained models' are."""
+    torch.manual_seed(0)
+    cfg = tiny_llama_config(head_dim=head_dim, hidden_size=64, **kw)
+    model = transformers.LlamaForCausalLM(cfg).eval()
+    heavy = torch.ones(head_dim)
+    for p in pairs:
+        heavy[p] = heavy[p + head_dim // 2] = scale
+    for layer in model.model.layers:
+        a = layer.self_attn
+        for proj, heads in ((a.q_proj, cfg.num_attention_heads), (a.k_proj, cfg.num_key_value_heads)):
+            w = proj.weight.data.view(heads, head_dim, -1)
+            w.mul_(heavy[None, :, None])
+    return model
+
+
+def test_calibration_picks_the_heavy_rope_pairs_and_the_split_brings_the_logits_closer():
+    heavy = tuple(range(0, 32, 2))  # 16 of the 32 RoPE pairs
+    model = _pair_heavy_llama(pairs=heavy, scale=3.0)
+    ids = torch.randint(3, 128, (1, 300), generator=torch.Generator().manual_seed(4))
+    base = TurboQuantConfig(key_bits=4, value_bits=8)  # values near exact: the keys' error shows
+    spec = calibrate_key_split(model, ids, [32, 32], [1, -1], base)
+    assert set(spec) == {0, 1}
+    high = sorted(heavy + tuple(p + 32 for p in heavy))
+    for layer_spec in spec.values():
+        assert layer_spec["bits"] == [5, 3] and layer_spec["sizes"] == [32, 32]
+        assert layer_spec["order"] == [high + [c for c in range(64) if c not in high]] * 2
+    cfg = TurboQuantConfig.from_dict({**base.to_dict(), "key_split": spec})
+    assert TurboQuantConfig.from_json_string(cfg.to_json_string()) == cfg  # layer keys survive JSON as ints
+    model = model.to(DEV)
+    err = {}
+    ids = ids.to(DEV)
+    fp = _run(model, DynamicCache(config=model.config), ids, prefill=240)
+    for name, tq in (("plain", base), ("split", cfg)):
+        logits = _run(model, TurboQuantCache(tq, config=model.config, residual_length=8), ids, prefill=240)
+        err[name] = float((logits - fp)[:, 40:].norm() / fp[:, 40:].norm())  # the positions that read the cache
+    # a score weighs a key's error in channel c by the query's energy there; the heavy half of the channels holds
+    # 90 % of both, and gets 5 bits where the plain format spreads a 4-bit error over every channel (measured 0.70x)
+    assert err["split"] < err["plain"] * 0.8, err
+    model = model.cpu()
+    with pytest.raises(ValueError, match="every part needs an even number of channels >= 2"):
+        calibrate_key_split(model, ids, [5, 59], [1, -1])
+    with pytest.raises(ValueError, match="sizes \\[32, 16\\] sum to 48; they must sum to the head dim 64"):
+        calibrate_key_split(model, ids, [32, 16], [1, -1])
+    with pytest.raises(ValueError, match="key bits 2 \\+ deltas\\[1\\] \\(-2\\) gives 0; the bits must lie in 1..8"):
+        calibrate_key_split(model, ids, [32, 32], [1, -2], TurboQuantConfig.from_preset("k2v2"))
+
+
+def _run(model, cache, ids, chunk=40, prefill=200, step=1):
+    outs = []
+    with torch.no_grad():
+        for s in range(0, prefill, chunk):
+            outs.append(model(ids[:, s : s + chunk], past_key_values=cache).logits)
+        for t in range(prefill, ids.shape[1], step):
+            outs.append(model(ids[:, t : t + step], past_key_values=cache).logits)
+    return torch.cat(outs, 1)
+
+
+def _spec_for(model, sizes, bits):
+    cfg = model.config
+    g = torch.Generator().manual_seed(5)
+    return {i: _random_spec(g, cfg.num_key_value_heads, sizes, bits) for i in range(cfg.num_hidden_layers)}
+
+
+@pytest.mark.parametrize("centred", [False, True])
+def test_a_split_cache_gives_the_same_logits_on_every_attention_and_through_batch_ops(centred):
+    model = _pair_heavy_llama().to(DEV)
+    ids = torch.randint(3, 128, (2, 236), generator=torch.Generator().manual_seed(6)).to(DEV)
+    spec = _spec_for(model, (16, 16, 32), (6, 4, 3))
+    out = {}
+    for impl in ("sdpa", "eager", "turboquant"):
+        model.set_attn_implementation(impl)
+        cache = TurboQuantCache("k4v2", config=model.config, residual_length=16, key_split=spec, key_centering=centred)
+        out[impl] = _run(model, cache, ids, step=3)
+        lengths = {b.length for layer in cache.layers for b in layer._buffers()}
+        assert lengths == {cache.layers[0].quantized_length} and cache.layers[0].quantized_length > 150
+    for impl in ("eager", "turboquant"):
+        torch.testing.assert_close(out[impl], out["sdpa"], atol=2e-4, rtol=2e-4, msg=f"{impl} vs sdpa")
+    # keys: the split's codes, dequantized, as the reference gives them
+    layer = cache.layers[1]
+    pk, _ = layer.k_buf.live()
+    want = reference.split_dequantize([b.live() for b in (layer.k_buf, *layer.k_more)], layer.key_split, layer.dtype)
+    if centred:
+        layer._key_offset(layer.get_seq_length()).add_to(want, 0)
+    ns = layer.exact_sinks
+    torch.testing.assert_close(layer.keys[:, :, ns : pk.shape[2]], want[:, :, ns:], atol=1e-5, rtol=1e-5,
+                               msg="dense keys of the split layer")
+    # batch ops and crop move every buffer alike: row 1 alone, then cropped and continued, equals a cache fed that way
+    model.set_attn_implementation("sdpa")
+    both = TurboQuantCache("k4v2", config=model.config, residual_length=16, key_split=spec, key_centering=centred)
+    alone = TurboQuantCache("k4v2", config=model.config, residual_length=16, key_split=spec, key_centering=centred)
+    with torch.no_grad():
+        model(ids[:, :200], past_key_values=both)
+        model(ids[1:, :200], past_key_values=alone)
+        both.batch_select_indices(torch.tensor([1], device=DEV))
+        both.crop(180)
+        alone.crop(180)
+        a = model(ids[1:, 180:236], past_key_values=both).logits
+        b = model(ids[1:, 180:236], past_key_values=alone).logits
+    torch.testing.assert_close(a, b, atol=0, rtol=0, msg="row 1 after batch_select_indices + crop vs alone")
+    with pytest.raises(ValueError, match="does not store a key_centering cache" if centred else "does not store split keys"):
+        both.save_prefix("/nonexistent", ids[1:, :236])
+
+
+def test_a_split_sliding_window_model_matches_its_dense_keys_after_the_window_slides():
+    torch.manual_seed(0)
+    cfg = transformers.Gemma3TextConfig(
+        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=6, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=64, sliding_window=48, max_position_embeddings=2048)
+    model = transformers.Gemma3ForCausalLM(cfg).eval().to(DEV)
+    ids = torch.randint(3, 128, (1, 220), generator=torch.Generator().manual_seed(7)).to(DEV)
+    spec = calibrate_key_split(model, ids[:, :100], [16, 48], [2, 0], TurboQuantConfig.from_preset("k3v3"))
+    assert set(spec) == set(range(6))
+    out = {}
+    for impl in ("sdpa", "turboquant"):
+        model.set_attn_implementation(impl)
+        cache = TurboQuantCache("k3v3", config=model.config, residual_length=8, key_split=spec)
+        out[impl] = _run(model, cache, ids, chunk=32, prefill=160)
+    torch.testing.assert_close(out["turboquant"], out["sdpa"], atol=2e-4, rtol=2e-4, msg="gemma3 sliding, split")
+    sliding = [layer for layer in cache.layers if getattr(layer, "is_sliding", False)]
+    assert sliding and all(len({b.length for b in layer._buffers()}) == 1 for layer in sliding)
+    # stored bytes: 16 channels at 5 bits + 48 at 3 bits
+    layer = cache.layers[0]
+    per_token = sum(b.nbytes_per_vec for b in (layer.k_buf, *layer.k_more))
+    assert per_token == packed_bytes(16, 5) + packed_bytes(48, 3) == 28
+
+
+def test_a_split_config_saves_and_loads_with_the_model(tmp_path):
+    model = _pair_heavy_llama()
+    ids = torch.randint(3, 128, (1, 64), generator=torch.Generator().manual_seed(8))
+    spec = calibrate_key_split(model, ids, [8, 24, 32], [2, 0, -1])
+    TurboQuantConfig(key_split=spec, key_centering=True).save_pretrained(tmp_path, model_config=model.config)
+    doc = json.loads((tmp_path / "turboquant_config.json").read_text())
+    assert doc["tq_config"]["key_split"]["1"]["bits"] == [7, 5, 4]  # the default k5v3's key bits, +2 / 0 / -1
+    cache = TurboQuantCache.from_pretrained(tmp_path, config=model.config, residual_length=16)
+    assert cache.tq_config.key_split == spec and cache.tq_config.key_centering
+    with torch.no_grad():
+        model(ids, past_key_values=cache)
+        model(ids[:, :1], past_key_values=cache)
+    layer = cache.layers[0]
+    assert layer.key_split.sizes == [8, 24, 32] and [b.length for b in layer._buffers()] == [64 - 16] * 4
+
+
+def test_split_keys_cli_writes_a_folder_the_cache_and_the_eval_read(tmp_path, capsys, monkeypatch):
+    from tq_hf_cache import cli
+    from tq_hf_cache.eval.caches import folder_spec
+
+    model = _pair_heavy_llama()
+
+    def tokenize(text, return_tensors):
+        return {"input_ids": torch.randint(3, 128, (1, 400), generator=torch.Generator().manual_seed(9))}
+
+    monkeypatch.setattr(cli, "_load_model", lambda *a, **k: (model, tokenize))
+    out = tmp_path / "split"
+    assert cli.main(["split-keys", "smollm2", "--sizes", "16,16,32", "--deltas", "2,0,-1", "--base", "k4v2",
+                     "--key-centering", "--tokens", "300", "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "16x6 + 16x4 + 32x3" in printed and "4.000" in printed
+    cfg = TurboQuantConfig.from_pretrained(out)
+    assert cfg.key_centering and set(cfg.key_split) == {0, 1} and cfg.key_split[0]["sizes"] == [16, 16, 32]
+    assert cli.main(["info", str(out)]) == 0
+    assert "split keys (channels x bits) in 2 layers: 16x6 + 16x4 + 32x3" in capsys.readouterr().out
+    spec = folder_spec(str(out))
+    # per KV head: keys 12 + 8 + 12 code bytes and three float16 norms, values 16 + 2
+    assert spec.formula_bytes_per_token_layer(2, 64) == 2 * (12 + 8 + 12 + 3 * 2 + 16 + 2)
+    cache = spec.make(model.config)
+    with torch.no_grad():
+        model(torch.randint(3, 128, (1, 200)), past_key_values=cache)
+    assert cache.layers[1].key_split.sizes == [16, 16, 32]
+
+
+@pytest.mark.parametrize("args,match", [
+    (["split-keys", "smollm2", "--sizes", "32,32", "--deltas", "1,-1"], "pass --out DIR"),
+    (["split-keys", "smollm2", "--sizes", "32,x", "--deltas", "1,-1", "--out", "X"], "--sizes must be comma-separated"),
+    (["split-keys", "smollm2", "--sizes", "32,32", "--deltas", "1,+", "--out", "X"], "--deltas must be comma-separated"),
+    (["split-keys", "smollm2", "--sizes", "32,32", "--deltas", "1,-1", "--base", "k9v9", "--out", "X"],
+     "--base must be a preset"),
+    (["split-keys", "smollm2", "--sizes", "32,32", "--deltas", "1,-1", "--tokens", "8", "--out", "X"],
+     "--tokens must be >= 16"),
+])
+def test_split_keys_cli_refuses_bad_arguments_before_loading_the_model(tmp_path, capsys, monkeypatch, args, match):
+    from tq_hf_cache import cli
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(cli, "_load_model", lambda *a, **k: pytest.fail("the model must not load"))
+    assert cli.main(args) == 2
+    assert match in capsys.readouterr().err
