@@ -17,6 +17,8 @@ from tq_hf_cache.packing import packed_bytes
 from tq_hf_cache.rotation import make_rotation
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
+TOL = 2e-3 if DEV == "cuda" else 2e-4  # attention implementations in float32: CUDA's differ more (TF32, tiling)
+EXACT = 2e-4 if DEV == "cuda" else 0  # one batch row vs the same row alone: exact on a CPU, not across CUDA tilings
 
 
 def _random_spec(g, heads, sizes, bits):
@@ -162,7 +164,7 @@ def test_a_split_cache_gives_the_same_logits_on_every_attention_and_through_batc
         lengths = {b.length for layer in cache.layers for b in layer._buffers()}
         assert lengths == {cache.layers[0].quantized_length} and cache.layers[0].quantized_length > 150
     for impl in ("eager", "turboquant"):
-        torch.testing.assert_close(out[impl], out["sdpa"], atol=2e-4, rtol=2e-4, msg=f"{impl} vs sdpa")
+        torch.testing.assert_close(out[impl], out["sdpa"], atol=TOL, rtol=TOL, msg=f"{impl} vs sdpa")
     # keys: the split's codes, dequantized, as the reference gives them
     layer = cache.layers[1]
     pk, _ = layer.k_buf.live()
@@ -184,7 +186,7 @@ def test_a_split_cache_gives_the_same_logits_on_every_attention_and_through_batc
         alone.crop(180)
         a = model(ids[1:, 180:236], past_key_values=both).logits
         b = model(ids[1:, 180:236], past_key_values=alone).logits
-    torch.testing.assert_close(a, b, atol=0, rtol=0, msg="row 1 after batch_select_indices + crop vs alone")
+    torch.testing.assert_close(a, b, atol=EXACT, rtol=EXACT, msg="row 1 after batch_select_indices + crop vs alone")
     with pytest.raises(ValueError, match="does not store a key_centering cache" if centred else "does not store split keys"):
         both.save_prefix("/nonexistent", ids[1:, :236])
 
@@ -203,7 +205,7 @@ def test_a_split_sliding_window_model_matches_its_dense_keys_after_the_window_sl
         model.set_attn_implementation(impl)
         cache = TurboQuantCache("k3v3", config=model.config, residual_length=8, key_split=spec)
         out[impl] = _run(model, cache, ids, chunk=32, prefill=160)
-    torch.testing.assert_close(out["turboquant"], out["sdpa"], atol=2e-4, rtol=2e-4, msg="gemma3 sliding, split")
+    torch.testing.assert_close(out["turboquant"], out["sdpa"], atol=TOL, rtol=TOL, msg="gemma3 sliding, split")
     sliding = [layer for layer in cache.layers if getattr(layer, "is_sliding", False)]
     assert sliding and all(len({b.length for b in layer._buffers()}) == 1 for layer in sliding)
     # stored bytes: 16 channels at 5 bits + 48 at 3 bits
