@@ -57,7 +57,7 @@ def main():
         folder = os.path.join(a.out, name)
         cfg.save_pretrained(folder, model_config=model.config)
         print(folder)
-    with open(os.path.join(a.out, f"{a.model}-{tag}-split{parts}.facts.json"), "w") as f:
+    with open(os.path.join(a.out, f"facts-{a.model}-{tag}-split{parts}.json"), "w") as f:
         json.dump({"model": model_facts(model.config), "command": "key_split_folders.py " + " ".join(
             f"{k}={v}" for k, v in vars(a).items())}, f, indent=1)
 
