@@ -154,6 +154,8 @@ CASES = [
     (8, 128, "bf16", (3, 1, 7), "fp16", True, "bthd"),
     (8, 64, "fp32", (1, 3, 1), "fp32", False, "bhtd"),
     (4, 128, "fp32", (1, 1, 7), "fp32", True, "bthd"),
+    (2, 256, "bf16", (1, 1, 33), "fp16", False, "bhtd"),  # Gemma 3's head dim (Hadamard: make_rotation's default)
+    (4, 256, "fp32", (1, 2, 7), "fp32", True, "bthd"),
 ]
 
 
@@ -321,6 +323,41 @@ def test_quantize_kv_equals_two_launches():
         assert (buf[:, :, [0, 8]] == 0xA5).all() and torch.isnan(nrm[:, :, [0, 8]]).all()
 
 
+def test_head_dim_256_quantizes_keys_and_values_and_dequantizes_every_width():
+    """Gemma 3's head dim: one launch for keys and values, the static append, and dequantize at 8 bits (quantize above
+    4 bits and dense rotations at 256 are refused, and the cache takes the reference there)."""
+    seed, g = fresh_gen()
+    d = 256
+    rot = make_rotation(d, seed % 1000).to(DEV)
+    kcb, vcb = shared_codebook(4, d).to(DEV), per_head_codebook(g, 2, 2, d).to(DEV)
+    k, v = make_x(g, 1, 2, 5, d, torch.bfloat16), make_x(g, 1, 2, 5, d, torch.bfloat16)
+    pk, nk = quantize_poisoned(k, rot, kcb, torch.float16)
+    pv, nv = quantize_poisoned(v, rot, vcb, torch.float16)
+    check_indices(k, rot, kcb, pk, seed)
+    check_indices(v, rot, vcb, pv, seed)
+    out = [torch.full_like(t, 0xA5) for t in (pk, pv)] + [torch.full_like(t, float("nan")) for t in (nk, nv)]
+    kernels.quantize_kv_into(k, v, rot, kcb, vcb, out[0], out[2], out[1], out[3])
+    assert torch.equal(out[0], pk) and torch.equal(out[1], pv), f"seed {seed}: quantize_kv_into"
+    assert torch.equal(out[2], nk) and torch.equal(out[3], nv), f"seed {seed}: quantize_kv_into norms"
+    cap, ring = 9, 4
+    got = [torch.full((1, 2, cap, t.shape[-1]), 0xA5, dtype=torch.uint8, device=DEV) for t in (pk, pv)]
+    gn = [torch.full((1, 2, cap), NORM_POISON, dtype=torch.float16, device=DEV) for _ in range(2)]
+    rings = [torch.zeros(1, 2, ring, d, dtype=torch.bfloat16, device=DEV) for _ in range(2)]
+    sinks = [torch.zeros(1, 2, 3, d, dtype=torch.bfloat16, device=DEV) for _ in range(2)]
+    length, exact_from = (torch.tensor(2, dtype=torch.int64, device=DEV), torch.tensor(0, dtype=torch.int64, device=DEV))
+    kernels.append_kv_into(k, v, rot, kcb, vcb, got[0], gn[0], got[1], gn[1], *rings, *sinks, length, exact_from, 2)
+    assert torch.equal(got[0][:, :, 2:7], pk) and torch.equal(got[1][:, :, 2:7], pv), f"seed {seed}: append_kv_into"
+    assert torch.equal(gn[0][:, :, 2:7], nk) and int(length) == 7, f"seed {seed}: append_kv_into norms, length"
+    cb8 = shared_codebook(8, d).to(DEV)
+    p8, n8 = reference.quantize(k, rot, cb8)
+    check_dequant(dequantize_poisoned(p8, n8, rot, cb8, torch.bfloat16, "bhtd"), p8, n8, rot, cb8, seed)
+    with pytest.raises(ValueError, match="head dim 256 with 5 bits and a hadamard rotation is not supported"):
+        kernels.quantize_into(k, rot, shared_codebook(5, d).to(DEV), out[0], out[2])
+    dense = make_rotation(d, 0, "orthogonal").to(DEV)
+    with pytest.raises(ValueError, match="head dim 256 with 4 bits and a orthogonal rotation is not supported"):
+        kernels.quantize_into(k, dense, kcb, out[0], out[2])
+
+
 @pytest.mark.parametrize("n, start", [(1, 0), (1, 3), (1, 29), (5, 2), (21, 0), (21, 15), (3, 31), (2, 33)])
 def test_static_append_matches_reference(n, start):
     """The static layer's append (one quantize + copy launch, one launch for the lengths) against
@@ -409,7 +446,10 @@ def test_supports_and_available():
     for d in (64, 128):
         for bits in range(1, 9):
             assert kernels.supports(d, bits)
-    assert not kernels.supports(96, 4) and not kernels.supports(80, 4) and not kernels.supports(256, 4)
+    assert not kernels.supports(96, 4) and not kernels.supports(80, 4) and not kernels.supports(512, 4)
+    # head dim 256: a Hadamard rotation; quantize up to 4 bits, dequantize every width
+    assert kernels.supports(256, 4, "hadamard") and not kernels.supports(256, 5, "hadamard")
+    assert kernels.supports(256, 8, "hadamard", quantize=False) and not kernels.supports(256, 2, "orthogonal")
     assert not kernels.supports(128, 0) and not kernels.supports(128, 9)
 
 
@@ -445,16 +485,16 @@ def test_launchers_reject_bad_inputs():
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")
 def test_gpu_large_shapes_through_ops():
     seed, g = fresh_gen()
-    rot = make_rotation(128, 7).to(DEV)
-    for bits in (2, 3, 4, 8):
-        cb = shared_codebook(bits, 128).to(DEV)
-        x = make_x(g, 2, 8, 1000, 128, torch.bfloat16)
-        packed = torch.empty(2, 8, 1000, packed_bytes(128, bits), dtype=torch.uint8, device=DEV)
+    for bits, d in ((2, 128), (3, 128), (4, 128), (8, 128), (2, 256), (4, 256)):
+        rot = make_rotation(d, 7).to(DEV)
+        cb = shared_codebook(bits, d).to(DEV)
+        x = make_x(g, 2, 8, 1000, d, torch.bfloat16)
+        packed = torch.empty(2, 8, 1000, packed_bytes(d, bits), dtype=torch.uint8, device=DEV)
         norms = torch.empty(2, 8, 1000, dtype=torch.float16, device=DEV)
         ops.quantize_into(x, rot, cb, packed, norms)
         check_indices(x, rot, cb, packed, seed)
         check_norms(x, norms, seed)
-        out = torch.empty(2, 8, 1000, 128, dtype=torch.bfloat16, device=DEV)
+        out = torch.empty(2, 8, 1000, d, dtype=torch.bfloat16, device=DEV)
         ops.dequantize_into(packed, norms, rot, cb, out)
         check_dequant(out, packed, norms, rot, cb, seed)
 

@@ -26,14 +26,18 @@ def use_kernels(t: torch.Tensor) -> bool:
     return t.is_cuda and kernels.available()
 
 
-def _kernel_ok(t: torch.Tensor, dim: int, bits: int) -> bool:
+def _kernel_ok(t: torch.Tensor, rotation: Rotation, bits: int, quantize: bool = True) -> bool:
     """Whether to take the Triton path; a CUDA tensor that cannot warns once per reason (it is much slower)."""
     if not t.is_cuda:
         return False
+    dim = rotation.dim
     if not kernels.available():
         reason = "triton is not importable"
-    elif not kernels.supports(dim, bits):
-        reason = f"head dim {dim} with {bits} bits is not supported by the kernels (head dims {kernels.SUPPORTED_DIMS})"
+    elif not kernels.supports(dim, bits, rotation.kind, quantize):
+        what = "quantize" if quantize else "dequantize"
+        reason = (f"the {what} kernel does not take head dim {dim} with {bits} bits and a {rotation.kind} rotation "
+                  f"(head dims {kernels.SUPPORTED_DIMS}; {kernels.WIDE_DIM} with a hadamard rotation, quantize at "
+                  f"1..{kernels.WIDE_QUANTIZE_BITS} bits)")
     else:
         return True
     if reason not in _WARNED:
@@ -50,7 +54,7 @@ def quantize_into(
     norms_out: torch.Tensor,
 ) -> None:
     """Quantize x (B, H, T, D) into packed_out (B, H, T, nbytes) uint8 and norms_out (B, H, T)."""
-    if _kernel_ok(x, rotation.dim, codebook.bits):
+    if _kernel_ok(x, rotation, codebook.bits):
         kernels.quantize_into(x, rotation, codebook, packed_out, norms_out)
         return
     packed, norms = reference.quantize(x, rotation, codebook, norms_out.dtype)
@@ -66,7 +70,7 @@ def dequantize_into(
     out: torch.Tensor,
 ) -> None:
     """Dequantize packed (B, H, T, nbytes) + norms (B, H, T) into out (B, H, T, D), in out's dtype."""
-    if _kernel_ok(out, rotation.dim, codebook.bits):
+    if _kernel_ok(out, rotation, codebook.bits, quantize=False):
         kernels.dequantize_into(packed, norms, rotation, codebook, out)
         return
     out.copy_(reference.dequantize(packed, norms, rotation, codebook, out.dtype))
@@ -85,8 +89,8 @@ def quantize_kv_into(
 ) -> None:
     """`quantize_into` for a layer's keys and values; one kernel launch for both on CUDA (decode steps)."""
     if (
-        _kernel_ok(k, rotation.dim, k_codebook.bits)
-        and kernels.supports(rotation.dim, v_codebook.bits)
+        _kernel_ok(k, rotation, k_codebook.bits)
+        and kernels.supports(rotation.dim, v_codebook.bits, rotation.kind)
         and k.shape == v.shape
         and k.dtype == v.dtype
         and k_norms.dtype == v_norms.dtype
@@ -185,7 +189,7 @@ def static_append(
     rotation, kcb, vcb = kv.rotation, kv.k_codebook, kv.v_codebook
     args = (key, value, kv.k_packed, kv.k_norms, kv.v_packed, kv.v_norms, ring_k, ring_v, kv.sink_k, kv.sink_v,
             kv.length, kv.exact_from, n_sinks)
-    if _kernel_ok(key, rotation.dim, kcb.bits) and kernels.supports(rotation.dim, vcb.bits):
+    if _kernel_ok(key, rotation, kcb.bits) and kernels.supports(rotation.dim, vcb.bits, rotation.kind):
         kernels.append_kv_into(key, value, rotation, kcb, vcb, *args[2:])
         return
     reference.static_append(*args, rotation, kcb, vcb)

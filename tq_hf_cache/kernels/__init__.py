@@ -9,7 +9,11 @@ from __future__ import annotations
 import functools
 import os
 
-SUPPORTED_DIMS = (16, 32, 64, 128)  # quantize / dequantize: tl.dot needs >= 16; 256 is untested
+SUPPORTED_DIMS = (16, 32, 64, 128)  # quantize / dequantize, every width and rotation: tl.dot needs >= 16
+# Gemma 3's head dim: Hadamard rotations only (a dense 256 x 256 matrix does not fit the quantize kernel's shared
+# memory), quantize up to WIDE_QUANTIZE_BITS (wider widths' search does not compile: ptxas fails on the H100)
+WIDE_DIM = 256
+WIDE_QUANTIZE_BITS = 4
 SUPPORTED_BITS = tuple(range(1, 9))
 DECODE_HEAD_DIMS = (64, 128)  # the fused decode-attention kernel
 DECODE_MAX_ROWS = 128  # its query rows per KV head (query heads per KV head x queries): one kernel tile
@@ -71,9 +75,15 @@ def decode_supports(head_dim: int, key_bits: int, value_bits: int, n_queries: in
     )
 
 
-def supports(dim: int, bits: int) -> bool:
-    """Power-of-two head dims 16..128 and 1..8 bits; anything else goes to the torch reference."""
-    return dim in SUPPORTED_DIMS and isinstance(bits, int) and bits in SUPPORTED_BITS
+def supports(dim: int, bits: int, rotation_kind: str = "orthogonal", quantize: bool = True) -> bool:
+    """Whether the quantize (or, `quantize=False`, dequantize) kernel takes this head dim, width and rotation: head
+    dims 16..128 (powers of two) at 1..8 bits with any rotation, and 256 with a Hadamard rotation (quantize: 1..4
+    bits); anything else goes to the torch reference."""
+    if isinstance(bits, bool) or not isinstance(bits, int) or bits not in SUPPORTED_BITS:
+        return False
+    if dim in SUPPORTED_DIMS:
+        return True
+    return dim == WIDE_DIM and rotation_kind == "hadamard" and (not quantize or bits <= WIDE_QUANTIZE_BITS)
 
 
 def quantize_into(x, rotation, codebook, packed_out, norms_out, **kw):

@@ -25,7 +25,7 @@ try:  # triton >= 3.4 exposes its settings as knobs; the env var is what older o
 except AttributeError:  # pragma: no cover
     INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
-from . import SUPPORTED_BITS, SUPPORTED_DIMS, supports  # noqa: E402
+from . import SUPPORTED_BITS, SUPPORTED_DIMS, WIDE_DIM, WIDE_QUANTIZE_BITS, supports  # noqa: E402
 
 X_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 NORM_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -136,13 +136,14 @@ def check_device(name: str, t: torch.Tensor, device: torch.device) -> None:
 
 
 def check_common(
-    where: str, rotation: Rotation, codebook: Codebook, dim: int
+    where: str, rotation: Rotation, codebook: Codebook, dim: int, quantize: bool = True
 ) -> tuple[int, int]:
     bits = codebook.bits
-    if not supports(dim, bits):
+    if not supports(dim, bits, rotation.kind, quantize):
         raise ValueError(
-            f"{where}: head dim {dim} with {bits} bits is not supported by the kernels "
-            f"(head dims {SUPPORTED_DIMS}, bits {SUPPORTED_BITS[0]}..{SUPPORTED_BITS[-1]}); use the reference"
+            f"{where}: head dim {dim} with {bits} bits and a {rotation.kind} rotation is not supported by the kernels "
+            f"(head dims {SUPPORTED_DIMS}, bits {SUPPORTED_BITS[0]}..{SUPPORTED_BITS[-1]}; head dim {WIDE_DIM} with "
+            f"a hadamard rotation, quantize at 1..{WIDE_QUANTIZE_BITS} bits); use the reference"
         )
     if rotation.dim != dim:
         raise ValueError(f"{where}: the rotation is for head dim {rotation.dim}, the data has head dim {dim}")

@@ -126,7 +126,7 @@ def dequantize_into(
     if out.dtype not in C.X_DTYPES:
         raise TypeError(f"{where}: out must be one of {C.X_DTYPES}, got {out.dtype}")
     bsz, heads, tokens, dim = out.shape
-    bits, nbytes = C.check_common(where, rotation, codebook, dim)
+    bits, nbytes = C.check_common(where, rotation, codebook, dim, quantize=False)
     lead = (bsz, heads, tokens)
     for name, t in (("out", out), ("packed", packed), ("norms", norms)):
         C.check_device(f"{where}: {name}", t, out.device)
