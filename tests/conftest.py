@@ -46,3 +46,16 @@ def smollm2():
     from tq_hf_cache.models import load_smollm2
 
     return load_smollm2()
+
+
+def chunked_logits(model, cache, ids, prefill: int, chunk: int = 40, step: int = 1):
+    """Logits of ids through `cache`: chunked prefill of the first `prefill` tokens, then steps of `step` tokens."""
+    import torch
+
+    outs = []
+    with torch.no_grad():
+        for s in range(0, prefill, chunk):
+            outs.append(model(ids[:, s : s + chunk], past_key_values=cache).logits)
+        for t in range(prefill, ids.shape[1], step):
+            outs.append(model(ids[:, t : t + step], past_key_values=cache).logits)
+    return torch.cat(outs, 1)

@@ -6,7 +6,7 @@ import torch
 import transformers
 from transformers import DynamicCache
 
-from conftest import tiny_llama_config
+from conftest import chunked_logits, tiny_llama_config
 from tq_hf_cache import TurboQuantCache, TurboQuantConfig, TurboQuantStaticCache, ops
 from tq_hf_cache._compat import IS_V5
 from tq_hf_cache.rope import KeyOffset, RopeAngles, rope_angles
@@ -80,30 +80,20 @@ def _biased_llama():
     return model.to(DEV)
 
 
-def _run(model, cache, ids, chunk=40, prefill=280, step=1):
-    outs = []
-    with torch.no_grad():
-        for s in range(0, prefill, chunk):
-            outs.append(model(ids[:, s : s + chunk], past_key_values=cache).logits)
-        for t in range(prefill, ids.shape[1], step):
-            outs.append(model(ids[:, t : t + step], past_key_values=cache).logits)
-    return torch.cat(outs, 1)
-
-
 def test_a_centred_cache_reads_the_same_on_every_path_and_holds_its_keys_closer(monkeypatch):
     model = _biased_llama()
     cfg = model.config
     ids = torch.randint(3, 128, (2, 304), generator=torch.Generator().manual_seed(1)).to(DEV)
     model.set_attn_implementation("sdpa")
     fp_cache = DynamicCache(config=cfg)
-    fp = _run(model, fp_cache, ids, step=3)
+    fp = chunked_logits(model, fp_cache, ids, 280, step=3)
     logits, err = {}, {}
     for centred in (False, True):
         for impl, backend in (("sdpa", "auto"), ("turboquant", "auto"), ("turboquant", "triton")):
             monkeypatch.setattr(ops, "FUSED_BACKEND", backend)
             model.set_attn_implementation(impl)
             cache = TurboQuantCache("k4v4", config=cfg, residual_length=16, key_centering=centred)
-            logits[centred, impl, backend] = _run(model, cache, ids, step=3)  # 3-token steps: causal bias rows
+            logits[centred, impl, backend] = chunked_logits(model, cache, ids, 280, step=3)  # 3-token steps: causal bias rows
         k, k_fp = cache.layers[1].keys, fp_cache.layers[1].keys
         err[centred] = float((k - k_fp).norm() / k_fp.norm())
     assert err[True] < err[False] / 5, err  # the mean no longer takes the quantizer's range
@@ -142,7 +132,7 @@ def test_a_centred_sliding_window_model_matches_its_own_workspace_path_after_the
     for impl in ("sdpa", "turboquant"):
         model.set_attn_implementation(impl)
         cache = TurboQuantCache("k4v4", config=model.config, residual_length=8, key_centering=True)
-        out[impl] = _run(model, cache, ids, chunk=32, prefill=160)
+        out[impl] = chunked_logits(model, cache, ids, 160, chunk=32)
     torch.testing.assert_close(out["turboquant"], out["sdpa"], atol=TOL, rtol=TOL, msg="gemma3 sliding, centred")
     sliding = [layer for layer in cache.layers if getattr(layer, "is_sliding", False)]
     assert sliding and all(layer._mu is not None and layer.rope is not None for layer in sliding)

@@ -8,7 +8,7 @@ import torch
 import transformers
 from transformers import DynamicCache
 
-from conftest import tiny_llama_config
+from conftest import chunked_logits, tiny_llama_config
 from tq_hf_cache import TurboQuantCache, TurboQuantConfig, TurboQuantStaticCache, ops, reference
 from tq_hf_cache._compat import IS_V5
 from tq_hf_cache.codebook import theoretical_codebook
@@ -119,9 +119,9 @@ def test_calibration_picks_the_heavy_rope_pairs_and_the_split_brings_the_logits_
     model = model.to(DEV)
     err = {}
     ids = ids.to(DEV)
-    fp = _run(model, DynamicCache(config=model.config), ids, prefill=240)
+    fp = chunked_logits(model, DynamicCache(config=model.config), ids, 240)
     for name, tq in (("plain", base), ("split", cfg)):
-        logits = _run(model, TurboQuantCache(tq, config=model.config, residual_length=8), ids, prefill=240)
+        logits = chunked_logits(model, TurboQuantCache(tq, config=model.config, residual_length=8), ids, 240)
         err[name] = float((logits - fp)[:, 40:].norm() / fp[:, 40:].norm())  # the positions that read the cache
     # a score weighs a key's error in channel c by the query's energy there; the heavy half of the channels holds
     # 90 % of both, and gets 5 bits where the plain format spreads a 4-bit error over every channel (measured 0.70x)
@@ -133,16 +133,6 @@ def test_calibration_picks_the_heavy_rope_pairs_and_the_split_brings_the_logits_
         calibrate_key_split(model, ids, [32, 16], [1, -1])
     with pytest.raises(ValueError, match="key bits 2 \\+ deltas\\[1\\] \\(-2\\) gives 0; the bits must lie in 1..8"):
         calibrate_key_split(model, ids, [32, 32], [1, -2], TurboQuantConfig.from_preset("k2v2"))
-
-
-def _run(model, cache, ids, chunk=40, prefill=200, step=1):
-    outs = []
-    with torch.no_grad():
-        for s in range(0, prefill, chunk):
-            outs.append(model(ids[:, s : s + chunk], past_key_values=cache).logits)
-        for t in range(prefill, ids.shape[1], step):
-            outs.append(model(ids[:, t : t + step], past_key_values=cache).logits)
-    return torch.cat(outs, 1)
 
 
 def _spec_for(model, sizes, bits):
@@ -160,7 +150,7 @@ def test_a_split_cache_gives_the_same_logits_on_every_attention_and_through_batc
     for impl in ("sdpa", "eager", "turboquant"):
         model.set_attn_implementation(impl)
         cache = TurboQuantCache("k4v2", config=model.config, residual_length=16, key_split=spec, key_centering=centred)
-        out[impl] = _run(model, cache, ids, step=3)
+        out[impl] = chunked_logits(model, cache, ids, 200, step=3)
         lengths = {b.length for layer in cache.layers for b in layer._buffers()}
         assert lengths == {cache.layers[0].quantized_length} and cache.layers[0].quantized_length > 150
     for impl in ("eager", "turboquant"):
@@ -204,7 +194,7 @@ def test_a_split_sliding_window_model_matches_its_dense_keys_after_the_window_sl
     for impl in ("sdpa", "turboquant"):
         model.set_attn_implementation(impl)
         cache = TurboQuantCache("k3v3", config=model.config, residual_length=8, key_split=spec)
-        out[impl] = _run(model, cache, ids, chunk=32, prefill=160)
+        out[impl] = chunked_logits(model, cache, ids, 160, chunk=32)
     torch.testing.assert_close(out["turboquant"], out["sdpa"], atol=TOL, rtol=TOL, msg="gemma3 sliding, split")
     sliding = [layer for layer in cache.layers if getattr(layer, "is_sliding", False)]
     assert sliding and all(len({b.length for b in layer._buffers()}) == 1 for layer in sliding)

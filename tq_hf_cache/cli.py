@@ -276,13 +276,10 @@ def _cmd_calibrate(args) -> int:
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    text, source = _read_text(args, min(6 * args.max_tokens, 100_000))
-    if text is None:
-        return 2
-    loaded = _load_model_or_report(args)
+    loaded = _text_and_model(args, min(6 * args.max_tokens, 100_000))
     if loaded is None:
         return 2
-    model, tok = loaded
+    text, source, model, tok = loaded
     per_head = {"auto": None, "yes": True, "no": False}[args.per_head]
     try:
         cb = calibrate(
@@ -329,13 +326,10 @@ def _cmd_allocate(args) -> int:
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    text, source = _read_text(args, 8 * args.tokens)
-    if text is None:
-        return 2
-    loaded = _load_model_or_report(args)
+    loaded = _text_and_model(args, 8 * args.tokens)
     if loaded is None:
         return 2
-    model, tok = loaded
+    text, source, model, tok = loaded
     try:
         cfg, sens = calibrate_bits(model, text, args.budget, tokenizer=tok, tokens=args.tokens, chunk=args.chunk,
                                    base=base, context=args.context, progress=not args.no_progress)
@@ -386,13 +380,10 @@ def _cmd_split_keys(args) -> int:
     out = _output_folder(args)
     if out is None:
         return 2
-    text, source = _read_text(args, 8 * args.tokens)
-    if text is None:
-        return 2
-    loaded = _load_model_or_report(args)
+    loaded = _text_and_model(args, 8 * args.tokens)
     if loaded is None:
         return 2
-    model, tok = loaded
+    text, source, model, tok = loaded
     ids = tok(text, return_tensors="pt")["input_ids"][:, : args.tokens]
     try:
         spec = calibrate_key_split(model, ids, sizes, deltas, base)
@@ -426,6 +417,15 @@ def _output_folder(args) -> str | None:
         print(f"error: cannot write the output folder {out!r}: {problem}", file=sys.stderr)
         return None
     return out
+
+
+def _text_and_model(args, default_chars: int):
+    """(text, source, model, tokenizer) for calibrate / allocate / split-keys, or None after printing why not."""
+    text, source = _read_text(args, default_chars)
+    if text is None:
+        return None
+    loaded = _load_model_or_report(args)
+    return None if loaded is None else (text, source, *loaded)
 
 
 def _load_model_or_report(args):

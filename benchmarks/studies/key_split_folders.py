@@ -12,22 +12,15 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 
 from tq_hf_cache import TurboQuantConfig
 from tq_hf_cache.config import PRESETS, model_facts
 from tq_hf_cache.key_split import calibrate_key_split
 from tq_hf_cache.texts import package_text
 
-
-def load(name):
-    if name == "smollm2":
-        from tq_hf_cache.models import load_smollm2
-
-        return load_smollm2()
-    from tq_hf_cache.eval.models import load_model
-
-    model, tok, _ = load_model(name)
-    return model, tok
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from key_fix_study import load  # noqa: E402
 
 
 def main():
