@@ -59,3 +59,13 @@ def chunked_logits(model, cache, ids, prefill: int, chunk: int = 40, step: int =
         for t in range(prefill, ids.shape[1], step):
             outs.append(model(ids[:, t : t + step], past_key_values=cache).logits)
     return torch.cat(outs, 1)
+
+
+def tiny_gemma3_config(**overrides):
+    """A 6-layer Gemma 3 text config with a 48-token sliding window (five sliding layers, one full)."""
+    import transformers
+
+    kw = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=6, num_attention_heads=4,
+              num_key_value_heads=2, head_dim=64, sliding_window=48, max_position_embeddings=2048)
+    kw.update(overrides)
+    return transformers.Gemma3TextConfig(**kw)

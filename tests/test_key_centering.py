@@ -6,19 +6,13 @@ import torch
 import transformers
 from transformers import DynamicCache
 
-from conftest import chunked_logits, tiny_llama_config
+from conftest import chunked_logits, tiny_gemma3_config, tiny_llama_config
 from tq_hf_cache import TurboQuantCache, TurboQuantConfig, TurboQuantStaticCache, ops
 from tq_hf_cache._compat import IS_V5
 from tq_hf_cache.rope import KeyOffset, RopeAngles, rope_angles
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"  # on a CPU the kernel runs in the interpreter (conftest)
 TOL = 2e-3 if DEV == "cuda" else 1e-4  # "turboquant" on CUDA is the kernel (fp16 tiles), on a CPU the fp32 math
-
-
-def _gemma3_config(**kw):
-    return transformers.Gemma3TextConfig(
-        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=6, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=64, sliding_window=48, max_position_embeddings=2048, **kw)
 
 
 @pytest.mark.parametrize("which", ["llama3", "qwen3", "gemma3"])
@@ -32,7 +26,7 @@ def test_rope_angles_match_the_models_own_rotary_embedding(which):
                                        num_attention_heads=4, num_key_value_heads=2, head_dim=32)
         model = transformers.Qwen3ForCausalLM(cfg)
     else:
-        cfg = _gemma3_config()
+        cfg = tiny_gemma3_config()
         model = transformers.Gemma3ForCausalLM(cfg)
     types = getattr(cfg, "layer_types", None) or ["full_attention"]
     angles = rope_angles(cfg, types)
@@ -123,7 +117,7 @@ def test_a_centred_cache_keeps_each_rows_mean_through_batch_selection():
 
 def test_a_centred_sliding_window_model_matches_its_own_workspace_path_after_the_window_slides():
     torch.manual_seed(0)
-    model = transformers.Gemma3ForCausalLM(_gemma3_config(attention_bias=True)).eval()
+    model = transformers.Gemma3ForCausalLM(tiny_gemma3_config(attention_bias=True)).eval()
     for layer in model.model.layers:
         torch.nn.init.normal_(layer.self_attn.k_proj.bias, std=3.0)
     model.to(DEV)

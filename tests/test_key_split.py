@@ -8,7 +8,7 @@ import torch
 import transformers
 from transformers import DynamicCache
 
-from conftest import chunked_logits, tiny_llama_config
+from conftest import chunked_logits, tiny_gemma3_config, tiny_llama_config
 from tq_hf_cache import TurboQuantCache, TurboQuantConfig, TurboQuantStaticCache, ops, reference
 from tq_hf_cache._compat import IS_V5
 from tq_hf_cache.codebook import theoretical_codebook
@@ -183,10 +183,7 @@ def test_a_split_cache_gives_the_same_logits_on_every_attention_and_through_batc
 
 def test_a_split_sliding_window_model_matches_its_dense_keys_after_the_window_slides():
     torch.manual_seed(0)
-    cfg = transformers.Gemma3TextConfig(
-        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=6, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=64, sliding_window=48, max_position_embeddings=2048)
-    model = transformers.Gemma3ForCausalLM(cfg).eval().to(DEV)
+    model = transformers.Gemma3ForCausalLM(tiny_gemma3_config()).eval().to(DEV)
     ids = torch.randint(3, 128, (1, 220), generator=torch.Generator().manual_seed(7)).to(DEV)
     spec = calibrate_key_split(model, ids[:, :100], [16, 48], [2, 0], TurboQuantConfig.from_preset("k3v3"))
     assert set(spec) == set(range(6))

@@ -276,9 +276,13 @@ class TurboQuantLayer(DynamicLayer):
         self._slen = 0
         self.is_initialized = True
 
+    def _key_buffers(self) -> list[PackedBuffer]:
+        """The packed key buffers: one, or one per part of split keys."""
+        return [self.k_buf, *self.k_more]
+
     def _buffers(self) -> list[PackedBuffer]:
         """Every packed buffer the layer holds (they hold the same tokens)."""
-        return [b for b in (self.k_buf, *self.k_more, self.v_buf) if b is not None]
+        return [b for b in (*self._key_buffers(), self.v_buf) if b is not None]
 
     @property
     def quantized_length(self) -> int:
@@ -379,7 +383,7 @@ class TurboQuantLayer(DynamicLayer):
             pk, nk, pv, nv, self._sk, self._sv, ring_k, ring_v, lq + ring_k.shape[2], lq, self.rotation,
             self.k_codebook, self.v_codebook, self.exact_sinks, -1, -1,
             key_offset=self._key_offset(lq + ring_k.shape[2]), key_split=self.key_split,
-            key_parts=tuple(b.live() for b in (self.k_buf, *self.k_more)) if self.key_split is not None else None,
+            key_parts=tuple(b.live() for b in self._key_buffers()) if self.key_split is not None else None,
         )
 
     def _settle(self) -> None:
@@ -542,7 +546,7 @@ class TurboQuantLayer(DynamicLayer):
     def _dequantize_keys(self, out: torch.Tensor) -> None:
         """The packed keys (without their centring offset) into out (B, H, quantized tokens, D)."""
         if self.key_split is not None:
-            ops.dequantize_split_into([b.live() for b in (self.k_buf, *self.k_more)], self.key_split, out)
+            ops.dequantize_split_into([b.live() for b in self._key_buffers()], self.key_split, out)
         else:
             ops.dequantize_into(*self.k_buf.live(), self.rotation, self.k_codebook, out)
 
