@@ -11,6 +11,9 @@ against the same copy bandwidth (1 to 8 bits; --dequant_sweep 1 also times its k
 against the default's). A last part sweeps the kernel's tuning knobs (BLOCK_N, programs per SM, Triton stages) at
 batch 1 / 128k and batch 8 / 32k, each variant's output checked against the default's.
 
+A preset may name split keys (`key_split`) after a colon: "k4v2:32x6+32x4+64x3" splits each key into 32 channels
+at 6 bits, 32 at 4 and 64 at 3 (a random channel order per KV head; the values keep the preset's width).
+
 Usage: python benchmarks/bench_attention.py [--presets k5v3,k4v4,k4v2] [--contexts 4096,32768,131072]
        [--batches 1,8] [--sweep 1] [--dequant 1] [--dequant_sweep 0] [--out DIR]
                                                                   writes DIR/bench_attention.json and .png
@@ -51,8 +54,35 @@ def copy_bandwidth() -> float:
     return 2 * src.numel() / (ms * 1e-3)
 
 
-def packed_layer(b: int, t: int, kbits: int, vbits: int) -> tuple[PackedKV, int]:
-    """A dynamic layer's PackedKV of t positions (t - RESIDUAL packed) and the bytes a step reads of it."""
+def parse_preset(name: str) -> tuple[int, int, list[tuple[int, int]] | None]:
+    """(key bits, value bits, split parts [(channels, bits)] or None) of "k4v2" or "k4v2:32x6+32x4+64x3"."""
+    preset, _, split = name.partition(":")
+    cfg = TurboQuantConfig.from_preset(preset)
+    parts = [tuple(int(x) for x in p.split("x")) for p in split.split("+")] if split else None
+    return cfg.key_bits, cfg.value_bits, parts
+
+
+def split_keys(kv: PackedKV, parts: list[tuple[int, int]]) -> tuple[PackedKV, int]:
+    """kv with its keys split in `parts` [(channels, bits)], random codes and norms; and the bytes its keys add."""
+    from dataclasses import replace
+
+    from tq_hf_cache.key_split import check_spec, make_split
+
+    b, _, lq, _ = kv.k_packed.shape
+    sizes, bits = [n for n, _ in parts], [w for _, w in parts]
+    spec = check_spec({"sizes": sizes, "bits": bits, "order": [torch.randperm(D).tolist() for _ in range(HKV)]}, 0)
+    split = make_split(spec, 0, HKV, D, lambda n: make_rotation(n, 0), theoretical_codebook).to(DEV)
+    key_parts = tuple((torch.randint(0, 256, (b, HKV, lq, packed_bytes(n, w)), dtype=torch.uint8, device=DEV),
+                       torch.rand(b, HKV, lq, device=DEV).add_(1).half()) for n, w in parts)
+    added = sum(p.numel() + nm.numel() * 2 for p, nm in key_parts) - kv.k_packed.numel() - kv.k_norms.numel() * 2
+    kv = replace(kv, k_packed=key_parts[0][0], k_norms=key_parts[0][1], k_codebook=split.parts[0][1],
+                 key_split=split, key_parts=key_parts)
+    return kv, added
+
+
+def packed_layer(b: int, t: int, kbits: int, vbits: int, split=None) -> tuple[PackedKV, int]:
+    """A dynamic layer's PackedKV of t positions (t - RESIDUAL packed) and the bytes a step reads of it; `split`:
+    its keys split in these [(channels, bits)] parts."""
     lq = t - RESIDUAL
     rot = make_rotation(D, 0).to(DEV)
     kcb, vcb = theoretical_codebook(kbits, D).to(DEV), theoretical_codebook(vbits, D).to(DEV)
@@ -65,6 +95,9 @@ def packed_layer(b: int, t: int, kbits: int, vbits: int) -> tuple[PackedKV, int]
     sk, sv = rk[:, :, :SINKS].clone(), rv[:, :, :SINKS].clone()
     kv = PackedKV(kp, kn, vp, vn, sk, sv, rk, rv, t, lq, rot, kcb, vcb, SINKS, -1, -1)
     nbytes = sum(x.numel() * x.element_size() for x in (kp, vp, kn, vn, rk, rv, sk, sv))
+    if split:
+        kv, added = split_keys(kv, split)
+        nbytes += added
     return kv, nbytes + b * HQ * D * 2
 
 
@@ -136,8 +169,7 @@ def main():
     sdpa_cache = {}
     for preset, b, t in itertools.product(a.presets.split(","), map(int, a.batches.split(",")),
                                           map(int, a.contexts.split(","))):
-        cfg = TurboQuantConfig.from_preset(preset)
-        kv, nbytes = packed_layer(b, t, cfg.key_bits, cfg.value_bits)
+        kv, nbytes = packed_layer(b, t, *parse_preset(preset))
         ms, _ = kernel_time(kv, b)
         if (b, t) not in sdpa_cache:
             sdpa_cache[(b, t)] = sdpa_time(b, t)

@@ -625,3 +625,93 @@ def test_kernel_launches_on_two_streams_at_once_do_not_share_scratch():
             b = decode_attention(qs[1], states[1])
         torch.cuda.synchronize()
         assert torch.equal(a, alone[0]) and torch.equal(b, alone[1]), f"seed {seed}"
+
+
+# ------------------------------------------------------------------------------------------------------------
+# split keys (`key_split`): each part its own packed codes, norms, rotation and codebook
+
+
+def make_split_state(b, hkv, lq, lr, n, d, sizes, bits, vbits, dtype, seed, sinks=0, device=DEVICE):
+    """`make_state` with its keys split (a random channel order per KV head): each part's packed codes and norms
+    are live slices of bigger buffers poisoned around them; the oracle's keys are the split's dequantized ones."""
+    from tq_hf_cache.key_split import check_spec, make_split
+
+    state, kf, vf = make_state(b, hkv, lq, lr, n, d, bits[0], vbits, dtype, seed, device=device, sinks=sinks)
+    g = torch.Generator().manual_seed(seed + 2)
+    order = [torch.randperm(d, generator=g).tolist() for _ in range(hkv)]
+    spec = check_spec({"bits": list(bits), "sizes": list(sizes), "order": order}, 0)
+    split = make_split(spec, 0, hkv, d, lambda m: make_rotation(m, (seed + m) % 1000), theoretical_codebook)
+    t = lq + lr + n
+    k = (torch.randn(b, hkv, t, d, generator=g) * (0.5 + 3 * torch.rand(b, hkv, t, 1, generator=g))).to(dtype)
+    parts = []
+    for packed, norms in reference.split_quantize(k[:, :, :lq], split):
+        pb = torch.randint(0, 256, (b, hkv, lq + 9, packed.shape[-1]), dtype=torch.uint8, generator=g)
+        nb = torch.randn(b, hkv, lq + 9, generator=g).to(norms.dtype)
+        pb[:, :, 5 : 5 + lq], nb[:, :, 5 : 5 + lq] = packed, norms
+        parts.append((pb[:, :, 5 : 5 + lq].to(device), nb[:, :, 5 : 5 + lq].to(device)))
+    kf = torch.cat([reference.split_dequantize([(p.cpu(), nm.cpu()) for p, nm in parts], split),
+                    k[:, :, lq:].float()], dim=2)
+    ring = torch.full((b, hkv, lr + n + 5, d), 1e4).to(dtype)
+    ring[:, :, : lr + n] = k[:, :, lq:]
+    sink_k = state.sink_k
+    if sinks:
+        sink_k = state.sink_k.clone()
+        sink_k[:, :, :sinks] = k[:, :, :sinks].to(device)
+        kf[:, :, :sinks] = k[:, :, :sinks].float()
+    state = replace(state, k_packed=parts[0][0], k_norms=parts[0][1], ring_k=ring[:, :, : lr + n].to(device),
+                    sink_k=sink_k, k_codebook=split.parts[0][1].to(device), key_split=split.to(device),
+                    key_parts=tuple(parts))
+    return state, kf, vf
+
+
+# (sizes, bits, vbits, d, group, n, lq, lr, dtype, mask, splits, sinks)
+SPLIT_CASES = [
+    ((32, 32), (5, 3), 2, 64, 4, 1, 203, 7, torch.bfloat16, None, None, 0),
+    ((32, 32, 64), (6, 4, 3), 2, 128, 4, 1, 301, 17, torch.bfloat16, "bool", 3, 4),
+    ((96, 32), (3, 5), 3, 128, 2, 3, 150, 5, torch.float16, "additive", 2, 0),  # 12 columns a plane, padded to 16
+    ((16, 16, 32), (8, 2, 4), 4, 64, 3, 2, 97, 0, torch.float16, None, 2, 2),  # 2-bit part: 4 bytes a row, masked
+    ((32, 32), (1, 7), 4, 64, 1, 1, 66, 0, torch.float16, None, 1, 0),
+    ((48, 16), (4, 2), 3, 64, 4, 1, 130, 3, torch.bfloat16, "bool", None, 0),
+]
+
+
+@needs_triton
+@pytest.mark.parametrize("case", SPLIT_CASES, ids=lambda c: f"{c[0]}x{c[1]}-v{c[2]}-d{c[3]}-g{c[4]}-n{c[5]}-{c[9]}-sinks{c[11]}")
+def test_kernel_and_torch_math_on_split_keys_match_the_oracle(case):
+    """Split keys: the score of a packed key is the sum over its parts, each scored in its own rotated domain."""
+    sizes, bits, vbits, d, group, n, lq, lr, dtype, mask_kind, splits, sinks = case
+    seed = fresh_seed()
+    b, hkv = 2, 2
+    hq, t = hkv * group, lq + lr + n
+    state, kf, vf = make_split_state(b, hkv, lq, lr, n, d, sizes, bits, vbits, dtype, seed, sinks=sinks)
+    q = make_query(b, hq, n, d, dtype, seed)
+    mask = None if mask_kind is None else padding_mask(b, 1, n, t, [min(4, lq), 0], mask_kind)
+    scale = 0.8 * d**-0.5
+    ref = _oracle(q, kf, vf, mask, scale)
+    for prefetch in (2, 0):  # the loop with the next tile's values loaded ahead, and without
+        out = torch.full((b, n, hq, d), float("nan"), dtype=dtype, device=DEVICE)  # poisoned
+        decode_attention(q, state, mask, scale, num_splits=splits, out=out, prefetch=prefetch)
+        assert torch.isfinite(out).all(), f"seed {seed}: unwritten or non-finite outputs (prefetch {prefetch})"
+        err = rel_err(out, ref)
+        assert err < TOL[dtype], f"seed {seed}: kernel (prefetch {prefetch}), relative error {err:.2e}"
+    cpu = replace(state, **{f: getattr(state, f).cpu().float() for f in ("ring_k", "ring_v", "sink_k", "sink_v")},
+                  key_parts=tuple((p.cpu(), nm.cpu()) for p, nm in state.key_parts), key_split=state.key_split.to("cpu"),
+                  k_packed=state.k_packed.cpu(), k_norms=state.k_norms.cpu(), v_packed=state.v_packed.cpu(),
+                  v_norms=state.v_norms.cpu(), rotation=state.rotation.to("cpu"),
+                  k_codebook=state.k_codebook.to("cpu"), v_codebook=state.v_codebook.to("cpu"))
+    m = None if mask is None else mask.cpu()
+    torch_math = reference.packed_attention(q.float().cpu(), cpu, m, scale)
+    want = reference.attention(q.float().cpu(), kf, vf, mask=m, scale=scale).transpose(1, 2)
+    assert rel_err(torch_math, want) < 1e-5, f"seed {seed}: torch math, relative error {rel_err(torch_math, want):.2e}"
+
+
+@needs_triton
+def test_kernel_refuses_a_split_it_cannot_read_and_the_attention_falls_back(caplog):
+    state, _, _ = make_split_state(1, 2, 40, 2, 1, 64, (24, 40), (3, 3), 4, torch.float16, fresh_seed())
+    q = make_query(1, 4, 1, 64, torch.float16, 0)
+    with pytest.raises(ValueError, match=r"split in parts of \[24, 40\] channels at \[3, 3\] bits"):
+        decode_attention(q, state, None, None)
+    assert not ops.kernel_serves(q, state)
+    with caplog.at_level("WARNING"):
+        assert not attention._fusable(q, state, 0.0, {})
+    assert "no fused decode attention for keys split in parts of [24, 40] channels" in caplog.text

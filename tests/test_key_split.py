@@ -141,8 +141,25 @@ def _spec_for(model, sizes, bits):
     return {i: _random_spec(g, cfg.num_key_value_heads, sizes, bits) for i in range(cfg.num_hidden_layers)}
 
 
+@pytest.fixture
+def fused(monkeypatch):
+    """Counts the fused attention's calls (`ops.decode_attention`)."""
+    seen = {"calls": 0}
+    call = ops.decode_attention
+
+    def counting(*a, **k):
+        seen["calls"] += 1
+        return call(*a, **k)
+
+    monkeypatch.setattr(ops, "decode_attention", counting)
+    return seen
+
+
 @pytest.mark.parametrize("centred", [False, True])
-def test_a_split_cache_gives_the_same_logits_on_every_attention_and_through_batch_ops(centred):
+def test_a_split_cache_gives_the_same_logits_on_every_attention_and_through_batch_ops(centred, fused, monkeypatch):
+    # the fused steps' torch math, on every device: the seam is under test here, the kernel (fp16 operands: 0.05
+    # off on these heavy uncentred keys, as for whole keys) in test_decode_attention and the test below
+    monkeypatch.setattr(ops, "FUSED_BACKEND", "torch")
     model = _pair_heavy_llama().to(DEV)
     ids = torch.randint(3, 128, (2, 236), generator=torch.Generator().manual_seed(6)).to(DEV)
     spec = _spec_for(model, (16, 16, 32), (6, 4, 3))
@@ -155,6 +172,7 @@ def test_a_split_cache_gives_the_same_logits_on_every_attention_and_through_batc
         assert lengths == {cache.layers[0].quantized_length} and cache.layers[0].quantized_length > 150
     for impl in ("eager", "turboquant"):
         torch.testing.assert_close(out[impl], out["sdpa"], atol=TOL, rtol=TOL, msg=f"{impl} vs sdpa")
+    assert fused["calls"] == 2 * (236 - 200) // 3, fused  # every 3-token step of both layers took the fused path
     # keys: the split's codes, dequantized, as the reference gives them
     layer = cache.layers[1]
     pk, _ = layer.k_buf.live()
@@ -261,3 +279,27 @@ def test_split_keys_cli_refuses_bad_arguments_before_loading_the_model(tmp_path,
     monkeypatch.setattr(cli, "_load_model", lambda *a, **k: pytest.fail("the model must not load"))
     assert cli.main(args) == 2
     assert match in capsys.readouterr().err
+
+
+def test_decode_steps_through_the_fused_kernel_on_split_centred_keys(monkeypatch, fused):
+    """The Triton kernel itself (interpreted on a CPU) on a split, centred layer's steps: the logits of SDPA on the
+    same cache, the split's parts read by the kernel, the centring added as its scores' bias."""
+    if DEV == "cpu":
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+    pytest.importorskip("triton")
+    from tq_hf_cache import kernels
+
+    if not kernels.available():
+        pytest.skip("no Triton here")
+    monkeypatch.setattr(ops, "FUSED_BACKEND", "triton")
+    model = _pair_heavy_llama(num_hidden_layers=1).to(DEV)
+    ids = torch.randint(3, 128, (2, 72), generator=torch.Generator().manual_seed(9)).to(DEV)
+    spec = _spec_for(model, (32, 16, 16), (5, 4, 2))
+    out = {}
+    for impl in ("sdpa", "turboquant"):
+        model.set_attn_implementation(impl)
+        cache = TurboQuantCache("k4v2", config=model.config, residual_length=8, key_split=spec, key_centering=True)
+        out[impl] = chunked_logits(model, cache, ids, 48, chunk=24)
+    assert fused["calls"] == 72 - 48  # every decode step
+    torch.testing.assert_close(out["turboquant"], out["sdpa"], atol=2e-2, rtol=2e-2,  # the kernel's fp16 operands
+                               msg="kernel vs sdpa")

@@ -23,7 +23,7 @@ import logging
 import torch
 
 from . import ops  # noqa: F401  (registers the tq_hf_cache:: custom ops)
-from .kernels import DECODE_HEAD_DIMS, DECODE_MAX_ROWS, SUPPORTED_BITS  # limits only: no triton import
+from .kernels import DECODE_HEAD_DIMS, DECODE_MAX_ROWS, MAX_KEY_PARTS, SUPPORTED_BITS, split_supports  # no triton
 from .packed_kv import MAX_FUSED_QUERIES, StaticKV, fill_rows, packed_source
 
 NAME = "turboquant"
@@ -57,9 +57,12 @@ def _fusable(query, kv, dropout, kwargs) -> bool:
         return False
     b, hq, n, d = query.shape
     hkv = kv.k_packed.shape[1]
-    if kv.key_split is not None:
-        _warn_once("key_split", "tq_hf_cache: no fused decode attention for split keys yet; their layers use the "
-                   "workspace (dequantize + SDPA) path")
+    split = kv.key_split
+    if split is not None and not split_supports(split.sizes, [cb.bits for _, cb in split.parts]):
+        _warn_once(("key_split", tuple(split.sizes)),
+                   f"tq_hf_cache: no fused decode attention for keys split in parts of {split.sizes} channels (at "
+                   f"most {MAX_KEY_PARTS} parts of multiples of 8 channels, whole 4-byte words per row); those "
+                   "layers use the workspace (dequantize + SDPA) path")
         return False
     if n > MAX_FUSED_QUERIES or hq % hkv or (hq // hkv) * n > DECODE_MAX_ROWS:
         return False

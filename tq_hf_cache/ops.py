@@ -221,9 +221,6 @@ def decode_attention(query: torch.Tensor, kv, mask: torch.Tensor | None, scale: 
     """Attention of query (B, Hq, n, D) over a `PackedKV` -> (B, n, Hq, D): the fused Triton kernel where it
     serves the call (CUDA, or FUSED_BACKEND "triton"), else the torch math (`reference.packed_attention` for a
     dynamic layer, `reference.static_attention` for a static one)."""
-    if getattr(kv, "key_split", None) is not None:
-        raise ValueError("the fused decode attention does not take split keys (PackedKV.key_split) yet; attend to "
-                         "the dense keys (the workspace path)")
     if getattr(kv, "key_offset", None) is not None:
         mask = _centring_mask(query, kv, mask, scale)
     backend = FUSED_BACKEND
@@ -262,7 +259,8 @@ def prepare_fused(kv) -> None:
     if kernels.available() and (dev.type == "cuda" or kernels.interpreting()):
         from .kernels.decode_attention import lookup_table
 
-        for codebook in (kv.k_codebook, kv.v_codebook):
+        parts = kv.key_split.parts[1:] if kv.key_split is not None else ()
+        for codebook in (kv.k_codebook, kv.v_codebook, *(cb for _, cb in parts)):
             lookup_table(codebook, kv.k_packed.shape[1], dev)
 
 
@@ -270,8 +268,10 @@ def kernel_serves(query: torch.Tensor, kv) -> bool:
     """Whether the fused Triton kernel takes this query over this PackedKV (else the torch math does)."""
     b, hq, n, d = query.shape
     hkv = kv.k_packed.shape[1]
+    split = kv.key_split
     return (kernels.available() and hq % hkv == 0
-            and kernels.decode_supports(d, kv.k_codebook.bits, kv.v_codebook.bits, n, hq // hkv))
+            and kernels.decode_supports(d, kv.k_codebook.bits, kv.v_codebook.bits, n, hq // hkv)
+            and (split is None or kernels.split_supports(split.sizes, [cb.bits for _, cb in split.parts])))
 
 
 @torch.library.custom_op("tq_hf_cache::static_attention", mutates_args=("scratch", "counters"))

@@ -181,7 +181,7 @@ def packed_attention(query: torch.Tensor, kv, mask: torch.Tensor | None, scale: 
     query's dtype.
     """
     b, hq, n, d = query.shape
-    rot, kcb, vcb = kv.rotation, kv.k_codebook, kv.v_codebook
+    rot, vcb = kv.rotation, kv.v_codebook
     lq, t, ns = int(kv.exact_from), int(kv.length), kv.sinks
     hkv = kv.k_packed.shape[1]
     g = hq // hkv
@@ -190,10 +190,9 @@ def packed_attention(query: torch.Tensor, kv, mask: torch.Tensor | None, scale: 
     if ns:
         kf = torch.cat([kv.sink_k[:, :, :ns].float(), kf], dim=2)
         vf = torch.cat([kv.sink_v[:, :, :ns].float(), vf], dim=2)
-    kc = centroids(kv.k_packed[:, :, ns:lq], kcb, d)  # (B, Hkv, lq - ns, D): rotated unit vectors
-    vc = centroids(kv.v_packed[:, :, ns:lq], vcb, d)
+    vc = centroids(kv.v_packed[:, :, ns:lq], vcb, d)  # (B, Hkv, lq - ns, D): rotated unit vectors
     scale = d**-0.5 if scale is None else scale
-    s_packed = (rot.forward(q) @ kc.transpose(-1, -2)) * (kv.k_norms[:, :, None, ns:lq].float() * scale)
+    s_packed = packed_scores(q, kv, ns, lq) * scale
     s_exact = (q @ kf.transpose(-1, -2)) * scale
     # positions: [sinks | packed after the sinks | ring], the order of `s` below
     s = torch.cat([s_exact[..., :ns], s_packed, s_exact[..., ns:]], dim=-1).view(b, hq, n, t)
@@ -213,6 +212,20 @@ def packed_attention(query: torch.Tensor, kv, mask: torch.Tensor | None, scale: 
     p_packed = p[..., ns:lq] * kv.v_norms[:, :, None, ns:lq].float()
     out = rot.inverse(p_packed @ vc) + p[..., :ns] @ vf[:, :, :ns] + p[..., lq:] @ vf[:, :, ns:]
     return out.view(b, hq, n, d).transpose(1, 2).to(query.dtype).contiguous()
+
+
+def packed_scores(q: torch.Tensor, kv, start: int, stop: int) -> torch.Tensor:
+    """q . k (fp32) of rows q (B, Hkv, rows, D) against the packed keys of slots [start, stop) of a `PackedKV`, in
+    the rotated domain: (Pi q) . c[idx] times the key norm; for split keys (`KeySplit`) the sum over the parts of
+    (Pi_p q_p) . c_p[idx_p] times part p's norm, q_p being the query's channels of part p."""
+    if kv.key_split is None:
+        kc = centroids(kv.k_packed[:, :, start:stop], kv.k_codebook, q.shape[-1])
+        return (kv.rotation.forward(q) @ kc.transpose(-1, -2)) * kv.k_norms[:, :, None, start:stop].float()
+    s = 0
+    for qp, (rot, cb), (packed, norms) in zip(kv.key_split.split(q), kv.key_split.parts, kv.key_parts):
+        kc = centroids(packed[:, :, start:stop], cb, rot.dim)
+        s = s + (rot.forward(qp) @ kc.transpose(-1, -2)) * norms[:, :, None, start:stop].float()
+    return s
 
 
 def static_append(

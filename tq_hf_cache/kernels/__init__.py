@@ -75,6 +75,16 @@ def decode_supports(head_dim: int, key_bits: int, value_bits: int, n_queries: in
     )
 
 
+MAX_KEY_PARTS = 3  # split keys (`key_split`) the fused kernel takes: up to three parts
+
+
+def split_supports(sizes, bits) -> bool:
+    """Whether the fused decode kernel takes keys split in parts of these channel counts and widths: at most
+    MAX_KEY_PARTS parts, each of whole groups of 8 channels packed in whole 4-byte words per row (any width)."""
+    return 2 <= len(sizes) <= MAX_KEY_PARTS and all(
+        n % 8 == 0 and (n * b // 8) % 4 == 0 and b in SUPPORTED_BITS for n, b in zip(sizes, bits))
+
+
 def supports(dim: int, bits: int, rotation_kind: str = "orthogonal", quantize: bool = True) -> bool:
     """Whether the quantize (or, `quantize=False`, dequantize) kernel takes this head dim, width and rotation: head
     dims 16..128 (powers of two) at 1..8 bits with any rotation, and 256 with a Hadamard rotation (quantize: 1..4

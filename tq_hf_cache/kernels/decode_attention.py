@@ -33,6 +33,7 @@ import triton
 import triton.language as tl
 
 from . import decode_supports as supports
+from . import split_supports
 from . import num_splits_for
 from . import _common as C
 
@@ -56,7 +57,10 @@ def _load_packed(base, offs_t, t_ok, BITS: tl.constexpr, D: tl.constexpr, STRIDE
     16 columns with zeros; rows are whole words: the launcher checks the base's alignment)."""
     if BITS == 2 or BITS == 4 or BITS == 8:
         cols = tl.arange(0, W)
-        v = tl.load(base + offs_t[:, None] * STRIDE_T + cols[None, :], mask=t_ok[:, None], other=0).to(tl.int32)
+        ok = t_ok[:, None]
+        if W > D * BITS // 8:  # a narrow split-key part: columns past the row read as 0 (their query plane is 0)
+            ok = ok & (cols < D * BITS // 8)[None, :]
+        v = tl.load(base + offs_t[:, None] * STRIDE_T + cols[None, :], mask=ok, other=0).to(tl.int32)
     else:
         v = C.load_groups(base + offs_t * STRIDE_T, t_ok, BITS, D, True, W)
     return v
@@ -99,6 +103,38 @@ def _query_plane(q, pi_ptr, k: tl.constexpr, P: tl.constexpr, W: tl.constexpr, D
     d = tl.arange(0, D)
     pit = tl.load(pi_ptr + (P * c[None, :] + k) * D + d[:, None], mask=(c < D // P)[None, :], other=0.0)
     return (tl.dot(q, pit) * scale_log2).to(tl.float16)
+
+
+@triton.jit
+def _given_block(qs, r, k: tl.constexpr, W: tl.constexpr, QOFF: tl.constexpr, QC: tl.constexpr):
+    """Block k (W columns) of a split-key part's query as the launcher wrote it (`split_query_planes`): (BLOCK_M, W)
+    fp16 from the program's rows of `qs`, the part's blocks starting at column QOFF."""
+    c = tl.arange(0, W)
+    return tl.load(qs + r[:, None] * QC + QOFF + k * W + c[None, :])
+
+
+@triton.jit
+def _part_scores(s, qs, r, kp, kn, kt, offs, t_ok, BITS: tl.constexpr, DP: tl.constexpr, STRIDE_T: tl.constexpr,
+                 W: tl.constexpr, QOFF: tl.constexpr, QC: tl.constexpr, BLOCK_N: tl.constexpr):
+    """s + the scores of one part of split keys (its own codes, norms and table): sum over blocks of
+    q'_p block @ centroid block^T, times the part's norms. At 2, 4 and 8 bits a block is a coordinate plane (as for
+    whole keys); at the group widths it is a pair of planes side by side (column 2c + j: coordinate 8c + 2m + j for
+    pair m), so that a part of 64 channels fills a 16-wide dot without padding. The query blocks are loaded from
+    `qs` at each tile (they stay in L1)."""
+    nrm = tl.load(kn + offs, mask=t_ok, other=0.0).to(tl.float32)
+    sp = tl.zeros(s.shape, dtype=tl.float32)
+    if BITS == 2 or BITS == 4 or BITS == 8:
+        raw = _load_packed(kp, offs, t_ok, BITS, DP, STRIDE_T, W)
+        e = _entries(kt, raw, 0, BITS)
+        for k in tl.static_range(8 // BITS):
+            sp = _qk(sp, _given_block(qs, r, k, W, QOFF, QC), e, k)
+    else:
+        raw = _load_packed(kp, offs, t_ok, BITS, DP, STRIDE_T, W // 2)
+        for m in tl.static_range(4):
+            e = _entries(kt, raw, m, BITS)
+            pair = tl.reshape(tl.join(_half(e, 0), _half(e, 1)), (BLOCK_N, W))
+            sp = tl.dot(_given_block(qs, r, m, W, QOFF, QC), tl.trans(pair), sp)
+    return s + sp * nrm[None, :]
 
 
 @triton.jit
@@ -217,12 +253,18 @@ def _decode_kernel(
     acc_ptr, ml_ptr, cnt_ptr,
     Hkv, Lq, Lr, N, Ls, tok_per_split, num_splits, scale_log2,
     len_ptr, from_ptr, ring,
+    qs_ptr, k1_ptr, sk1b, sk1h, n1_ptr, sn1b, sn1h, t1_ptr, k2_ptr, sk2b, sk2h, n2_ptr, sn2b, sn2h, t2_ptr,
     G: tl.constexpr, D: tl.constexpr, KBITS: tl.constexpr, VBITS: tl.constexpr,
     KPT: tl.constexpr, VPT: tl.constexpr, KT_SH: tl.constexpr, VT_SH: tl.constexpr,
     KP: tl.constexpr, VP: tl.constexpr, KW: tl.constexpr, VW: tl.constexpr,
     BLOCK_M: tl.constexpr, R: tl.constexpr, SC: tl.constexpr, BLOCK_N: tl.constexpr,
     MASK_KIND: tl.constexpr, PREFETCH: tl.constexpr,
     STATIC: tl.constexpr,
+    NPARTS: tl.constexpr, QC: tl.constexpr, K0D: tl.constexpr, K0W: tl.constexpr,
+    K1BITS: tl.constexpr, K1D: tl.constexpr, K1PT: tl.constexpr, K1W: tl.constexpr, Q1OFF: tl.constexpr,
+    T1_SH: tl.constexpr,
+    K2BITS: tl.constexpr, K2D: tl.constexpr, K2PT: tl.constexpr, K2W: tl.constexpr, Q2OFF: tl.constexpr,
+    T2_SH: tl.constexpr,
 ):
     """One launch: programs (pid, split) write partial (m, l, acc) for their slice, all in the unrotated domain
     (the packed splits rotate their accumulator back themselves); the last program of a (batch, KV head) to
@@ -230,7 +272,10 @@ def _decode_kernel(
     counter. Packed buffers are (B, H, slots, bytes) (token strides KPT / VPT bytes, norms 1 element); the ring
     and sink buffers' token stride is D. The first Ls packed tokens are skipped: their exact copies (the
     attention sinks) are attended to with the ring instead. Dynamic layers: host lengths, packed [0, Lq), ring
-    [Lq, Lq + Lr) in order. STATIC: lengths on the device, the ring holds position p at slot p % ring."""
+    [Lq, Lq + Lr) in order. STATIC: lengths on the device, the ring holds position p at slot p % ring.
+    Split keys (NPARTS 2 or 3; 0 otherwise): kp / kn / kt are part 0's (K0D channels at KBITS), parts 1 and 2 come
+    as k1 / n1 / t1 and k2 / n2 / t2; every part's query blocks (permuted and rotated per part) are in qs, and each
+    part is scored by `_part_scores`."""
     pid = tl.program_id(0)
     split = tl.program_id(1)
     b, h, r, row_i, row_ok, heads = _program_rows(pid, Hkv, N, G, BLOCK_M)
@@ -246,17 +291,19 @@ def _decode_kernel(
     if split < num_splits:
         # packed history, rotated domain, by coordinate planes (see `planes`): K plane k is scored against the
         # matching plane of q' = Pi q; V plane k accumulates into its own a_k, rotated back at the end
-        q0 = _query_plane(q, pi_ptr, 0, KP, KW, D, scale_log2)
-        if KP >= 2:
-            q1 = _query_plane(q, pi_ptr, 1, KP, KW, D, scale_log2)
-        if KP >= 4:
-            q2 = _query_plane(q, pi_ptr, 2, KP, KW, D, scale_log2)
-            q3 = _query_plane(q, pi_ptr, 3, KP, KW, D, scale_log2)
-        if KP == 8:
-            q4 = _query_plane(q, pi_ptr, 4, KP, KW, D, scale_log2)
-            q5 = _query_plane(q, pi_ptr, 5, KP, KW, D, scale_log2)
-            q6 = _query_plane(q, pi_ptr, 6, KP, KW, D, scale_log2)
-            q7 = _query_plane(q, pi_ptr, 7, KP, KW, D, scale_log2)
+        qs = qs_ptr + pid.to(tl.int64) * (BLOCK_M * QC)
+        if NPARTS == 0:
+            q0 = _query_plane(q, pi_ptr, 0, KP, KW, D, scale_log2)
+            if KP >= 2:
+                q1 = _query_plane(q, pi_ptr, 1, KP, KW, D, scale_log2)
+            if KP >= 4:
+                q2 = _query_plane(q, pi_ptr, 2, KP, KW, D, scale_log2)
+                q3 = _query_plane(q, pi_ptr, 3, KP, KW, D, scale_log2)
+            if KP == 8:
+                q4 = _query_plane(q, pi_ptr, 4, KP, KW, D, scale_log2)
+                q5 = _query_plane(q, pi_ptr, 5, KP, KW, D, scale_log2)
+                q6 = _query_plane(q, pi_ptr, 6, KP, KW, D, scale_log2)
+                q7 = _query_plane(q, pi_ptr, 7, KP, KW, D, scale_log2)
         a0 = tl.zeros((BLOCK_M, VW), dtype=tl.float32)
         a1 = tl.zeros((BLOCK_M, VW), dtype=tl.float32)
         a2 = tl.zeros((BLOCK_M, VW), dtype=tl.float32)
@@ -276,44 +323,57 @@ def _decode_kernel(
         if PREFETCH == 2:  # software pipelining by hand: the next tile's bytes load during this tile's math
             offs = start + tl.arange(0, BLOCK_N)
             t_ok = offs < end
-            kraw = _load_packed(kp, offs, t_ok, KBITS, D, KPT, KW)
+            if NPARTS == 0:  # split keys load their parts in `_part_scores`
+                kraw = _load_packed(kp, offs, t_ok, KBITS, D, KPT, KW)
+                knorm = tl.load(kn + offs, mask=t_ok, other=0.0).to(tl.float32)
             vraw = _load_packed(vp, offs, t_ok, VBITS, D, VPT, VW)
-            knorm = tl.load(kn + offs, mask=t_ok, other=0.0).to(tl.float32)
             vnorm = tl.load(vn + offs, mask=t_ok, other=0.0).to(tl.float32)
             mrow = _mask_row(m_base, offs, t_ok, smt, MASK_KIND)
         for t0 in range(start, end, BLOCK_N):
             offs = t0 + tl.arange(0, BLOCK_N)
             t_ok = (offs < end) & (offs >= Ls)
             if PREFETCH == 2:
-                k_cur, v_cur, kn_cur, vn_cur, m_cur = kraw, vraw, knorm, vnorm, mrow
+                v_cur, vn_cur, m_cur = vraw, vnorm, mrow
                 offs2 = offs + BLOCK_N
                 t_ok2 = offs2 < end
-                kraw = _load_packed(kp, offs2, t_ok2, KBITS, D, KPT, KW)
+                if NPARTS == 0:
+                    k_cur, kn_cur = kraw, knorm
+                    kraw = _load_packed(kp, offs2, t_ok2, KBITS, D, KPT, KW)
+                    knorm = tl.load(kn + offs2, mask=t_ok2, other=0.0).to(tl.float32)
                 vraw = _load_packed(vp, offs2, t_ok2, VBITS, D, VPT, VW)
-                knorm = tl.load(kn + offs2, mask=t_ok2, other=0.0).to(tl.float32)
                 vnorm = tl.load(vn + offs2, mask=t_ok2, other=0.0).to(tl.float32)
                 mrow = _mask_row(m_base, offs2, t_ok2, smt, MASK_KIND)
             else:
-                k_cur = _load_packed(kp, offs, t_ok, KBITS, D, KPT, KW)
-                kn_cur = tl.load(kn + offs, mask=t_ok, other=0.0).to(tl.float32)
+                if NPARTS == 0:
+                    k_cur = _load_packed(kp, offs, t_ok, KBITS, D, KPT, KW)
+                    kn_cur = tl.load(kn + offs, mask=t_ok, other=0.0).to(tl.float32)
                 v_cur = _load_packed(vp, offs, t_ok, VBITS, D, VPT, VW)
                 vn_cur = tl.load(vn + offs, mask=t_ok, other=0.0).to(tl.float32)
                 m_cur = _mask_row(m_base, offs, t_ok, smt, MASK_KIND)
-            e = _entries(kt, k_cur, 0, KBITS)
-            s = tl.dot(q0, tl.trans(_half(e, 0)))
-            if KP == 2:
-                s = _qk(s, q1, e, 1)
-            if KP == 4:
-                s = _qk(_qk(_qk(s, q1, e, 1), q2, e, 2), q3, e, 3)
-            if KP == 8:  # four pair entries
-                s = _qk(s, q1, e, 1)
-                e = _entries(kt, k_cur, 1, KBITS)
-                s = _qk(_qk(s, q2, e, 0), q3, e, 1)
-                e = _entries(kt, k_cur, 2, KBITS)
-                s = _qk(_qk(s, q4, e, 0), q5, e, 1)
-                e = _entries(kt, k_cur, 3, KBITS)
-                s = _qk(_qk(s, q6, e, 0), q7, e, 1)
-            s = s * kn_cur[None, :]
+            if NPARTS == 0:
+                e = _entries(kt, k_cur, 0, KBITS)
+                s = tl.dot(q0, tl.trans(_half(e, 0)))
+                if KP == 2:
+                    s = _qk(s, q1, e, 1)
+                if KP == 4:
+                    s = _qk(_qk(_qk(s, q1, e, 1), q2, e, 2), q3, e, 3)
+                if KP == 8:  # four pair entries
+                    s = _qk(s, q1, e, 1)
+                    e = _entries(kt, k_cur, 1, KBITS)
+                    s = _qk(_qk(s, q2, e, 0), q3, e, 1)
+                    e = _entries(kt, k_cur, 2, KBITS)
+                    s = _qk(_qk(s, q4, e, 0), q5, e, 1)
+                    e = _entries(kt, k_cur, 3, KBITS)
+                    s = _qk(_qk(s, q6, e, 0), q7, e, 1)
+                s = s * kn_cur[None, :]
+            else:
+                s = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+                s = _part_scores(s, qs, r, kp, kn, kt, offs, t_ok, KBITS, K0D, KPT, K0W, 0, QC, BLOCK_N)
+                s = _part_scores(s, qs, r, k1_ptr + b * sk1b + h * sk1h, n1_ptr + b * sn1b + h * sn1h,
+                                 t1_ptr + h * T1_SH, offs, t_ok, K1BITS, K1D, K1PT, K1W, Q1OFF, QC, BLOCK_N)
+                if NPARTS >= 3:
+                    s = _part_scores(s, qs, r, k2_ptr + b * sk2b + h * sk2h, n2_ptr + b * sn2b + h * sn2h,
+                                     t2_ptr + h * T2_SH, offs, t_ok, K2BITS, K2D, K2PT, K2W, Q2OFF, QC, BLOCK_N)
             s = _masked_scores(s, offs, t_ok, row_ok, row_i, heads, m_base, smh, smi, smt, causal_limit, MASK_KIND,
                                m_cur, True)
             p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i)
@@ -467,6 +527,66 @@ def lookup_table(codebook, heads: int, device: torch.device) -> tuple[torch.Tens
     return table, (table.stride(0) if codebook.per_head else 0)
 
 
+def block_width(dim: int, bits: int) -> int:
+    """Columns of one query block of a split-key part (`_part_scores`): a coordinate plane at 2, 4 and 8 bits (dim *
+    bits / 8), a pair of planes at the group widths (dim / 4); padded to a power of two >= 16 (tl.dot's K)."""
+    cols = dim * bits // 8 if bits in (2, 4, 8) else dim // 4
+    return max(16, triton.next_power_of_2(cols))
+
+
+def split_query_planes(query: torch.Tensor, split, block_m: int, scale_log2: float) -> torch.Tensor:
+    """For split keys: each part's query blocks, (B * Hkv, block_m, QC) fp16, row r = g * n + i as in the kernel's
+    tile. Part p's columns: its channels of q (`KeySplit.split`) rotated by its Pi_p and scaled for exp2, block by
+    block as `_part_scores` reads them (plane k: coordinates P * c + k; pair m: column 2c + j is coordinate
+    8c + 2m + j), each block padded with zeros to `block_width`."""
+    b, hq, n, d = query.shape
+    hkv = split.order.shape[0]
+    rows = hq // hkv * n
+    q = query.float().reshape(b, hkv, rows, d)
+    cols = []
+    for qp, (rot, cb) in zip(split.split(q), split.parts):
+        dp, w = rot.dim, block_width(rot.dim, cb.bits)
+        y = rot.forward(qp) * scale_log2
+        if cb.bits in (2, 4, 8):
+            p = 8 // cb.bits
+            y = y.reshape(b, hkv, rows, dp // p, p).transpose(-1, -2)
+        else:
+            y = y.reshape(b, hkv, rows, dp // 8, 4, 2).transpose(-3, -2).reshape(b, hkv, rows, 4, dp // 4)
+        cols.append(torch.nn.functional.pad(y, (0, w - y.shape[-1])).reshape(b, hkv, rows, -1))
+    qs = torch.nn.functional.pad(torch.cat(cols, dim=-1), (0, 0, 0, block_m - rows))
+    return qs.to(torch.float16).reshape(b * hkv, block_m, -1).contiguous()
+
+
+def _split_args(query, kv, block_m: int, scale_log2: float) -> tuple[tuple, dict]:
+    """The kernel's split-key arguments: (pointers and strides, constexprs); placeholders when the keys are whole."""
+    split = kv.key_split
+    none = {f"K{p}{k}": 0 for p in (1, 2) for k in ("BITS", "D", "PT", "W")}
+    none.update(Q1OFF=0, Q2OFF=0, T1_SH=0, T2_SH=0)
+    if split is None:
+        return (query,) + (query, 0, 0, query, 0, 0, query) * 2, dict(NPARTS=0, QC=16, K0D=0, K0W=0, **none)
+    sizes, bits = split.sizes, [cb.bits for _, cb in split.parts]
+    if not split_supports(sizes, bits):
+        raise ValueError(f"decode_attention does not support keys split in parts of {sizes} channels at {bits} bits")
+    qs = split_query_planes(query, split, block_m, scale_log2)
+    hkv = kv.k_packed.shape[1]
+    widths = [block_width(n, w) for n, w in zip(sizes, bits)]
+    blocks = [8 // w if w in (2, 4, 8) else 4 for w in bits]
+    const = dict(NPARTS=len(sizes), QC=qs.shape[-1], K0D=sizes[0], K0W=widths[0], **none)
+    args = [qs]
+    for p in (1, 2):
+        if p < len(sizes):
+            packed, norms = kv.key_parts[p]
+            packed = _packed(packed)
+            norms = _tokens_last(norms.unsqueeze(-1), 1).squeeze(-1)
+            table, sh = lookup_table(split.parts[p][1], hkv, query.device)
+            args += [packed, packed.stride(0), packed.stride(1), norms, norms.stride(0), norms.stride(1), table]
+            const.update({f"K{p}BITS": bits[p], f"K{p}D": sizes[p], f"K{p}PT": packed.shape[-1], f"K{p}W": widths[p],
+                          f"Q{p}OFF": sum(w * k for w, k in zip(widths[:p], blocks[:p])), f"T{p}_SH": sh})
+        else:
+            args += [query, 0, 0, query, 0, 0, query]
+    return tuple(args), const
+
+
 def _split_plan(batch_heads: int, lq: int, device, num_splits, block_n: int) -> tuple[int, int]:
     if num_splits is None:
         num_splits = num_splits_for(batch_heads, lq, device)
@@ -550,6 +670,8 @@ def decode_attention(
         if kv.k_packed.shape[2] < lq or kv.ring_k.shape[2] < lr or lr < 0:
             raise ValueError(f"the PackedKV holds {kv.k_packed.shape[2]} packed and {kv.ring_k.shape[2]} ring slots "
                              f"for exact_from={lq}, length={lq + lr}")
+        if kv.key_split is not None and (kv.key_parts is None or len(kv.key_parts) != len(kv.key_split.parts)):
+            raise ValueError("a PackedKV with key_split needs key_parts, one (packed, norms) per part")
         if kv.sinks > lq:
             raise ValueError(f"the PackedKV has {kv.sinks} sink positions but only {lq} packed ones")
         split_len, t = lq, lq + lr
@@ -578,6 +700,8 @@ def decode_attention(
         pi = pi.to(query.device)
     (kt, kt_sh), (vt, vt_sh) = lookup_table(kcb, hkv, query.device), lookup_table(vcb, hkv, query.device)
     kplanes, vplanes = planes(kcb.bits), planes(vcb.bits)
+    scale_log2 = (d**-0.5 if scale is None else float(scale)) * LOG2E
+    split_args, split_const = _split_args(query, kv, block_m, scale_log2)
     if out is None:
         out = torch.empty(b, n, hq, d, dtype=query.dtype, device=query.device)
     elif out.shape != (b, n, hq, d) or out.stride(-1) != 1 or out.dtype != query.dtype:
@@ -595,13 +719,14 @@ def decode_attention(
         m_arg, *ms,
         out, *out.stride()[:3],
         acc, ml, counters,
-        hkv, lq, lr, n, kv.sinks, tok_per_split, num_splits, (d**-0.5 if scale is None else float(scale)) * LOG2E,
+        hkv, lq, lr, n, kv.sinks, tok_per_split, num_splits, scale_log2,
         len_ptr, from_ptr, ring,
+        *split_args,
         G=group, D=d, KBITS=kcb.bits, VBITS=vcb.bits, KPT=kp.shape[-1], VPT=vp.shape[-1],
         KT_SH=kt_sh, VT_SH=vt_sh, KP=kplanes, VP=vplanes, KW=max(16, d // kplanes), VW=max(16, d // vplanes),
         BLOCK_M=block_m, R=rows, SC=sc, BLOCK_N=block_n, MASK_KIND=mask_kind,
         PREFETCH=DEFAULT_PREFETCH if prefetch is None else prefetch,
-        STATIC=kv.static,
+        STATIC=kv.static, **split_const,
         num_warps=num_warps or DEFAULT_WARPS, num_stages=DEFAULT_STAGES if num_stages is None else num_stages,
     )
     return out
