@@ -602,3 +602,59 @@ def test_kernel_tables_are_shared_by_codebooks_with_the_same_centroids():
     assert _common.poly_table(a, 1, DEV) is _common.poly_table(b.to(DEV), 1, DEV)
     other = theoretical_codebook(6, 128)
     assert _common.poly_table(other, 1, DEV) is not _common.poly_table(a, 1, DEV)
+
+
+@pytest.mark.parametrize("n, start", [(1, 3), (5, 2), (21, 15), (3, 31)])
+def test_static_append_of_split_keys_matches_reference(n, start):
+    """A static layer's append with split keys (`key_split`): the values and both tensors' exact copies as
+    `reference.static_append`, each key part's codes as the quantize kernel gives them for that part's channels,
+    nothing written outside the new rows (capacity 33: the last case runs past it)."""
+    from tq_hf_cache.key_split import check_spec, make_split
+
+    seed, g = fresh_gen()
+    b, h, d, cap, ring, sinks = 2, 3, 64, 33, 8, 4
+    spec = check_spec({"bits": [6, 4, 3], "sizes": [16, 16, 32],
+                       "order": [torch.randperm(d, generator=g).tolist() for _ in range(h)]}, 0)
+    split = make_split(spec, 0, h, d, lambda m: make_rotation(m, (seed + m) % 1000), theoretical_codebook).to(DEV)
+    rot, vcb = make_rotation(d, seed % 1000).to(DEV), per_head_codebook(g, 3, h, d).to(DEV)
+    k, v = make_x(g, b, h, n, d, torch.bfloat16), make_x(g, b, h, n, d, torch.bfloat16)
+
+    def buffers():
+        out = {f"k{p}": (torch.full((b, h, cap, packed_bytes(m, w)), 0xA5, dtype=torch.uint8, device=DEV),
+                         torch.full((b, h, cap), NORM_POISON, dtype=torch.float16, device=DEV))
+               for p, (m, w) in enumerate(zip(spec["sizes"], spec["bits"]))}
+        out.update({
+            "v_packed": torch.full((b, h, cap, packed_bytes(d, 3)), 0xA5, dtype=torch.uint8, device=DEV),
+            "v_norms": torch.full((b, h, cap), NORM_POISON, dtype=torch.float16, device=DEV),
+            "ring_k": torch.full((b, h, ring, d), -3.0, dtype=torch.bfloat16, device=DEV),
+            "ring_v": torch.full((b, h, ring, d), -3.0, dtype=torch.bfloat16, device=DEV),
+            "sink_k": torch.full((b, h, sinks + 1, d), -3.0, dtype=torch.bfloat16, device=DEV),
+            "sink_v": torch.full((b, h, sinks + 1, d), -3.0, dtype=torch.bfloat16, device=DEV),
+            "length": torch.tensor(start, dtype=torch.int64, device=DEV),
+            "exact_from": torch.tensor(max(0, start - ring), dtype=torch.int64, device=DEV),
+        })
+        return out
+
+    rest = ("v_packed", "v_norms", "ring_k", "ring_v", "sink_k", "sink_v", "length", "exact_from")
+    got, want = buffers(), buffers()
+    parts = [got[f"k{p}"] for p in range(3)]
+    kernels.append_split_into(k, v, split, rot, vcb, parts, *(got[name] for name in rest), sinks)
+    reference.static_append(k, v, *want["k0"], *(want[name] for name in rest), sinks, rot, split.parts[0][1], vcb,
+                            key_split=split, key_parts=[want[f"k{p}"] for p in range(3)])
+    for name in ("ring_k", "ring_v", "sink_k", "sink_v", "length", "exact_from"):
+        assert torch.equal(got[name], want[name]), f"seed {seed}: {name} differs from the reference"
+    rows = slice(min(start, cap), min(start + n, cap))
+    m = rows.stop - rows.start
+    outside = torch.ones(cap, dtype=torch.bool)
+    outside[rows] = False
+    xs = split.split(k[:, :, :m]) + [v[:, :, :m]]
+    quantizers = list(split.parts) + [(rot, vcb)]
+    names = ["key part 0", "key part 1", "key part 2", "values"]
+    for what, (packed, norms), x, (r, cb) in zip(names, parts + [(got["v_packed"], got["v_norms"])], xs, quantizers):
+        assert (packed[:, :, outside] == 0xA5).all(), f"seed {seed}: {what}: bytes written outside their rows"
+        assert (norms[:, :, outside] == NORM_POISON).all(), f"seed {seed}: {what}: norms written outside their rows"
+        if m:
+            pk, nk = quantize_poisoned(x, r, cb, torch.float16)
+            assert torch.equal(packed[:, :, rows], pk), f"seed {seed}: {what}: packed differs from quantize_into"
+            assert torch.equal(norms[:, :, rows], nk), f"seed {seed}: {what}: norms differ from quantize_into"
+            check_indices(x, r, cb, packed[:, :, rows], seed)

@@ -82,9 +82,6 @@ def test_a_bad_split_is_refused_naming_the_value():
         TurboQuantCache("k4v2", config=tiny_llama_config(), key_split={7: ok})
     with pytest.raises(ValueError, match="key_split names layer 0, which the config keeps in full precision"):
         TurboQuantCache("k4v2", config=tiny_llama_config(), key_split={0: ok}, skip_layers=[0])
-    if IS_V5:
-        with pytest.raises(ValueError, match="key_split is not supported by TurboQuantStaticCache"):
-            TurboQuantStaticCache(config=tiny_llama_config(), max_cache_len=64, key_split={0: ok})
 
 
 def _pair_heavy_llama(pairs=(3, 9), head_dim=64, scale=8.0, **kw):
@@ -303,3 +300,95 @@ def test_decode_steps_through_the_fused_kernel_on_split_centred_keys(monkeypatch
     assert fused["calls"] == 72 - 48  # every decode step
     torch.testing.assert_close(out["turboquant"], out["sdpa"], atol=2e-2, rtol=2e-2,  # the kernel's fp16 operands
                                msg="kernel vs sdpa")
+
+
+def _static_steps(model, cache, ids, prefill, impl, forward=None, prefilled=False):
+    """Logits of a prefill of ids[:, :prefill] (unless `prefilled`: the cache holds it) then one step per token,
+    through `cache` with attention `impl`."""
+    model.set_attn_implementation(impl)
+    forward = forward or model.forward
+    outs = []
+    with torch.no_grad():
+        if not prefilled:
+            outs.append(model(ids[:, :prefill], past_key_values=cache).logits)
+        for t in range(prefill, ids.shape[1]):
+            pos = torch.tensor([t], device=ids.device)
+            outs.append(forward(ids[:, t : t + 1], past_key_values=cache, cache_position=pos,
+                                position_ids=pos.expand(ids.shape[0], 1)).logits)
+    return torch.cat(outs, 1)
+
+
+@pytest.mark.skipif(not IS_V5, reason="TurboQuantStaticCache needs transformers >= 5")
+def test_a_static_split_cache_holds_the_dynamic_caches_codes_and_attends_alike_on_every_path(monkeypatch):
+    """TurboQuantStaticCache with split keys: the same codes as TurboQuantCache for every position both hold
+    packed, the same logits through the dense keys (sdpa), the fused op (turboquant) and a compiled step; with 8-bit
+    parts, close to transformers' StaticCache with the same greedy tokens. The fused op's torch math on every device
+    (the seam is under test; the kernel on split static layers in test_static_attention)."""
+    monkeypatch.setattr(ops, "FUSED_BACKEND", "torch")
+    model = _pair_heavy_llama().to(DEV)
+    ids = torch.randint(3, 128, (2, 60), generator=torch.Generator().manual_seed(10)).to(DEV)
+    spec = _spec_for(model, (16, 16, 32), (6, 4, 3))
+    kw = dict(config=model.config, residual_length=4, sink_tokens=2, key_split=spec)
+    out = {impl: _static_steps(model, TurboQuantStaticCache(max_cache_len=64, tq_config="k4v2", **kw), ids, 48, impl)
+           for impl in ("sdpa", "turboquant")}
+    torch._dynamo.reset()
+    compiled = torch.compile(model.forward, backend="aot_eager", fullgraph=True)
+    static = TurboQuantStaticCache(max_cache_len=64, tq_config="k4v2", **kw)
+    out["compiled"] = _static_steps(model, static, ids, 48, "turboquant", compiled)
+    for name in ("turboquant", "compiled"):
+        torch.testing.assert_close(out[name], out["sdpa"], atol=TOL, rtol=TOL, msg=f"static split: {name} vs sdpa")
+    dynamic = TurboQuantCache("k4v2", **kw)
+    chunked_logits(model, dynamic, ids, 48, chunk=48)
+    for i, (s_layer, d_layer) in enumerate(zip(static.layers, dynamic.layers)):
+        # the prompt's keys are the same in both caches (after it, a layer's keys depend on how the layers below
+        # attended: to exact or to packed recent keys)
+        assert d_layer.quantized_length >= 48
+        for p, ((sp, sn), dbuf) in enumerate(zip(s_layer.packed.key_parts, d_layer._key_buffers())):
+            dp, dn = dbuf.live()
+            torch.testing.assert_close(sp[:, :, :48], dp[:, :, :48], atol=0, rtol=0, msg=f"layer {i} part {p} codes")
+            torch.testing.assert_close(sn[:, :, :48], dn[:, :, :48], atol=0, rtol=0, msg=f"layer {i} part {p} norms")
+    # through generate (compiled with CUDA graphs on a GPU: the kernel there), on a model of ordinary scale
+    monkeypatch.setattr(ops, "FUSED_BACKEND", "auto")
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(tiny_llama_config(head_dim=64, intermediate_size=128)).eval().to(DEV)
+    ids = torch.randint(3, 128, (2, 40), generator=torch.Generator().manual_seed(0)).to(DEV)
+    eight = {i: {**s, "bits": [8, 8, 8]} for i, s in _spec_for(model, (16, 16, 32), (6, 4, 3)).items()}
+    want_seq = want = None
+    for impl in ("sdpa", "turboquant"):
+        model.set_attn_implementation(impl)
+        if want is None:
+            ref = model.generate(ids, past_key_values=transformers.StaticCache(config=model.config, max_cache_len=64),
+                                 max_new_tokens=12, min_new_tokens=12, do_sample=False, output_logits=True,
+                                 return_dict_in_generate=True)
+            want_seq, want = ref.sequences, torch.stack(ref.logits, 1)
+        cache = TurboQuantStaticCache(config=model.config, max_cache_len=64, key_bits=8, value_bits=8,
+                                      residual_length=4, sink_tokens=2, key_split=eight)
+        got = model.generate(ids, past_key_values=cache, max_new_tokens=12, min_new_tokens=12, do_sample=False,
+                             output_logits=True, return_dict_in_generate=True)
+        torch.testing.assert_close(torch.stack(got.logits, 1), want, atol=0.05, rtol=0,
+                                   msg=lambda m, impl=impl: f"8-bit split parts vs StaticCache ({impl}): {m}")
+        assert torch.equal(got.sequences, want_seq), f"8-bit split parts ({impl}): greedy tokens differ"
+    assert static.nbytes()["packed"] == 2 * 2 * 64 * 2 * (packed_bytes(16, 6) + packed_bytes(16, 4) + packed_bytes(32, 3)
+                                                          + packed_bytes(64, 2) + 2 * 4)  # codes and fp16 norms
+
+
+@pytest.mark.skipif(not IS_V5, reason="TurboQuantStaticCache needs transformers >= 5")
+def test_a_static_split_cache_reorders_crops_and_resets_every_part():
+    model = _pair_heavy_llama().to(DEV)
+    ids = torch.randint(3, 128, (2, 50), generator=torch.Generator().manual_seed(11)).to(DEV)
+    spec = _spec_for(model, (32, 32), (5, 3))
+    kw = dict(config=model.config, max_cache_len=64, tq_config="k4v2", residual_length=4, key_split=spec)
+    swapped, cache = TurboQuantStaticCache(**kw), TurboQuantStaticCache(**kw)
+    _static_steps(model, swapped, ids.flip(0)[:, :40], 40, "sdpa")
+    _static_steps(model, cache, ids[:, :40], 40, "sdpa")
+    cache.reorder_cache(torch.tensor([1, 0], device=DEV))
+    cache.crop(36)
+    swapped.crop(36)
+    a = _static_steps(model, cache, ids.flip(0)[:, :50], 36, "turboquant", prefilled=True)
+    b = _static_steps(model, swapped, ids.flip(0)[:, :50], 36, "turboquant", prefilled=True)
+    torch.testing.assert_close(a, b, atol=EXACT, rtol=EXACT, msg="reordered + cropped vs fed that way")
+    cache.reset()
+    assert int(cache.get_seq_length()) == 0 and all(
+        (t == 0).all() for layer in cache.layers for part in layer.packed.key_parts for t in part)
+    with pytest.raises(ValueError, match="key_split names layer 0, which the config keeps in full precision"):
+        TurboQuantStaticCache(config=model.config, max_cache_len=64, key_split=spec, skip_layers=[0])

@@ -35,21 +35,34 @@ def codebook(bits, d, hkv=None, g=None):
     return cb
 
 
-def make_kv(b, hkv, cap, ring, sinks, length, exact_from, d, kbits, vbits, dtype, seed, per_head=False):
+def make_kv(b, hkv, cap, ring, sinks, length, exact_from, d, kbits, vbits, dtype, seed, per_head=False, split=None):
     """A static layer's buffers after `length` positions, with the ring live from `exact_from`; slots past `length`
-    and dead ring slots hold random garbage (poison) that attention must never read."""
+    and dead ring slots hold random garbage (poison) that attention must never read. `split`: (sizes, bits) of split
+    keys (a random channel order per KV head), each part in its own buffers."""
     g = torch.Generator().manual_seed(seed)
     rot = make_rotation(d, seed % 1000)
     kcb = codebook(kbits, d, hkv if per_head else None, g)
     vcb = codebook(vbits, d, hkv if per_head else None, g)
     k = (torch.randn(b, hkv, cap, d, generator=g) * (0.5 + 3 * torch.rand(b, hkv, cap, 1, generator=g))).to(dtype)
     v = (torch.randn(b, hkv, cap, d, generator=g) * (0.5 + 2 * torch.rand(b, hkv, cap, 1, generator=g))).to(dtype)
-    kp, kn = reference.quantize(k, rot, kcb)
+    key_split = None
+    if split is None:
+        key_parts = [reference.quantize(k, rot, kcb)]
+    else:
+        from tq_hf_cache.key_split import check_spec, make_split
+
+        spec = check_spec({"sizes": list(split[0]), "bits": list(split[1]),
+                           "order": [torch.randperm(d, generator=g).tolist() for _ in range(hkv)]}, 0)
+        key_split = make_split(spec, 0, hkv, d, lambda m: make_rotation(m, (seed + m) % 1000), theoretical_codebook)
+        key_parts = reference.split_quantize(k, key_split)
+        kcb = key_split.parts[0][1]
     vp, vn = reference.quantize(v, rot, vcb)
-    for t in (kp, vp):
+    for t in [p for p, _ in key_parts] + [vp]:
         t[:, :, length:] = torch.randint(0, 256, t[:, :, length:].shape, dtype=torch.uint8, generator=g)
-    for t in (kn, vn):
+    for t in [nm for _, nm in key_parts] + [vn]:
         t[:, :, length:] = 1e4
+    key_parts = [(p.to(DEVICE), nm.to(DEVICE)) for p, nm in key_parts]
+    (kp, kn) = key_parts[0]
     ring_k = torch.randn(b, hkv, ring, d, generator=g).to(dtype) * 100
     ring_v = torch.randn(b, hkv, ring, d, generator=g).to(dtype) * 100
     pos, live = ring_positions(torch.tensor(length), torch.tensor(exact_from), ring)
@@ -68,6 +81,7 @@ def make_kv(b, hkv, cap, ring, sinks, length, exact_from, d, kbits, vbits, dtype
         torch.tensor(length, device=dev), torch.tensor(exact_from, device=dev), rot, kcb, vcb, sinks,
         ops.quantizer_id(rot, kcb), ops.quantizer_id(rot, vcb),
         torch.empty(1 << 20, device=dev), torch.zeros(64, dtype=torch.int32, device=dev),
+        key_split=None if key_split is None else key_split.to(dev), key_parts=None if split is None else tuple(key_parts),
     )
     return kv, ring_k, ring_v, k, v
 
@@ -75,7 +89,10 @@ def make_kv(b, hkv, cap, ring, sinks, length, exact_from, d, kbits, vbits, dtype
 def oracle_by_hand(query, k, v, kv, length, exact_from, sinks, mask, scale):
     """The same attention from the original tokens: exact where the layer keeps them exact, else dequantized."""
     cap = k.shape[2]
-    kd = reference.dequantize(kv.k_packed.cpu(), kv.k_norms.cpu(), kv.rotation, kv.k_codebook)
+    if kv.key_split is None:
+        kd = reference.dequantize(kv.k_packed.cpu(), kv.k_norms.cpu(), kv.rotation, kv.k_codebook)
+    else:
+        kd = reference.split_dequantize([(p.cpu(), nm.cpu()) for p, nm in kv.key_parts], kv.key_split.to("cpu"))
     vd = reference.dequantize(kv.v_packed.cpu(), kv.v_norms.cpu(), kv.rotation, kv.v_codebook)
     exact = [(p < sinks or p >= exact_from) and p < length for p in range(cap)]
     for p in range(cap):
@@ -97,13 +114,21 @@ CASES = [
 ]
 
 
+SPLIT_CASES = [  # the CASES above with split keys: (case, (sizes, bits))
+    (CASES[0], ((32, 32), (6, 3))),
+    (CASES[1], ((16, 16, 32), (6, 4, 2))),
+    (CASES[5], ((32, 32, 64), (5, 4, 3))),
+]
+
+
 @needs_triton
-@pytest.mark.parametrize("case", CASES, ids=[str(i) for i in range(len(CASES))])
-def test_static_kernel_matches_the_reference(case):
+@pytest.mark.parametrize("case,split", [(c, None) for c in CASES] + SPLIT_CASES,
+                         ids=[str(i) for i in range(len(CASES))] + [f"split{i}" for i in range(len(SPLIT_CASES))])
+def test_static_kernel_matches_the_reference(case, split):
     b, hkv, group, n, d, cap, ring, sinks, length, exact_from, kbits, vbits, mask_kind, per_head = case
     seed = fresh_seed()
     kv, ring_k, ring_v, k, v = make_kv(b, hkv, cap, ring, sinks, length, exact_from, d, kbits, vbits, torch.float16,
-                                       seed, per_head)
+                                       seed, per_head, split)
     g = torch.Generator().manual_seed(seed + 1)
     q = torch.randn(b, hkv * group, n, d, generator=g).to(torch.float16).to(DEVICE)
     mask = None

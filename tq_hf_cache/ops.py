@@ -144,6 +144,29 @@ def quantizer(qid: int) -> tuple[Rotation, Codebook]:
     return _QUANTIZERS[qid]
 
 
+_SPLITS: list = []
+
+
+def split_id(split) -> int:
+    """The registry id of a `key_split.KeySplit` (custom ops take ints, not objects); -1 for None."""
+    if split is None:
+        return -1
+    for i, known in enumerate(_SPLITS):
+        if known is split:
+            return i
+    _SPLITS.append(split)
+    return len(_SPLITS) - 1
+
+
+def key_split_of(sid: int):
+    """The KeySplit of a registry id, None for -1."""
+    if sid == -1:
+        return None
+    if not 0 <= sid < len(_SPLITS):
+        raise ValueError(f"unknown key split id {sid}: ids come from tq_hf_cache.ops.split_id (0..{len(_SPLITS) - 1})")
+    return _SPLITS[sid]
+
+
 def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
@@ -152,8 +175,10 @@ NORM_DTYPES = {"float16": torch.float16, "float32": torch.float32}
 
 
 def static_packed_kv(store: torch.Tensor, ring_k: torch.Tensor, ring_v: torch.Tensor, capacity: int, sinks: int,
-                     norm_dtype: str, k_quantizer: int, v_quantizer: int, scratch=None, counters=None):
-    """The `PackedKV` (views) of a static layer's one buffer (`packed_kv.static_parts`) and its rings."""
+                     norm_dtype: str, k_quantizer: int, v_quantizer: int, scratch=None, counters=None,
+                     key_split: int = -1):
+    """The `PackedKV` (views) of a static layer's one buffer (`packed_kv.static_parts`) and its rings; `key_split`:
+    the `split_id` of its keys' split, or -1."""
     from .packed_kv import PackedKV, static_views
     from .packing import packed_bytes
 
@@ -162,11 +187,19 @@ def static_packed_kv(store: torch.Tensor, ring_k: torch.Tensor, ring_v: torch.Te
     rotation, kcb = quantizer(k_quantizer)
     _, vcb = quantizer(v_quantizer)
     d = rotation.dim
-    p = static_views(store, ring_k, capacity, sinks, NORM_DTYPES[norm_dtype], packed_bytes(d, kcb.bits),
-                     packed_bytes(d, vcb.bits))
+    split = key_split_of(key_split)
+    kbytes, more = packed_bytes(d, kcb.bits), ()
+    if split is not None:
+        (kbytes, *more) = [packed_bytes(rot.dim, cb.bits) for rot, cb in split.parts]
+        kcb = split.parts[0][1]
+    p = static_views(store, ring_k, capacity, sinks, NORM_DTYPES[norm_dtype], kbytes, packed_bytes(d, vcb.bits),
+                     tuple(more))
+    parts = None
+    if split is not None:
+        parts = tuple((p[f"k_packed{i or ''}"], p[f"k_norms{i or ''}"]) for i in range(len(split.parts)))
     return PackedKV(p["k_packed"], p["k_norms"], p["v_packed"], p["v_norms"], p["sink_k"], p["sink_v"], ring_k, ring_v,
                     p["length"], p["exact_from"], rotation, kcb, vcb, sinks, k_quantizer, v_quantizer, scratch,
-                    counters)
+                    counters, key_split=split, key_parts=parts)
 
 
 @torch.library.custom_op("tq_hf_cache::static_append", mutates_args=("store", "ring_k", "ring_v"))
@@ -181,14 +214,22 @@ def static_append(
     norm_dtype: str,
     k_quantizer: int,
     v_quantizer: int,
+    key_split: int = -1,
 ) -> None:
     """A static layer's append of key, value (B, H, n, D) into its buffer and rings, with its lengths on the device
-    (see `reference.static_append`): two launches on CUDA (quantize + exact copies, then the lengths), the reference
-    elsewhere."""
-    kv = static_packed_kv(store, ring_k, ring_v, capacity, n_sinks, norm_dtype, k_quantizer, v_quantizer)
-    rotation, kcb, vcb = kv.rotation, kv.k_codebook, kv.v_codebook
+    (see `reference.static_append`): two launches on CUDA (quantize + exact copies, then the lengths; split keys
+    (`key_split`, a `split_id`): one more per part), the reference elsewhere."""
+    kv = static_packed_kv(store, ring_k, ring_v, capacity, n_sinks, norm_dtype, k_quantizer, v_quantizer,
+                          key_split=key_split)
+    rotation, kcb, vcb, split = kv.rotation, kv.k_codebook, kv.v_codebook, kv.key_split
     args = (key, value, kv.k_packed, kv.k_norms, kv.v_packed, kv.v_norms, ring_k, ring_v, kv.sink_k, kv.sink_v,
             kv.length, kv.exact_from, n_sinks)
+    if split is not None:
+        if _kernel_ok(value, rotation, vcb.bits) and all(_kernel_ok(key, rot, cb.bits) for rot, cb in split.parts):
+            kernels.append_split_into(key, value, split, rotation, vcb, kv.key_parts, *args[4:])
+            return
+        reference.static_append(*args, rotation, kcb, vcb, key_split=split, key_parts=kv.key_parts)
+        return
     if _kernel_ok(key, rotation, kcb.bits) and kernels.supports(rotation.dim, vcb.bits, rotation.kind):
         kernels.append_kv_into(key, value, rotation, kcb, vcb, *args[2:])
         return
@@ -196,7 +237,7 @@ def static_append(
 
 
 @static_append.register_fake
-def _(key, value, store, ring_k, ring_v, capacity, n_sinks, norm_dtype, k_quantizer, v_quantizer):
+def _(key, value, store, ring_k, ring_v, capacity, n_sinks, norm_dtype, k_quantizer, v_quantizer, key_split=-1):
     return None
 
 
@@ -289,16 +330,17 @@ def static_attention(
     scale: float,
     scratch: torch.Tensor,
     counters: torch.Tensor,
+    key_split: int = -1,
 ) -> torch.Tensor:
     """Attention of query (B, Hq, n, D) over a static layer's positions (its buffer and rings, see `PackedKV`) ->
     (B, n, Hq, D). The Triton kernel on CUDA, `reference.static_attention` elsewhere."""
     kv = static_packed_kv(store, ring_k, ring_v, capacity, sinks, norm_dtype, k_quantizer, v_quantizer, scratch,
-                          counters)
+                          counters, key_split)
     return decode_attention(query, kv, mask, scale)
 
 
 @static_attention.register_fake
 def _(query, ring_k, ring_v, store, mask, capacity, sinks, norm_dtype, k_quantizer, v_quantizer, scale, scratch,
-      counters):
+      counters, key_split=-1):
     b, hq, n, d = query.shape
     return query.new_empty(b, n, hq, d)

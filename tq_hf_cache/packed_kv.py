@@ -96,10 +96,15 @@ _ALIGN = 16  # bytes: every part of a static layer's buffer starts on this bound
 
 
 def static_parts(batch: int, heads: int, capacity: int, dim: int, key_bytes: int, value_bytes: int, sinks: int,
-                 norm_dtype: torch.dtype, dtype: torch.dtype) -> tuple[list[tuple[str, torch.dtype, tuple, int]], int]:
+                 norm_dtype: torch.dtype, dtype: torch.dtype,
+                 key_part_bytes: tuple[int, ...] = ()) -> tuple[list[tuple[str, torch.dtype, tuple, int]], int]:
     """([(name, dtype, shape, byte offset)], total bytes) of a static layer's one uint8 buffer: the packed keys and
     values, their norms, the exact copies of the sinks (one row more than `sinks`, so never empty) and the lengths
-    (length, exact_from) as int64."""
+    (length, exact_from) as int64. Split keys: k_packed / k_norms hold part 0 (key_bytes a row), and parts 1, 2, ...
+    (key_part_bytes a row) follow as k_packed1 / k_norms1, ...."""
+    extra = [(f"{kind}{p}", dt, shape) for p, nb in enumerate(key_part_bytes, start=1)
+             for kind, dt, shape in (("k_packed", torch.uint8, (batch, heads, capacity, nb)),
+                                     ("k_norms", norm_dtype, (batch, heads, capacity)))]
     parts, off = [], 0
     for name, dt, shape in (
         ("k_packed", torch.uint8, (batch, heads, capacity, key_bytes)),
@@ -109,6 +114,7 @@ def static_parts(batch: int, heads: int, capacity: int, dim: int, key_bytes: int
         ("sink_k", dtype, (batch, heads, sinks + 1, dim)),
         ("sink_v", dtype, (batch, heads, sinks + 1, dim)),
         ("lengths", torch.int64, (2,)),
+        *extra,
     ):
         parts.append((name, dt, shape, off))
         off += -(-_nbytes(dt, shape) // _ALIGN) * _ALIGN
@@ -134,6 +140,7 @@ class StaticKV:
         norm_dtype: the norms' dtype name ("float16" or "float32").
         k_quantizer, v_quantizer: `tq_hf_cache.ops` quantizer ids (rotation + codebook).
         scratch, counters: the fused kernel's split-K scratch and arrival counters, shared by a cache's layers.
+        key_split: the `tq_hf_cache.ops` id of the layer's `KeySplit` when its keys are split, else -1.
     """
 
     store: torch.Tensor
@@ -144,14 +151,16 @@ class StaticKV:
     v_quantizer: int
     scratch: torch.Tensor
     counters: torch.Tensor
+    key_split: int = -1
 
 
 def static_views(store: torch.Tensor, ring_k: torch.Tensor, capacity: int, sinks: int, norm_dtype: torch.dtype,
-                 key_bytes: int, value_bytes: int) -> dict[str, torch.Tensor]:
+                 key_bytes: int, value_bytes: int, key_part_bytes: tuple[int, ...] = ()) -> dict[str, torch.Tensor]:
     """Views of a static layer's buffer by part name (see `static_parts`), plus "length" and "exact_from" (0-d);
     batch, heads, head dim and dtype are the ring's."""
     b, h, _, d = ring_k.shape
-    parts, total = static_parts(b, h, capacity, d, key_bytes, value_bytes, sinks, norm_dtype, ring_k.dtype)
+    parts, total = static_parts(b, h, capacity, d, key_bytes, value_bytes, sinks, norm_dtype, ring_k.dtype,
+                                key_part_bytes)
     if store.dtype != torch.uint8 or store.dim() != 1 or store.numel() != total:
         raise ValueError(f"a static layer's buffer must be uint8 of {total} bytes for this layout, got "
                          f"{store.dtype} of shape {tuple(store.shape)}")

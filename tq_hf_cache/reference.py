@@ -245,22 +245,30 @@ def static_append(
     rotation: Rotation,
     k_codebook: Codebook,
     v_codebook: Codebook,
+    key_split=None,
+    key_parts=None,
 ) -> None:
     """A static layer's append, by definition. The n new tokens (B, H, n, D) take positions length .. length + n - 1;
     those below the capacity (the packed buffers' token axis) are quantized into their slots, the last min(n, ring)
     of them are copied to ring slot position % ring and those below n_sinks to sink slot position. Then length +=
-    n and exact_from = max(exact_from, length - ring)."""
+    n and exact_from = max(exact_from, length - ring). Split keys (`key_split`): each part into its (packed,
+    norms) of `key_parts` (part 0's are k_packed / k_norms)."""
     n, cap, ring = key.shape[2], k_packed.shape[2], ring_k.shape[2]
     i = torch.arange(n, device=key.device)
     pos = i + length
     ok = pos < cap
     last = ok & (i >= n - ring)
     sink = ok & (pos < n_sinks)
+    if key_split is not None:
+        for (p, nm), (packed, norms) in zip(split_quantize(key[:, :, ok], key_split, k_norms.dtype), key_parts):
+            packed.index_copy_(2, pos[ok], p)
+            norms.index_copy_(2, pos[ok], nm)
     for x, packed, norms, cb, r, s in ((key, k_packed, k_norms, k_codebook, ring_k, sink_k),
                                        (value, v_packed, v_norms, v_codebook, ring_v, sink_v)):
-        p, nm = quantize(x[:, :, ok], rotation, cb, norms.dtype)
-        packed.index_copy_(2, pos[ok], p)
-        norms.index_copy_(2, pos[ok], nm)
+        if x is value or key_split is None:
+            p, nm = quantize(x[:, :, ok], rotation, cb, norms.dtype)
+            packed.index_copy_(2, pos[ok], p)
+            norms.index_copy_(2, pos[ok], nm)
         r.index_copy_(2, pos[last] % ring, x[:, :, last].to(r.dtype))
         s.index_copy_(2, pos[sink], x[:, :, sink].to(s.dtype))
     length.add_(n)
@@ -275,7 +283,10 @@ def static_attention(query: torch.Tensor, kv, mask: torch.Tensor | None = None, 
 
     b, hq, n, d = query.shape
     cap = kv.capacity
-    keys = dequantize(kv.k_packed, kv.k_norms, kv.rotation, kv.k_codebook, torch.float32)
+    if kv.key_split is None:
+        keys = dequantize(kv.k_packed, kv.k_norms, kv.rotation, kv.k_codebook, torch.float32)
+    else:
+        keys = split_dequantize(kv.key_parts, kv.key_split, torch.float32)
     vals = dequantize(kv.v_packed, kv.v_norms, kv.rotation, kv.v_codebook, torch.float32)
     s = kv.sinks
     overlay_exact(keys, kv.ring_k.float(), kv.sink_k[:, :, :s].float(), kv.length, kv.exact_from)

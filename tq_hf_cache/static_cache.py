@@ -17,8 +17,10 @@ What `update` returns depends only on the static shapes and on the model config'
 - anything else: keys and values of `max_cache_len` positions, dequantized (`tq_hf_cache::dequantize`) with the
   exact copies written over theirs, as `StaticCache` returns its buffers.
 
-Sliding-window layers are transformers' `StaticSlidingWindowLayer` (their window is bounded and small), as are
-layers the config keeps in full precision (`StaticLayer`).
+Sliding-window layers are transformers' `StaticSlidingWindowLayer` (their window is bounded and small; a
+`key_split` entry for one does not apply), as are layers the config keeps in full precision (`StaticLayer`).
+Split keys (`key_split`) keep one packed part per split part in the layer's buffer; the fused op reads them part by
+part, the dense path dequantizes each and puts its channels back.
 """
 
 from __future__ import annotations
@@ -33,7 +35,9 @@ from . import _compat, ops
 from .attention import NAME
 from .cache import _check_codebooks, _codebook, _rotation, resolve_config
 from .config import model_facts
-from .kernels import DECODE_MAX_ROWS, decode_supports
+from .codebook import theoretical_codebook
+from .kernels import DECODE_MAX_ROWS, decode_supports, split_supports
+from .key_split import make_split
 from .packed_kv import MAX_FUSED_QUERIES, PACKED_ATTR, PackedKV, StaticKV, overlay_exact, static_parts
 from .packing import packed_bytes
 
@@ -82,8 +86,10 @@ class TurboQuantStaticLayer(StaticLayer):
         shared: _Shared,
         max_batch_size: int | None = None,
         codebook_check=None,
+        key_split: dict | None = None,
     ):
         StaticLayer.__init__(self, max_cache_len=max_cache_len)
+        self.key_split_spec = key_split  # keys split in parts (`key_split`), checked at the first update
         self.key_bits, self.value_bits = key_bits, value_bits
         self.residual_length, self.sink_tokens = residual_length, sink_tokens
         self.norm_dtype, self.layer_idx = norm_dtype, layer_idx
@@ -131,8 +137,14 @@ class TurboQuantStaticLayer(StaticLayer):
         kcb = self._codebook_for("key", self.key_bits, d).to(dev)
         vcb = self._codebook_for("value", self.value_bits, d).to(dev)
         sinks = min(self.sink_tokens, cap)
-        _, nbytes = static_parts(b, h, cap, d, packed_bytes(d, self.key_bits), packed_bytes(d, self.value_bits), sinks,
-                                 self.norm_dtype, self.dtype)
+        self.key_split = None
+        key_bytes, more = packed_bytes(d, self.key_bits), ()
+        if self.key_split_spec is not None:  # the parts' codebooks are the theoretical ones of their dims
+            self.key_split = make_split(self.key_split_spec, self.layer_idx, h, d, self._rotation_for,
+                                        theoretical_codebook).to(dev)
+            key_bytes, *more = [packed_bytes(r.dim, cb.bits) for r, cb in self.key_split.parts]
+        _, nbytes = static_parts(b, h, cap, d, key_bytes, packed_bytes(d, self.value_bits), sinks, self.norm_dtype,
+                                 self.dtype, tuple(more))
         store = torch.zeros(nbytes, dtype=torch.uint8, device=dev)  # packed K/V, norms, sinks, lengths
         self.keys = torch.zeros(b, h, self.ring_size, d, dtype=self.dtype, device=dev)  # the ring
         self.values = torch.zeros(b, h, self.ring_size, d, dtype=self.dtype, device=dev)
@@ -141,7 +153,8 @@ class TurboQuantStaticLayer(StaticLayer):
         self._shared.ensure(b * h * (splits + 1) * rows * (d + 2), b * h, dev)
         # the ring is what update returns, and it carries the StaticKV that the attention reads
         static = StaticKV(store, cap, sinks, ops.dtype_name(self.norm_dtype), ops.quantizer_id(rotation, kcb),
-                          ops.quantizer_id(rotation, vcb), self._shared.scratch, self._shared.counters)
+                          ops.quantizer_id(rotation, vcb), self._shared.scratch, self._shared.counters,
+                          ops.split_id(self.key_split))
         setattr(self.keys, PACKED_ATTR, static)
         ops.prepare_fused(self.packed)
         for t in (store, self.keys, self.values):
@@ -153,7 +166,7 @@ class TurboQuantStaticLayer(StaticLayer):
         """The layer's state as a `PackedKV` of views of its buffer and rings (traced as view ops when compiled)."""
         s = getattr(self.keys, PACKED_ATTR)
         return ops.static_packed_kv(s.store, self.keys, self.values, s.capacity, s.sinks, s.norm_dtype, s.k_quantizer,
-                                    s.v_quantizer, s.scratch, s.counters)
+                                    s.v_quantizer, s.scratch, s.counters, s.key_split)
 
     @property
     def cumulative_length(self) -> torch.Tensor:
@@ -170,10 +183,12 @@ class TurboQuantStaticLayer(StaticLayer):
 
     def _fused(self, n: int) -> bool:
         """Whether this update serves the fused attention: static facts and the live attention setting only."""
+        split = self.key_split
         return (
             getattr(self._attn_config, "_attn_implementation", None) == NAME
             and n <= MAX_FUSED_QUERIES
             and decode_supports(self.k_head_dim, self.key_bits, self.value_bits, n, self._group)
+            and (split is None or split_supports(split.sizes, [cb.bits for _, cb in split.parts]))
         )
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
@@ -183,7 +198,7 @@ class TurboQuantStaticLayer(StaticLayer):
         s = getattr(self.keys, PACKED_ATTR)  # the attention's path to it: one source for torch.compile to guard
         n = key_states.shape[2]
         ops.static_append(key_states, value_states, s.store, self.keys, self.values, s.capacity, s.sinks, s.norm_dtype,
-                          s.k_quantizer, s.v_quantizer)
+                          s.k_quantizer, s.v_quantizer, s.key_split)
         if self._fused(n):
             return self.keys, self.values
         return self._full(key_states, value_states)
@@ -193,7 +208,12 @@ class TurboQuantStaticLayer(StaticLayer):
         n = key_states.shape[2]
         p, name = self.packed, ops.dtype_name(self.dtype)
         pos = p.length - n + torch.arange(n, device=self.device)  # this step's, after the append
-        k = ops.dequantize(p.k_packed, p.k_norms, p.k_quantizer, name)
+        if p.key_split is None:
+            k = ops.dequantize(p.k_packed, p.k_norms, p.k_quantizer, name)
+        else:  # each part dequantized (its own quantizer id), then its channels put back in their places
+            dense = [ops.dequantize(pk, nk, ops.quantizer_id(r, cb), name)
+                     for (pk, nk), (r, cb) in zip(p.key_parts, p.key_split.parts)]
+            k = p.key_split.join(dense, dense[0].new_empty(*dense[0].shape[:-1], self.k_head_dim))
         v = ops.dequantize(p.v_packed, p.v_norms, p.v_quantizer, name)
         overlay_exact(k, self.keys, p.sink_k[:, :, : p.sinks], p.length, p.exact_from)
         overlay_exact(v, self.values, p.sink_v[:, :, : p.sinks], p.length, p.exact_from)
@@ -233,7 +253,8 @@ class TurboQuantStaticLayer(StaticLayer):
         if not self.is_initialized:
             return
         p = self.packed
-        for t in (p.k_packed, p.v_packed, p.k_norms, p.v_norms, p.sink_k, p.sink_v, self.keys, self.values):
+        keys = [t for part in p.key_parts for t in part] if p.key_parts else [p.k_packed, p.k_norms]
+        for t in (*keys, p.v_packed, p.v_norms, p.sink_k, p.sink_v, self.keys, self.values):
             t.copy_(fn(t))
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
@@ -252,8 +273,9 @@ class TurboQuantStaticLayer(StaticLayer):
             return {"packed": 0, "residual": 0, "sinks": 0}
         p = self.packed
         size = lambda *ts: sum(t.numel() * t.element_size() for t in ts)  # noqa: E731
+        keys = [t for part in p.key_parts for t in part] if p.key_parts else [p.k_packed, p.k_norms]
         return {
-            "packed": size(p.k_packed, p.v_packed, p.k_norms, p.v_norms),
+            "packed": size(*keys, p.v_packed, p.v_norms),
             "residual": size(self.keys, self.values),
             "sinks": size(p.sink_k, p.sink_v),
         }
@@ -308,8 +330,6 @@ class TurboQuantStaticCache(Cache):
         self.tq_config = resolve_config(tq_config, **overrides)
         if self.tq_config.key_centering:
             raise ValueError("key_centering=True is not supported by TurboQuantStaticCache; use TurboQuantCache")
-        if self.tq_config.key_split:
-            raise ValueError("key_split is not supported by TurboQuantStaticCache yet; use TurboQuantCache")
         self.codebooks = codebooks
         self.capacity = max_cache_len  # (Cache.max_cache_len is a read-only property in some transformers 5.x)
         self.model_facts = model_facts(config)
@@ -335,6 +355,8 @@ class TurboQuantStaticCache(Cache):
                     "(use TurboQuantCache for other models)"
                 )
             elif bits is None:
+                if idx in cfg.key_split:
+                    raise ValueError(f"key_split names layer {idx}, which the config keeps in full precision")
                 layers.append(StaticLayer(max_cache_len=max_cache_len))
             else:
                 layers.append(TurboQuantStaticLayer(
@@ -345,6 +367,7 @@ class TurboQuantStaticCache(Cache):
                     layer_idx=idx, attn_config=text, query_group=heads // kv_heads, shared=shared,
                     max_batch_size=max_batch_size,
                     codebook_check=partial(_check_codebooks, codebooks) if codebooks is not None else None,
+                    key_split=cfg.key_split.get(idx),
                 ))
         Cache.__init__(self, layers=layers, offloading=offloading, offload_only_non_sliding=offload_only_non_sliding)
 

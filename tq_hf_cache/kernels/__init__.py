@@ -119,6 +119,15 @@ def append_kv_into(k, v, rotation, k_codebook, v_codebook, k_packed, k_norms, v_
              sink_v, length, exact_from, n_sinks)
 
 
+def append_split_into(k, v, split, rotation, v_codebook, key_parts, v_packed, v_norms, ring_k, ring_v, sink_k, sink_v,
+                      length, exact_from, n_sinks):
+    """See `kernels.quantize.append_split_into`."""
+    from .quantize import append_split_into as f
+
+    return f(k, v, split, rotation, v_codebook, key_parts, v_packed, v_norms, ring_k, ring_v, sink_k, sink_v, length,
+             exact_from, n_sinks)
+
+
 def dequantize_into(packed, norms, rotation, codebook, out, **kw):
     """See `kernels.dequantize.dequantize_into`."""
     from .dequantize import dequantize_into as f

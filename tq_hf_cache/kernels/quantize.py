@@ -361,6 +361,36 @@ def _append_kv_kernel(
 
 
 @triton.jit
+def _append_one_kernel(
+    x_ptr, sxb, sxh, sxt, sxd, p_ptr, spb, sph, spt, n_ptr, snb, snh, snt,
+    bnd_ptr, sbh, lut_ptr, slh, lo_ptr, invw_ptr, hsel, NLUT,
+    r_ptr, srb, srh, srt, s_ptr, ssb, ssh, sst,
+    len_ptr, cap, ring, n_sinks,
+    mat_ptr, H, T, inv_sqrt_d, n_t_tiles,
+    D: tl.constexpr, LOG2D: tl.constexpr, BITS: tl.constexpr, BLOCK_T: tl.constexpr,
+    ROT: tl.constexpr, XMODE: tl.constexpr, SEARCH: tl.constexpr, PERM: tl.constexpr, WORDS: tl.constexpr,
+    CODES: tl.constexpr, COPY: tl.constexpr,
+):
+    """One tensor of a static layer's append at the position its device length holds: its codes and norms (CODES),
+    and / or its exact copies to the ring and sinks (COPY). Split keys take one launch per part for the codes and
+    one for the whole keys' copies (`append_split_into`)."""
+    tile = tl.program_id(0)
+    pid_t, pid_bh = tile % n_t_tiles, tile // n_t_tiles
+    pos0 = tl.load(len_ptr).to(tl.int64)
+    if CODES:
+        rop = _load_rot(mat_ptr, D)
+        _quantize_tile(
+            x_ptr, sxb, sxh, sxt, sxd, p_ptr, spb, sph, spt, n_ptr, snb, snh, snt,
+            rop, bnd_ptr, sbh, lut_ptr, slh, lo_ptr, invw_ptr, hsel, NLUT,
+            pid_t, pid_bh, H, tl.minimum(T, cap - pos0).to(tl.int32), inv_sqrt_d, pos0,
+            D, LOG2D, BITS, BLOCK_T, ROT, XMODE, True, SEARCH, PERM, WORDS,
+        )
+    if COPY:
+        _exact_copy(x_ptr, sxb, sxh, sxt, r_ptr, srb, srh, srt, s_ptr, ssb, ssh, sst, pid_t, pid_bh, H, T, pos0,
+                    cap, ring, n_sinks, D, BLOCK_T)
+
+
+@triton.jit
 def _advance_kernel(len_ptr, from_ptr, n, ring):
     """length += n; exact_from = max(exact_from, length - ring): one program, after `_append_kv_kernel`."""
     length = tl.load(len_ptr) + n
@@ -642,3 +672,58 @@ def append_kv_into(
         BLOCK_T=bt, num_warps=nw, **meta,
     )
     _advance_kernel[(1,)](length, exact_from, tokens, ring)
+
+
+def _append_one(x, rotation, codebook, packed, norms, ring, sink, length, n_sinks, cap, codes: bool, copy: bool):
+    """Launch `_append_one_kernel` for x (B, H, n, D') with unit last stride; `rotation` / `codebook` / `packed` /
+    `norms` are read only with `codes`, `ring` / `sink` only with `copy`."""
+    bsz, heads, tokens, dim = x.shape
+    bt, nw = _launch_cfg(tokens, None, None)
+    n_t = triton.cdiv(tokens, bt)
+    if codes:
+        _check_static("append_split_into", x, rotation, codebook, packed, norms)
+        rmode, xmode, mdtype = _modes(x.dtype, rotation, None)
+        mat = C.rotation_operand(rotation, x.device, "fwd_mma" if rmode == C.ROT_PM1_DOT else "fwd", mdtype)
+        sargs, smode = _search_args(codebook, heads, x.device, None, packed)
+        meta = dict(BITS=codebook.bits, ROT=rmode, XMODE=xmode, SEARCH=smode, PERM=rmode == C.ROT_PM1_DOT,
+                    WORDS=_word_stores(packed, codebook.bits, dim))
+        pargs = (packed, *packed.stride()[:3], norms, *norms.stride())
+    else:
+        mat, sargs = x, (x, 0, x, 0, x, x, 0, 1)
+        meta = dict(BITS=1, ROT=0, XMODE=0, SEARCH=0, PERM=False, WORDS=False)
+        pargs = (x, 0, 0, 0, x, 0, 0, 0)
+    rargs = (ring, *ring.stride()[:3], sink, *sink.stride()[:3]) if copy else (x, 0, 0, 0, x, 0, 0, 0)
+    _append_one_kernel[(n_t * bsz * heads,)](
+        x, *x.stride(), *pargs, *sargs, *rargs,
+        length, cap, ring.shape[2] if copy else 1, n_sinks,
+        mat, heads, tokens, dim**-0.5, n_t,
+        D=dim, LOG2D=dim.bit_length() - 1, BLOCK_T=bt, CODES=codes, COPY=copy, num_warps=nw, **meta,
+    )
+
+
+def append_split_into(k, v, split, rotation, v_codebook, key_parts, v_packed, v_norms, ring_k, ring_v, sink_k,
+                      sink_v, length, exact_from, n_sinks) -> None:
+    """`append_kv_into` for a static layer whose keys are split (`key_split.KeySplit`): key_parts holds each part's
+    (packed (B, H, capacity, bytes), norms); the values, both tensors' exact copies and the lengths as there. No host
+    read of the lengths. The reference is `reference.static_append` with a split."""
+    bsz, heads, tokens, dim = k.shape
+    if k.shape != v.shape or k.dtype != v.dtype:
+        raise ValueError(f"append_split_into: keys {tuple(k.shape)} {k.dtype} and values {tuple(v.shape)} {v.dtype} "
+                         "must match")
+    for name, t in (("ring_k", ring_k), ("ring_v", ring_v), ("sink_k", sink_k), ("sink_v", sink_v)):
+        if t.shape[:2] != (bsz, heads) or t.shape[3] != dim or t.dtype != k.dtype or t.stride(-1) != 1:
+            raise ValueError(f"append_split_into: {name} must be ({bsz}, {heads}, rows, {dim}) {k.dtype} with unit "
+                             f"last stride, got {tuple(t.shape)} {t.dtype}")
+    if not 0 <= n_sinks <= sink_k.shape[2] or ring_k.shape[2] < 1:
+        raise ValueError(f"append_split_into: n_sinks={n_sinks} must be in [0, {sink_k.shape[2]}] and the ring "
+                         f"non-empty")
+    if tokens == 0:
+        return
+    cap = v_packed.shape[2]
+    k = k if k.stride(-1) == 1 else k.contiguous()
+    v = v if v.stride(-1) == 1 else v.contiguous()
+    _append_one(v, rotation, v_codebook, v_packed, v_norms, ring_v, sink_v, length, n_sinks, cap, True, True)
+    _append_one(k, None, None, None, None, ring_k, sink_k, length, n_sinks, cap, False, True)
+    for part, (rot, cb), (packed, norms) in zip(split.split(k), split.parts, key_parts):
+        _append_one(part, rot, cb, packed, norms, None, None, length, n_sinks, cap, True, False)
+    _advance_kernel[(1,)](length, exact_from, tokens, ring_k.shape[2])
