@@ -44,11 +44,20 @@ def steps(model, cache, x, start):
     (llama, dict(residual_length=8, skip_layers=[1])),  # a full-precision layer beside a quantized one
     (llama, dict(preset="k4v2", residual_length=0, sink_tokens=0)),
     (gemma3, dict(residual_length=4)),  # sliding-window layers past their window
+    (llama, dict(residual_length=8, key_centering=True)),  # the key means travel with the codes
+    (llama, dict(preset="k4v2", residual_length=8, split=((8, 24), (5, 3)), key_centering=True)),
+    (gemma3, dict(preset="k4v2", residual_length=4, split=((4, 4, 8), (6, 4, 3)), key_centering=True)),
 ])
 def test_a_loaded_prefix_continues_with_the_saved_caches_logits(tmp_path, build, cache_kw):
     cfg, model = build()
     kw = dict(cache_kw)
     preset = kw.pop("preset", None)
+    if "split" in kw:  # split keys: a random channel order per KV head and layer
+        (sizes, bits), g = kw.pop("split"), torch.Generator().manual_seed(3)
+        kw["key_split"] = {i: {"bits": list(bits), "sizes": list(sizes),
+                               "order": [torch.randperm(sum(sizes), generator=g).tolist()
+                                         for _ in range(cfg.num_key_value_heads)]}
+                           for i in range(cfg.num_hidden_layers)}
     x = ids(2, 50)
     cache = TurboQuantCache(preset, config=cfg, **kw)
     model(x[:, :40], past_key_values=cache)

@@ -2,7 +2,8 @@
 for later requests that start with the same tokens.
 
 A prefix folder holds `turboquant_prefix.safetensors` (every layer's packed codes, norms, residual window and sink
-copies, or the keys and values of layers kept in full precision) and `turboquant_prefix.json` (the format version,
+copies, each part of split keys and a centred layer's key mean, or the keys and values of layers kept in full
+precision) and `turboquant_prefix.json` (the format version,
 the TurboQuantConfig, the model facts, a digest of each layer's rotation and codebooks, the SHA-256 of the prefix's
 token ids, and each layer's lengths). Nothing is pickled. Loading refuses another model, other codebooks or
 rotations, other token ids, and a file that does not match its index, with an error that names the difference.
@@ -34,11 +35,21 @@ def token_digest(token_ids) -> str:
 
 
 def _layer_digest(layer) -> str:
-    """What the stored codes mean: the rotation and both codebooks of a TurboQuant layer."""
+    """What the stored codes mean: the rotation and both codebooks of a TurboQuant layer, and with split keys each
+    part's rotation, codebook and channels."""
     h = hashlib.sha256()
-    for t in (layer.rotation.matrix, layer.k_codebook.centroids, layer.v_codebook.centroids):
+    ts = [layer.rotation.matrix, layer.k_codebook.centroids, layer.v_codebook.centroids]
+    if layer.key_split is not None:
+        ts.append(layer.key_split.order)
+        ts += [t for rot, cb in layer.key_split.parts for t in (rot.matrix, cb.centroids)]
+    for t in ts:
         h.update(t.detach().float().cpu().contiguous().numpy().tobytes())
     return h.hexdigest()
+
+
+def _packed_buffers(layer) -> list[tuple[str, Any]]:
+    """(stored name, buffer) of a layer's packed buffers: keys (each part of split keys: k, k1, k2, ...), values."""
+    return [("k", layer.k_buf), *((f"k{j}", b) for j, b in enumerate(layer.k_more, start=1)), ("v", layer.v_buf)]
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -61,10 +72,6 @@ def save_prefix(cache, path: str, token_ids) -> str:
         raise ValueError(f"token_ids must be (seq,) or (batch, seq), got shape {tuple(ids.shape)}")
     if cache.num_model_layers is None:
         raise ValueError("save_prefix needs a cache built with config=model.config (the model facts are stored)")
-    if cache.tq_config.key_centering:
-        raise ValueError("save_prefix does not store a key_centering cache's key means yet; use key_centering=False")
-    if cache.tq_config.key_split:
-        raise ValueError("save_prefix does not store split keys yet; use a config without key_split")
     if cache.model_facts is None:
         raise ValueError(
             "save_prefix needs one layer count, KV head count and head dim for the whole model; this model's config "
@@ -115,20 +122,22 @@ def save_prefix(cache, path: str, token_ids) -> str:
 def _save_tq_layer(layer, i: int, tensors: dict) -> dict[str, Any]:
     if not layer.is_initialized:
         return {"kind": "turboquant", "initialized": False}
-    pk, nk = layer.k_buf.live()
-    pv, nv = layer.v_buf.live()
     p = f"layers.{i}."
+    for name, buf in _packed_buffers(layer):
+        tensors[p + f"{name}_packed"], tensors[p + f"{name}_norms"] = buf.live()
     tensors.update({
-        p + "k_packed": pk, p + "k_norms": nk, p + "v_packed": pv, p + "v_norms": nv,
         p + "res_k": layer.res_k, p + "res_v": layer.res_v,
         p + "sink_k": layer._sk[:, :, : layer._slen], p + "sink_v": layer._sv[:, :, : layer._slen],
     })
+    if layer._mu is not None:
+        tensors[p + "key_mean"] = layer._mu
     return {
         "kind": "turboquant", "initialized": True, "class": type(layer).__name__,
         "key_bits": layer.key_bits, "value_bits": layer.value_bits, "dtype": _dtype_name(layer.dtype),
         "norm_dtype": _dtype_name(layer.norm_dtype), "batch": layer.batch, "heads": layer.heads,
         "head_dim": layer.head_dim, "cumulative_length": layer.cumulative_length,
         "quantized": layer.k_buf.length, "residual": layer._rlen, "sinks": layer._slen, "digest": _layer_digest(layer),
+        "key_parts": 1 + len(layer.k_more), "key_mean": layer._mu is not None,
     }
 
 
@@ -220,16 +229,32 @@ def _restore_tq_layer(layer, i: int, info: dict, get, path: str) -> None:
             "cache's (seed, rotation kind or calibrated codebooks differ): its codes would decode to other vectors"
         )
     layer.norm_dtype = _DTYPES[info["norm_dtype"]]
-    for buf, kind in ((layer.k_buf, "k"), (layer.v_buf, "v")):
+    buffers = _packed_buffers(layer)
+    if info.get("key_parts", 1) != len(buffers) - 1:
+        raise ValueError(f"layer {i} was saved with keys in {info.get('key_parts', 1)} part(s), this cache's config "
+                         f"splits them in {len(buffers) - 1}")
+    fresh_bufs = []
+    for kind, buf in buffers:
         packed, norms = get(p + f"{kind}_packed"), get(p + f"{kind}_norms")
         if tuple(packed.shape) != (b, h, info["quantized"], buf.nbytes_per_vec) or norms.dtype != layer.norm_dtype:
             raise ValueError(f"layer {i}: stored {kind} codes of shape {tuple(packed.shape)} ({norms.dtype} norms) do "
                              f"not fit {info['quantized']} tokens at {buf.bits} bits")
-        fresh = PackedBuffer(b, h, d, buf.bits, layer.norm_dtype, packed.device)
+        fresh = PackedBuffer(b, h, buf.dim, buf.bits, layer.norm_dtype, packed.device)
         slots_p, slots_n = fresh.append_slots(info["quantized"])
         slots_p.copy_(packed)
         slots_n.copy_(norms)
-        setattr(layer, f"{kind}_buf", fresh)
+        fresh_bufs.append(fresh)
+    layer.k_buf, *layer.k_more, layer.v_buf = fresh_bufs
+    centred = layer.rope is not None
+    if info.get("key_mean", False) and not centred or centred and info["quantized"] and not info.get("key_mean"):
+        raise ValueError(f"layer {i} was saved {'with' if info.get('key_mean') else 'without'} a key mean (key "
+                         f"centring); this cache's config has key_centering={centred}")
+    if info.get("key_mean"):
+        mu = get(p + "key_mean")
+        if tuple(mu.shape) != (b, h, 1, d) or mu.dtype != torch.float32:
+            raise ValueError(f"layer {i}: the stored key mean is {tuple(mu.shape)} {mu.dtype}, expected "
+                             f"{(b, h, 1, d)} float32")
+        layer._mu = mu
     expect = (b, h, info["residual"], d)
     if tuple(res_k.shape) != expect or tuple(res_v.shape) != expect or res_k.dtype != dtype:
         raise ValueError(f"layer {i}: stored residual window of shape {tuple(res_k.shape)} does not fit {expect}")
