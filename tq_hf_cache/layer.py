@@ -657,7 +657,9 @@ class TurboQuantSlidingLayer(TurboQuantLayer):
     """A sliding-window layer: keeps only the newest `sliding_window - 1` tokens, quantized past the residual window."""
 
     is_sliding = True
-    is_croppable = False
+    # as transformers' DynamicSlidingWindowLayer: crop is exact while past recording is on (assisted decoding turns it
+    # on before its first crop; transformers >= 5.24 checks this flag before assisted decoding)
+    is_croppable = True
 
     def __init__(self, *, sliding_window: int, **kwargs):
         TurboQuantLayer.__init__(self, **kwargs)
