@@ -638,7 +638,7 @@ def test_static_append_of_split_keys_matches_reference(n, start):
     rest = ("v_packed", "v_norms", "ring_k", "ring_v", "sink_k", "sink_v", "length", "exact_from")
     got, want = buffers(), buffers()
     parts = [got[f"k{p}"] for p in range(3)]
-    kernels.append_split_into(k, v, split, rot, vcb, parts, *(got[name] for name in rest), sinks)
+    kernels.append_parts_into(k, v, split.split(k), split.parts, parts, rot, vcb, *(got[name] for name in rest), sinks)
     reference.static_append(k, v, *want["k0"], *(want[name] for name in rest), sinks, rot, split.parts[0][1], vcb,
                             key_split=split, key_parts=[want[f"k{p}"] for p in range(3)])
     for name in ("ring_k", "ring_v", "sink_k", "sink_v", "length", "exact_from"):

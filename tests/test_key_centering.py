@@ -137,9 +137,88 @@ def test_key_centering_is_refused_where_it_cannot_work():
         TurboQuantConfig(key_centering=1)
     with pytest.raises(ValueError, match="needs the model's config"):
         TurboQuantCache("k4v4", key_centering=True)
-    if IS_V5:  # transformers 4.x has no TurboQuantStaticCache at all
-        with pytest.raises(ValueError, match="not supported by TurboQuantStaticCache"):
-            TurboQuantStaticCache(config=tiny_llama_config(), max_cache_len=64, key_centering=True)
     cfg = TurboQuantConfig(key_centering=True)
     assert TurboQuantConfig.from_dict(cfg.to_dict()).key_centering is True
     assert TurboQuantConfig.from_dict({k: v for k, v in cfg.to_dict().items() if k != "key_centering"}).key_centering is False
+
+
+def _static_logits(model, cache, ids, prefill, impl, forward=None):
+    """Logits of a prefill of ids[:, :prefill], then one step per token, through a static cache."""
+    model.set_attn_implementation(impl)
+    forward = forward or model.forward
+    with torch.no_grad():
+        outs = [model(ids[:, :prefill], past_key_values=cache).logits]
+        for t in range(prefill, ids.shape[1]):
+            pos = torch.tensor([t], device=ids.device)
+            outs.append(forward(ids[:, t : t + 1], past_key_values=cache, cache_position=pos,
+                                position_ids=pos.expand(ids.shape[0], 1)).logits)
+    return torch.cat(outs, 1)
+
+
+@pytest.mark.skipif(not IS_V5, reason="TurboQuantStaticCache needs transformers >= 5")
+def test_a_centred_static_cache_reads_alike_on_every_path_holds_its_keys_closer_and_tracks_static_cache(monkeypatch):
+    """TurboQuantStaticCache(key_centering=True): the dense keys (sdpa), the fused op (its torch math here; the kernel
+    on a GPU) and a compiled step agree; centring brings 3-bit keys closer to fp on keys with a large mean; the codes
+    are those of k - R(t) mu; reset recomputes mu; at 8 bits it tracks StaticCache through generate."""
+    from tq_hf_cache import reference
+
+    monkeypatch.setattr(ops, "FUSED_BACKEND", "torch")
+    model = _biased_llama()
+    cfg = model.config
+    ids = torch.randint(3, 128, (2, 72), generator=torch.Generator().manual_seed(2)).to(DEV)
+    kw = dict(config=cfg, max_cache_len=80, key_bits=3, value_bits=8, residual_length=4, sink_tokens=2)
+    fp = _static_logits(model, transformers.StaticCache(config=cfg, max_cache_len=80), ids, 56, "sdpa")
+    out = {impl: _static_logits(model, TurboQuantStaticCache(key_centering=True, **kw), ids, 56, impl)
+           for impl in ("sdpa", "turboquant")}
+    torch._dynamo.reset()
+    compiled = torch.compile(model.forward, backend="aot_eager", fullgraph=True)
+    cache = TurboQuantStaticCache(key_centering=True, **kw)
+    out["compiled"] = _static_logits(model, cache, ids, 56, "turboquant", compiled)
+    for name in ("turboquant", "compiled"):
+        torch.testing.assert_close(out[name], out["sdpa"], atol=TOL, rtol=TOL, msg=f"centred static: {name} vs sdpa")
+    plain = _static_logits(model, TurboQuantStaticCache(**kw), ids, 56, "sdpa")
+    err = {name: float((x - fp)[:, 56:].norm() / fp[:, 56:].norm()) for name, x in (("centred", out["sdpa"]),
+                                                                                    ("plain", plain))}
+    assert err["centred"] < 0.7 * err["plain"], err
+    # the stored codes: k - R(t) mu quantized, mu the mean of the prefill's keys past the sinks (pre-RoPE)
+    layer = cache.layers[0]
+    p = layer.packed
+    with torch.no_grad():
+        k = []
+        hook = model.model.layers[0].self_attn.k_proj.register_forward_hook(lambda m, i, o: k.append(o))
+        model(ids[:, :56])
+        hook.remove()
+    assert torch.count_nonzero(p.key_offset.mu) > 0
+    mu = p.key_offset.mu
+    held = int(p.exact_from)  # 72 - the ring (20): the positions read packed are [2 sinks, held)
+    keys = reference.dequantize(p.k_packed[:, :, 2:held], p.k_norms[:, :, 2:held], p.rotation, p.k_codebook)
+    dense = layer._full(torch.zeros(2, 2, 0, 64, device=DEV), torch.zeros(2, 2, 0, 64, device=DEV))[0]
+    torch.testing.assert_close(dense[:, :, 2:held].float(), p.key_offset.keys(2, held) + keys, atol=1e-5, rtol=1e-5,
+                               msg="dense keys = codes + R(t) mu")
+    k_pre = k[0].view(2, 56, 2, 64).transpose(1, 2)  # (B, H, T, D) before RoPE
+    torch.testing.assert_close(mu, k_pre[:, :, 2:].mean(2, keepdim=True), atol=1e-4, rtol=1e-4, msg="mu")
+    want, _ = reference.quantize(p.key_offset.rope.apply(k_pre - mu, torch.arange(56, device=DEV))[:, :, 2:held],
+                                 p.rotation, p.k_codebook)
+    same = (want == p.k_packed[:, :, 2:held]).float().mean()
+    assert same > 0.99, f"codes of k - R(t) mu: {same:.4f} of the bytes equal"  # rounding may flip a boundary case
+    cache.reset()
+    assert layer._mu_pending and torch.count_nonzero(layer.packed.key_offset.mu) == 0
+    again = _static_logits(model, cache, ids, 56, "sdpa")
+    torch.testing.assert_close(again, out["sdpa"], atol=TOL, rtol=TOL, msg="after reset: mu recomputed")
+    torch.testing.assert_close(layer.packed.key_offset.mu, mu, atol=0, rtol=0, msg="the same mu after reset")
+    # 8 bits through generate (compiled with CUDA graphs on a GPU), on a model of ordinary scale
+    monkeypatch.setattr(ops, "FUSED_BACKEND", "auto")
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(tiny_llama_config(head_dim=64, intermediate_size=128)).eval().to(DEV)
+    ids = torch.randint(3, 128, (2, 40), generator=torch.Generator().manual_seed(0)).to(DEV)
+    for impl in ("sdpa", "turboquant"):
+        model.set_attn_implementation(impl)
+        res = {}
+        for name, cache in (("static", transformers.StaticCache(config=model.config, max_cache_len=64)),
+                            ("tq", TurboQuantStaticCache(config=model.config, max_cache_len=64, key_bits=8, value_bits=8,
+                                                         residual_length=4, sink_tokens=2, key_centering=True))):
+            res[name] = model.generate(ids, past_key_values=cache, max_new_tokens=12, min_new_tokens=12,
+                                       do_sample=False, output_logits=True, return_dict_in_generate=True)
+        torch.testing.assert_close(torch.stack(res["tq"].logits, 1), torch.stack(res["static"].logits, 1), atol=0.05,
+                                   rtol=0, msg=lambda m, impl=impl: f"8-bit centred static vs StaticCache ({impl}): {m}")
+        assert torch.equal(res["tq"].sequences, res["static"].sequences), f"8-bit centred ({impl}): tokens differ"

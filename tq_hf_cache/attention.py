@@ -110,7 +110,7 @@ def _static(query, ring_k, ring_v, kv, mask, dropout, scaling, kwargs):
         mask = mask.to(torch.float32)
     return torch.ops.tq_hf_cache.static_attention(
         query, ring_k, ring_v, kv.store, mask, kv.capacity, kv.sinks, kv.norm_dtype, kv.k_quantizer, kv.v_quantizer,
-        scale, kv.scratch, kv.counters, kv.key_split,
+        scale, kv.scratch, kv.counters, kv.key_split, kv.key_rope,
     )
 
 

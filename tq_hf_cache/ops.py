@@ -144,27 +144,29 @@ def quantizer(qid: int) -> tuple[Rotation, Codebook]:
     return _QUANTIZERS[qid]
 
 
-_SPLITS: list = []
+_OBJECTS: list = []  # the KeySplits and RopeAngles static layers name by id
 
 
-def split_id(split) -> int:
-    """The registry id of a `key_split.KeySplit` (custom ops take ints, not objects); -1 for None."""
-    if split is None:
+def object_id(obj) -> int:
+    """The registry id of a static layer's `key_split.KeySplit` or `rope.RopeAngles` (custom ops take ints, not
+    objects); -1 for None."""
+    if obj is None:
         return -1
-    for i, known in enumerate(_SPLITS):
-        if known is split:
+    for i, known in enumerate(_OBJECTS):
+        if known is obj:
             return i
-    _SPLITS.append(split)
-    return len(_SPLITS) - 1
+    _OBJECTS.append(obj)
+    return len(_OBJECTS) - 1
 
 
-def key_split_of(sid: int):
-    """The KeySplit of a registry id, None for -1."""
-    if sid == -1:
+def object_of(oid: int, kind: type | None = None):
+    """The object of a registry id (of type `kind` when given), None for -1."""
+    if oid == -1:
         return None
-    if not 0 <= sid < len(_SPLITS):
-        raise ValueError(f"unknown key split id {sid}: ids come from tq_hf_cache.ops.split_id (0..{len(_SPLITS) - 1})")
-    return _SPLITS[sid]
+    if not 0 <= oid < len(_OBJECTS) or (kind is not None and not isinstance(_OBJECTS[oid], kind)):
+        raise ValueError(f"unknown {getattr(kind, '__name__', 'object')} id {oid}: ids come from "
+                         f"tq_hf_cache.ops.object_id")
+    return _OBJECTS[oid]
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -176,30 +178,34 @@ NORM_DTYPES = {"float16": torch.float16, "float32": torch.float32}
 
 def static_packed_kv(store: torch.Tensor, ring_k: torch.Tensor, ring_v: torch.Tensor, capacity: int, sinks: int,
                      norm_dtype: str, k_quantizer: int, v_quantizer: int, scratch=None, counters=None,
-                     key_split: int = -1):
+                     key_split: int = -1, key_rope: int = -1):
     """The `PackedKV` (views) of a static layer's one buffer (`packed_kv.static_parts`) and its rings; `key_split`:
-    the `split_id` of its keys' split, or -1."""
+    the `object_id` of its keys' split, `key_rope`: that of its RoPE when its keys are centred (the packed keys are
+    k - R(t) mu, mu in the buffer), or -1."""
+    from .key_split import KeySplit
     from .packed_kv import PackedKV, static_views
     from .packing import packed_bytes
+    from .rope import KeyOffset, RopeAngles
 
     if norm_dtype not in NORM_DTYPES:
         raise ValueError(f"norm_dtype must be one of {sorted(NORM_DTYPES)}, got {norm_dtype!r}")
     rotation, kcb = quantizer(k_quantizer)
     _, vcb = quantizer(v_quantizer)
     d = rotation.dim
-    split = key_split_of(key_split)
+    split, rope = object_of(key_split, KeySplit), object_of(key_rope, RopeAngles)
     kbytes, more = packed_bytes(d, kcb.bits), ()
     if split is not None:
         (kbytes, *more) = [packed_bytes(rot.dim, cb.bits) for rot, cb in split.parts]
         kcb = split.parts[0][1]
     p = static_views(store, ring_k, capacity, sinks, NORM_DTYPES[norm_dtype], kbytes, packed_bytes(d, vcb.bits),
-                     tuple(more))
+                     tuple(more), rope is not None)
     parts = None
     if split is not None:
         parts = tuple((p[f"k_packed{i or ''}"], p[f"k_norms{i or ''}"]) for i in range(len(split.parts)))
     return PackedKV(p["k_packed"], p["k_norms"], p["v_packed"], p["v_norms"], p["sink_k"], p["sink_v"], ring_k, ring_v,
                     p["length"], p["exact_from"], rotation, kcb, vcb, sinks, k_quantizer, v_quantizer, scratch,
-                    counters, key_split=split, key_parts=parts)
+                    counters, key_split=split, key_parts=parts,
+                    key_offset=None if rope is None else KeyOffset(p["key_mean"], rope, 0))
 
 
 @torch.library.custom_op("tq_hf_cache::static_append", mutates_args=("store", "ring_k", "ring_v"))
@@ -215,20 +221,29 @@ def static_append(
     k_quantizer: int,
     v_quantizer: int,
     key_split: int = -1,
+    key_rope: int = -1,
 ) -> None:
     """A static layer's append of key, value (B, H, n, D) into its buffer and rings, with its lengths on the device
-    (see `reference.static_append`): two launches on CUDA (quantize + exact copies, then the lengths; split keys
-    (`key_split`, a `split_id`): one more per part), the reference elsewhere."""
+    (see `reference.static_append`): two launches on CUDA (quantize + exact copies, then the lengths; split or
+    centred keys (`key_split`, `key_rope`: `object_id`s): a launch per key part), the reference elsewhere. Centred
+    keys store the codes of k - R(t) mu and the exact copies of k."""
     kv = static_packed_kv(store, ring_k, ring_v, capacity, n_sinks, norm_dtype, k_quantizer, v_quantizer,
-                          key_split=key_split)
+                          key_split=key_split, key_rope=key_rope)
     rotation, kcb, vcb, split = kv.rotation, kv.k_codebook, kv.v_codebook, kv.key_split
     args = (key, value, kv.k_packed, kv.k_norms, kv.v_packed, kv.v_norms, ring_k, ring_v, kv.sink_k, kv.sink_v,
             kv.length, kv.exact_from, n_sinks)
-    if split is not None:
-        if _kernel_ok(value, rotation, vcb.bits) and all(_kernel_ok(key, rot, cb.bits) for rot, cb in split.parts):
-            kernels.append_split_into(key, value, split, rotation, vcb, kv.key_parts, *args[4:])
+    if split is not None or kv.key_offset is not None:
+        codes = key
+        if kv.key_offset is not None:
+            pos = kv.length + torch.arange(key.shape[2], device=key.device)
+            codes = key.float() - kv.key_offset.rope.apply(kv.key_offset.mu, pos)
+        quantizers = split.parts if split is not None else ((rotation, kcb),)
+        inputs = split.split(codes) if split is not None else [codes]
+        outs = kv.key_parts if split is not None else ((kv.k_packed, kv.k_norms),)
+        if _kernel_ok(value, rotation, vcb.bits) and all(_kernel_ok(key, rot, cb.bits) for rot, cb in quantizers):
+            kernels.append_parts_into(key, value, inputs, quantizers, outs, rotation, vcb, *args[4:])
             return
-        reference.static_append(*args, rotation, kcb, vcb, key_split=split, key_parts=kv.key_parts)
+        reference.static_append(*args, rotation, kcb, vcb, key_split=split, key_parts=kv.key_parts, key_codes=codes)
         return
     if _kernel_ok(key, rotation, kcb.bits) and kernels.supports(rotation.dim, vcb.bits, rotation.kind):
         kernels.append_kv_into(key, value, rotation, kcb, vcb, *args[2:])
@@ -237,7 +252,8 @@ def static_append(
 
 
 @static_append.register_fake
-def _(key, value, store, ring_k, ring_v, capacity, n_sinks, norm_dtype, k_quantizer, v_quantizer, key_split=-1):
+def _(key, value, store, ring_k, ring_v, capacity, n_sinks, norm_dtype, k_quantizer, v_quantizer, key_split=-1,
+      key_rope=-1):
     return None
 
 
@@ -263,7 +279,7 @@ def decode_attention(query: torch.Tensor, kv, mask: torch.Tensor | None, scale: 
     serves the call (CUDA, or FUSED_BACKEND "triton"), else the torch math (`reference.packed_attention` for a
     dynamic layer, `reference.static_attention` for a static one)."""
     if getattr(kv, "key_offset", None) is not None:
-        mask = _centring_mask(query, kv, mask, scale)
+        mask = _static_centring_mask(query, kv, mask, scale) if kv.static else _centring_mask(query, kv, mask, scale)
     backend = FUSED_BACKEND
     if backend == "triton" or (backend == "auto" and use_kernels(query)):
         if kernel_serves(query, kv):
@@ -288,6 +304,25 @@ def _centring_mask(query: torch.Tensor, kv, mask: torch.Tensor | None, scale: fl
             return bias
         mask = torch.arange(t, device=query.device)[None, :] <= torch.arange(t - n, t, device=query.device)[:, None]
     mask = mask[..., :t]
+    if mask.dtype == torch.bool:
+        return bias.masked_fill(~mask, float("-inf"))
+    return bias + mask.float()
+
+
+def _static_centring_mask(query: torch.Tensor, kv, mask: torch.Tensor | None, scale: float | None) -> torch.Tensor:
+    """`_centring_mask` for a static layer, on the device only (a CUDA graph replays it): (B, Hq, n, capacity)
+    float32, scale * q . R(t) mu on the packed positions the layer reads packed (sinks <= t < exact_from), what
+    `mask` (or causality over [0, length)) allows elsewhere."""
+    b, hq, n, d = query.shape
+    cap = kv.capacity
+    pos = torch.arange(cap, device=query.device)
+    packed = (pos >= kv.sinks) & (pos < kv.exact_from)
+    bias = kv.key_offset.scores(query, 0, cap) * (d**-0.5 if scale is None else scale)
+    bias = bias * packed
+    if mask is None:
+        allowed = pos[None, :] <= (kv.length - n + torch.arange(n, device=query.device))[:, None]
+        return bias.masked_fill(~allowed, float("-inf"))
+    mask = mask[..., :cap]
     if mask.dtype == torch.bool:
         return bias.masked_fill(~mask, float("-inf"))
     return bias + mask.float()
@@ -331,16 +366,17 @@ def static_attention(
     scratch: torch.Tensor,
     counters: torch.Tensor,
     key_split: int = -1,
+    key_rope: int = -1,
 ) -> torch.Tensor:
     """Attention of query (B, Hq, n, D) over a static layer's positions (its buffer and rings, see `PackedKV`) ->
     (B, n, Hq, D). The Triton kernel on CUDA, `reference.static_attention` elsewhere."""
     kv = static_packed_kv(store, ring_k, ring_v, capacity, sinks, norm_dtype, k_quantizer, v_quantizer, scratch,
-                          counters, key_split)
+                          counters, key_split, key_rope)
     return decode_attention(query, kv, mask, scale)
 
 
 @static_attention.register_fake
 def _(query, ring_k, ring_v, store, mask, capacity, sinks, norm_dtype, k_quantizer, v_quantizer, scale, scratch,
-      counters, key_split=-1):
+      counters, key_split=-1, key_rope=-1):
     b, hq, n, d = query.shape
     return query.new_empty(b, n, hq, d)

@@ -96,12 +96,13 @@ _ALIGN = 16  # bytes: every part of a static layer's buffer starts on this bound
 
 
 def static_parts(batch: int, heads: int, capacity: int, dim: int, key_bytes: int, value_bytes: int, sinks: int,
-                 norm_dtype: torch.dtype, dtype: torch.dtype,
-                 key_part_bytes: tuple[int, ...] = ()) -> tuple[list[tuple[str, torch.dtype, tuple, int]], int]:
+                 norm_dtype: torch.dtype, dtype: torch.dtype, key_part_bytes: tuple[int, ...] = (),
+                 key_mean: bool = False) -> tuple[list[tuple[str, torch.dtype, tuple, int]], int]:
     """([(name, dtype, shape, byte offset)], total bytes) of a static layer's one uint8 buffer: the packed keys and
     values, their norms, the exact copies of the sinks (one row more than `sinks`, so never empty) and the lengths
     (length, exact_from) as int64. Split keys: k_packed / k_norms hold part 0 (key_bytes a row), and parts 1, 2, ...
-    (key_part_bytes a row) follow as k_packed1 / k_norms1, ...."""
+    (key_part_bytes a row) follow as k_packed1 / k_norms1, .... Centred keys (`key_mean`): the pre-RoPE key mean
+    (B, H, 1, D) float32 as key_mean."""
     extra = [(f"{kind}{p}", dt, shape) for p, nb in enumerate(key_part_bytes, start=1)
              for kind, dt, shape in (("k_packed", torch.uint8, (batch, heads, capacity, nb)),
                                      ("k_norms", norm_dtype, (batch, heads, capacity)))]
@@ -115,6 +116,7 @@ def static_parts(batch: int, heads: int, capacity: int, dim: int, key_bytes: int
         ("sink_v", dtype, (batch, heads, sinks + 1, dim)),
         ("lengths", torch.int64, (2,)),
         *extra,
+        *([("key_mean", torch.float32, (batch, heads, 1, dim))] if key_mean else []),
     ):
         parts.append((name, dt, shape, off))
         off += -(-_nbytes(dt, shape) // _ALIGN) * _ALIGN
@@ -141,6 +143,7 @@ class StaticKV:
         k_quantizer, v_quantizer: `tq_hf_cache.ops` quantizer ids (rotation + codebook).
         scratch, counters: the fused kernel's split-K scratch and arrival counters, shared by a cache's layers.
         key_split: the `tq_hf_cache.ops` id of the layer's `KeySplit` when its keys are split, else -1.
+        key_rope: the `tq_hf_cache.ops` id of the layer's `RopeAngles` when its keys are centred, else -1.
     """
 
     store: torch.Tensor
@@ -152,15 +155,17 @@ class StaticKV:
     scratch: torch.Tensor
     counters: torch.Tensor
     key_split: int = -1
+    key_rope: int = -1
 
 
 def static_views(store: torch.Tensor, ring_k: torch.Tensor, capacity: int, sinks: int, norm_dtype: torch.dtype,
-                 key_bytes: int, value_bytes: int, key_part_bytes: tuple[int, ...] = ()) -> dict[str, torch.Tensor]:
+                 key_bytes: int, value_bytes: int, key_part_bytes: tuple[int, ...] = (),
+                 key_mean: bool = False) -> dict[str, torch.Tensor]:
     """Views of a static layer's buffer by part name (see `static_parts`), plus "length" and "exact_from" (0-d);
     batch, heads, head dim and dtype are the ring's."""
     b, h, _, d = ring_k.shape
     parts, total = static_parts(b, h, capacity, d, key_bytes, value_bytes, sinks, norm_dtype, ring_k.dtype,
-                                key_part_bytes)
+                                key_part_bytes, key_mean)
     if store.dtype != torch.uint8 or store.dim() != 1 or store.numel() != total:
         raise ValueError(f"a static layer's buffer must be uint8 of {total} bytes for this layout, got "
                          f"{store.dtype} of shape {tuple(store.shape)}")

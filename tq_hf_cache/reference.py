@@ -247,12 +247,15 @@ def static_append(
     v_codebook: Codebook,
     key_split=None,
     key_parts=None,
+    key_codes=None,
 ) -> None:
     """A static layer's append, by definition. The n new tokens (B, H, n, D) take positions length .. length + n - 1;
     those below the capacity (the packed buffers' token axis) are quantized into their slots, the last min(n, ring)
     of them are copied to ring slot position % ring and those below n_sinks to sink slot position. Then length +=
     n and exact_from = max(exact_from, length - ring). Split keys (`key_split`): each part into its (packed,
-    norms) of `key_parts` (part 0's are k_packed / k_norms)."""
+    norms) of `key_parts` (part 0's are k_packed / k_norms). key_codes: what the key codes are made of when it is not
+    the keys themselves (centred keys: k - R(t) mu); the exact copies are always of `key`."""
+    codes = key if key_codes is None else key_codes
     n, cap, ring = key.shape[2], k_packed.shape[2], ring_k.shape[2]
     i = torch.arange(n, device=key.device)
     pos = i + length
@@ -260,13 +263,14 @@ def static_append(
     last = ok & (i >= n - ring)
     sink = ok & (pos < n_sinks)
     if key_split is not None:
-        for (p, nm), (packed, norms) in zip(split_quantize(key[:, :, ok], key_split, k_norms.dtype), key_parts):
+        for (p, nm), (packed, norms) in zip(split_quantize(codes[:, :, ok], key_split, k_norms.dtype), key_parts):
             packed.index_copy_(2, pos[ok], p)
             norms.index_copy_(2, pos[ok], nm)
-    for x, packed, norms, cb, r, s in ((key, k_packed, k_norms, k_codebook, ring_k, sink_k),
-                                       (value, v_packed, v_norms, v_codebook, ring_v, sink_v)):
-        if x is value or key_split is None:
-            p, nm = quantize(x[:, :, ok], rotation, cb, norms.dtype)
+    for x, src, packed, norms, cb, r, s in ((key, codes if key_split is None else None, k_packed, k_norms, k_codebook,
+                                             ring_k, sink_k),
+                                            (value, value, v_packed, v_norms, v_codebook, ring_v, sink_v)):
+        if src is not None:  # split keys' codes were stored above
+            p, nm = quantize(src[:, :, ok], rotation, cb, norms.dtype)
             packed.index_copy_(2, pos[ok], p)
             norms.index_copy_(2, pos[ok], nm)
         r.index_copy_(2, pos[last] % ring, x[:, :, last].to(r.dtype))

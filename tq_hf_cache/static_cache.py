@@ -20,7 +20,9 @@ What `update` returns depends only on the static shapes and on the model config'
 Sliding-window layers are transformers' `StaticSlidingWindowLayer` (their window is bounded and small; a
 `key_split` entry for one does not apply), as are layers the config keeps in full precision (`StaticLayer`).
 Split keys (`key_split`) keep one packed part per split part in the layer's buffer; the fused op reads them part by
-part, the dense path dequantizes each and puts its channels back.
+part, the dense path dequantizes each and puts its channels back. Centred keys (`key_centering`) keep their pre-RoPE
+mean in the buffer (taken from the first update's keys); the codes are those of k - R(t) mu, and every read adds
+R(t) mu back (to the dense keys, or as q . R(t) mu to the fused op's scores).
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ from .config import model_facts
 from .codebook import theoretical_codebook
 from .kernels import DECODE_MAX_ROWS, decode_supports, split_supports
 from .key_split import make_split
+from .rope import RopeAngles, rope_angles
 from .packed_kv import MAX_FUSED_QUERIES, PACKED_ATTR, PackedKV, StaticKV, overlay_exact, static_parts
 from .packing import packed_bytes
 
@@ -87,9 +90,12 @@ class TurboQuantStaticLayer(StaticLayer):
         max_batch_size: int | None = None,
         codebook_check=None,
         key_split: dict | None = None,
+        rope=None,
     ):
         StaticLayer.__init__(self, max_cache_len=max_cache_len)
         self.key_split_spec = key_split  # keys split in parts (`key_split`), checked at the first update
+        self.rope = rope  # set: keys are centred (k - R(t) mu is quantized; mu from the first update's keys)
+        self._mu_pending = rope is not None
         self.key_bits, self.value_bits = key_bits, value_bits
         self.residual_length, self.sink_tokens = residual_length, sink_tokens
         self.norm_dtype, self.layer_idx = norm_dtype, layer_idx
@@ -138,13 +144,15 @@ class TurboQuantStaticLayer(StaticLayer):
         vcb = self._codebook_for("value", self.value_bits, d).to(dev)
         sinks = min(self.sink_tokens, cap)
         self.key_split = None
+        if self.rope is not None:  # its angles on the device: a captured step must not copy from the host
+            self.rope = RopeAngles(self.rope.theta.to(dev), self.rope.scale)
         key_bytes, more = packed_bytes(d, self.key_bits), ()
         if self.key_split_spec is not None:  # the parts' codebooks are the theoretical ones of their dims
             self.key_split = make_split(self.key_split_spec, self.layer_idx, h, d, self._rotation_for,
                                         theoretical_codebook).to(dev)
             key_bytes, *more = [packed_bytes(r.dim, cb.bits) for r, cb in self.key_split.parts]
         _, nbytes = static_parts(b, h, cap, d, key_bytes, packed_bytes(d, self.value_bits), sinks, self.norm_dtype,
-                                 self.dtype, tuple(more))
+                                 self.dtype, tuple(more), self.rope is not None)
         store = torch.zeros(nbytes, dtype=torch.uint8, device=dev)  # packed K/V, norms, sinks, lengths
         self.keys = torch.zeros(b, h, self.ring_size, d, dtype=self.dtype, device=dev)  # the ring
         self.values = torch.zeros(b, h, self.ring_size, d, dtype=self.dtype, device=dev)
@@ -154,9 +162,11 @@ class TurboQuantStaticLayer(StaticLayer):
         # the ring is what update returns, and it carries the StaticKV that the attention reads
         static = StaticKV(store, cap, sinks, ops.dtype_name(self.norm_dtype), ops.quantizer_id(rotation, kcb),
                           ops.quantizer_id(rotation, vcb), self._shared.scratch, self._shared.counters,
-                          ops.split_id(self.key_split))
+                          ops.object_id(self.key_split), ops.object_id(self.rope))
         setattr(self.keys, PACKED_ATTR, static)
         ops.prepare_fused(self.packed)
+        if self.rope is not None:  # its score tables, made now: made inside a captured graph they would outlive it
+            self.rope.scores(torch.zeros(1, d, device=dev), torch.zeros(1, d, device=dev), 0, cap)
         for t in (store, self.keys, self.values):
             _mark_static(t)
         self.is_initialized = True
@@ -166,7 +176,7 @@ class TurboQuantStaticLayer(StaticLayer):
         """The layer's state as a `PackedKV` of views of its buffer and rings (traced as view ops when compiled)."""
         s = getattr(self.keys, PACKED_ATTR)
         return ops.static_packed_kv(s.store, self.keys, self.values, s.capacity, s.sinks, s.norm_dtype, s.k_quantizer,
-                                    s.v_quantizer, s.scratch, s.counters, s.key_split)
+                                    s.v_quantizer, s.scratch, s.counters, s.key_split, s.key_rope)
 
     @property
     def cumulative_length(self) -> torch.Tensor:
@@ -197,11 +207,25 @@ class TurboQuantStaticLayer(StaticLayer):
             self.lazy_initialization(key_states, value_states)
         s = getattr(self.keys, PACKED_ATTR)  # the attention's path to it: one source for torch.compile to guard
         n = key_states.shape[2]
+        if self._mu_pending and not torch.compiler.is_compiling():
+            self._set_key_mean(key_states)
         ops.static_append(key_states, value_states, s.store, self.keys, self.values, s.capacity, s.sinks, s.norm_dtype,
-                          s.k_quantizer, s.v_quantizer, s.key_split)
+                          s.k_quantizer, s.v_quantizer, s.key_split, s.key_rope)
         if self._fused(n):
             return self.keys, self.values
         return self._full(key_states, value_states)
+
+    def _set_key_mean(self, key_states: torch.Tensor) -> None:
+        """A centred layer's mu: the pre-RoPE mean of the first update's keys past the sinks (eager, at length 0:
+        later positions' codes depend on it). Without such keys it stays 0 (no centring), as it does for a first
+        update inside a compiled step."""
+        self._mu_pending = False
+        if int(self.cumulative_length) != 0 or key_states.shape[2] <= self.sink_tokens:
+            return
+        pos = torch.arange(key_states.shape[2], device=key_states.device)
+        first = self.sink_tokens
+        mu = self.rope.invert(key_states[:, :, first:], pos[first:]).mean(dim=2, keepdim=True)
+        self.packed.key_offset.mu.copy_(mu)
 
     def _full(self, key_states, value_states):
         """Keys and values of every position: dequantized, the exact copies and this step's tokens over them."""
@@ -214,6 +238,8 @@ class TurboQuantStaticLayer(StaticLayer):
             dense = [ops.dequantize(pk, nk, ops.quantizer_id(r, cb), name)
                      for (pk, nk), (r, cb) in zip(p.key_parts, p.key_split.parts)]
             k = p.key_split.join(dense, dense[0].new_empty(*dense[0].shape[:-1], self.k_head_dim))
+        if p.key_offset is not None:  # centred: the packed keys are k - R(t) mu
+            p.key_offset.add_to(k, 0)
         v = ops.dequantize(p.v_packed, p.v_norms, p.v_quantizer, name)
         overlay_exact(k, self.keys, p.sink_k[:, :, : p.sinks], p.length, p.exact_from)
         overlay_exact(v, self.values, p.sink_v[:, :, : p.sinks], p.length, p.exact_from)
@@ -234,6 +260,7 @@ class TurboQuantStaticLayer(StaticLayer):
         if self.is_initialized:
             for t in (getattr(self.keys, PACKED_ATTR).store, self.keys, self.values):
                 t.zero_()
+            self._mu_pending = self.rope is not None
 
     def crop(self, max_length: int) -> None:
         """Negative: remove that many newest positions; positive: keep the first `max_length` (a length)."""
@@ -254,6 +281,8 @@ class TurboQuantStaticLayer(StaticLayer):
             return
         p = self.packed
         keys = [t for part in p.key_parts for t in part] if p.key_parts else [p.k_packed, p.k_norms]
+        if p.key_offset is not None:
+            keys.append(p.key_offset.mu)
         for t in (*keys, p.v_packed, p.v_norms, p.sink_k, p.sink_v, self.keys, self.values):
             t.copy_(fn(t))
 
@@ -328,8 +357,6 @@ class TurboQuantStaticCache(Cache):
         ):
             raise ValueError(f"max_batch_size must be a positive integer or None, got {max_batch_size!r}")
         self.tq_config = resolve_config(tq_config, **overrides)
-        if self.tq_config.key_centering:
-            raise ValueError("key_centering=True is not supported by TurboQuantStaticCache; use TurboQuantCache")
         self.codebooks = codebooks
         self.capacity = max_cache_len  # (Cache.max_cache_len is a read-only property in some transformers 5.x)
         self.model_facts = model_facts(config)
@@ -369,6 +396,11 @@ class TurboQuantStaticCache(Cache):
                     codebook_check=partial(_check_codebooks, codebooks) if codebooks is not None else None,
                     key_split=cfg.key_split.get(idx),
                 ))
+        if cfg.key_centering:
+            centred = [(layer, t) for layer, t in zip(layers, layer_types) if isinstance(layer, TurboQuantStaticLayer)]
+            ropes = rope_angles(config, sorted({t for _, t in centred}))
+            for layer, t in centred:
+                layer.rope, layer._mu_pending = ropes[t], True
         Cache.__init__(self, layers=layers, offloading=offloading, offload_only_non_sliding=offload_only_non_sliding)
 
     def nbytes(self) -> dict[str, int]:

@@ -4,7 +4,10 @@ ms): the workspace path (tq_sdpa), the fused kernel (tq_fused) and the compiled 
 beside transformers' StaticCache + torch.compile (static_compiled) in the same run. Llama-3.1-8B shape, 4 layers,
 bf16, batch 1, random weights. Writes $OUT/split_speed.json.
 
-Usage: python benchmarks/studies/key_split_speed.py [--contexts 4096,32768] [--layers 4]
+With --centred 1 it times k4v2 with key centring instead (the fused kernel and the compiled static cache, where
+each step adds q . R(t) mu to the packed positions' scores through a float32 mask).
+
+Usage: python benchmarks/studies/key_split_speed.py [--contexts 4096,32768] [--layers 4] [--centred 0]
 """
 import argparse
 import json
@@ -23,6 +26,7 @@ from tq_hf_cache.key_split import calibrate_key_split  # noqa: E402
 p = argparse.ArgumentParser()
 p.add_argument("--contexts", default="4096,32768")
 p.add_argument("--layers", type=int, default=4)
+p.add_argument("--centred", type=int, default=0)
 p.add_argument("--out", default=os.environ.get("OUT", "."))
 a = p.parse_args()
 torch.manual_seed(0)
@@ -35,8 +39,10 @@ split = TurboQuantConfig.from_dict({**base.to_dict(),
 model = model.to(torch.bfloat16)
 rows = []
 for ctx in map(int, a.contexts.split(",")):
-    plan = [("static_compiled", "-", base)] + [(row, name, tq) for name, tq in (("k4v2", base), ("k4v2-split64x5+64x3", split))
-                                               for row in ("tq_sdpa", "tq_fused", "tq_static_compiled")]
+    variants = ((("k4v2", base), ("k4v2-split64x5+64x3", split)) if not a.centred else
+                (("k4v2", base), ("k4v2-centred", TurboQuantConfig.from_dict({**base.to_dict(), "key_centering": True}))))
+    rows_of = ("tq_sdpa", "tq_fused", "tq_static_compiled") if not a.centred else ("tq_fused", "tq_static_compiled")
+    plan = [("static_compiled", "-", base)] + [(row, name, tq) for name, tq in variants for row in rows_of]
     for row, name, tq in plan:
         r = bench.run_row(model, row, 1, ctx, preset=tq)
         r.pop("_tokens")
@@ -48,3 +54,4 @@ out = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
        "command": "python benchmarks/studies/key_split_speed.py " + " ".join(sys.argv[1:])}
 with open(os.path.join(a.out, "split_speed.json"), "w") as f:
     json.dump(out, f, indent=1)
+print("wrote", os.path.join(a.out, "split_speed.json"))

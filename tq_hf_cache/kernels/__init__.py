@@ -119,13 +119,13 @@ def append_kv_into(k, v, rotation, k_codebook, v_codebook, k_packed, k_norms, v_
              sink_v, length, exact_from, n_sinks)
 
 
-def append_split_into(k, v, split, rotation, v_codebook, key_parts, v_packed, v_norms, ring_k, ring_v, sink_k, sink_v,
-                      length, exact_from, n_sinks):
-    """See `kernels.quantize.append_split_into`."""
-    from .quantize import append_split_into as f
+def append_parts_into(k, v, key_codes, key_quantizers, key_parts, rotation, v_codebook, v_packed, v_norms, ring_k,
+                      ring_v, sink_k, sink_v, length, exact_from, n_sinks):
+    """See `kernels.quantize.append_parts_into`."""
+    from .quantize import append_parts_into as f
 
-    return f(k, v, split, rotation, v_codebook, key_parts, v_packed, v_norms, ring_k, ring_v, sink_k, sink_v, length,
-             exact_from, n_sinks)
+    return f(k, v, key_codes, key_quantizers, key_parts, rotation, v_codebook, v_packed, v_norms, ring_k, ring_v,
+             sink_k, sink_v, length, exact_from, n_sinks)
 
 
 def dequantize_into(packed, norms, rotation, codebook, out, **kw):

@@ -681,7 +681,7 @@ def _append_one(x, rotation, codebook, packed, norms, ring, sink, length, n_sink
     bt, nw = _launch_cfg(tokens, None, None)
     n_t = triton.cdiv(tokens, bt)
     if codes:
-        _check_static("append_split_into", x, rotation, codebook, packed, norms)
+        _check_static("append_parts_into", x, rotation, codebook, packed, norms)
         rmode, xmode, mdtype = _modes(x.dtype, rotation, None)
         mat = C.rotation_operand(rotation, x.device, "fwd_mma" if rmode == C.ROT_PM1_DOT else "fwd", mdtype)
         sargs, smode = _search_args(codebook, heads, x.device, None, packed)
@@ -701,21 +701,23 @@ def _append_one(x, rotation, codebook, packed, norms, ring, sink, length, n_sink
     )
 
 
-def append_split_into(k, v, split, rotation, v_codebook, key_parts, v_packed, v_norms, ring_k, ring_v, sink_k,
-                      sink_v, length, exact_from, n_sinks) -> None:
-    """`append_kv_into` for a static layer whose keys are split (`key_split.KeySplit`): key_parts holds each part's
-    (packed (B, H, capacity, bytes), norms); the values, both tensors' exact copies and the lengths as there. No host
-    read of the lengths. The reference is `reference.static_append` with a split."""
+def append_parts_into(k, v, key_codes, key_quantizers, key_parts, rotation, v_codebook, v_packed, v_norms, ring_k,
+                      ring_v, sink_k, sink_v, length, exact_from, n_sinks) -> None:
+    """`append_kv_into` for a static layer whose keys are stored as other tensors than k: the parts of split keys
+    (`key_split.KeySplit.split`) and / or centred keys (k - R(t) mu). key_codes[p] (B, H, n, D_p) is quantized with
+    key_quantizers[p] (rotation, codebook) into key_parts[p] (packed (B, H, capacity, bytes), norms); k itself gives
+    the exact copies; the values, their copies and the lengths as in `append_kv_into`. No host read of the lengths.
+    The reference is `reference.static_append` with key_codes (and a split)."""
     bsz, heads, tokens, dim = k.shape
     if k.shape != v.shape or k.dtype != v.dtype:
-        raise ValueError(f"append_split_into: keys {tuple(k.shape)} {k.dtype} and values {tuple(v.shape)} {v.dtype} "
+        raise ValueError(f"append_parts_into: keys {tuple(k.shape)} {k.dtype} and values {tuple(v.shape)} {v.dtype} "
                          "must match")
     for name, t in (("ring_k", ring_k), ("ring_v", ring_v), ("sink_k", sink_k), ("sink_v", sink_v)):
         if t.shape[:2] != (bsz, heads) or t.shape[3] != dim or t.dtype != k.dtype or t.stride(-1) != 1:
-            raise ValueError(f"append_split_into: {name} must be ({bsz}, {heads}, rows, {dim}) {k.dtype} with unit "
+            raise ValueError(f"append_parts_into: {name} must be ({bsz}, {heads}, rows, {dim}) {k.dtype} with unit "
                              f"last stride, got {tuple(t.shape)} {t.dtype}")
     if not 0 <= n_sinks <= sink_k.shape[2] or ring_k.shape[2] < 1:
-        raise ValueError(f"append_split_into: n_sinks={n_sinks} must be in [0, {sink_k.shape[2]}] and the ring "
+        raise ValueError(f"append_parts_into: n_sinks={n_sinks} must be in [0, {sink_k.shape[2]}] and the ring "
                          f"non-empty")
     if tokens == 0:
         return
@@ -724,6 +726,7 @@ def append_split_into(k, v, split, rotation, v_codebook, key_parts, v_packed, v_
     v = v if v.stride(-1) == 1 else v.contiguous()
     _append_one(v, rotation, v_codebook, v_packed, v_norms, ring_v, sink_v, length, n_sinks, cap, True, True)
     _append_one(k, None, None, None, None, ring_k, sink_k, length, n_sinks, cap, False, True)
-    for part, (rot, cb), (packed, norms) in zip(split.split(k), split.parts, key_parts):
+    for part, (rot, cb), (packed, norms) in zip(key_codes, key_quantizers, key_parts):
+        part = part if part.stride(-1) == 1 else part.contiguous()
         _append_one(part, rot, cb, packed, norms, None, None, length, n_sinks, cap, True, False)
     _advance_kernel[(1,)](length, exact_from, tokens, ring_k.shape[2])
