@@ -371,11 +371,18 @@ def test_a_static_split_cache_holds_the_dynamic_caches_codes_and_attends_alike_o
 
 
 @pytest.mark.skipif(not IS_V5, reason="TurboQuantStaticCache needs transformers >= 5")
-def test_a_static_split_cache_reorders_crops_and_resets_every_part():
+@pytest.mark.parametrize("centred", [False, True])
+def test_a_static_split_cache_reorders_crops_and_resets_every_part(centred, monkeypatch):
+    """Batch reorder and crop move every part (and a centred layer's key means); with centring too, the fused op
+    (its torch math) reads what the dense keys give."""
+    monkeypatch.setattr(ops, "FUSED_BACKEND", "torch")
     model = _pair_heavy_llama().to(DEV)
     ids = torch.randint(3, 128, (2, 50), generator=torch.Generator().manual_seed(11)).to(DEV)
     spec = _spec_for(model, (32, 32), (5, 3))
-    kw = dict(config=model.config, max_cache_len=64, tq_config="k4v2", residual_length=4, key_split=spec)
+    kw = dict(config=model.config, max_cache_len=64, tq_config="k4v2", residual_length=4, key_split=spec,
+              key_centering=centred)
+    dense, fused = (_static_steps(model, TurboQuantStaticCache(**kw), ids, 40, impl) for impl in ("sdpa", "turboquant"))
+    torch.testing.assert_close(fused, dense, atol=TOL, rtol=TOL, msg="static split: turboquant vs sdpa")
     swapped, cache = TurboQuantStaticCache(**kw), TurboQuantStaticCache(**kw)
     _static_steps(model, swapped, ids.flip(0)[:, :40], 40, "sdpa")
     _static_steps(model, cache, ids[:, :40], 40, "sdpa")
