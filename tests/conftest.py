@@ -61,6 +61,24 @@ def chunked_logits(model, cache, ids, prefill: int, chunk: int = 40, step: int =
     return torch.cat(outs, 1)
 
 
+def static_logits(model, cache, ids, prefill: int, impl: str, forward=None, prefilled: bool = False):
+    """Logits through a static cache with attention `impl`: a prefill of ids[:, :prefill] (unless `prefilled`: the
+    cache holds it), then one step per token through `forward` (default the model's; a compiled one)."""
+    import torch
+
+    model.set_attn_implementation(impl)
+    forward = forward or model.forward
+    outs = []
+    with torch.no_grad():
+        if not prefilled:
+            outs.append(model(ids[:, :prefill], past_key_values=cache).logits)
+        for t in range(prefill, ids.shape[1]):
+            pos = torch.tensor([t], device=ids.device)
+            outs.append(forward(ids[:, t : t + 1], past_key_values=cache, cache_position=pos,
+                                position_ids=pos.expand(ids.shape[0], 1)).logits)
+    return torch.cat(outs, 1)
+
+
 def tiny_gemma3_config(**overrides):
     """A 6-layer Gemma 3 text config with a 48-token sliding window (five sliding layers, one full)."""
     import transformers

@@ -358,6 +358,22 @@ def test_head_dim_256_quantizes_keys_and_values_and_dequantizes_every_width():
         kernels.quantize_into(k, dense, kcb, out[0], out[2])
 
 
+def static_buffers(b, h, cap, ring, sinks, d, start, key_bytes, value_bytes):
+    """A static layer's buffers, poisoned: "keys" (packed, norms) per key part (`key_bytes` a row each), the values',
+    the bf16 rings and sink copies, and the lengths after `start` positions."""
+    def packed(nbytes):
+        return (torch.full((b, h, cap, nbytes), 0xA5, dtype=torch.uint8, device=DEV),
+                torch.full((b, h, cap), NORM_POISON, dtype=torch.float16, device=DEV))
+
+    out = {"keys": [packed(nb) for nb in key_bytes]}
+    out["v_packed"], out["v_norms"] = packed(value_bytes)
+    for name, rows in (("ring_k", ring), ("ring_v", ring), ("sink_k", sinks + 1), ("sink_v", sinks + 1)):
+        out[name] = torch.full((b, h, rows, d), -3.0, dtype=torch.bfloat16, device=DEV)
+    out["length"] = torch.tensor(start, dtype=torch.int64, device=DEV)
+    out["exact_from"] = torch.tensor(max(0, start - ring), dtype=torch.int64, device=DEV)
+    return out
+
+
 @pytest.mark.parametrize("n, start", [(1, 0), (1, 3), (1, 29), (5, 2), (21, 0), (21, 15), (3, 31), (2, 33)])
 def test_static_append_matches_reference(n, start):
     """The static layer's append (one quantize + copy launch, one launch for the lengths) against
@@ -368,22 +384,10 @@ def test_static_append_matches_reference(n, start):
     rot = make_rotation(d, seed % 1000).to(DEV)
     kcb, vcb = shared_codebook(5, d).to(DEV), per_head_codebook(g, 3, h, d).to(DEV)
     k, v = make_x(g, b, h, n, d, torch.bfloat16), make_x(g, b, h, n, d, torch.bfloat16)
-
-    def buffers():
-        return {
-            "k_packed": torch.full((b, h, cap, packed_bytes(d, 5)), 0xA5, dtype=torch.uint8, device=DEV),
-            "k_norms": torch.full((b, h, cap), NORM_POISON, dtype=torch.float16, device=DEV),
-            "v_packed": torch.full((b, h, cap, packed_bytes(d, 3)), 0xA5, dtype=torch.uint8, device=DEV),
-            "v_norms": torch.full((b, h, cap), NORM_POISON, dtype=torch.float16, device=DEV),
-            "ring_k": torch.full((b, h, ring, d), -3.0, dtype=torch.bfloat16, device=DEV),
-            "ring_v": torch.full((b, h, ring, d), -3.0, dtype=torch.bfloat16, device=DEV),
-            "sink_k": torch.full((b, h, sinks + 1, d), -3.0, dtype=torch.bfloat16, device=DEV),
-            "sink_v": torch.full((b, h, sinks + 1, d), -3.0, dtype=torch.bfloat16, device=DEV),
-            "length": torch.tensor(start, dtype=torch.int64, device=DEV),
-            "exact_from": torch.tensor(max(0, start - ring), dtype=torch.int64, device=DEV),
-        }
-
-    got, want = buffers(), buffers()
+    got, want = (static_buffers(b, h, cap, ring, sinks, d, start, [packed_bytes(d, 5)], packed_bytes(d, 3))
+                 for _ in range(2))
+    for t in (got, want):
+        (t["k_packed"], t["k_norms"]), = t["keys"]
     kernels.append_kv_into(k, v, rot, kcb, vcb, got["k_packed"], got["k_norms"], got["v_packed"], got["v_norms"],
                            got["ring_k"], got["ring_v"], got["sink_k"], got["sink_v"], got["length"],
                            got["exact_from"], sinks)
@@ -618,29 +622,13 @@ def test_static_append_of_split_keys_matches_reference(n, start):
     split = make_split(spec, 0, h, d, lambda m: make_rotation(m, (seed + m) % 1000), theoretical_codebook).to(DEV)
     rot, vcb = make_rotation(d, seed % 1000).to(DEV), per_head_codebook(g, 3, h, d).to(DEV)
     k, v = make_x(g, b, h, n, d, torch.bfloat16), make_x(g, b, h, n, d, torch.bfloat16)
-
-    def buffers():
-        out = {f"k{p}": (torch.full((b, h, cap, packed_bytes(m, w)), 0xA5, dtype=torch.uint8, device=DEV),
-                         torch.full((b, h, cap), NORM_POISON, dtype=torch.float16, device=DEV))
-               for p, (m, w) in enumerate(zip(spec["sizes"], spec["bits"]))}
-        out.update({
-            "v_packed": torch.full((b, h, cap, packed_bytes(d, 3)), 0xA5, dtype=torch.uint8, device=DEV),
-            "v_norms": torch.full((b, h, cap), NORM_POISON, dtype=torch.float16, device=DEV),
-            "ring_k": torch.full((b, h, ring, d), -3.0, dtype=torch.bfloat16, device=DEV),
-            "ring_v": torch.full((b, h, ring, d), -3.0, dtype=torch.bfloat16, device=DEV),
-            "sink_k": torch.full((b, h, sinks + 1, d), -3.0, dtype=torch.bfloat16, device=DEV),
-            "sink_v": torch.full((b, h, sinks + 1, d), -3.0, dtype=torch.bfloat16, device=DEV),
-            "length": torch.tensor(start, dtype=torch.int64, device=DEV),
-            "exact_from": torch.tensor(max(0, start - ring), dtype=torch.int64, device=DEV),
-        })
-        return out
-
+    key_bytes = [packed_bytes(m, w) for m, w in zip(spec["sizes"], spec["bits"])]
+    got, want = (static_buffers(b, h, cap, ring, sinks, d, start, key_bytes, packed_bytes(d, 3)) for _ in range(2))
     rest = ("v_packed", "v_norms", "ring_k", "ring_v", "sink_k", "sink_v", "length", "exact_from")
-    got, want = buffers(), buffers()
-    parts = [got[f"k{p}"] for p in range(3)]
+    parts = got["keys"]
     kernels.append_parts_into(k, v, split.split(k), split.parts, parts, rot, vcb, *(got[name] for name in rest), sinks)
-    reference.static_append(k, v, *want["k0"], *(want[name] for name in rest), sinks, rot, split.parts[0][1], vcb,
-                            key_split=split, key_parts=[want[f"k{p}"] for p in range(3)])
+    reference.static_append(k, v, *want["keys"][0], *(want[name] for name in rest), sinks, rot, split.parts[0][1], vcb,
+                            key_split=split, key_parts=want["keys"])
     for name in ("ring_k", "ring_v", "sink_k", "sink_v", "length", "exact_from"):
         assert torch.equal(got[name], want[name]), f"seed {seed}: {name} differs from the reference"
     rows = slice(min(start, cap), min(start + n, cap))

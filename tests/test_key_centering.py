@@ -6,7 +6,7 @@ import torch
 import transformers
 from transformers import DynamicCache
 
-from conftest import chunked_logits, tiny_gemma3_config, tiny_llama_config
+from conftest import chunked_logits, static_logits, tiny_gemma3_config, tiny_llama_config
 from tq_hf_cache import TurboQuantCache, TurboQuantConfig, TurboQuantStaticCache, ops
 from tq_hf_cache._compat import IS_V5
 from tq_hf_cache.rope import KeyOffset, RopeAngles, rope_angles
@@ -142,19 +142,6 @@ def test_key_centering_is_refused_where_it_cannot_work():
     assert TurboQuantConfig.from_dict({k: v for k, v in cfg.to_dict().items() if k != "key_centering"}).key_centering is False
 
 
-def _static_logits(model, cache, ids, prefill, impl, forward=None):
-    """Logits of a prefill of ids[:, :prefill], then one step per token, through a static cache."""
-    model.set_attn_implementation(impl)
-    forward = forward or model.forward
-    with torch.no_grad():
-        outs = [model(ids[:, :prefill], past_key_values=cache).logits]
-        for t in range(prefill, ids.shape[1]):
-            pos = torch.tensor([t], device=ids.device)
-            outs.append(forward(ids[:, t : t + 1], past_key_values=cache, cache_position=pos,
-                                position_ids=pos.expand(ids.shape[0], 1)).logits)
-    return torch.cat(outs, 1)
-
-
 @pytest.mark.skipif(not IS_V5, reason="TurboQuantStaticCache needs transformers >= 5")
 def test_a_centred_static_cache_reads_alike_on_every_path_holds_its_keys_closer_and_tracks_static_cache(monkeypatch):
     """TurboQuantStaticCache(key_centering=True): the dense keys (sdpa), the fused op (its torch math here; the kernel
@@ -167,16 +154,16 @@ def test_a_centred_static_cache_reads_alike_on_every_path_holds_its_keys_closer_
     cfg = model.config
     ids = torch.randint(3, 128, (2, 72), generator=torch.Generator().manual_seed(2)).to(DEV)
     kw = dict(config=cfg, max_cache_len=80, key_bits=3, value_bits=8, residual_length=4, sink_tokens=2)
-    fp = _static_logits(model, transformers.StaticCache(config=cfg, max_cache_len=80), ids, 56, "sdpa")
-    out = {impl: _static_logits(model, TurboQuantStaticCache(key_centering=True, **kw), ids, 56, impl)
+    fp = static_logits(model, transformers.StaticCache(config=cfg, max_cache_len=80), ids, 56, "sdpa")
+    out = {impl: static_logits(model, TurboQuantStaticCache(key_centering=True, **kw), ids, 56, impl)
            for impl in ("sdpa", "turboquant")}
     torch._dynamo.reset()
     compiled = torch.compile(model.forward, backend="aot_eager", fullgraph=True)
     cache = TurboQuantStaticCache(key_centering=True, **kw)
-    out["compiled"] = _static_logits(model, cache, ids, 56, "turboquant", compiled)
+    out["compiled"] = static_logits(model, cache, ids, 56, "turboquant", compiled)
     for name in ("turboquant", "compiled"):
         torch.testing.assert_close(out[name], out["sdpa"], atol=TOL, rtol=TOL, msg=f"centred static: {name} vs sdpa")
-    plain = _static_logits(model, TurboQuantStaticCache(**kw), ids, 56, "sdpa")
+    plain = static_logits(model, TurboQuantStaticCache(**kw), ids, 56, "sdpa")
     err = {name: float((x - fp)[:, 56:].norm() / fp[:, 56:].norm()) for name, x in (("centred", out["sdpa"]),
                                                                                     ("plain", plain))}
     assert err["centred"] < 0.7 * err["plain"], err
@@ -203,7 +190,7 @@ def test_a_centred_static_cache_reads_alike_on_every_path_holds_its_keys_closer_
     assert same > 0.99, f"codes of k - R(t) mu: {same:.4f} of the bytes equal"  # rounding may flip a boundary case
     cache.reset()
     assert layer._mu_pending and torch.count_nonzero(layer.packed.key_offset.mu) == 0
-    again = _static_logits(model, cache, ids, 56, "sdpa")
+    again = static_logits(model, cache, ids, 56, "sdpa")
     torch.testing.assert_close(again, out["sdpa"], atol=TOL, rtol=TOL, msg="after reset: mu recomputed")
     torch.testing.assert_close(layer.packed.key_offset.mu, mu, atol=0, rtol=0, msg="the same mu after reset")
     # 8 bits through generate (compiled with CUDA graphs on a GPU), on a model of ordinary scale

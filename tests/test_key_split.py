@@ -8,7 +8,7 @@ import torch
 import transformers
 from transformers import DynamicCache
 
-from conftest import chunked_logits, tiny_gemma3_config, tiny_llama_config
+from conftest import chunked_logits, static_logits, tiny_gemma3_config, tiny_llama_config
 from tq_hf_cache import TurboQuantCache, TurboQuantConfig, TurboQuantStaticCache, ops, reference
 from tq_hf_cache._compat import IS_V5
 from tq_hf_cache.codebook import theoretical_codebook
@@ -300,22 +300,6 @@ def test_decode_steps_through_the_fused_kernel_on_split_centred_keys(monkeypatch
                                msg="kernel vs sdpa")
 
 
-def _static_steps(model, cache, ids, prefill, impl, forward=None, prefilled=False):
-    """Logits of a prefill of ids[:, :prefill] (unless `prefilled`: the cache holds it) then one step per token,
-    through `cache` with attention `impl`."""
-    model.set_attn_implementation(impl)
-    forward = forward or model.forward
-    outs = []
-    with torch.no_grad():
-        if not prefilled:
-            outs.append(model(ids[:, :prefill], past_key_values=cache).logits)
-        for t in range(prefill, ids.shape[1]):
-            pos = torch.tensor([t], device=ids.device)
-            outs.append(forward(ids[:, t : t + 1], past_key_values=cache, cache_position=pos,
-                                position_ids=pos.expand(ids.shape[0], 1)).logits)
-    return torch.cat(outs, 1)
-
-
 @pytest.mark.skipif(not IS_V5, reason="TurboQuantStaticCache needs transformers >= 5")
 def test_a_static_split_cache_holds_the_dynamic_caches_codes_and_attends_alike_on_every_path(monkeypatch):
     """TurboQuantStaticCache with split keys: the same codes as TurboQuantCache for every position both hold
@@ -327,12 +311,12 @@ def test_a_static_split_cache_holds_the_dynamic_caches_codes_and_attends_alike_o
     ids = torch.randint(3, 128, (2, 60), generator=torch.Generator().manual_seed(10)).to(DEV)
     spec = _spec_for(model, (16, 16, 32), (6, 4, 3))
     kw = dict(config=model.config, residual_length=4, sink_tokens=2, key_split=spec)
-    out = {impl: _static_steps(model, TurboQuantStaticCache(max_cache_len=64, tq_config="k4v2", **kw), ids, 48, impl)
+    out = {impl: static_logits(model, TurboQuantStaticCache(max_cache_len=64, tq_config="k4v2", **kw), ids, 48, impl)
            for impl in ("sdpa", "turboquant")}
     torch._dynamo.reset()
     compiled = torch.compile(model.forward, backend="aot_eager", fullgraph=True)
     static = TurboQuantStaticCache(max_cache_len=64, tq_config="k4v2", **kw)
-    out["compiled"] = _static_steps(model, static, ids, 48, "turboquant", compiled)
+    out["compiled"] = static_logits(model, static, ids, 48, "turboquant", compiled)
     for name in ("turboquant", "compiled"):
         torch.testing.assert_close(out[name], out["sdpa"], atol=TOL, rtol=TOL, msg=f"static split: {name} vs sdpa")
     dynamic = TurboQuantCache("k4v2", **kw)
@@ -381,16 +365,16 @@ def test_a_static_split_cache_reorders_crops_and_resets_every_part(centred, monk
     spec = _spec_for(model, (32, 32), (5, 3))
     kw = dict(config=model.config, max_cache_len=64, tq_config="k4v2", residual_length=4, key_split=spec,
               key_centering=centred)
-    dense, fused = (_static_steps(model, TurboQuantStaticCache(**kw), ids, 40, impl) for impl in ("sdpa", "turboquant"))
+    dense, fused = (static_logits(model, TurboQuantStaticCache(**kw), ids, 40, impl) for impl in ("sdpa", "turboquant"))
     torch.testing.assert_close(fused, dense, atol=TOL, rtol=TOL, msg="static split: turboquant vs sdpa")
     swapped, cache = TurboQuantStaticCache(**kw), TurboQuantStaticCache(**kw)
-    _static_steps(model, swapped, ids.flip(0)[:, :40], 40, "sdpa")
-    _static_steps(model, cache, ids[:, :40], 40, "sdpa")
+    static_logits(model, swapped, ids.flip(0)[:, :40], 40, "sdpa")
+    static_logits(model, cache, ids[:, :40], 40, "sdpa")
     cache.reorder_cache(torch.tensor([1, 0], device=DEV))
     cache.crop(36)
     swapped.crop(36)
-    a = _static_steps(model, cache, ids.flip(0)[:, :50], 36, "turboquant", prefilled=True)
-    b = _static_steps(model, swapped, ids.flip(0)[:, :50], 36, "turboquant", prefilled=True)
+    a = static_logits(model, cache, ids.flip(0)[:, :50], 36, "turboquant", prefilled=True)
+    b = static_logits(model, swapped, ids.flip(0)[:, :50], 36, "turboquant", prefilled=True)
     torch.testing.assert_close(a, b, atol=EXACT, rtol=EXACT, msg="reordered + cropped vs fed that way")
     cache.reset()
     assert int(cache.get_seq_length()) == 0 and all(

@@ -40,9 +40,9 @@ from .config import model_facts
 from .codebook import theoretical_codebook
 from .kernels import DECODE_MAX_ROWS, decode_supports, split_supports
 from .key_split import make_split
-from .rope import RopeAngles, rope_angles
 from .packed_kv import MAX_FUSED_QUERIES, PACKED_ATTR, PackedKV, StaticKV, overlay_exact, static_parts
 from .packing import packed_bytes
+from .rope import RopeAngles, rope_angles
 
 
 class _Shared:
