@@ -58,7 +58,7 @@ def _fusable(query, kv, dropout, kwargs) -> bool:
     b, hq, n, d = query.shape
     hkv = kv.k_packed.shape[1]
     split = kv.key_split
-    if split is not None and not split_supports(split.sizes, [cb.bits for _, cb in split.parts]):
+    if split is not None and not split_supports(split.sizes, split.bits):
         _warn_once(("key_split", tuple(split.sizes)),
                    f"tq_hf_cache: no fused decode attention for keys split in parts of {split.sizes} channels (at "
                    f"most {MAX_KEY_PARTS} parts of multiples of 8 channels, whole 4-byte words per row); those "

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from .codebook import Codebook, check_bits
+from .packing import packed_bytes
 from .rotation import Rotation
 
 SPEC_KEYS = ("bits", "sizes", "order")
@@ -45,6 +46,15 @@ class KeySplit:
     @property
     def sizes(self) -> list[int]:
         return [rot.dim for rot, _ in self.parts]
+
+    @property
+    def bits(self) -> list[int]:
+        return [cb.bits for _, cb in self.parts]
+
+    @property
+    def part_bytes(self) -> list[int]:
+        """Packed bytes of one key's codes, per part."""
+        return [packed_bytes(rot.dim, cb.bits) for rot, cb in self.parts]
 
     @property
     def dim(self) -> int:

@@ -195,7 +195,7 @@ def static_packed_kv(store: torch.Tensor, ring_k: torch.Tensor, ring_v: torch.Te
     split, rope = object_of(key_split, KeySplit), object_of(key_rope, RopeAngles)
     kbytes, more = packed_bytes(d, kcb.bits), ()
     if split is not None:
-        (kbytes, *more) = [packed_bytes(rot.dim, cb.bits) for rot, cb in split.parts]
+        kbytes, *more = split.part_bytes
         kcb = split.parts[0][1]
     p = static_views(store, ring_k, capacity, sinks, NORM_DTYPES[norm_dtype], kbytes, packed_bytes(d, vcb.bits),
                      tuple(more), rope is not None)
@@ -299,14 +299,9 @@ def _centring_mask(query: torch.Tensor, kv, mask: torch.Tensor | None, scale: fl
     bias = query.new_zeros(b, hq, n, t, dtype=torch.float32)
     if lq > ns:
         bias[..., ns:lq] = kv.key_offset.scores(query, ns, lq) * (d**-0.5 if scale is None else scale)
-    if mask is None:
-        if n == 1:  # one query at the last position sees every key
-            return bias
-        mask = torch.arange(t, device=query.device)[None, :] <= torch.arange(t - n, t, device=query.device)[:, None]
-    mask = mask[..., :t]
-    if mask.dtype == torch.bool:
-        return bias.masked_fill(~mask, float("-inf"))
-    return bias + mask.float()
+    if mask is None and n == 1:  # one query at the last position sees every key
+        return bias
+    return _under_mask(bias, mask, t)
 
 
 def _static_centring_mask(query: torch.Tensor, kv, mask: torch.Tensor | None, scale: float | None) -> torch.Tensor:
@@ -318,11 +313,18 @@ def _static_centring_mask(query: torch.Tensor, kv, mask: torch.Tensor | None, sc
     pos = torch.arange(cap, device=query.device)
     packed = (pos >= kv.sinks) & (pos < kv.exact_from)
     bias = kv.key_offset.scores(query, 0, cap) * (d**-0.5 if scale is None else scale)
-    bias = bias * packed
+    return _under_mask(bias * packed, mask, kv.length)
+
+
+def _under_mask(bias: torch.Tensor, mask: torch.Tensor | None, length) -> torch.Tensor:
+    """bias (B, Hq, n, T) where `mask` (boolean, or additive: added) allows a key, -inf elsewhere; without a mask,
+    causality: query i sees the positions <= length - n + i (`length` a host int or a device tensor)."""
+    n, t = bias.shape[-2:]
     if mask is None:
-        allowed = pos[None, :] <= (kv.length - n + torch.arange(n, device=query.device))[:, None]
+        pos = torch.arange(t, device=bias.device)
+        allowed = pos[None, :] <= (length - n + torch.arange(n, device=bias.device))[:, None]
         return bias.masked_fill(~allowed, float("-inf"))
-    mask = mask[..., :cap]
+    mask = mask[..., :t]
     if mask.dtype == torch.bool:
         return bias.masked_fill(~mask, float("-inf"))
     return bias + mask.float()
@@ -347,7 +349,7 @@ def kernel_serves(query: torch.Tensor, kv) -> bool:
     split = kv.key_split
     return (kernels.available() and hq % hkv == 0
             and kernels.decode_supports(d, kv.k_codebook.bits, kv.v_codebook.bits, n, hq // hkv)
-            and (split is None or kernels.split_supports(split.sizes, [cb.bits for _, cb in split.parts])))
+            and (split is None or kernels.split_supports(split.sizes, split.bits)))
 
 
 @torch.library.custom_op("tq_hf_cache::static_attention", mutates_args=("scratch", "counters"))

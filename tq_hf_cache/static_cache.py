@@ -150,7 +150,7 @@ class TurboQuantStaticLayer(StaticLayer):
         if self.key_split_spec is not None:  # the parts' codebooks are the theoretical ones of their dims
             self.key_split = make_split(self.key_split_spec, self.layer_idx, h, d, self._rotation_for,
                                         theoretical_codebook).to(dev)
-            key_bytes, *more = [packed_bytes(r.dim, cb.bits) for r, cb in self.key_split.parts]
+            key_bytes, *more = self.key_split.part_bytes
         _, nbytes = static_parts(b, h, cap, d, key_bytes, packed_bytes(d, self.value_bits), sinks, self.norm_dtype,
                                  self.dtype, tuple(more), self.rope is not None)
         store = torch.zeros(nbytes, dtype=torch.uint8, device=dev)  # packed K/V, norms, sinks, lengths
@@ -198,7 +198,7 @@ class TurboQuantStaticLayer(StaticLayer):
             getattr(self._attn_config, "_attn_implementation", None) == NAME
             and n <= MAX_FUSED_QUERIES
             and decode_supports(self.k_head_dim, self.key_bits, self.value_bits, n, self._group)
-            and (split is None or split_supports(split.sizes, [cb.bits for _, cb in split.parts]))
+            and (split is None or split_supports(split.sizes, split.bits))
         )
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):

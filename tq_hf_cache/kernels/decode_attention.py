@@ -564,7 +564,7 @@ def _split_args(query, kv, block_m: int, scale_log2: float) -> tuple[tuple, dict
     none.update(Q1OFF=0, Q2OFF=0, T1_SH=0, T2_SH=0)
     if split is None:
         return (query,) + (query, 0, 0, query, 0, 0, query) * 2, dict(NPARTS=0, QC=16, K0D=0, K0W=0, **none)
-    sizes, bits = split.sizes, [cb.bits for _, cb in split.parts]
+    sizes, bits = split.sizes, split.bits
     if not split_supports(sizes, bits):
         raise ValueError(f"decode_attention does not support keys split in parts of {sizes} channels at {bits} bits")
     qs = split_query_planes(query, split, block_m, scale_log2)

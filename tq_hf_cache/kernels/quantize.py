@@ -373,7 +373,7 @@ def _append_one_kernel(
 ):
     """One tensor of a static layer's append at the position its device length holds: its codes and norms (CODES),
     and / or its exact copies to the ring and sinks (COPY). Split keys take one launch per part for the codes and
-    one for the whole keys' copies (`append_split_into`)."""
+    one for the whole keys' copies (`append_parts_into`)."""
     tile = tl.program_id(0)
     pid_t, pid_bh = tile % n_t_tiles, tile // n_t_tiles
     pos0 = tl.load(len_ptr).to(tl.int64)
