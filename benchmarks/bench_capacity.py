@@ -106,7 +106,7 @@ import transformers  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from tq_hf_cache import bench  # noqa: E402
+from tq_hf_cache import bench, cache_kwargs  # noqa: E402
 
 T0 = time.time()
 DEV = torch.device("cuda")
@@ -143,12 +143,12 @@ def prefill_and_decode(kind: str, batch: int, context: int, chunk: int, new: int
         torch.cuda.synchronize()
         t = time.perf_counter()
         for s in range(0, context, chunk):
-            logits = model(ids[:, s:s + chunk], past_key_values=cache, logits_to_keep=1).logits
+            logits = model(ids[:, s:s + chunk], **cache_kwargs(model, cache), logits_to_keep=1).logits
         tok = logits[:, -1:].argmax(-1)
         torch.cuda.synchronize()
         ttft = time.perf_counter() - t
         for _ in range(new):
-            tok = model(tok, past_key_values=cache).logits[:, -1:].argmax(-1)
+            tok = model(tok, **cache_kwargs(model, cache)).logits[:, -1:].argmax(-1)
         torch.cuda.synchronize()
         return {"ttft_s": round(ttft, 3), "peak_GiB": round((torch.cuda.max_memory_allocated() - WEIGHTS) / GiB, 3)}
     finally:

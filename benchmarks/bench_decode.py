@@ -35,7 +35,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import transformers  # noqa: E402
 
 import tq_hf_cache  # noqa: E402
-from tq_hf_cache import TurboQuantStaticCache, bench  # noqa: E402
+from tq_hf_cache import TurboQuantStaticCache, bench, cache_kwargs  # noqa: E402
 
 p = argparse.ArgumentParser()
 p.add_argument("--contexts", default="4096,32768,131072")
@@ -85,7 +85,7 @@ def generate_check(ctx: int, reps: int, short: int = 16, long: int = 272) -> dic
         cache = cls(config=cfg, max_cache_len=ctx + long + 8)
         torch.cuda.synchronize()
         t = time.perf_counter()
-        out = model.generate(ids, past_key_values=cache, max_new_tokens=new, min_new_tokens=new, do_sample=False)
+        out = model.generate(ids, **cache_kwargs(model, cache), max_new_tokens=new, min_new_tokens=new, do_sample=False)
         torch.cuda.synchronize()
         assert out.shape[1] == ctx + new
         return time.perf_counter() - t

@@ -27,7 +27,7 @@ import torch
 from transformers import DynamicCache
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), os.pardir))
-from tq_hf_cache import TurboQuantCache  # noqa: E402
+from tq_hf_cache import TurboQuantCache, cache_kwargs  # noqa: E402
 
 
 def load_model(name: str, device: str, dtype: torch.dtype):
@@ -79,7 +79,7 @@ def load_dynamic(path: str, config, device) -> DynamicCache:
 @torch.no_grad()
 def first_token(model, ids, cache, start):
     """Prefill ids[:, start:] on `cache` (which holds ids[:, :start]); returns the greedy first token."""
-    return model(ids[:, start:], past_key_values=cache, logits_to_keep=1).logits[:, -1].argmax(-1)
+    return model(ids[:, start:], **cache_kwargs(model, cache), logits_to_keep=1).logits[:, -1].argmax(-1)
 
 
 @torch.no_grad()
@@ -97,7 +97,7 @@ def run(args):
         for kind in ("DynamicCache", "TurboQuantCache"):
             make = (lambda: DynamicCache(config=cfg)) if kind == "DynamicCache" else (lambda: TurboQuantCache(config=cfg))
             filled = make()
-            model(prefix, past_key_values=filled, logits_to_keep=1)
+            model(prefix, **cache_kwargs(model, filled), logits_to_keep=1)
             folder = tempfile.mkdtemp(prefix="tq_prefix_")
             if kind == "DynamicCache":
                 save_dynamic(filled, folder)

@@ -21,7 +21,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import torch  # noqa: E402
 import transformers  # noqa: E402
 
-from tq_hf_cache import TurboQuantStaticCache  # noqa: E402
+from tq_hf_cache import TurboQuantStaticCache, cache_kwargs  # noqa: E402
 from tq_hf_cache.bench import cache_bytes  # noqa: E402
 from tq_hf_cache.texts import package_text  # noqa: E402
 
@@ -55,7 +55,7 @@ def main(argv=None) -> int:
             if cuda:
                 torch.cuda.synchronize()
             t = time.perf_counter()
-            out = model.generate(ids, attention_mask=torch.ones_like(ids), past_key_values=cache,
+            out = model.generate(ids, attention_mask=torch.ones_like(ids), **cache_kwargs(model, cache),
                                  max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens, do_sample=False)
             if cuda:
                 torch.cuda.synchronize()

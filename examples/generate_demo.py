@@ -20,7 +20,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import torch  # noqa: E402
 from transformers import DynamicCache  # noqa: E402
 
-from tq_hf_cache import DEFAULT_PRESET, PRESETS, TurboQuantCache  # noqa: E402
+from tq_hf_cache import DEFAULT_PRESET, PRESETS, TurboQuantCache, cache_kwargs  # noqa: E402
 from tq_hf_cache.texts import package_text  # noqa: E402
 
 
@@ -89,8 +89,8 @@ def main(argv=None) -> int:
         t0 = time.time()
         with torch.no_grad():
             out = model.generate(
-                ids, attention_mask=mask, max_new_tokens=args.new_tokens, do_sample=False, past_key_values=cache,
-                pad_token_id=tok.eos_token_id,
+                ids, attention_mask=mask, max_new_tokens=args.new_tokens, do_sample=False,
+                pad_token_id=tok.eos_token_id, **cache_kwargs(model, cache),  # past_key_values= before 5.24
             )
         answers[name] = answer(out[0, ids.shape[1]:], tok.eos_token_id)
         print(f"\n[{name}, attention {args.attn}] {time.time() - t0:.1f} s, {len(answers[name])} tokens:")
@@ -103,13 +103,13 @@ def main(argv=None) -> int:
     seq = torch.cat([ids, dyn_out.view(1, -1)], dim=1)
     ref, check = DynamicCache(), make_tq(args, model)
     with torch.no_grad():
-        model(seq, past_key_values=ref)
-        logits = model(ids, attention_mask=mask, past_key_values=check).logits[:, -1]
+        model(seq, **cache_kwargs(model, ref))
+        logits = model(ids, attention_mask=mask, **cache_kwargs(model, check)).logits[:, -1]
         same, m = [], mask
         for t in dyn_out:
             same.append(int(logits.argmax(-1)) == int(t))
             m = torch.cat([m, m.new_ones(1, 1)], dim=1)
-            logits = model(t.view(1, 1), attention_mask=m, past_key_values=check).logits[:, -1]
+            logits = model(t.view(1, 1), attention_mask=m, **cache_kwargs(model, check)).logits[:, -1]
     assert ref.get_seq_length() == check.get_seq_length() == seq.shape[1]
 
     nb = check.nbytes()

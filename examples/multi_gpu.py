@@ -26,7 +26,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import torch  # noqa: E402
 import transformers  # noqa: E402
 
-from tq_hf_cache import TurboQuantCache  # noqa: E402
+from tq_hf_cache import TurboQuantCache, cache_kwargs  # noqa: E402
 from tq_hf_cache._compat import IS_V5  # noqa: E402
 
 
@@ -87,11 +87,11 @@ def teacher_forced(model, ids, tokens, cache) -> float:
     eos = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
     same = 0
     with torch.no_grad():
-        logits = model(ids, past_key_values=cache).logits[:, -1]
+        logits = model(ids, **cache_kwargs(model, cache)).logits[:, -1]
         for t in tokens:
             logits[:, eos] = float("-inf")  # as generate's min_new_tokens does
             same += int(logits.argmax(-1)) == t
-            logits = model(torch.tensor([[t]], device=ids.device), past_key_values=cache).logits[:, -1]
+            logits = model(torch.tensor([[t]], device=ids.device), **cache_kwargs(model, cache)).logits[:, -1]
     return same / len(tokens)
 
 
@@ -139,8 +139,8 @@ def main(argv=None) -> int:
             torch.cuda.reset_peak_memory_stats()
         t = time.time()
         with torch.no_grad():
-            out = model.generate(ids, attention_mask=torch.ones_like(ids), past_key_values=cache, max_new_tokens=args.new_tokens,
-                                 min_new_tokens=args.new_tokens, do_sample=False, pad_token_id=0,
+            out = model.generate(ids, attention_mask=torch.ones_like(ids), **cache_kwargs(model, cache),
+                                 max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens, do_sample=False, pad_token_id=0,
                                  disable_compile=args.disable_compile)
         if cuda:
             torch.cuda.synchronize()

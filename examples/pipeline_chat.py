@@ -22,7 +22,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import torch  # noqa: E402
 from transformers import pipeline  # noqa: E402
 
-from tq_hf_cache import DEFAULT_PRESET, PRESETS, TurboQuantCache  # noqa: E402
+from tq_hf_cache import DEFAULT_PRESET, PRESETS, TurboQuantCache, cache_kwargs  # noqa: E402
 from tq_hf_cache.texts import package_text  # noqa: E402
 
 QUESTIONS = [
@@ -65,7 +65,7 @@ def main(argv=None) -> int:
             cache.crop(keep - len(cached_ids))
             cached_ids = cached_ids[:keep]
         t0 = time.time()
-        full = chat(messages, past_key_values=cache, max_new_tokens=args.new_tokens, do_sample=False,
+        full = chat(messages, **cache_kwargs(chat.model, cache), max_new_tokens=args.new_tokens, do_sample=False,
                     return_tensors=True, pad_token_id=tok.eos_token_id)[0]["generated_token_ids"]
         seconds = time.time() - t0
         if list(full[: len(prompt_ids)]) != list(prompt_ids):

@@ -52,12 +52,14 @@ def chunked_logits(model, cache, ids, prefill: int, chunk: int = 40, step: int =
     """Logits of ids through `cache`: chunked prefill of the first `prefill` tokens, then steps of `step` tokens."""
     import torch
 
+    from tq_hf_cache import cache_kwargs
+
     outs = []
     with torch.no_grad():
         for s in range(0, prefill, chunk):
-            outs.append(model(ids[:, s : s + chunk], past_key_values=cache).logits)
+            outs.append(model(ids[:, s : s + chunk], **cache_kwargs(model, cache)).logits)
         for t in range(prefill, ids.shape[1], step):
-            outs.append(model(ids[:, t : t + step], past_key_values=cache).logits)
+            outs.append(model(ids[:, t : t + step], **cache_kwargs(model, cache)).logits)
     return torch.cat(outs, 1)
 
 
@@ -66,15 +68,17 @@ def static_logits(model, cache, ids, prefill: int, impl: str, forward=None, pref
     cache holds it), then one step per token through `forward` (default the model's; a compiled one)."""
     import torch
 
+    from tq_hf_cache import cache_kwargs
+
     model.set_attn_implementation(impl)
     forward = forward or model.forward
     outs = []
     with torch.no_grad():
         if not prefilled:
-            outs.append(model(ids[:, :prefill], past_key_values=cache).logits)
+            outs.append(model(ids[:, :prefill], **cache_kwargs(model, cache)).logits)
         for t in range(prefill, ids.shape[1]):
             pos = torch.tensor([t], device=ids.device)
-            outs.append(forward(ids[:, t : t + 1], past_key_values=cache, cache_position=pos,
+            outs.append(forward(ids[:, t : t + 1], **cache_kwargs(model, cache), cache_position=pos,
                                 position_ids=pos.expand(ids.shape[0], 1)).logits)
     return torch.cat(outs, 1)
 

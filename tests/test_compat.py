@@ -6,8 +6,8 @@ import torch
 import transformers
 from transformers import DynamicCache
 
-from tq_hf_cache import TurboQuantCache, TurboQuantLayer, TurboQuantSlidingLayer
-from tq_hf_cache._compat import IS_V5
+from tq_hf_cache import TurboQuantCache, TurboQuantLayer, TurboQuantSlidingLayer, cache_kwargs
+from tq_hf_cache._compat import IS_V5, TRANSFORMERS_VERSION
 
 COMMON = dict(
     vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
@@ -26,9 +26,9 @@ def build(config_cls_name, model_cls_name, **kw):
 
 
 def run_steps(model, cache, seq, prefill=24):
-    out = [model(seq[:, :prefill], past_key_values=cache, use_cache=True).logits]
+    out = [model(seq[:, :prefill], **cache_kwargs(model, cache), use_cache=True).logits]
     for i in range(prefill, seq.shape[1]):
-        out.append(model(seq[:, i : i + 1], past_key_values=cache, use_cache=True).logits)
+        out.append(model(seq[:, i : i + 1], **cache_kwargs(model, cache), use_cache=True).logits)
     return out
 
 
@@ -119,6 +119,27 @@ def test_hybrid_layers_falcon_h1():
 
 
 @pytest.mark.skipif(not IS_V5, reason="KV sharing through kv_sharing_modes is transformers 5.x")
+def test_cache_kwargs_names_the_argument_this_release_takes(recwarn):
+    """transformers 5.24 renamed past_key_values to cache (past_key_values warns, then goes: forward in 5.40,
+    generate in 6.0). cache_kwargs must pick the name the installed release takes, with no deprecation warning, for a
+    forward and for generate, and give what the other name gives."""
+    from packaging.version import Version
+
+    cfg, model = build("LlamaConfig", "LlamaForCausalLM")
+    want = "cache" if TRANSFORMERS_VERSION >= Version("5.24.0") else "past_key_values"
+    seq = torch.randint(3, 96, (1, 12), generator=torch.Generator().manual_seed(3))
+    assert list(cache_kwargs(model, DynamicCache())) == [want]
+    with torch.no_grad():
+        a = model(seq, **cache_kwargs(model, DynamicCache())).logits
+        gen = model.generate(seq, max_new_tokens=3, do_sample=False, pad_token_id=0,
+                             **cache_kwargs(model, TurboQuantCache(key_bits=8, value_bits=8, config=cfg)))
+    assert not [w for w in recwarn if "past_key_values" in str(w.message)], [str(w.message) for w in recwarn]
+    assert gen.shape == (1, 15)
+    with torch.no_grad():  # the old name, where the release still takes it, gives the same logits
+        b = model(seq, past_key_values=DynamicCache()).logits
+    torch.testing.assert_close(a, b, rtol=0, atol=0, msg="logits under cache_kwargs vs past_key_values")
+
+
 def test_kv_sharing_producers_return_private_tensors():
     cfg_cls = getattr(transformers, "Gemma4TextConfig", None)
     if cfg_cls is None:

@@ -1,6 +1,7 @@
 """tq_hf_cache: TurboQuant KV-cache compression as a drop-in transformers `DynamicCache`."""
 
 from . import attention  # noqa: F401  (registers attn_implementation="turboquant")
+from ._compat import cache_kwargs
 from .cache import TurboQuantCache
 from .codebook import Codebook, theoretical_codebook
 from .config import DEFAULT_PRESET, PRESETS, TurboQuantConfig
@@ -21,6 +22,7 @@ __all__ = [
     "TurboQuantSlidingLayer",
     "TurboQuantStaticCache",
     "TurboQuantStaticLayer",
+    "cache_kwargs",
     "make_rotation",
     "theoretical_codebook",
 ]

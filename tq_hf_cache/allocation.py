@@ -19,6 +19,7 @@ import math
 
 import torch
 
+from ._compat import cache_kwargs
 from .config import TurboQuantConfig, model_facts
 from .packing import packed_bytes
 
@@ -61,7 +62,7 @@ def _chunk_logprobs(model, ids: torch.Tensor, cache, chunk: int) -> torch.Tensor
     """log-probs of the positions of chunks 1.. (the ones that attend to the cache) of a chunked prefill."""
     outs = []
     for s in range(0, ids.shape[1], chunk):
-        logits = model(input_ids=ids[:, s : s + chunk], past_key_values=cache, use_cache=True).logits[0].float()
+        logits = model(input_ids=ids[:, s : s + chunk], **cache_kwargs(model, cache), use_cache=True).logits[0].float()
         if s:
             outs.append(torch.log_softmax(logits, -1))
     return torch.cat(outs)

@@ -26,6 +26,8 @@ import time
 
 import torch
 
+from ._compat import cache_kwargs
+
 GPU_ROWS = ("dynamic", "static_compiled", "tq_fused", "tq_static_compiled")
 CPU_ROWS = ("dynamic", "tq_sdpa", "tq_fused")
 ALL_ROWS = ("dynamic", "static_compiled", "tq_sdpa", "tq_fused", "tq_static_compiled")
@@ -135,7 +137,7 @@ def run_row(model, row: str, batch: int, context: int, *, steps: int = 20, warmu
     t = time.perf_counter()
     with torch.no_grad():
         for s in range(0, context, chunk):
-            out = model(ids[:, s: s + chunk], past_key_values=cache, use_cache=True, logits_to_keep=1)
+            out = model(ids[:, s: s + chunk], **cache_kwargs(model, cache), use_cache=True, logits_to_keep=1)
     _sync(device)
     prefill_s = time.perf_counter() - t
     state = {"pos": context, "tok": out.logits[:, -1:].argmax(-1)}
@@ -146,7 +148,7 @@ def run_row(model, row: str, batch: int, context: int, *, steps: int = 20, warmu
     def step():
         pos = torch.full((1,), state["pos"], device=device, dtype=torch.long)
         with torch.no_grad():
-            o = fwd(state["tok"], past_key_values=cache, cache_position=pos, position_ids=pos.expand(batch, 1),
+            o = fwd(state["tok"], **cache_kwargs(model, cache), cache_position=pos, position_ids=pos.expand(batch, 1),
                     use_cache=True)
         state["tok"] = o.logits[:, -1:].argmax(-1).clone()
         state["pos"] += 1

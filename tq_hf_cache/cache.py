@@ -142,7 +142,7 @@ class TurboQuantCache(DynamicCache):
         The cache must have been built with `config=model.config`. No pickle is used. Example:
 
             cache = TurboQuantCache(config=model.config)
-            model(prefix_ids, past_key_values=cache)
+            model(prefix_ids, cache=cache)
             cache.save_prefix("prefixes/manual", prefix_ids)
         """
         from .prefix import save_prefix
@@ -163,7 +163,7 @@ class TurboQuantCache(DynamicCache):
         Continuing from the loaded cache gives the logits of the cache that was saved. Example:
 
             cache = TurboQuantCache.load_prefix("prefixes/manual", model.config, token_ids=prompt_ids)
-            out = model.generate(prompt_ids, past_key_values=cache, max_new_tokens=64)
+            out = model.generate(prompt_ids, cache=cache, max_new_tokens=64)
         """
         from .prefix import load_prefix
 

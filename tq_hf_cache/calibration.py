@@ -42,6 +42,7 @@ from .config import (
     model_facts,
     read_turboquant_json,
 )
+from ._compat import cache_kwargs
 from .rotation import make_rotation
 
 CODEBOOKS_NAME = "turboquant_codebooks.safetensors"
@@ -434,7 +435,7 @@ def calibrate(
     """Fit per-layer (and, when it helps on held-out tokens, per-KV-head) Lloyd-Max codebooks.
 
     Args:
-        model: a transformers causal LM (its attention layers must write to `past_key_values`).
+        model: a transformers causal LM (its attention layers must write to the cache it is given).
         texts_or_token_batches: a string, a list of strings (needs `tokenizer`), or token id tensors (T,) / (B, T).
         config: the TurboQuantConfig the cache will use (bits, layer_bits, skips, seed, rotation).
         seq_len: tokens per sequence of a forward pass (no padding is ever used).
@@ -482,7 +483,7 @@ def calibrate(
     try:
         with tqdm(total=total, unit="tok", desc="calibrating", disable=not progress) as bar:
             for ids in batches:
-                model(input_ids=ids.to(device), past_key_values=RecordingCache(on_update), use_cache=True)
+                model(input_ids=ids.to(device), **cache_kwargs(model, RecordingCache(on_update)), use_cache=True)
                 bar.update(ids.numel())
     finally:
         model.train(was_training)
@@ -611,5 +612,6 @@ def measure_reconstruction(
                 s[1] += err.numel()
 
     for ids in _token_batches(texts_or_token_batches, tokenizer, seq_len, 1, max_tokens):
-        model(input_ids=ids.to(next(model.parameters()).device), past_key_values=RecordingCache(on_update), use_cache=True)
+        model(input_ids=ids.to(next(model.parameters()).device), **cache_kwargs(model, RecordingCache(on_update)),
+              use_cache=True)
     return {k: s[0] / s[1] for k, s in sorted(sums.items())}

@@ -327,7 +327,7 @@ class TurboQuantStaticCache(Cache):
     Example:
 
         cache = TurboQuantStaticCache(config=model.config, max_cache_len=4096)
-        out = model.generate(ids, past_key_values=cache, max_new_tokens=256)  # compiles on CUDA
+        out = model.generate(ids, cache=cache, max_new_tokens=256)  # compiles on CUDA
 
     Memory: packed K/V for `max_cache_len` positions plus the ring and sinks per layer, all allocated at the first
     update (`nbytes()` reports them). `TurboQuantCache` remains the cache for eager use.

@@ -10,7 +10,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
 import transformers  # noqa: E402
 
-from tq_hf_cache import TurboQuantStaticCache  # noqa: E402
+from tq_hf_cache import TurboQuantStaticCache, cache_kwargs  # noqa: E402
 
 cfg = transformers.LlamaConfig(vocab_size=1000, hidden_size=1024, intermediate_size=2048, num_hidden_layers=4,
                                num_attention_heads=8, num_key_value_heads=2, head_dim=128)
@@ -23,7 +23,7 @@ for compiled in (False, True):
     cache = TurboQuantStaticCache(cfg, max_cache_len=1100)
     fwd = torch.compile(model.forward, mode="reduce-overhead", fullgraph=True) if compiled else model.forward
     with torch.no_grad():
-        tok = model(ids, past_key_values=cache).logits[:, -1:].argmax(-1)
+        tok = model(ids, **cache_kwargs(model, cache)).logits[:, -1:].argmax(-1)
         layer = cache.layers[0]
         if os.environ.get("NO_TAG"):  # the experiment: does the ring's attribute keep CUDA graphs off?
             for l in cache.layers:
@@ -36,7 +36,7 @@ for compiled in (False, True):
             pos = torch.tensor([1000 + i], device="cuda")
             torch.cuda.synchronize()
             t = time.perf_counter()
-            o = fwd(tok, past_key_values=cache, cache_position=pos, position_ids=pos[None])
+            o = fwd(tok, **cache_kwargs(model, cache), cache_position=pos, position_ids=pos[None])
             torch.cuda.synchronize()
             walls.append((time.perf_counter() - t) * 1e3)
             out.append(o.logits.float().clone())

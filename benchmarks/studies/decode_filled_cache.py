@@ -31,7 +31,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
 
 import tq_hf_cache  # noqa: E402
-from tq_hf_cache import TurboQuantCache, attention  # noqa: E402
+from tq_hf_cache import TurboQuantCache, attention, cache_kwargs  # noqa: E402
 
 p = argparse.ArgumentParser()
 p.add_argument("--contexts", default="4096,32768,131072")
@@ -239,7 +239,7 @@ def decode_steps(cache, b):
         for i in range(a.warmup + a.steps):
             e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             e0.record()
-            model(tok, past_key_values=cache, use_cache=True)
+            model(tok, **cache_kwargs(model, cache), use_cache=True)
             e1.record()
             torch.cuda.synchronize()
             if i >= a.warmup:

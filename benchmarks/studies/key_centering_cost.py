@@ -7,7 +7,7 @@ Usage (CUDA): PYTHONPATH=. python benchmarks/studies/key_centering_cost.py   (wr
 import os, sys, time, json, statistics, gc
 import torch, transformers
 sys.path.insert(0, ".")
-from tq_hf_cache import TurboQuantCache, bench
+from tq_hf_cache import TurboQuantCache, bench, cache_kwargs
 DEV = "cuda"
 cfg = bench.llama_8b_config(32)
 torch.manual_seed(0)
@@ -22,12 +22,12 @@ for ctx in (32768,):
         cache = TurboQuantCache(config=cfg, key_centering=cen)
         with torch.no_grad():
             for s in range(0, ctx, 8192):
-                out = model(ids[:, s:s + 8192], past_key_values=cache, logits_to_keep=1)
+                out = model(ids[:, s:s + 8192], **cache_kwargs(model, cache), logits_to_keep=1)
         tok = out.logits[:, -1:].argmax(-1)
         def step():
             global tok
             with torch.no_grad():
-                o = model(tok, past_key_values=cache)
+                o = model(tok, **cache_kwargs(model, cache))
             tok = o.logits[:, -1:].argmax(-1)
         for _ in range(3): step()
         walls = []

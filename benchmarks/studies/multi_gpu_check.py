@@ -22,7 +22,7 @@ import torch
 from transformers import AutoModelForCausalLM, DynamicCache, LlamaConfig, LlamaForCausalLM
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
-from tq_hf_cache import TurboQuantCache  # noqa: E402
+from tq_hf_cache import TurboQuantCache, cache_kwargs  # noqa: E402
 
 OUT = os.environ.get("OUT") or os.path.join(os.path.dirname(__file__), "..", "results")
 os.makedirs(OUT, exist_ok=True)
@@ -46,7 +46,7 @@ def generate(model, cache, ids, n=48):
     with torch.no_grad():
         out = model.generate(
             ids.to(model.device), attention_mask=torch.ones_like(ids).to(model.device), max_new_tokens=n,
-            do_sample=False, past_key_values=cache, pad_token_id=0,
+            do_sample=False, **cache_kwargs(model, cache), pad_token_id=0,
         )
     return out[:, ids.shape[1]:].cpu()
 
@@ -92,14 +92,14 @@ def decode_steps(model, cache, ids, steps, feed=None):
     With `feed`, those tokens are fed (teacher forcing), so that two runs compare logits on the same inputs
     even where near-tied argmaxes of a random model would send their greedy continuations apart."""
     with torch.no_grad():
-        logits = [model(ids, past_key_values=cache).logits[:, -1].clone()]
+        logits = [model(ids, **cache_kwargs(model, cache)).logits[:, -1].clone()]
         fed = []
         torch.cuda.synchronize()
         t = time.perf_counter()
         for i in range(steps):
             tok = feed[i] if feed is not None else logits[-1].argmax(-1, keepdim=True)
             fed.append(tok)
-            logits.append(model(tok, past_key_values=cache).logits[:, -1].clone())
+            logits.append(model(tok, **cache_kwargs(model, cache)).logits[:, -1].clone())
         torch.cuda.synchronize()
     return logits, fed, (time.perf_counter() - t) / steps * 1e3
 

@@ -17,7 +17,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), os.pardir, os.pardir)
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), os.pardir))
 from bench_prefix import load_model  # noqa: E402
 
-from tq_hf_cache import TurboQuantCache  # noqa: E402
+from tq_hf_cache import TurboQuantCache, cache_kwargs  # noqa: E402
 
 GiB = 2**30
 
@@ -43,14 +43,14 @@ def main():
             chunks = []
             for s in range(0, L, args.chunk):
                 torch.cuda.reset_peak_memory_stats()
-                model(ids[:, s:s + args.chunk], past_key_values=cache, logits_to_keep=1)
+                model(ids[:, s:s + args.chunk], **cache_kwargs(model, cache), logits_to_keep=1)
                 torch.cuda.synchronize()
                 chunks.append((round((torch.cuda.memory_allocated() - base) / GiB, 2),
                                round((torch.cuda.max_memory_allocated() - base) / GiB, 2)))
             torch.cuda.reset_peak_memory_stats()
             tok = ids[:, :1]
             for _ in range(3):
-                model(tok, past_key_values=cache)
+                model(tok, **cache_kwargs(model, cache))
             torch.cuda.synchronize()
             row = {"cache": kind, "context": L, "held_after_chunk_GiB": [c[0] for c in chunks],
                    "peak_in_chunk_GiB": [c[1] for c in chunks],

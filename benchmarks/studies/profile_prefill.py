@@ -16,7 +16,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), os.pardir, os.pardir)
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), os.pardir))
 from bench_prefix import load_model  # noqa: E402
 
-from tq_hf_cache import TurboQuantCache  # noqa: E402
+from tq_hf_cache import TurboQuantCache, cache_kwargs  # noqa: E402
 from tq_hf_cache import layer as layer_mod  # noqa: E402
 
 
@@ -40,7 +40,7 @@ def main():
     model = load_model("llama8b-random", "cuda", torch.bfloat16)
     cfg = model.config
     ids = torch.randint(10, 1000, (1, args.tokens), device="cuda")
-    run = lambda make: model(ids, past_key_values=make(), logits_to_keep=1)  # noqa: E731
+    run = lambda make: model(ids, **cache_kwargs(model, make()), logits_to_keep=1)  # noqa: E731
     print(f"DynamicCache            {timed(lambda: run(lambda: DynamicCache(config=cfg))):.3f} s")
     print(f"TurboQuantCache         {timed(lambda: run(lambda: TurboQuantCache(config=cfg))):.3f} s")
     orig = layer_mod.TurboQuantLayer._widen_norms_if_needed

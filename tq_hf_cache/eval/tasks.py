@@ -13,9 +13,11 @@ import re
 
 import torch
 
+from .._compat import cache_kwargs
+
 
 def _forward(model, ids: torch.Tensor, cache, all_logits: bool) -> torch.Tensor:
-    out = model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=0 if all_logits else 1)
+    out = model(input_ids=ids, **cache_kwargs(model, cache), use_cache=True, logits_to_keep=0 if all_logits else 1)
     return out.logits
 
 
