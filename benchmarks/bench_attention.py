@@ -1,6 +1,6 @@
 """Per-layer decode attention: the fused kernel on packed K/V against SDPA on bf16 K/V, and against its byte floor.
 
-One Llama-3.1-8B-shaped layer (32 query heads, 8 KV heads, head dim 128), one query token, bf16. For each preset,
+One Llama-3.1-8B-shaped layer (32 query heads, 8 KV heads, head dim 128; --shape names others), one query token, bf16. For each preset,
 batch and context: the fused kernel (`kernels.decode_attention.decode_attention` on a dynamic layer's `PackedKV`:
 random codes and norms, a 128-token residual window, 4 sink tokens) and SDPA with GQA on bf16 K/V of the same
 length (cuDNN where torch offers it, else the backend torch picks; the JSON names it). Both are timed as CUDA
@@ -15,7 +15,8 @@ A preset may name split keys (`key_split`) after a colon: "k4v2:32x6+32x4+64x3" 
 at 6 bits, 32 at 4 and 64 at 3 (a random channel order per KV head; the values keep the preset's width).
 
 Usage: python benchmarks/bench_attention.py [--presets k5v3,k4v4,k4v2] [--contexts 4096,32768,131072]
-       [--batches 1,8] [--sweep 1] [--dequant 1] [--dequant_sweep 0] [--out DIR]
+       [--batches 1,8] [--sweep 1] [--dequant 1] [--dequant_sweep 0] [--shape llama-3.1-8b] [--workspace 0]
+       [--out DIR]
                                                                   writes DIR/bench_attention.json and .png
 """
 
@@ -42,6 +43,7 @@ from tq_hf_cache.packing import packed_bytes  # noqa: E402
 from tq_hf_cache.rotation import make_rotation  # noqa: E402
 
 HQ, HKV, D, RESIDUAL, SINKS = 32, 8, 128, 128, 4
+SHAPES = {"llama-3.1-8b": (32, 8, 128), "gemma-3-12b": (16, 8, 256), "gemma-3-4b": (8, 4, 256)}  # (Hq, Hkv, D)
 DEV = torch.device("cuda")
 SWEEP_CASES = ((1, 131072), (8, 32768))  # (batch, context) of the knob sweep
 
@@ -128,6 +130,24 @@ def kernel_time(kv: PackedKV, b: int, **knobs) -> tuple[float, torch.Tensor]:
     return do_bench_cudagraph(lambda: da.decode_attention(q, kv, None, None, **knobs)), out
 
 
+def workspace_time(kv: PackedKV, b: int) -> float:
+    """The workspace path of one step (what layers without the fused kernel run): the packed keys and values
+    dequantized into bf16 buffers, then SDPA (the backend torch picks) over them; median ms of CUDA-graph replays."""
+    lq = kv.k_packed.shape[2]
+    kw = torch.empty(b, HKV, lq, D, device=DEV, dtype=torch.bfloat16)
+    vw = torch.empty_like(kw)
+    q = torch.randn(b, HQ, 1, D, device=DEV, dtype=torch.bfloat16)
+
+    def step():
+        kernels.dequantize_into(kv.k_packed, kv.k_norms, kv.rotation, kv.k_codebook, kw)
+        kernels.dequantize_into(kv.v_packed, kv.v_norms, kv.rotation, kv.v_codebook, vw)
+        return torch.nn.functional.scaled_dot_product_attention(q, kw, vw, enable_gqa=True)
+
+    step()
+    torch.cuda.synchronize()
+    return do_bench_cudagraph(step)
+
+
 def dequant_row(bits: int, bw: float, b: int = 1, t: int = 32768, **knobs) -> dict:
     """The workspace path's dequantize (packed + norms -> bf16 K or V) of one layer at batch b, context t: time and
     bytes moved (read + written) against the copy bandwidth. With knobs: also the largest difference from the
@@ -159,11 +179,16 @@ def main():
     p.add_argument("--dequant", type=int, default=1)
     p.add_argument("--dequant_sweep", type=int, default=0, help="also time the dequantize's knobs per width")
     p.add_argument("--dequant_bits", default="1,2,3,4,5,6,7,8", help="the widths of the dequantize rows and sweep")
+    p.add_argument("--shape", default="llama-3.1-8b", choices=sorted(SHAPES), help="one layer's query / KV heads, head dim")
+    p.add_argument("--workspace", type=int, default=0, help="also time the workspace path (dequantize + SDPA)")
     p.add_argument("--out", default=os.environ.get("OUT", "."))
     a = p.parse_args()
+    global HQ, HKV, D
+    HQ, HKV, D = SHAPES[a.shape]
     t0 = time.time()
     bw = copy_bandwidth()
-    env = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "copy_GBps": round(bw / 1e9, 1)}
+    env = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "copy_GBps": round(bw / 1e9, 1),
+           "shape": {"name": a.shape, "query_heads": HQ, "kv_heads": HKV, "head_dim": D}}
     print(env, flush=True)
     rows = []
     sdpa_cache = {}
@@ -179,6 +204,9 @@ def main():
                "sdpa_backend": backend, "speedup_vs_sdpa": round(sdpa_ms / ms, 3), "bytes_read": nbytes,
                "byte_floor_ms": round(floor_ms, 4), "GBps": round(nbytes / (ms * 1e-3) / 1e9, 1),
                "fraction_of_copy_bw": round(floor_ms / ms, 3)}
+        if a.workspace:
+            ws = workspace_time(kv, b)
+            row.update(workspace_ms=round(ws, 4), speedup_vs_workspace=round(ws / ms, 3))
         rows.append(row)
         print(row, flush=True)
         del kv
