@@ -130,6 +130,11 @@ CASES = [
     # one query: the mask's row is loaded once per key for every head of the group (MASK_KIND 3 and 4)
     (5, 3, 128, 4, 1, 203, 7, torch.bfloat16, "bool", 3, False),
     (4, 4, 64, 2, 1, 150, 5, torch.float16, "additive", 2, False),
+    # head dim 256 (Gemma), group widths only: planes twice as wide, the merge in smaller chunks
+    (5, 3, 256, 2, 1, 203, 7, torch.bfloat16, None, 3, False),
+    (3, 5, 256, 4, 1, 150, 5, torch.float16, "bool", 2, True),
+    (7, 6, 256, 1, 3, 97, 2, torch.bfloat16, "additive", None, False),
+    (1, 3, 256, 2, 2, 66, 0, torch.float16, None, 2, False),
 ]
 
 
@@ -270,7 +275,7 @@ def test_kernel_copies_packed_rows_off_a_word(kbits):
     assert rel_err(out, _oracle(q, kf, vf, None, None)) < TOL[torch.float16], f"seed {seed}"
 
 
-@pytest.mark.parametrize("case", CASES[:5], ids=_case_id)
+@pytest.mark.parametrize("case", CASES[:5] + [c for c in CASES if c[2] == 256], ids=_case_id)
 def test_torch_fused_math_matches_reference(case):
     """The CPU (non-CUDA) fused path: rotated-domain math in torch."""
     kbits, vbits, d, group, n, lq, lr, dtype, mask_kind, _, per_head = case
@@ -343,9 +348,10 @@ def count_paths(monkeypatch):
     return calls
 
 
-@pytest.mark.parametrize("preset", ["k4v4", "k3v3"])
-def test_turboquant_generate_matches_sdpa_on_the_same_cache(preset, count_paths):
-    model = _llama()
+@pytest.mark.parametrize("preset,head_dim", [("k4v4", 64), ("k3v3", 64), ("k5v3", 256)])
+def test_turboquant_generate_matches_sdpa_on_the_same_cache(preset, head_dim, count_paths, monkeypatch):
+    monkeypatch.setattr(tq_hf_cache.kernels, "WIDE_MIN_KEY_ROWS", 0)  # head dim 256: the kernel at any length
+    model = _llama(head_dim=head_dim)
     ids, mask = _left_padded_batch(fresh_seed())
     a, ca = _generate(model, "sdpa", ids, mask, preset=preset)
     b, cb = _generate(model, attention.NAME, ids, mask, preset=preset)
@@ -390,6 +396,37 @@ def test_turboquant_chunked_prefill_fills_long_chunks_whole_or_by_row_groups(row
     # the workspace is sized by what was filled at once: both rows under sdpa, one row per group here
     held_s, held_t = caches["sdpa"].nbytes()["workspace"], caches[attention.NAME].nbytes()["workspace"]
     assert held_s > 0 and held_t == (held_s if row_group_bytes is None else held_s // 2), (held_s, held_t)
+
+
+def test_head_dim_256_takes_the_kernel_at_group_widths_only():
+    """At head dim 256 the byte widths (2, 4, 8 bits) spill registers and ran slower than the workspace path on the
+    H100: the kernel refuses them (by name), the attention falls back to the workspace path for them."""
+    from tq_hf_cache.kernels import decode_supports
+
+    assert decode_supports(256, 5, 3, 1, 4) and decode_supports(256, 1, 7, 1, 4)
+    assert not any(decode_supports(256, k, v, 1, 4) for k, v in ((4, 4), (4, 2), (8, 6), (5, 4), (2, 3)))
+    assert decode_supports(128, 4, 4, 1, 4) and not decode_supports(256, 5, 3, 64, 4)  # rows still count
+    if decode_attention is not None:
+        state, _, _ = make_state(1, 1, 40, 2, 1, 256, 4, 4, torch.float16, 0)
+        with pytest.raises(ValueError, match="head dim 256, bits k4v4"):
+            decode_attention(make_query(1, 2, 1, 256, torch.float16, 0), state)
+
+
+def test_head_dim_256_takes_the_workspace_path_below_the_rows_where_the_kernel_pays(count_paths, caplog):
+    """decode_pays: at head dim 256 a short history (batch x KV heads x packed tokens < WIDE_MIN_KEY_ROWS) goes to
+    the workspace path, silently (a speed choice, not a missing feature); from the threshold on, to the kernel."""
+    from tq_hf_cache.kernels import WIDE_MIN_KEY_ROWS, decode_pays
+
+    assert decode_pays(128, 1) and decode_pays(64, 0)
+    assert not decode_pays(256, WIDE_MIN_KEY_ROWS - 1) and decode_pays(256, WIDE_MIN_KEY_ROWS)
+    model = _llama(head_dim=256)
+    ids, mask = _left_padded_batch(fresh_seed(), lengths=(21, 17))
+    a, _ = _generate(model, "sdpa", ids, mask, new_tokens=5, preset="k5v3")
+    with caplog.at_level("WARNING", logger="tq_hf_cache.attention"):
+        attention._warned.clear()
+        b, _ = _generate(model, attention.NAME, ids, mask, new_tokens=5, preset="k5v3")
+    assert count_paths["fused"] == 0 and not caplog.records
+    assert torch.equal(a.sequences, b.sequences)
 
 
 def test_unsupported_head_dim_falls_back_with_a_warning(count_paths, caplog):

@@ -111,6 +111,7 @@ CASES = [
     (1, 2, 1, 16, 64, 333, 40, 4, 333, 293, 8, 1, "add", False),
     (2, 2, 2, 1, 64, 400, 20, 3, 150, 140, 2, 4, "bool", False),  # after a crop from 160: a ring window of 10
     (1, 1, 8, 4, 128, 96, 96, 1, 50, 0, 5, 3, None, False),  # the ring covers the capacity
+    (1, 2, 2, 1, 256, 180, 16, 4, 170, 154, 5, 3, "bool", False),  # head dim 256 (Gemma)
 ]
 
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 import transformers
 
-from tq_hf_cache import TurboQuantStaticCache, TurboQuantStaticLayer
+from tq_hf_cache import TurboQuantStaticCache, TurboQuantStaticLayer, kernels
 from tq_hf_cache._compat import IS_V5
 
 pytestmark = pytest.mark.skipif(not IS_V5, reason="TurboQuantStaticCache needs transformers >= 5")
@@ -28,7 +28,9 @@ def build(name, seed=0):
         cfg, cls = transformers.LlamaConfig(num_hidden_layers=2, **kw), transformers.LlamaForCausalLM
     elif name == "qwen3":
         cfg, cls = transformers.Qwen3Config(num_hidden_layers=2, **kw), transformers.Qwen3ForCausalLM
-    else:
+    else:  # "gemma3", or "gemma3-256": Gemma 3's own head dim
+        if name == "gemma3-256":
+            kw["head_dim"] = 256
         cfg = transformers.Gemma3TextConfig(num_hidden_layers=4, sliding_window=16, query_pre_attn_scalar=64,
                                             layer_types=["sliding_attention", "full_attention"] * 2, **kw)
         cls = transformers.Gemma3ForCausalLM
@@ -48,15 +50,19 @@ def greedy(model, cache, ids, new=NEW):
 
 
 @pytest.mark.parametrize("impl", ["sdpa", "turboquant"])
-@pytest.mark.parametrize("name", ["llama", "qwen3", "gemma3"])
-def test_eight_bit_static_cache_tracks_static_cache(name, impl):
+@pytest.mark.parametrize("name", ["llama", "qwen3", "gemma3", "gemma3-256"])
+def test_eight_bit_static_cache_tracks_static_cache(name, impl, monkeypatch):
+    monkeypatch.setattr(kernels, "WIDE_MIN_KEY_ROWS", 0)  # head dim 256: the fused kernel at this small capacity too
     cfg, model = build(name)
     model.set_attn_implementation(impl)
     ids = prompt(batch=2)
     want_seq, want = greedy(model, transformers.StaticCache(config=cfg, max_cache_len=CAP), ids)
-    cache = TurboQuantStaticCache(cfg, max_cache_len=CAP, **EIGHT_BIT)
+    bits = dict(key_bits=7, value_bits=7) if name == "gemma3-256" else {}  # the kernel's widths at head dim 256
+    cache = TurboQuantStaticCache(cfg, max_cache_len=CAP, **{**EIGHT_BIT, **bits})
     got_seq, got = greedy(model, cache, ids)
     assert any(isinstance(l, TurboQuantStaticLayer) and l.is_initialized for l in cache.layers)
+    if impl == "turboquant":  # the fused op serves every quantized layer, head dim 256 included
+        assert all(l._fused(1) for l in cache.layers if isinstance(l, TurboQuantStaticLayer))
     torch.testing.assert_close(got, want, atol=0.05, rtol=0, msg=lambda m: f"{name}/{impl} logits per step: {m}")
     assert torch.equal(got_seq, want_seq), f"{name}/{impl}: greedy tokens differ"
 

@@ -38,7 +38,7 @@ from .attention import NAME
 from .cache import _check_codebooks, _codebook, _rotation, resolve_config
 from .config import model_facts
 from .codebook import theoretical_codebook
-from .kernels import DECODE_MAX_ROWS, decode_supports, split_supports
+from .kernels import DECODE_MAX_ROWS, decode_pays, decode_supports, split_supports
 from .key_split import make_split
 from .packed_kv import MAX_FUSED_QUERIES, PACKED_ATTR, PackedKV, StaticKV, overlay_exact, static_parts
 from .packing import packed_bytes
@@ -198,6 +198,7 @@ class TurboQuantStaticLayer(StaticLayer):
             getattr(self._attn_config, "_attn_implementation", None) == NAME
             and n <= MAX_FUSED_QUERIES
             and decode_supports(self.k_head_dim, self.key_bits, self.value_bits, n, self._group)
+            and decode_pays(self.k_head_dim, self.batch_size * self.num_heads * self.max_cache_len)
             and (split is None or split_supports(split.sizes, split.bits))
         )
 

@@ -47,7 +47,7 @@ def compile_kernel(kbits, vbits, d, group, block_n, warps, stages, prefetch):
     block_m, rows, sc = da._rows(group, 1, d)
     cons = dict(G=group, D=d, KBITS=kbits, VBITS=vbits, KPT=d * kbits // 8, VPT=d * vbits // 8, KT_SH=0, VT_SH=0,
                 KP=kp, VP=vp, KW=max(16, d // kp), VW=max(16, d // vp), BLOCK_M=block_m, R=rows, SC=sc,
-                BLOCK_N=block_n, MASK_KIND=0, PREFETCH=prefetch, STATIC=False, NPARTS=0, QC=16, K0D=0, K0W=0,
+                BLOCK_N=block_n, MASK_KIND=0, PREFETCH=prefetch, STATIC=False, ROTATE_ONCE=d > 128, FP_BLOCK_N=16 if d > 128 else block_n, NPARTS=0, QC=16, K0D=0, K0W=0,
                 Q1OFF=0, Q2OFF=0, T1_SH=0, T2_SH=0, **{f"K{p}{k}": 0 for p in (1, 2) for k in ("BITS", "D", "PT", "W")})
     ptrs = dict(POINTERS, kt_ptr=TABLE_TYPES.get(kbits, "*i32"), vt_ptr=TABLE_TYPES.get(vbits, "*i32"), qs_ptr="*fp16",
                 k1_ptr="*u8", n1_ptr="*fp16", t1_ptr="*i32", k2_ptr="*u8", n2_ptr="*fp16", t2_ptr="*i32")

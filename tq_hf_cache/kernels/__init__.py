@@ -15,7 +15,8 @@ SUPPORTED_DIMS = (16, 32, 64, 128)  # quantize / dequantize, every width and rot
 WIDE_DIM = 256
 WIDE_QUANTIZE_BITS = 4
 SUPPORTED_BITS = tuple(range(1, 9))
-DECODE_HEAD_DIMS = (64, 128)  # the fused decode-attention kernel
+DECODE_HEAD_DIMS = (64, 128, 256)  # the fused decode-attention kernel (256: group widths only, `decode_supports`)
+BYTE_WIDTHS = (2, 4, 8)  # widths whose rows the kernel reads a byte per column (other widths: groups of 8 indices)
 DECODE_MAX_ROWS = 128  # its query rows per KV head (query heads per KV head x queries): one kernel tile
 
 
@@ -66,22 +67,38 @@ def available() -> bool:
 
 
 def decode_supports(head_dim: int, key_bits: int, value_bits: int, n_queries: int, group: int) -> bool:
-    """Whether the fused decode-attention kernel takes n_queries queries of `group` query heads per KV head."""
-    return (
-        head_dim in DECODE_HEAD_DIMS
-        and key_bits in SUPPORTED_BITS
-        and value_bits in SUPPORTED_BITS
-        and group * n_queries <= DECODE_MAX_ROWS
-    )
+    """Whether the fused decode-attention kernel takes n_queries queries of `group` query heads per KV head.
+
+    Head dim 256 only with keys and values at the group widths (1, 3, 5, 6, 7 bits: the default k5v3 among them): a
+    byte per column there holds 128-256 registers of codes per tile, which spill; on the H100 those ran up to 2.8x
+    slower than the workspace path (dequantize + SDPA). Whether the kernel is worth it is `decode_pays`."""
+    if head_dim not in DECODE_HEAD_DIMS:
+        return False
+    if head_dim == 256 and (key_bits in BYTE_WIDTHS or value_bits in BYTE_WIDTHS):
+        return False
+    return key_bits in SUPPORTED_BITS and value_bits in SUPPORTED_BITS and group * n_queries <= DECODE_MAX_ROWS
+
+
+WIDE_MIN_KEY_ROWS = 65536  # head dim 256: packed key rows (batch x KV heads x tokens) from which the kernel pays
+
+
+def decode_pays(head_dim: int, key_rows: int) -> bool:
+    """Whether the fused kernel is worth its fixed cost (~0.1 ms per call at head dim 256 on the H100) over the
+    workspace path (dequantize + SDPA): always at head dims 64 and 128; at 256 from WIDE_MIN_KEY_ROWS packed key rows
+    (batch x KV heads x tokens) on. Below that, at batch 1 and 4k-8k tokens, the workspace path was faster (the kernel
+    took 1.4-2.6x its time); from it on the kernel was 1.2-3.1x faster (Gemma 3 4B / 12B layers,
+    `benchmarks/results/bench_attention_gemma3_*_h100.json`)."""
+    return head_dim <= 128 or key_rows >= WIDE_MIN_KEY_ROWS
 
 
 MAX_KEY_PARTS = 3  # split keys (`key_split`) the fused kernel takes: up to three parts
 
 
 def split_supports(sizes, bits) -> bool:
-    """Whether the fused decode kernel takes keys split in parts of these channel counts and widths: at most
-    MAX_KEY_PARTS parts, each of whole groups of 8 channels packed in whole 4-byte words per row (any width)."""
-    return 2 <= len(sizes) <= MAX_KEY_PARTS and all(
+    """Whether the fused decode kernel takes keys split in parts of these channel counts and widths: head dims 64
+    and 128, at most MAX_KEY_PARTS parts, each of whole groups of 8 channels packed in whole 4-byte words per row
+    (any width)."""
+    return 2 <= len(sizes) <= MAX_KEY_PARTS and sum(sizes) in (64, 128) and all(
         n % 8 == 0 and (n * b // 8) % 4 == 0 and b in SUPPORTED_BITS for n, b in zip(sizes, bits))
 
 

@@ -259,7 +259,7 @@ def _decode_kernel(
     KP: tl.constexpr, VP: tl.constexpr, KW: tl.constexpr, VW: tl.constexpr,
     BLOCK_M: tl.constexpr, R: tl.constexpr, SC: tl.constexpr, BLOCK_N: tl.constexpr,
     MASK_KIND: tl.constexpr, PREFETCH: tl.constexpr,
-    STATIC: tl.constexpr,
+    STATIC: tl.constexpr, ROTATE_ONCE: tl.constexpr, FP_BLOCK_N: tl.constexpr,
     NPARTS: tl.constexpr, QC: tl.constexpr, K0D: tl.constexpr, K0W: tl.constexpr,
     K1BITS: tl.constexpr, K1D: tl.constexpr, K1PT: tl.constexpr, K1W: tl.constexpr, Q1OFF: tl.constexpr,
     T1_SH: tl.constexpr,
@@ -269,7 +269,9 @@ def _decode_kernel(
     """One launch: programs (pid, split) write partial (m, l, acc) for their slice, all in the unrotated domain
     (the packed splits rotate their accumulator back themselves); the last program of a (batch, KV head) to
     finish, found with an acq_rel counter, merges the S + 1 partials and writes the output, then re-zeroes the
-    counter. Packed buffers are (B, H, slots, bytes) (token strides KPT / VPT bytes, norms 1 element); the ring
+    counter. ROTATE_ONCE (`rotate_once`): the query planes come from the launcher, the packed splits store their
+    accumulator rotated, by planes, and the merge rotates the sum back. The exact copies go FP_BLOCK_N at a time
+    (16 at head dim 256, where a 32-token fp32 tile spills). Packed buffers are (B, H, slots, bytes) (token strides KPT / VPT bytes, norms 1 element); the ring
     and sink buffers' token stride is D. The first Ls packed tokens are skipped: their exact copies (the
     attention sinks) are attended to with the ring instead. Dynamic layers: host lengths, packed [0, Lq), ring
     [Lq, Lq + Lr) in order. STATIC: lengths on the device, the ring holds position p at slot p % ring.
@@ -280,8 +282,9 @@ def _decode_kernel(
     split = tl.program_id(1)
     b, h, r, row_i, row_ok, heads = _program_rows(pid, Hkv, N, G, BLOCK_M)
     d = tl.arange(0, D)
-    q = tl.load(q_ptr + b * sqb + heads[:, None] * sqh + row_i[:, None] * sqn + d[None, :],
-                mask=row_ok[:, None], other=0.0).to(tl.float32)
+    if not ROTATE_ONCE:
+        q = tl.load(q_ptr + b * sqb + heads[:, None] * sqh + row_i[:, None] * sqn + d[None, :],
+                    mask=row_ok[:, None], other=0.0).to(tl.float32)
     m_base = m_ptr + b * smb
     T, Lq, Lr, Ls = _lengths(Lq, Lr, Ls, len_ptr, from_ptr, STATIC)
     causal_limit = T - N + row_i  # the last position query i may see (used without a mask)
@@ -292,7 +295,19 @@ def _decode_kernel(
         # packed history, rotated domain, by coordinate planes (see `planes`): K plane k is scored against the
         # matching plane of q' = Pi q; V plane k accumulates into its own a_k, rotated back at the end
         qs = qs_ptr + pid.to(tl.int64) * (BLOCK_M * QC)
-        if NPARTS == 0:
+        if NPARTS == 0 and ROTATE_ONCE:  # the planes of q' = Pi q, made by the launcher (`query_planes`)
+            q0 = _given_block(qs, r, 0, KW, 0, QC)
+            if KP >= 2:
+                q1 = _given_block(qs, r, 1, KW, 0, QC)
+            if KP >= 4:
+                q2 = _given_block(qs, r, 2, KW, 0, QC)
+                q3 = _given_block(qs, r, 3, KW, 0, QC)
+            if KP == 8:
+                q4 = _given_block(qs, r, 4, KW, 0, QC)
+                q5 = _given_block(qs, r, 5, KW, 0, QC)
+                q6 = _given_block(qs, r, 6, KW, 0, QC)
+                q7 = _given_block(qs, r, 7, KW, 0, QC)
+        if NPARTS == 0 and not ROTATE_ONCE:
             q0 = _query_plane(q, pi_ptr, 0, KP, KW, D, scale_log2)
             if KP >= 2:
                 q1 = _query_plane(q, pi_ptr, 1, KP, KW, D, scale_log2)
@@ -398,34 +413,64 @@ def _decode_kernel(
                 e = _entries(vt, v_cur, 3, VBITS)
                 a6 = _pv(a6 * al, pv, e, 0)
                 a7 = _pv(a7 * al, pv, e, 1)
-        # back from the rotated domain here, so that every partial is unrotated: y @ Pi = Pi^T y
-        acc = _unrotate_plane(acc, a0, pi_ptr, 0, VP, VW, D)
-        if VP >= 2:
-            acc = _unrotate_plane(acc, a1, pi_ptr, 1, VP, VW, D)
-        if VP >= 4:
-            acc = _unrotate_plane(acc, a2, pi_ptr, 2, VP, VW, D)
-            acc = _unrotate_plane(acc, a3, pi_ptr, 3, VP, VW, D)
-        if VP == 8:
-            acc = _unrotate_plane(acc, a4, pi_ptr, 4, VP, VW, D)
-            acc = _unrotate_plane(acc, a5, pi_ptr, 5, VP, VW, D)
-            acc = _unrotate_plane(acc, a6, pi_ptr, 6, VP, VW, D)
-            acc = _unrotate_plane(acc, a7, pi_ptr, 7, VP, VW, D)
+        if ROTATE_ONCE:  # the partial stays rotated, by planes (columns k * D / VP + c): the merge rotates it back
+            slot = pid.to(tl.int64) * (num_splits + 1) + split
+            _store_plane(acc_ptr, slot, r, a0, 0, R, VP, VW, D)
+            if VP >= 2:
+                _store_plane(acc_ptr, slot, r, a1, 1, R, VP, VW, D)
+            if VP >= 4:
+                _store_plane(acc_ptr, slot, r, a2, 2, R, VP, VW, D)
+                _store_plane(acc_ptr, slot, r, a3, 3, R, VP, VW, D)
+            if VP == 8:
+                _store_plane(acc_ptr, slot, r, a4, 4, R, VP, VW, D)
+                _store_plane(acc_ptr, slot, r, a5, 5, R, VP, VW, D)
+                _store_plane(acc_ptr, slot, r, a6, 6, R, VP, VW, D)
+                _store_plane(acc_ptr, slot, r, a7, 7, R, VP, VW, D)
+        else:  # back from the rotated domain here, so that every partial is unrotated: y @ Pi = Pi^T y
+            acc = _unrotate_plane(acc, a0, pi_ptr, 0, VP, VW, D)
+            if VP >= 2:
+                acc = _unrotate_plane(acc, a1, pi_ptr, 1, VP, VW, D)
+            if VP >= 4:
+                acc = _unrotate_plane(acc, a2, pi_ptr, 2, VP, VW, D)
+                acc = _unrotate_plane(acc, a3, pi_ptr, 3, VP, VW, D)
+            if VP == 8:
+                acc = _unrotate_plane(acc, a4, pi_ptr, 4, VP, VW, D)
+                acc = _unrotate_plane(acc, a5, pi_ptr, 5, VP, VW, D)
+                acc = _unrotate_plane(acc, a6, pi_ptr, 6, VP, VW, D)
+                acc = _unrotate_plane(acc, a7, pi_ptr, 7, VP, VW, D)
     else:
         # the exact copies, unrotated: sinks, then the ring
+        if ROTATE_ONCE:
+            q = tl.load(q_ptr + b * sqb + heads[:, None] * sqh + row_i[:, None] * sqn + d[None, :],
+                        mask=row_ok[:, None], other=0.0).to(tl.float32)
         acc, m_i, l_i = _fp_segment(q, acc, m_i, l_i, sk_ptr + b * sskb + h * sskh, sv_ptr + b * ssvb + h * ssvh,
                                     D, D, Ls, 0, scale_log2, row_ok, row_i, heads, m_base, smh, smi, smt,
-                                    causal_limit, ring, D, BLOCK_N, MASK_KIND, False)
+                                    causal_limit, ring, D, FP_BLOCK_N, MASK_KIND, False)
         acc, m_i, l_i = _fp_segment(q, acc, m_i, l_i, rk_ptr + b * srkb + h * srkh, rv_ptr + b * srvb + h * srvh,
                                     D, D, Lr, Lq, scale_log2, row_ok, row_i, heads, m_base, smh, smi, smt,
-                                    causal_limit, ring, D, BLOCK_N, MASK_KIND, STATIC)
+                                    causal_limit, ring, D, FP_BLOCK_N, MASK_KIND, STATIC)
     # partials: only the R (>= G * N) live rows of the tile
     base = pid.to(tl.int64) * (num_splits + 1)
     slot = base + split
     keep = r < R
-    tl.store(acc_ptr + (slot * R + r[:, None]) * D + d[None, :], acc, mask=keep[:, None])
+    if not ROTATE_ONCE or split == num_splits:
+        tl.store(acc_ptr + (slot * R + r[:, None]) * D + d[None, :], acc, mask=keep[:, None])
     tl.store(ml_ptr + slot * 2 * R + r, m_i, mask=keep)
     tl.store(ml_ptr + slot * 2 * R + R + r, l_i, mask=keep)
-    _merge(pid, base, num_splits, acc_ptr, ml_ptr, cnt_ptr, o_ptr, sob, son, soh, b, h, d, G, N, R, SC, D)
+    if ROTATE_ONCE:
+        _merge_rotated(pid, base, num_splits, acc_ptr, ml_ptr, cnt_ptr, o_ptr, sob, son, soh, b, h, pi_ptr,
+                       G, N, R, SC, D, BLOCK_M, VP, VW)
+    else:
+        _merge(pid, base, num_splits, acc_ptr, ml_ptr, cnt_ptr, o_ptr, sob, son, soh, b, h, d, G, N, R, SC, D)
+
+
+@triton.jit
+def _store_plane(acc_ptr, slot, r, a, k: tl.constexpr, R: tl.constexpr, VP: tl.constexpr, VW: tl.constexpr,
+                 D: tl.constexpr):
+    """Plane k of a packed program's (rotated) partial: its D / VP live columns at k * D / VP, its R live rows."""
+    c = tl.arange(0, VW)
+    tl.store(acc_ptr + (slot * R + r[:, None]) * D + k * (D // VP) + c[None, :], a,
+             mask=(r < R)[:, None] & (c < D // VP)[None, :])
 
 
 @triton.jit
@@ -471,6 +516,72 @@ def _merge(pid, base, num_splits, acc_ptr, ml_ptr, cnt_ptr, o_ptr, sob, son, soh
                  out.to(o_ptr.dtype.element_ty), mask=(rr < G * N)[:, None])
 
 
+@triton.jit
+def _merge_rotated(pid, base, num_splits, acc_ptr, ml_ptr, cnt_ptr, o_ptr, sob, son, soh, b, h, pi_ptr,
+           G: tl.constexpr, N, R: tl.constexpr, SC: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr,
+           VP: tl.constexpr, VW: tl.constexpr):
+    """`_merge` for `rotate_once`: the packed partials are summed in the rotated domain (by planes) and rotated back
+    once here, DC output columns at a time; the exact copies' partial is unrotated."""
+    tl.debug_barrier()
+    arrived = tl.atomic_add(cnt_ptr + pid, 1, sem="acq_rel", scope="gpu")
+    if arrived == num_splits:
+        tl.atomic_xchg(cnt_ptr + pid, 0, sem="relaxed", scope="gpu")  # ready for the next launch
+        rr = tl.arange(0, R)
+        sc = tl.arange(0, SC)
+        d = tl.arange(0, D)
+        m = tl.full((R,), float("-inf"), dtype=tl.float32)
+        for s0 in range(0, num_splits + 1, SC):
+            sl = s0 + sc
+            ok = sl < num_splits + 1
+            mv = tl.load(ml_ptr + (base + sl)[:, None] * 2 * R + rr[None, :], mask=ok[:, None],
+                         other=float("-inf"), cache_modifier=".cg")
+            m = tl.maximum(m, tl.max(mv, 0))
+        m_safe = tl.where(m == float("-inf"), 0.0, m)
+        l = tl.zeros((R,), dtype=tl.float32)
+        rot = tl.zeros((R, D), dtype=tl.float32)  # the packed partials' sum, rotated, by planes
+        for s0 in range(0, num_splits, SC):
+            sl = s0 + sc
+            ok = sl < num_splits
+            mv = tl.load(ml_ptr + (base + sl)[:, None] * 2 * R + rr[None, :], mask=ok[:, None],
+                         other=float("-inf"), cache_modifier=".cg")
+            lv = tl.load(ml_ptr + (base + sl)[:, None] * 2 * R + R + rr[None, :], mask=ok[:, None],
+                         other=0.0, cache_modifier=".cg")
+            w = tl.exp2(mv - m_safe[None, :])  # (SC, R); 0 for empty or missing splits
+            l += tl.sum(w * lv, 0)
+            av = tl.load(acc_ptr + ((base + sl)[:, None, None] * R + rr[None, :, None]) * D + d[None, None, :],
+                         mask=ok[:, None, None], other=0.0, cache_modifier=".cg")
+            rot += tl.sum(w[:, :, None] * av, 0)
+        ex = base + num_splits  # the exact copies' partial
+        w = tl.exp2(tl.load(ml_ptr + ex * 2 * R + rr, cache_modifier=".cg") - m_safe)
+        l += w * tl.load(ml_ptr + ex * 2 * R + R + rr, cache_modifier=".cg")
+        exact = tl.load(acc_ptr + (ex * R + rr[:, None]) * D + d[None, :], cache_modifier=".cg") * w[:, None]
+        # staged in this (batch, KV head)'s first two slots, read back as tile rows for the rotation's dots
+        tl.store(acc_ptr + (base * R + rr[:, None]) * D + d[None, :], rot)
+        tl.store(acc_ptr + ((base + 1) * R + rr[:, None]) * D + d[None, :], exact)
+        tl.store(ml_ptr + base * 2 * R + rr, l)
+        tl.debug_barrier()
+        r = tl.arange(0, BLOCK_M)
+        live = r < R
+        lr = tl.load(ml_ptr + base * 2 * R + r, mask=live, other=1.0)
+        lr = tl.where(lr > 0, lr, 1.0)
+        gg = r // N
+        hh = h * G + gg
+        ri = r % N
+        DC: tl.constexpr = D if D <= 128 else 64  # output columns per pass: the rotation's tile stays in registers
+        for c0 in tl.static_range(0, D, DC):
+            dc = c0 + tl.arange(0, DC)
+            out = tl.load(acc_ptr + ((base + 1) * R + r[:, None]) * D + dc[None, :], mask=live[:, None], other=0.0)
+            for k in tl.static_range(VP):
+                c = tl.arange(0, VW)
+                yk = tl.load(acc_ptr + (base * R + r[:, None]) * D + k * (D // VP) + c[None, :],
+                             mask=live[:, None] & (c < D // VP)[None, :], other=0.0)
+                pik = tl.load(pi_ptr + (VP * c[:, None] + k) * D + dc[None, :], mask=(c < D // VP)[:, None], other=0.0)
+                out = tl.dot(yk, pik, out)
+            out = out / lr[:, None]
+            tl.store(o_ptr + b * sob + ri[:, None] * son + hh[:, None] * soh + dc[None, :],
+                     out.to(o_ptr.dtype.element_ty), mask=(r < G * N)[:, None])
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # the launcher
 
@@ -482,6 +593,13 @@ DEFAULT_PREFETCH = 2  # 2: the next tile's loads are issued before this tile's m
 # H100 (triton 3.6) in one test case.
 DEFAULT_WARPS = 1
 DEFAULT_STAGES = 2  # Triton's own software pipelining; with the hand prefetch, 3 stages ran slower (H100 sweep)
+def rotate_once(head_dim: int) -> bool:
+    """Whether the launcher rotates the query and the merge rotates the values back, once per call (head dim 256),
+    instead of every program (head dims 64, 128: faster there on the H100, 5-10 % at k5v3; at 256 the per-program
+    rotations spill and the once-per-call ones ran 1.4-2.9x faster)."""
+    return head_dim > 128
+
+
 MERGE_ROWS = 64  # splits merged per step of the final merge: SC * R tile rows
 
 
@@ -557,13 +675,34 @@ def split_query_planes(query: torch.Tensor, split, block_m: int, scale_log2: flo
     return qs.to(torch.float16).reshape(b * hkv, block_m, -1).contiguous()
 
 
-def _split_args(query, kv, block_m: int, scale_log2: float) -> tuple[tuple, dict]:
-    """The kernel's split-key arguments: (pointers and strides, constexprs); placeholders when the keys are whole."""
+def query_planes(query: torch.Tensor, pi: torch.Tensor, bits: int, block_m: int, scale_log2: float) -> torch.Tensor:
+    """For whole keys: the rotated query q' = Pi q, scaled for exp2, by coordinate planes, (B * Hkv, block_m, P * W)
+    fp16 with row r = g * n + i as in the kernel's tile and hkv = pi's KV heads implied by the caller's reshape. Plane k
+    (`planes`) holds coordinates P * c + k in columns k * W + c, zero-padded to W = max(16, D / P). Made once per call,
+    so that no program rotates the query (or reads Pi) itself (head dim 256: `rotate_once`)."""
+    b, hkv, rows, d = query.shape
+    p = planes(bits)
+    w = max(16, d // p)
+    y = (query.float() @ pi.T) * scale_log2
+    y = y.reshape(b, hkv, rows, d // p, p).transpose(-1, -2)
+    y = torch.nn.functional.pad(y, (0, w - d // p, 0, 0, 0, block_m - rows))
+    return y.to(torch.float16).reshape(b * hkv, block_m, p * w).contiguous()
+
+
+def _split_args(query, kv, block_m: int, scale_log2: float, pi: torch.Tensor) -> tuple[tuple, dict]:
+    """The kernel's key arguments: the query blocks (split keys: `split_query_planes`; whole keys under
+    `rotate_once`: `query_planes`; else a placeholder), then the split parts' pointers, strides and constexprs
+    (placeholders when the keys are whole)."""
     split = kv.key_split
     none = {f"K{p}{k}": 0 for p in (1, 2) for k in ("BITS", "D", "PT", "W")}
     none.update(Q1OFF=0, Q2OFF=0, T1_SH=0, T2_SH=0)
     if split is None:
-        return (query,) + (query, 0, 0, query, 0, 0, query) * 2, dict(NPARTS=0, QC=16, K0D=0, K0W=0, **none)
+        b, hq, n, d = query.shape
+        if not rotate_once(d):
+            return (query,) + (query, 0, 0, query, 0, 0, query) * 2, dict(NPARTS=0, QC=16, K0D=0, K0W=0, **none)
+        hkv = kv.k_packed.shape[1]
+        qs = query_planes(query.reshape(b, hkv, hq // hkv * n, d), pi, kv.k_codebook.bits, block_m, scale_log2)
+        return (qs,) + (query, 0, 0, query, 0, 0, query) * 2, dict(NPARTS=0, QC=qs.shape[-1], K0D=0, K0W=0, **none)
     sizes, bits = split.sizes, split.bits
     if not split_supports(sizes, bits):
         raise ValueError(f"decode_attention does not support keys split in parts of {sizes} channels at {bits} bits")
@@ -596,10 +735,11 @@ def _split_plan(batch_heads: int, lq: int, device, num_splits, block_n: int) -> 
     return num_splits, tok_per_split
 
 
-def _rows(group: int, n: int) -> tuple[int, int, int]:
-    """(BLOCK_M, R, SC): tile rows (>= 16 for tl.dot), stored rows (a power of 2 >= group * n), merge chunk."""
+def _rows(group: int, n: int, d: int = 128) -> tuple[int, int, int]:
+    """(BLOCK_M, R, SC): tile rows (>= 16 for tl.dot), stored rows (a power of 2 >= group * n), merge chunk (MERGE_ROWS
+    rows of head dim 128, fewer at wider heads: the chunk is held in registers)."""
     rows = triton.next_power_of_2(group * n)
-    return max(16, rows), rows, max(1, MERGE_ROWS // rows)
+    return max(16, rows), rows, max(1, MERGE_ROWS * 128 // max(d, 128) // rows)
 
 
 def _tokens_last(t: torch.Tensor, stride_t: int) -> torch.Tensor:
@@ -676,7 +816,7 @@ def decode_attention(
             raise ValueError(f"the PackedKV has {kv.sinks} sink positions but only {lq} packed ones")
         split_len, t = lq, lq + lr
         lens, ring = None, 0
-    block_m, rows, sc = _rows(group, n)
+    block_m, rows, sc = _rows(group, n, d)
     num_splits, tok_per_split = _split_plan(b * hkv, split_len, query.device, num_splits, block_n)
     slots = b * hkv * (num_splits + 1)
     need = slots * rows * (d + 2)
@@ -701,7 +841,7 @@ def decode_attention(
     (kt, kt_sh), (vt, vt_sh) = lookup_table(kcb, hkv, query.device), lookup_table(vcb, hkv, query.device)
     kplanes, vplanes = planes(kcb.bits), planes(vcb.bits)
     scale_log2 = (d**-0.5 if scale is None else float(scale)) * LOG2E
-    split_args, split_const = _split_args(query, kv, block_m, scale_log2)
+    split_args, split_const = _split_args(query, kv, block_m, scale_log2, pi)
     if out is None:
         out = torch.empty(b, n, hq, d, dtype=query.dtype, device=query.device)
     elif out.shape != (b, n, hq, d) or out.stride(-1) != 1 or out.dtype != query.dtype:
@@ -726,7 +866,7 @@ def decode_attention(
         KT_SH=kt_sh, VT_SH=vt_sh, KP=kplanes, VP=vplanes, KW=max(16, d // kplanes), VW=max(16, d // vplanes),
         BLOCK_M=block_m, R=rows, SC=sc, BLOCK_N=block_n, MASK_KIND=mask_kind,
         PREFETCH=DEFAULT_PREFETCH if prefetch is None else prefetch,
-        STATIC=kv.static, **split_const,
+        STATIC=kv.static, ROTATE_ONCE=rotate_once(d), FP_BLOCK_N=16 if d > 128 else block_n, **split_const,
         num_warps=num_warps or DEFAULT_WARPS, num_stages=DEFAULT_STAGES if num_stages is None else num_stages,
     )
     return out
