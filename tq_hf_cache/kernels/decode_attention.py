@@ -474,40 +474,65 @@ def _store_plane(acc_ptr, slot, r, a, k: tl.constexpr, R: tl.constexpr, VP: tl.c
 
 
 @triton.jit
+def _last_to_arrive(cnt_ptr, pid, num_splits):
+    """Whether this program, its partial stored, is the last of its (batch, KV head): then it re-zeroes the counter
+    for the next launch and merges. The barrier orders every thread's stores before the release of the counter; the
+    acquire orders the merge's (L2, .cg) loads after all of them."""
+    tl.debug_barrier()
+    arrived = tl.atomic_add(cnt_ptr + pid, 1, sem="acq_rel", scope="gpu")
+    last = arrived == num_splits
+    if last:
+        tl.atomic_xchg(cnt_ptr + pid, 0, sem="relaxed", scope="gpu")
+    return last
+
+
+@triton.jit
+def _partials_max(ml_ptr, base, count, R: tl.constexpr, SC: tl.constexpr):
+    """(R,) the largest running max m of the partials in slots base .. base + count - 1, SC slots at a time."""
+    rr = tl.arange(0, R)
+    sc = tl.arange(0, SC)
+    m = tl.full((R,), float("-inf"), dtype=tl.float32)
+    for s0 in range(0, count, SC):
+        sl = s0 + sc
+        mv = tl.load(ml_ptr + (base + sl)[:, None] * 2 * R + rr[None, :], mask=(sl < count)[:, None],
+                     other=float("-inf"), cache_modifier=".cg")
+        m = tl.maximum(m, tl.max(mv, 0))
+    return m
+
+
+@triton.jit
+def _partials_sum(acc_ptr, ml_ptr, base, count, m_safe, R: tl.constexpr, SC: tl.constexpr, D: tl.constexpr):
+    """(l, acc): the sums over slots base .. base + count - 1 of each partial's l and acc, weighted by exp2(m - m_safe)
+    (0 for empty splits), SC slots at a time."""
+    rr = tl.arange(0, R)
+    sc = tl.arange(0, SC)
+    d = tl.arange(0, D)
+    l = tl.zeros((R,), dtype=tl.float32)
+    acc = tl.zeros((R, D), dtype=tl.float32)
+    for s0 in range(0, count, SC):
+        sl = s0 + sc
+        ok = sl < count
+        mv = tl.load(ml_ptr + (base + sl)[:, None] * 2 * R + rr[None, :], mask=ok[:, None],
+                     other=float("-inf"), cache_modifier=".cg")
+        lv = tl.load(ml_ptr + (base + sl)[:, None] * 2 * R + R + rr[None, :], mask=ok[:, None],
+                     other=0.0, cache_modifier=".cg")
+        w = tl.exp2(mv - m_safe[None, :])  # (SC, R)
+        l += tl.sum(w * lv, 0)
+        av = tl.load(acc_ptr + ((base + sl)[:, None, None] * R + rr[None, :, None]) * D + d[None, None, :],
+                     mask=ok[:, None, None], other=0.0, cache_modifier=".cg")
+        acc += tl.sum(w[:, :, None] * av, 0)
+    return l, acc
+
+
+@triton.jit
 def _merge(pid, base, num_splits, acc_ptr, ml_ptr, cnt_ptr, o_ptr, sob, son, soh, b, h, d,
            G: tl.constexpr, N, R: tl.constexpr, SC: tl.constexpr, D: tl.constexpr):
     """After a program's partial (m, l, acc) is stored: the last program of its (batch, KV head) to get here merges
-    the num_splits + 1 partials and writes the output, then re-zeroes the counter. The barrier orders every
-    thread's stores before the release of the counter; the acquire orders the merge's (L2, .cg) loads after all of
-    them."""
-    tl.debug_barrier()
-    arrived = tl.atomic_add(cnt_ptr + pid, 1, sem="acq_rel", scope="gpu")
-    if arrived == num_splits:
-        tl.atomic_xchg(cnt_ptr + pid, 0, sem="relaxed", scope="gpu")  # ready for the next launch
+    the num_splits + 1 partials and writes the output."""
+    if _last_to_arrive(cnt_ptr, pid, num_splits):
         rr = tl.arange(0, R)
-        sc = tl.arange(0, SC)
-        m = tl.full((R,), float("-inf"), dtype=tl.float32)
-        for s0 in range(0, num_splits + 1, SC):
-            sl = s0 + sc
-            ok = sl < num_splits + 1
-            mv = tl.load(ml_ptr + (base + sl)[:, None] * 2 * R + rr[None, :], mask=ok[:, None],
-                         other=float("-inf"), cache_modifier=".cg")
-            m = tl.maximum(m, tl.max(mv, 0))
-        m_safe = tl.where(m == float("-inf"), 0.0, m)
-        l = tl.zeros((R,), dtype=tl.float32)
-        out = tl.zeros((R, D), dtype=tl.float32)
-        for s0 in range(0, num_splits + 1, SC):
-            sl = s0 + sc
-            ok = sl < num_splits + 1
-            mv = tl.load(ml_ptr + (base + sl)[:, None] * 2 * R + rr[None, :], mask=ok[:, None],
-                         other=float("-inf"), cache_modifier=".cg")
-            lv = tl.load(ml_ptr + (base + sl)[:, None] * 2 * R + R + rr[None, :], mask=ok[:, None],
-                         other=0.0, cache_modifier=".cg")
-            w = tl.exp2(mv - m_safe[None, :])  # (SC, R); 0 for empty or missing splits
-            l += tl.sum(w * lv, 0)
-            av = tl.load(acc_ptr + ((base + sl)[:, None, None] * R + rr[None, :, None]) * D + d[None, None, :],
-                         mask=ok[:, None, None], other=0.0, cache_modifier=".cg")
-            out += tl.sum(w[:, :, None] * av, 0)
+        m = _partials_max(ml_ptr, base, num_splits + 1, R, SC)
+        l, out = _partials_sum(acc_ptr, ml_ptr, base, num_splits + 1, tl.where(m == float("-inf"), 0.0, m), R, SC, D)
         out = out / tl.where(l > 0, l, 1.0)[:, None]
         gg = rr // N
         ri = rr % N
@@ -518,39 +543,16 @@ def _merge(pid, base, num_splits, acc_ptr, ml_ptr, cnt_ptr, o_ptr, sob, son, soh
 
 @triton.jit
 def _merge_rotated(pid, base, num_splits, acc_ptr, ml_ptr, cnt_ptr, o_ptr, sob, son, soh, b, h, pi_ptr,
-           G: tl.constexpr, N, R: tl.constexpr, SC: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr,
-           VP: tl.constexpr, VW: tl.constexpr):
+                   G: tl.constexpr, N, R: tl.constexpr, SC: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr,
+                   VP: tl.constexpr, VW: tl.constexpr):
     """`_merge` for `rotate_once`: the packed partials are summed in the rotated domain (by planes) and rotated back
     once here, DC output columns at a time; the exact copies' partial is unrotated."""
-    tl.debug_barrier()
-    arrived = tl.atomic_add(cnt_ptr + pid, 1, sem="acq_rel", scope="gpu")
-    if arrived == num_splits:
-        tl.atomic_xchg(cnt_ptr + pid, 0, sem="relaxed", scope="gpu")  # ready for the next launch
+    if _last_to_arrive(cnt_ptr, pid, num_splits):
         rr = tl.arange(0, R)
-        sc = tl.arange(0, SC)
         d = tl.arange(0, D)
-        m = tl.full((R,), float("-inf"), dtype=tl.float32)
-        for s0 in range(0, num_splits + 1, SC):
-            sl = s0 + sc
-            ok = sl < num_splits + 1
-            mv = tl.load(ml_ptr + (base + sl)[:, None] * 2 * R + rr[None, :], mask=ok[:, None],
-                         other=float("-inf"), cache_modifier=".cg")
-            m = tl.maximum(m, tl.max(mv, 0))
+        m = _partials_max(ml_ptr, base, num_splits + 1, R, SC)
         m_safe = tl.where(m == float("-inf"), 0.0, m)
-        l = tl.zeros((R,), dtype=tl.float32)
-        rot = tl.zeros((R, D), dtype=tl.float32)  # the packed partials' sum, rotated, by planes
-        for s0 in range(0, num_splits, SC):
-            sl = s0 + sc
-            ok = sl < num_splits
-            mv = tl.load(ml_ptr + (base + sl)[:, None] * 2 * R + rr[None, :], mask=ok[:, None],
-                         other=float("-inf"), cache_modifier=".cg")
-            lv = tl.load(ml_ptr + (base + sl)[:, None] * 2 * R + R + rr[None, :], mask=ok[:, None],
-                         other=0.0, cache_modifier=".cg")
-            w = tl.exp2(mv - m_safe[None, :])  # (SC, R); 0 for empty or missing splits
-            l += tl.sum(w * lv, 0)
-            av = tl.load(acc_ptr + ((base + sl)[:, None, None] * R + rr[None, :, None]) * D + d[None, None, :],
-                         mask=ok[:, None, None], other=0.0, cache_modifier=".cg")
-            rot += tl.sum(w[:, :, None] * av, 0)
+        l, rot = _partials_sum(acc_ptr, ml_ptr, base, num_splits, m_safe, R, SC, D)  # rotated, by planes
         ex = base + num_splits  # the exact copies' partial
         w = tl.exp2(tl.load(ml_ptr + ex * 2 * R + rr, cache_modifier=".cg") - m_safe)
         l += w * tl.load(ml_ptr + ex * 2 * R + R + rr, cache_modifier=".cg")
@@ -595,7 +597,7 @@ DEFAULT_WARPS = 1
 DEFAULT_STAGES = 2  # Triton's own software pipelining; with the hand prefetch, 3 stages ran slower (H100 sweep)
 def rotate_once(head_dim: int) -> bool:
     """Whether the launcher rotates the query and the merge rotates the values back, once per call (head dim 256),
-    instead of every program (head dims 64, 128: faster there on the H100, 5-10 % at k5v3; at 256 the per-program
+    instead of every program (head dims 64, 128: faster there on the H100, by 5-70 % at k5v3; at 256 the per-program
     rotations spill and the once-per-call ones ran 1.4-2.9x faster)."""
     return head_dim > 128
 
