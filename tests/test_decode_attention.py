@@ -412,20 +412,27 @@ def test_head_dim_256_takes_the_kernel_at_group_widths_only():
             decode_attention(make_query(1, 2, 1, 256, torch.float16, 0), state)
 
 
-def test_head_dim_256_takes_the_workspace_path_below_the_rows_where_the_kernel_pays(count_paths, caplog):
-    """decode_pays: at head dim 256 a short history (batch x KV heads x packed tokens < WIDE_MIN_KEY_ROWS) goes to
-    the workspace path, silently (a speed choice, not a missing feature); from the threshold on, to the kernel."""
+def test_head_dim_256_takes_the_fused_path_where_it_pays(count_paths, caplog):
+    """decode_pays: on CUDA, at head dim 256, a short history (batch x KV heads x packed tokens < WIDE_MIN_KEY_ROWS)
+    goes to the workspace path, silently (a speed choice, not a missing feature); elsewhere (the torch math, or the
+    interpreter) the fused path serves at any length. Either way the tokens are SDPA's on the same cache."""
     from tq_hf_cache.kernels import WIDE_MIN_KEY_ROWS, decode_pays
 
     assert decode_pays(128, 1) and decode_pays(64, 0)
     assert not decode_pays(256, WIDE_MIN_KEY_ROWS - 1) and decode_pays(256, WIDE_MIN_KEY_ROWS)
-    model = _llama(head_dim=256)
+    assert decode_pays(256, 1, "cpu")
+    model = _llama(head_dim=256).to(DEVICE)
     ids, mask = _left_padded_batch(fresh_seed(), lengths=(21, 17))
+    ids, mask = ids.to(DEVICE), mask.to(DEVICE)
     a, _ = _generate(model, "sdpa", ids, mask, new_tokens=5, preset="k5v3")
     with caplog.at_level("WARNING", logger="tq_hf_cache.attention"):
         attention._warned.clear()
         b, _ = _generate(model, attention.NAME, ids, mask, new_tokens=5, preset="k5v3")
-    assert count_paths["fused"] == 0 and not caplog.records
+    assert not caplog.records
+    if DEVICE == "cuda":
+        assert count_paths["fused"] == 0
+    else:
+        assert count_paths["fused"] == 2 * (b.sequences.shape[1] - ids.shape[1] - 1)
     assert torch.equal(a.sequences, b.sequences)
 
 

@@ -67,7 +67,7 @@ def _fusable(query, kv, dropout, kwargs) -> bool:
     if n > MAX_FUSED_QUERIES or hq % hkv or (hq // hkv) * n > DECODE_MAX_ROWS:
         return False
     kbits, vbits = kv.k_codebook.bits, kv.v_codebook.bits
-    if decode_supports(d, kbits, vbits, n, hq // hkv) and not decode_pays(d, b * hkv * int(kv.exact_from)):
+    if decode_supports(d, kbits, vbits, n, hq // hkv) and not decode_pays(d, b * hkv * int(kv.exact_from), query.device.type):
         return False  # a short history at head dim 256: the workspace path is the faster one
     if not decode_supports(d, kbits, vbits, n, hq // hkv):
         _warn_once(

@@ -198,7 +198,8 @@ class TurboQuantStaticLayer(StaticLayer):
             getattr(self._attn_config, "_attn_implementation", None) == NAME
             and n <= MAX_FUSED_QUERIES
             and decode_supports(self.k_head_dim, self.key_bits, self.value_bits, n, self._group)
-            and decode_pays(self.k_head_dim, self.batch_size * self.num_heads * self.max_cache_len)
+            and decode_pays(self.k_head_dim, self.batch_size * self.num_heads * self.max_cache_len,
+                            torch.device(self.device).type)
             and (split is None or split_supports(split.sizes, split.bits))
         )
 
