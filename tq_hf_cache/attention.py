@@ -8,10 +8,11 @@ What the function does with the keys a layer returned (`packed_kv.packed_source(
 - no PackedKV (DynamicCache, no cache, layers kept in full precision, prefill chunks): transformers' SDPA.
 - a static layer's (`TurboQuantStaticCache`): the fused custom op `tq_hf_cache::static_attention`.
 - a dynamic layer's (`TurboQuantCache` decode steps and prefill chunks over a packed history): the fused kernel
-  (CUDA) or its torch math, where the step fits it (few queries, head dim 64 / 128, or 256 at the group widths; no dropout or extra features);
-  otherwise SDPA on the keys and values themselves, which are `LazyKV`s that fill on first use. A long chunk of a
-  large batch is attended a group of batch rows at a time (`ROW_GROUP_BYTES`): the dense history, and the copies
-  per query head that SDPA makes under a mask, then exist for one group, not for the whole batch.
+  (CUDA) or its torch math, where the step fits it (few queries, head dim 64 / 128, or 256 at the group widths, no
+  dropout or extra features); otherwise SDPA on the keys and values themselves, which are `LazyKV`s that fill on
+  first use. A long chunk of a large batch is attended a group of batch rows at a time (`ROW_GROUP_BYTES`): the
+  dense history, and the copies per query head that SDPA makes under a mask, then exist for one group, not for the
+  whole batch.
 Nothing is remembered between calls: which attention runs is decided by the model at every step, and the cache
 gives every implementation what it needs.
 """
@@ -67,9 +68,10 @@ def _fusable(query, kv, dropout, kwargs) -> bool:
     if n > MAX_FUSED_QUERIES or hq % hkv or (hq // hkv) * n > DECODE_MAX_ROWS:
         return False
     kbits, vbits = kv.k_codebook.bits, kv.v_codebook.bits
-    if decode_supports(d, kbits, vbits, n, hq // hkv) and not decode_pays(d, b * hkv * int(kv.exact_from), query.device.type):
-        return False  # a short history at head dim 256: the workspace path is the faster one
-    if not decode_supports(d, kbits, vbits, n, hq // hkv):
+    supported = decode_supports(d, kbits, vbits, n, hq // hkv)
+    if supported and not decode_pays(d, b * hkv * int(kv.exact_from), query.device.type):
+        return False  # a short history at head dim 256 on CUDA: the workspace path is the faster one
+    if not supported:
         _warn_once(
             ("unsupported", d, kbits, vbits),
             f"tq_hf_cache: no fused decode attention for head dim {d} with k{kbits}v{vbits}; "

@@ -271,9 +271,9 @@ def _decode_kernel(
     finish, found with an acq_rel counter, merges the S + 1 partials and writes the output, then re-zeroes the
     counter. ROTATE_ONCE (`rotate_once`): the query planes come from the launcher, the packed splits store their
     accumulator rotated, by planes, and the merge rotates the sum back. The exact copies go FP_BLOCK_N at a time
-    (16 at head dim 256, where a 32-token fp32 tile spills). Packed buffers are (B, H, slots, bytes) (token strides KPT / VPT bytes, norms 1 element); the ring
-    and sink buffers' token stride is D. The first Ls packed tokens are skipped: their exact copies (the
-    attention sinks) are attended to with the ring instead. Dynamic layers: host lengths, packed [0, Lq), ring
+    (16 at head dim 256, where a 32-token fp32 tile spills). Packed buffers are (B, H, slots, bytes) (token strides
+    KPT / VPT bytes, norms 1 element); the ring and sink buffers' token stride is D. The first Ls packed tokens are
+    skipped: their exact copies (the attention sinks) are attended to with the ring instead. Dynamic layers: host lengths, packed [0, Lq), ring
     [Lq, Lq + Lr) in order. STATIC: lengths on the device, the ring holds position p at slot p % ring.
     Split keys (NPARTS 2 or 3; 0 otherwise): kp / kn / kt are part 0's (K0D channels at KBITS), parts 1 and 2 come
     as k1 / n1 / t1 and k2 / n2 / t2; every part's query blocks (permuted and rotated per part) are in qs, and each
