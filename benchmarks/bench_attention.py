@@ -1,15 +1,16 @@
 """Per-layer decode attention: the fused kernel on packed K/V against SDPA on bf16 K/V, and against its byte floor.
 
-One Llama-3.1-8B-shaped layer (32 query heads, 8 KV heads, head dim 128; --shape names others), one query token, bf16. For each preset,
-batch and context: the fused kernel (`kernels.decode_attention.decode_attention` on a dynamic layer's `PackedKV`:
-random codes and norms, a 128-token residual window, 4 sink tokens) and SDPA with GQA on bf16 K/V of the same
-length (cuDNN where torch offers it, else the backend torch picks; the JSON names it). Both are timed as CUDA
-graph replays (`triton.testing.do_bench_cudagraph`, median), so host launch cost is out of both. The byte floor is
-the bytes the kernel must read (codes, norms, residual, sinks, query) at the device-to-device copy bandwidth
-(bytes read + written per second) measured in the same run. The workspace path's dequantize is timed per width
-against the same copy bandwidth (1 to 8 bits; --dequant_sweep 1 also times its knobs, each variant's output checked
-against the default's). A last part sweeps the kernel's tuning knobs (BLOCK_N, programs per SM, Triton stages) at
-batch 1 / 128k and batch 8 / 32k, each variant's output checked against the default's.
+One Llama-3.1-8B-shaped layer (32 query heads, 8 KV heads, head dim 128; --shape names others), one query token,
+bf16. For each preset, batch and context: the fused kernel (`kernels.decode_attention.decode_attention` on a dynamic
+layer's `PackedKV`: random codes and norms, a 128-token residual window, 4 sink tokens) and SDPA with GQA on bf16
+K/V of the same length (cuDNN where torch offers it, else the backend torch picks; the JSON names it); with
+--workspace 1, also the path of layers without the fused kernel (dequantize K and V into bf16, then SDPA). All are
+timed as CUDA graph replays (`triton.testing.do_bench_cudagraph`, median), so host launch cost is out of all. The
+byte floor is the bytes the kernel must read (codes, norms, residual, sinks, query) at the device-to-device copy
+bandwidth (bytes read + written per second) measured in the same run. The workspace path's dequantize is timed per
+width against the same copy bandwidth (1 to 8 bits; --dequant_sweep 1 also times its knobs, each variant's output
+checked against the default's). A last part sweeps the kernel's tuning knobs (BLOCK_N, programs per SM, Triton
+stages) at batch 1 / 128k and batch 8 / 32k, each variant's output checked against the default's.
 
 A preset may name split keys (`key_split`) after a colon: "k4v2:32x6+32x4+64x3" splits each key into 32 channels
 at 6 bits, 32 at 4 and 64 at 3 (a random channel order per KV head; the values keep the preset's width).
@@ -179,7 +180,8 @@ def main():
     p.add_argument("--dequant", type=int, default=1)
     p.add_argument("--dequant_sweep", type=int, default=0, help="also time the dequantize's knobs per width")
     p.add_argument("--dequant_bits", default="1,2,3,4,5,6,7,8", help="the widths of the dequantize rows and sweep")
-    p.add_argument("--shape", default="llama-3.1-8b", choices=sorted(SHAPES), help="one layer's query / KV heads, head dim")
+    p.add_argument("--shape", default="llama-3.1-8b", choices=sorted(SHAPES),
+                   help="one layer's query / KV heads and head dim")
     p.add_argument("--workspace", type=int, default=0, help="also time the workspace path (dequantize + SDPA)")
     p.add_argument("--out", default=os.environ.get("OUT", "."))
     a = p.parse_args()

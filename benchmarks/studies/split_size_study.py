@@ -56,7 +56,8 @@ def main():
             ms, out = ba.kernel_time(kv, b, num_splits=splits)
             row = {"shape": shape, "preset": preset, "batch": b, "context": t, "min_tokens_per_split": m,
                    "num_splits": splits, "kernel_ms": round(ms, 4), "sdpa_ms": round(sdpa_ms, 4),
-                   "workspace_ms": round(ws_ms, 4), "max_abs_diff_vs_default": float((out.float() - want.float()).abs().max())}
+                   "workspace_ms": round(ws_ms, 4),
+                   "max_abs_diff_vs_default": float((out.float() - want.float()).abs().max())}
             rows.append(row)
             print(row, flush=True)
         kernels.MIN_TOKENS_PER_SPLIT = default

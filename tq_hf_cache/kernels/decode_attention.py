@@ -273,8 +273,9 @@ def _decode_kernel(
     accumulator rotated, by planes, and the merge rotates the sum back. The exact copies go FP_BLOCK_N at a time
     (16 at head dim 256, where a 32-token fp32 tile spills). Packed buffers are (B, H, slots, bytes) (token strides
     KPT / VPT bytes, norms 1 element); the ring and sink buffers' token stride is D. The first Ls packed tokens are
-    skipped: their exact copies (the attention sinks) are attended to with the ring instead. Dynamic layers: host lengths, packed [0, Lq), ring
-    [Lq, Lq + Lr) in order. STATIC: lengths on the device, the ring holds position p at slot p % ring.
+    skipped: their exact copies (the attention sinks) are attended to with the ring instead. Dynamic layers: host
+    lengths, packed [0, Lq), ring [Lq, Lq + Lr) in order. STATIC: lengths on the device, the ring holds position p at
+    slot p % ring.
     Split keys (NPARTS 2 or 3; 0 otherwise): kp / kn / kt are part 0's (K0D channels at KBITS), parts 1 and 2 come
     as k1 / n1 / t1 and k2 / n2 / t2; every part's query blocks (permuted and rotated per part) are in qs, and each
     part is scored by `_part_scores`."""
@@ -678,10 +679,10 @@ def split_query_planes(query: torch.Tensor, split, block_m: int, scale_log2: flo
 
 
 def query_planes(query: torch.Tensor, pi: torch.Tensor, bits: int, block_m: int, scale_log2: float) -> torch.Tensor:
-    """For whole keys: the rotated query q' = Pi q, scaled for exp2, by coordinate planes, (B * Hkv, block_m, P * W)
-    fp16 with row r = g * n + i as in the kernel's tile and hkv = pi's KV heads implied by the caller's reshape. Plane k
-    (`planes`) holds coordinates P * c + k in columns k * W + c, zero-padded to W = max(16, D / P). Made once per call,
-    so that no program rotates the query (or reads Pi) itself (head dim 256: `rotate_once`)."""
+    """For whole keys: the query (B, Hkv, G * n, D), row g * n + i as in the kernel's tile, rotated (q' = Pi q),
+    scaled for exp2 and laid out by coordinate planes: (B * Hkv, block_m, P * W) fp16, plane k (`planes`) holding
+    coordinates P * c + k in columns k * W + c, zero-padded to W = max(16, D / P) and to block_m rows. Made once per
+    call, so that no program rotates the query (or reads Pi) itself (head dim 256: `rotate_once`)."""
     b, hkv, rows, d = query.shape
     p = planes(bits)
     w = max(16, d // p)
