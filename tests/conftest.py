@@ -11,6 +11,16 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
+def with_cache(cache):
+    """`{name: cache}` for a model call or `generate`, under the keyword this transformers release takes (`cache` from
+    5.24, `past_key_values` before: `tq_hf_cache.cache_kwargs`); every model the tests build takes the same one."""
+    from transformers import LlamaForCausalLM
+
+    from tq_hf_cache import cache_kwargs
+
+    return cache_kwargs(LlamaForCausalLM, cache)
+
+
 def tiny_llama_config(**overrides):
     from transformers import LlamaConfig
 

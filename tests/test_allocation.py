@@ -4,7 +4,7 @@ import pytest
 import torch
 from transformers import LlamaForCausalLM
 
-from conftest import tiny_llama_config
+from conftest import tiny_llama_config, with_cache
 from tq_hf_cache import TurboQuantCache, TurboQuantConfig
 from tq_hf_cache.allocation import allocate_bits, bits_per_coordinate, calibrate_bits, measure_sensitivity
 
@@ -74,7 +74,7 @@ def test_sensitivities_on_a_tiny_model_and_the_saved_allocation(tmp_path):
     cache = TurboQuantCache.from_pretrained(tmp_path, config=cfg)
     assert cache.tq_config.layer_bits == config.layer_bits
     assert [(l.key_bits, l.value_bits) for l in cache.layers] == [tuple(config.layer_bits[i]) for i in range(3)]
-    model(ids[:, :100], past_key_values=cache)  # the allocated cache runs
+    model(ids[:, :100], **with_cache(cache))  # the allocated cache runs
 
 
 def test_bad_arguments_are_refused_by_name(tiny_llama):

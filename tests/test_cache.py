@@ -4,7 +4,7 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from conftest import tiny_llama_config
+from conftest import tiny_llama_config, with_cache
 from tq_hf_cache import TurboQuantCache, TurboQuantLayer, TurboQuantSlidingLayer
 
 
@@ -15,7 +15,7 @@ def ids(batch, length, seed=0):
 def greedy(model, inputs, cache, n=20, **kw):
     return model.generate(
         inputs, attention_mask=kw.pop("attention_mask", torch.ones_like(inputs)), max_new_tokens=n,
-        do_sample=False, past_key_values=cache, pad_token_id=0, **kw,
+        do_sample=False, **with_cache(cache), pad_token_id=0, **kw,
     )
 
 
@@ -27,10 +27,10 @@ def rel_err(a, b):
 def test_logits_close_at_4_bits(tiny_llama, residual):
     x = ids(2, 48)
     tq, dyn = TurboQuantCache("k4v4", residual_length=residual), DynamicCache()
-    tiny_llama(x[:, :40], past_key_values=tq)
-    tiny_llama(x[:, :40], past_key_values=dyn)
-    a = tiny_llama(x[:, 40:], past_key_values=tq).logits
-    b = tiny_llama(x[:, 40:], past_key_values=dyn).logits
+    tiny_llama(x[:, :40], **with_cache(tq))
+    tiny_llama(x[:, :40], **with_cache(dyn))
+    a = tiny_llama(x[:, 40:], **with_cache(tq)).logits
+    b = tiny_llama(x[:, 40:], **with_cache(dyn)).logits
     err = rel_err(a, b)
     assert err < (1e-5 if residual == 128 else 0.1), err
     assert tq.get_seq_length() == dyn.get_seq_length() == 48
@@ -51,8 +51,8 @@ def test_mask_sizes_and_lengths_match_dynamic_cache(tiny_llama):
     x = ids(1, 20)
     tq, dyn = TurboQuantCache(residual_length=3), DynamicCache()
     for cache in (tq, dyn):
-        tiny_llama(x[:, :17], past_key_values=cache)
-        tiny_llama(x[:, 17:18], past_key_values=cache)
+        tiny_llama(x[:, :17], **with_cache(cache))
+        tiny_llama(x[:, 17:18], **with_cache(cache))
     assert tq.get_seq_length() == dyn.get_seq_length() == 18
     for q in (1, 5):
         arg = q if _v5() else torch.arange(18, 18 + q)
@@ -69,8 +69,8 @@ def _v5():
 def test_keys_values_materialize_the_history(tiny_llama):
     x = ids(1, 30)
     tq, dyn = TurboQuantCache(key_bits=8, value_bits=8, residual_length=6), DynamicCache()
-    tiny_llama(x, past_key_values=tq)
-    tiny_llama(x, past_key_values=dyn)
+    tiny_llama(x, **with_cache(tq))
+    tiny_llama(x, **with_cache(dyn))
     k, v = tq.layers[1].keys, tq.layers[1].values
     assert k.shape == dyn.layers[1].keys.shape
     assert rel_err(k, dyn.layers[1].keys) < 0.02 and rel_err(v, dyn.layers[1].values) < 0.02
@@ -83,11 +83,11 @@ def test_keys_values_materialize_the_history(tiny_llama):
 def test_crop_then_replay_is_exact(tiny_llama):
     x = ids(1, 30, seed=3)
     cache = TurboQuantCache("k4v4", residual_length=0)
-    tiny_llama(x[:, :20], past_key_values=cache)
-    first = [tiny_llama(x[:, i : i + 1], past_key_values=cache).logits for i in range(20, 30)]
+    tiny_llama(x[:, :20], **with_cache(cache))
+    first = [tiny_llama(x[:, i : i + 1], **with_cache(cache)).logits for i in range(20, 30)]
     cache.crop(-5)
     assert cache.get_seq_length() == 25
-    again = [tiny_llama(x[:, i : i + 1], past_key_values=cache).logits for i in range(25, 30)]
+    again = [tiny_llama(x[:, i : i + 1], **with_cache(cache)).logits for i in range(25, 30)]
     for a, b in zip(first[5:], again):
         assert torch.allclose(a, b, atol=1e-6)
     cache.crop(10)  # positive: keep the first 10 tokens (transformers 4.x semantics)
@@ -97,7 +97,7 @@ def test_crop_then_replay_is_exact(tiny_llama):
 def test_crop_inside_the_residual_window(tiny_llama):
     x = ids(1, 24)
     cache = TurboQuantCache(residual_length=8)
-    tiny_llama(x, past_key_values=cache)
+    tiny_llama(x, **with_cache(cache))
     before = cache.layers[0].keys
     cache.crop(-3)
     layer = cache.layers[0]
@@ -108,7 +108,7 @@ def test_crop_inside_the_residual_window(tiny_llama):
 def test_batch_reorder_repeat_select(tiny_llama):
     x = ids(3, 20)
     cache = TurboQuantCache(residual_length=4)
-    tiny_llama(x, past_key_values=cache)
+    tiny_llama(x, **with_cache(cache))
     k = cache.layers[0].keys
     cache.reorder_cache(torch.tensor([2, 0, 0]))
     assert torch.equal(cache.layers[0].keys, k[[2, 0, 0]])
@@ -116,7 +116,7 @@ def test_batch_reorder_repeat_select(tiny_llama):
     assert torch.equal(cache.layers[0].keys, k[[2, 0]])
     cache.batch_repeat_interleave(2)
     assert torch.equal(cache.layers[0].keys, k[[2, 2, 0, 0]])
-    out = tiny_llama(ids(4, 1), past_key_values=cache).logits
+    out = tiny_llama(ids(4, 1), **with_cache(cache)).logits
     assert out.shape[0] == 4 and cache.get_seq_length() == 21
 
 
@@ -137,7 +137,7 @@ def test_sampling(tiny_llama):
     torch.manual_seed(0)
     out = tiny_llama.generate(
         ids(2, 10), attention_mask=torch.ones(2, 10, dtype=torch.long), do_sample=True, top_k=20,
-        max_new_tokens=15, past_key_values=TurboQuantCache("k3v3", residual_length=0), pad_token_id=0,
+        max_new_tokens=15, **with_cache(TurboQuantCache("k3v3", residual_length=0)), pad_token_id=0,
     )
     assert out.shape == (2, 25) and int(out.max()) < 128
 
@@ -166,9 +166,9 @@ def test_left_padded_batch(tiny_llama):
     # every decode step of the batch sees logits close to DynamicCache's on the same inputs
     caches = TurboQuantCache(key_bits=8, value_bits=8, residual_length=3), DynamicCache()
     seq, m = dyn, torch.cat([mask, torch.ones(2, 10, dtype=torch.long)], 1)
-    logits = [tiny_llama(seq[:, :24], attention_mask=m[:, :24], past_key_values=c).logits for c in caches]
+    logits = [tiny_llama(seq[:, :24], attention_mask=m[:, :24], **with_cache(c)).logits for c in caches]
     for i in range(24, 34):
-        logits = [tiny_llama(seq[:, i : i + 1], attention_mask=m[:, : i + 1], past_key_values=c).logits for c in caches]
+        logits = [tiny_llama(seq[:, i : i + 1], attention_mask=m[:, : i + 1], **with_cache(c)).logits for c in caches]
         assert rel_err(*logits) < 0.02
 
 
@@ -180,10 +180,10 @@ def test_model_dtypes(dtype):
     model = LlamaForCausalLM(tiny_llama_config()).to(dtype).eval()
     x = ids(2, 40)
     tq, dyn = TurboQuantCache("k4v4", residual_length=0), DynamicCache()
-    model(x[:, :32], past_key_values=tq)
-    model(x[:, :32], past_key_values=dyn)
-    a = model(x[:, 32:], past_key_values=tq).logits
-    b = model(x[:, 32:], past_key_values=dyn).logits
+    model(x[:, :32], **with_cache(tq))
+    model(x[:, :32], **with_cache(dyn))
+    a = model(x[:, 32:], **with_cache(tq)).logits
+    b = model(x[:, 32:], **with_cache(dyn)).logits
     assert a.dtype == dtype and rel_err(a, b) < 0.12
     assert tq.layers[0].res_k.dtype == dtype
 
@@ -202,7 +202,7 @@ def test_sliding_window_layers_keep_their_window():
     caches = (sliding, full, dyn)
     steps = [slice(0, 20)] + [slice(i, i + 1) for i in range(20, 50)]
     for sl in steps:
-        a, b, c = (model(seq[:, sl], past_key_values=cache).logits for cache in caches)
+        a, b, c = (model(seq[:, sl], **with_cache(cache)).logits for cache in caches)
         assert torch.allclose(a, b, atol=1e-5)
         assert rel_err(a, c) < 0.02
         layer = sliding.layers[0]
@@ -239,7 +239,7 @@ def test_sliding_buffer_stays_bounded_over_long_runs():
 def test_layer_policy_keeps_skipped_layers_in_full_precision(tiny_llama):
     cache = TurboQuantCache(skip_first=1, config=tiny_llama.config)
     assert not isinstance(cache.layers[0], TurboQuantLayer) and isinstance(cache.layers[1], TurboQuantLayer)
-    tiny_llama(ids(1, 10), past_key_values=cache)
+    tiny_llama(ids(1, 10), **with_cache(cache))
     assert cache.get_seq_length() == 10
 
 
@@ -257,10 +257,10 @@ def test_bad_inputs_raise_clear_errors():
 
 def test_reset_and_reuse(tiny_llama):
     cache = TurboQuantCache(residual_length=2)
-    tiny_llama(ids(1, 12), past_key_values=cache)
+    tiny_llama(ids(1, 12), **with_cache(cache))
     cache.reset()
     assert cache.get_seq_length() == 0 and cache.nbytes()["total"] == 0
-    tiny_llama(ids(2, 5), past_key_values=cache)
+    tiny_llama(ids(2, 5), **with_cache(cache))
     assert cache.get_seq_length() == 5
 
 

@@ -25,7 +25,7 @@ from tq_hf_cache.cli import main
 from tq_hf_cache.codebook import lloyd_max
 from tq_hf_cache.config import TURBOQUANT_CONFIG_NAME
 
-from conftest import tiny_llama_config
+from conftest import tiny_llama_config, with_cache
 
 CFG = TurboQuantConfig(key_bits=3, value_bits=2, residual_length=0)
 
@@ -175,8 +175,8 @@ def test_calibrated_codebooks_change_the_cache_output(tiny, calibrated):
 def _decode_logits(model, cache, ids):
     """Logits of one decode step after a prefill: they read the quantized (dequantized) history."""
     with torch.no_grad():
-        model(ids[:, :-1], past_key_values=cache)
-        return model(ids[:, -1:], past_key_values=cache).logits
+        model(ids[:, :-1], **with_cache(cache))
+        return model(ids[:, -1:], **with_cache(cache)).logits
 
 
 def _edit_json(d, fn):

@@ -1,6 +1,8 @@
 """One cache layer per layer type, for real config classes of several model families (issue: drop-in across
 families). Each tiny model runs prefill + decode through TurboQuantCache(config=...) and DynamicCache(config=...)."""
 
+import warnings
+
 import pytest
 import torch
 import transformers
@@ -135,7 +137,10 @@ def test_cache_kwargs_names_the_argument_this_release_takes(recwarn):
                              **cache_kwargs(model, TurboQuantCache(key_bits=8, value_bits=8, config=cfg)))
     assert not [w for w in recwarn if "past_key_values" in str(w.message)], [str(w.message) for w in recwarn]
     assert gen.shape == (1, 15)
-    with torch.no_grad():  # the old name, where the release still takes it, gives the same logits
+    if TRANSFORMERS_VERSION >= Version("5.40.0"):
+        return  # forward no longer takes the old name
+    with torch.no_grad(), warnings.catch_warnings():  # the old name, where it is still taken, gives the same logits
+        warnings.simplefilter("ignore", FutureWarning)
         b = model(seq, past_key_values=DynamicCache()).logits
     torch.testing.assert_close(a, b, rtol=0, atol=0, msg="logits under cache_kwargs vs past_key_values")
 

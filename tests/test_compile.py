@@ -4,14 +4,14 @@ import pytest
 import torch
 from transformers import LlamaForCausalLM
 
-from conftest import tiny_llama_config
+from conftest import tiny_llama_config, with_cache
 from tq_hf_cache import TurboQuantCache
 
 
 def steps(model, cache, x):
-    out = [model(x[:, :30], past_key_values=cache).logits]
+    out = [model(x[:, :30], **with_cache(cache)).logits]
     for i in range(30, x.shape[1]):
-        out.append(model(x[:, i : i + 1], past_key_values=cache).logits)
+        out.append(model(x[:, i : i + 1], **with_cache(cache)).logits)
     return out
 
 

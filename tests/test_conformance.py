@@ -17,6 +17,7 @@ from transformers import DynamicCache
 
 from tq_hf_cache import TurboQuantCache, TurboQuantSlidingLayer
 from tq_hf_cache._compat import IS_V5, layer_types_and_kwargs
+from conftest import with_cache
 
 VOCAB = 96
 BASE = dict(
@@ -122,7 +123,7 @@ def run(model, cfg, cache, mode, **extra):
         kw["assistant_model"] = _assistant(cfg)
     multi_turn = kw.pop("multi_turn", False)
     torch.manual_seed(1234)
-    common = dict(max_new_tokens=NEW, min_new_tokens=NEW, pad_token_id=0, past_key_values=cache)
+    common = dict(max_new_tokens=NEW, min_new_tokens=NEW, pad_token_id=0, **with_cache(cache))
     out = model.generate(x, attention_mask=mask, **common, **kw)
     if not multi_turn:
         return out

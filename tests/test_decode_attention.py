@@ -20,6 +20,7 @@ from tq_hf_cache import TurboQuantCache, attention, ops, packed_kv, reference  #
 from tq_hf_cache.codebook import Codebook, theoretical_codebook  # noqa: E402
 from tq_hf_cache.packed_kv import PackedKV, packed_source  # noqa: E402
 from tq_hf_cache.rotation import make_rotation  # noqa: E402
+from conftest import with_cache
 
 try:
     from tq_hf_cache.kernels.decode_attention import decode_attention
@@ -312,7 +313,7 @@ def _generate(model, impl, ids, mask, new_tokens=10, preset="k4v4", residual=6):
     cache = TurboQuantCache(preset, config=model.config, residual_length=residual)
     with torch.no_grad():
         out = model.generate(
-            ids, attention_mask=mask, past_key_values=cache, max_new_tokens=new_tokens, do_sample=False,
+            ids, attention_mask=mask, **with_cache(cache), max_new_tokens=new_tokens, do_sample=False,
             output_scores=True, return_dict_in_generate=True, pad_token_id=0,
         )
     return out, cache
@@ -377,10 +378,10 @@ def test_turboquant_chunked_prefill_fills_long_chunks_whole_or_by_row_groups(row
         model.set_attn_implementation(impl)
         cache = TurboQuantCache("k4v4", config=model.config, residual_length=4)
         with torch.no_grad():
-            first = model(ids[:, :20], attention_mask=mask[:, :20], past_key_values=cache)
-            second = model(ids[:, 20:], attention_mask=mask, past_key_values=cache)
+            first = model(ids[:, :20], attention_mask=mask[:, :20], **with_cache(cache))
+            second = model(ids[:, 20:], attention_mask=mask, **with_cache(cache))
             step = model(second.logits[:, -1:].argmax(-1), attention_mask=torch.cat([mask, mask[:, :1] * 0 + 1], 1),
-                         past_key_values=cache)
+                         **with_cache(cache))
         logits[impl], caches[impl] = (first.logits, second.logits, step.logits), cache
     assert count_paths["fused"] == 2  # the decode step, in each of the 2 layers
     # keys and values of 2 layers: the second chunk under sdpa, under turboquant (whole, or each of 2 rows), and the
@@ -457,7 +458,7 @@ def test_without_a_turboquant_cache_the_function_is_sdpa():
     for impl in ("sdpa", attention.NAME):
         model.set_attn_implementation(impl)
         with torch.no_grad():
-            outs[impl] = model.generate(ids, attention_mask=mask, past_key_values=DynamicCache(), max_new_tokens=4,
+            outs[impl] = model.generate(ids, attention_mask=mask, **with_cache(DynamicCache()), max_new_tokens=4,
                                         do_sample=False, pad_token_id=0)
     assert torch.equal(outs["sdpa"], outs[attention.NAME])
 

@@ -6,7 +6,7 @@ import torch
 import transformers
 from transformers import DynamicCache
 
-from conftest import chunked_logits, static_logits, tiny_gemma3_config, tiny_llama_config
+from conftest import chunked_logits, static_logits, tiny_gemma3_config, tiny_llama_config, with_cache
 from tq_hf_cache import TurboQuantCache, TurboQuantConfig, TurboQuantStaticCache, ops
 from tq_hf_cache._compat import IS_V5
 from tq_hf_cache.rope import KeyOffset, RopeAngles, rope_angles
@@ -107,11 +107,11 @@ def test_a_centred_cache_keeps_each_rows_mean_through_batch_selection():
     both = TurboQuantCache("k4v4", config=model.config, residual_length=16, key_centering=True)
     alone = TurboQuantCache("k4v4", config=model.config, residual_length=16, key_centering=True)
     with torch.no_grad():
-        model(ids[:, :160], past_key_values=both)
-        model(ids[1:, :160], past_key_values=alone)
+        model(ids[:, :160], **with_cache(both))
+        model(ids[1:, :160], **with_cache(alone))
         both.batch_select_indices(torch.tensor([1], device=DEV))
-        a = model(ids[1:, 160:], past_key_values=both).logits
-        b = model(ids[1:, 160:], past_key_values=alone).logits
+        a = model(ids[1:, 160:], **with_cache(both)).logits
+        b = model(ids[1:, 160:], **with_cache(alone)).logits
     torch.testing.assert_close(a, b, atol=TOL / 10, rtol=TOL / 10, msg="row 1 after batch_select_indices vs alone")
 
 
@@ -204,7 +204,7 @@ def test_a_centred_static_cache_reads_alike_on_every_path_holds_its_keys_closer_
         for name, cache in (("static", transformers.StaticCache(config=model.config, max_cache_len=64)),
                             ("tq", TurboQuantStaticCache(config=model.config, max_cache_len=64, key_bits=8, value_bits=8,
                                                          residual_length=4, sink_tokens=2, key_centering=True))):
-            res[name] = model.generate(ids, past_key_values=cache, max_new_tokens=12, min_new_tokens=12,
+            res[name] = model.generate(ids, **with_cache(cache), max_new_tokens=12, min_new_tokens=12,
                                        do_sample=False, output_logits=True, return_dict_in_generate=True)
         torch.testing.assert_close(torch.stack(res["tq"].logits, 1), torch.stack(res["static"].logits, 1), atol=0.05,
                                    rtol=0, msg=lambda m, impl=impl: f"8-bit centred static vs StaticCache ({impl}): {m}")

@@ -8,7 +8,7 @@ import torch
 import transformers
 from transformers import DynamicCache
 
-from conftest import chunked_logits, static_logits, tiny_gemma3_config, tiny_llama_config
+from conftest import chunked_logits, static_logits, tiny_gemma3_config, tiny_llama_config, with_cache
 from tq_hf_cache import TurboQuantCache, TurboQuantConfig, TurboQuantStaticCache, ops, reference
 from tq_hf_cache._compat import IS_V5
 from tq_hf_cache.codebook import theoretical_codebook
@@ -184,13 +184,13 @@ def test_a_split_cache_gives_the_same_logits_on_every_attention_and_through_batc
     both = TurboQuantCache("k4v2", config=model.config, residual_length=16, key_split=spec, key_centering=centred)
     alone = TurboQuantCache("k4v2", config=model.config, residual_length=16, key_split=spec, key_centering=centred)
     with torch.no_grad():
-        model(ids[:, :200], past_key_values=both)
-        model(ids[1:, :200], past_key_values=alone)
+        model(ids[:, :200], **with_cache(both))
+        model(ids[1:, :200], **with_cache(alone))
         both.batch_select_indices(torch.tensor([1], device=DEV))
         both.crop(180)
         alone.crop(180)
-        a = model(ids[1:, 180:236], past_key_values=both).logits
-        b = model(ids[1:, 180:236], past_key_values=alone).logits
+        a = model(ids[1:, 180:236], **with_cache(both)).logits
+        b = model(ids[1:, 180:236], **with_cache(alone)).logits
     torch.testing.assert_close(a, b, atol=EXACT, rtol=EXACT, msg="row 1 after batch_select_indices + crop vs alone")
 
 
@@ -224,8 +224,8 @@ def test_a_split_config_saves_and_loads_with_the_model(tmp_path):
     cache = TurboQuantCache.from_pretrained(tmp_path, config=model.config, residual_length=16)
     assert cache.tq_config.key_split == spec and cache.tq_config.key_centering
     with torch.no_grad():
-        model(ids, past_key_values=cache)
-        model(ids[:, :1], past_key_values=cache)
+        model(ids, **with_cache(cache))
+        model(ids[:, :1], **with_cache(cache))
     layer = cache.layers[0]
     assert layer.key_split.sizes == [8, 24, 32] and [b.length for b in layer._buffers()] == [64 - 16] * 4
 
@@ -254,7 +254,7 @@ def test_split_keys_cli_writes_a_folder_the_cache_and_the_eval_read(tmp_path, ca
     assert spec.formula_bytes_per_token_layer(2, 64) == 2 * (12 + 8 + 12 + 3 * 2 + 16 + 2)
     cache = spec.make(model.config)
     with torch.no_grad():
-        model(torch.randint(3, 128, (1, 200)), past_key_values=cache)
+        model(torch.randint(3, 128, (1, 200)), **with_cache(cache))
     assert cache.layers[1].key_split.sizes == [16, 16, 32]
 
 
@@ -339,13 +339,13 @@ def test_a_static_split_cache_holds_the_dynamic_caches_codes_and_attends_alike_o
     for impl in ("sdpa", "turboquant"):
         model.set_attn_implementation(impl)
         if want is None:
-            ref = model.generate(ids, past_key_values=transformers.StaticCache(config=model.config, max_cache_len=64),
+            ref = model.generate(ids, **with_cache(transformers.StaticCache(config=model.config, max_cache_len=64)),
                                  max_new_tokens=12, min_new_tokens=12, do_sample=False, output_logits=True,
                                  return_dict_in_generate=True)
             want_seq, want = ref.sequences, torch.stack(ref.logits, 1)
         cache = TurboQuantStaticCache(config=model.config, max_cache_len=64, key_bits=8, value_bits=8,
                                       residual_length=4, sink_tokens=2, key_split=eight)
-        got = model.generate(ids, past_key_values=cache, max_new_tokens=12, min_new_tokens=12, do_sample=False,
+        got = model.generate(ids, **with_cache(cache), max_new_tokens=12, min_new_tokens=12, do_sample=False,
                              output_logits=True, return_dict_in_generate=True)
         torch.testing.assert_close(torch.stack(got.logits, 1), want, atol=0.05, rtol=0,
                                    msg=lambda m, impl=impl: f"8-bit split parts vs StaticCache ({impl}): {m}")

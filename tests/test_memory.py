@@ -3,7 +3,7 @@
 import torch
 from transformers import LlamaForCausalLM
 
-from conftest import tiny_llama_config
+from conftest import tiny_llama_config, with_cache
 from tq_hf_cache import TurboQuantCache
 from tq_hf_cache.packing import packed_bytes
 
@@ -39,9 +39,9 @@ def test_held_bytes_are_packed_plus_residual_plus_one_workspace():
     cache = TurboQuantCache("k3v4", residual_length=residual, config=cfg)
     x = torch.randint(3, 128, (b, 300))
     with torch.no_grad():  # under grad, update returns private tensors for autograd instead of workspace views
-        model(x[:, :290], past_key_values=cache)
+        model(x[:, :290], **with_cache(cache))
         for i in range(290, 300):
-            model(x[:, i : i + 1], past_key_values=cache)
+            model(x[:, i : i + 1], **with_cache(cache))
     seq = cache.get_seq_length()
     assert seq == 300
 
@@ -101,7 +101,7 @@ def test_a_short_prompt_costs_what_dynamic_cache_costs():
     x = torch.randint(3, 128, (1, 4))
     tq, dyn = TurboQuantCache(config=model.config), DynamicCache(config=model.config)
     with torch.no_grad():
-        model(x, past_key_values=tq)
-        model(x, past_key_values=dyn)
+        model(x, **with_cache(tq))
+        model(x, **with_cache(dyn))
     dyn_bytes = sum(t.numel() * t.element_size() for layer in dyn.layers for t in (layer.keys, layer.values))
     assert tq.nbytes()["total"] == dyn_bytes

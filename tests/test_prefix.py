@@ -9,7 +9,7 @@ import torch
 import transformers
 from transformers import LlamaForCausalLM
 
-from conftest import tiny_llama_config
+from conftest import tiny_llama_config, with_cache
 from tq_hf_cache import TurboQuantCache
 from tq_hf_cache.prefix import PREFIX_JSON, PREFIX_TENSORS
 
@@ -35,7 +35,7 @@ def gemma3():
 
 
 def steps(model, cache, x, start):
-    return [model(x[:, i : i + 1], past_key_values=cache).logits for i in range(start, x.shape[1])]
+    return [model(x[:, i : i + 1], **with_cache(cache)).logits for i in range(start, x.shape[1])]
 
 
 @torch.no_grad()
@@ -60,7 +60,7 @@ def test_a_loaded_prefix_continues_with_the_saved_caches_logits(tmp_path, build,
                            for i in range(cfg.num_hidden_layers)}
     x = ids(2, 50)
     cache = TurboQuantCache(preset, config=cfg, **kw)
-    model(x[:, :40], past_key_values=cache)
+    model(x[:, :40], **with_cache(cache))
     cache.save_prefix(str(tmp_path), x[:, :40])
     loaded = TurboQuantCache.load_prefix(str(tmp_path), cfg, token_ids=x)
     assert loaded.get_seq_length() == 40
@@ -74,13 +74,13 @@ def test_generate_from_a_loaded_prefix_and_from_a_deepcopy(tmp_path):
     cfg, model = llama()
     prefix = ids(1, 30)
     cache = TurboQuantCache(config=cfg, residual_length=8)
-    model(prefix, past_key_values=cache)
+    model(prefix, **with_cache(cache))
     cache.save_prefix(str(tmp_path), prefix)
     prompt = torch.cat([prefix, ids(1, 5, seed=1)], dim=1)
     kw = dict(attention_mask=torch.ones_like(prompt), max_new_tokens=10, do_sample=False, pad_token_id=0)
-    from_copy = model.generate(prompt, past_key_values=copy.deepcopy(cache), **kw)
-    from_disk = model.generate(prompt, past_key_values=TurboQuantCache.load_prefix(str(tmp_path), cfg), **kw)
-    again = model.generate(prompt, past_key_values=copy.deepcopy(cache), **kw)
+    from_copy = model.generate(prompt, **with_cache(copy.deepcopy(cache)), **kw)
+    from_disk = model.generate(prompt, **with_cache(TurboQuantCache.load_prefix(str(tmp_path), cfg)), **kw)
+    again = model.generate(prompt, **with_cache(copy.deepcopy(cache)), **kw)
     assert torch.equal(from_copy, from_disk) and torch.equal(from_copy, again)
 
 
@@ -89,7 +89,7 @@ def test_mismatches_are_refused(tmp_path):
     cfg, model = llama()
     x = ids(1, 30)
     cache = TurboQuantCache(config=cfg, residual_length=4)
-    model(x[:, :20], past_key_values=cache)
+    model(x[:, :20], **with_cache(cache))
     with pytest.raises(ValueError, match="holds 20 tokens but token_ids has 30"):
         cache.save_prefix(str(tmp_path), x)
     cache.save_prefix(str(tmp_path), x[:, :20])
@@ -114,7 +114,7 @@ def test_prefix_files_are_plain_safetensors_and_json(tmp_path):
     x = ids(1, 20)
     cache = TurboQuantCache(config=cfg, residual_length=4)
     with torch.no_grad():
-        model(x, past_key_values=cache)
+        model(x, **with_cache(cache))
     cache.save_prefix(str(tmp_path), x)
     assert sorted(os.listdir(tmp_path)) == sorted([PREFIX_JSON, PREFIX_TENSORS])
     from safetensors.torch import load_file

@@ -6,6 +6,7 @@ from transformers import DynamicCache, pipeline
 
 from tq_hf_cache import TurboQuantCache
 from tq_hf_cache.texts import package_text
+from conftest import with_cache
 
 pytestmark = pytest.mark.model
 
@@ -23,7 +24,7 @@ def test_pipeline_text_generation(smollm2):
     prompt = "The capital of France is"
     fp = pipe(prompt, max_new_tokens=12, do_sample=False, return_full_text=False)[0]["generated_text"]
     cache = TurboQuantCache("k8v4", config=model.config, residual_length=4)
-    tq = pipe(prompt, max_new_tokens=12, do_sample=False, return_full_text=False, past_key_values=cache)
+    tq = pipe(prompt, max_new_tokens=12, do_sample=False, return_full_text=False, **with_cache(cache))
     assert tq[0]["generated_text"] == fp
     assert cache.get_seq_length() > 0 and cache.layers[0].quantized_length > 0
 
@@ -34,9 +35,9 @@ def test_long_prompt_greedy_and_memory(smollm2):
     ids, mask = chat_ids(tok, package_text(2500) + "\n\nSummarize the text above in one sentence.")
     kw = dict(attention_mask=mask, max_new_tokens=24, do_sample=False, pad_token_id=tok.eos_token_id)
     dyn = DynamicCache()
-    fp = model.generate(ids, past_key_values=dyn, **kw)
+    fp = model.generate(ids, **with_cache(dyn), **kw)
     tq_cache = TurboQuantCache("k8v4", config=model.config)
-    tq = model.generate(ids, past_key_values=tq_cache, **kw)
+    tq = model.generate(ids, **with_cache(tq_cache), **kw)
     n = min(fp.shape[1], tq.shape[1])
     agree = (fp[0, ids.shape[1] : n] == tq[0, ids.shape[1] : n]).float().mean().item()
     assert agree >= 0.9, agree
@@ -51,7 +52,7 @@ def test_batched_beam_search_runs(smollm2):
     enc = tok(["The sky is", "Water boils at a temperature of"], return_tensors="pt", padding=True)
     out = model.generate(
         **enc, num_beams=3, max_new_tokens=8, do_sample=False, pad_token_id=tok.eos_token_id,
-        past_key_values=TurboQuantCache("k4v4", residual_length=0),
+        **with_cache(TurboQuantCache("k4v4", residual_length=0)),
     )
     prompt_len = enc["input_ids"].shape[1]
     assert out.shape[0] == 2 and prompt_len < out.shape[1] <= prompt_len + 8

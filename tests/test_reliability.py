@@ -13,7 +13,7 @@ import torch
 from transformers import DynamicCache, LlamaForCausalLM
 from transformers.cache_utils import DynamicSlidingWindowLayer
 
-from conftest import tiny_llama_config
+from conftest import tiny_llama_config, with_cache
 from tq_hf_cache import TurboQuantCache, TurboQuantConfig, TurboQuantSlidingLayer, reference
 from tq_hf_cache._compat import IS_V5
 from tq_hf_cache.calibration import CODEBOOKS_NAME, CalibratedCodebooks, calibrate
@@ -185,7 +185,7 @@ def reference_rot_cb(d=32, bits=4):
 
 
 def _steps(model, cache, x, start):
-    return [model(x[:, i : i + 1], past_key_values=cache).logits for i in range(start, x.shape[1])]
+    return [model(x[:, i : i + 1], **with_cache(cache)).logits for i in range(start, x.shape[1])]
 
 
 @torch.no_grad()
@@ -196,10 +196,10 @@ def test_switching_attention_mid_generation_gives_the_same_logits(other):
     x = ids(1, 40)
     switched, plain = TurboQuantCache("k4v4", residual_length=4), TurboQuantCache("k4v4", residual_length=4)
     model.set_attn_implementation(other)
-    model(x[:, :30], past_key_values=plain)
+    model(x[:, :30], **with_cache(plain))
     want = _steps(model, plain, x, 30)
     model.set_attn_implementation("turboquant")
-    model(x[:, :30], past_key_values=switched)
+    model(x[:, :30], **with_cache(switched))
     _steps(model, switched, x[:, :33], 30)  # three fused steps arm every layer
     model.set_attn_implementation(other)
     got = _steps(model, switched, x, 33)
@@ -220,12 +220,12 @@ def test_a_cache_moves_between_models_and_attention_implementations(other):
     plain.set_attn_implementation(other)
     x = ids(1, 44)
     cache, ref = TurboQuantCache("k4v4", residual_length=4), TurboQuantCache("k4v4", residual_length=4)
-    fused(x[:, :30], past_key_values=cache)
-    plain(x[:, :30], past_key_values=ref)
+    fused(x[:, :30], **with_cache(cache))
+    plain(x[:, :30], **with_cache(ref))
     for i in range(30, 44):
         model = fused if i % 2 else plain
-        a = model(x[:, i : i + 1], past_key_values=cache).logits
-        b = plain(x[:, i : i + 1], past_key_values=ref).logits
+        a = model(x[:, i : i + 1], **with_cache(cache)).logits
+        b = plain(x[:, i : i + 1], **with_cache(ref)).logits
         assert ((a - b).norm() / b.norm()).item() < 1e-4, f"step {i} ({'turboquant' if i % 2 else other})"
     assert cache.get_seq_length() == ref.get_seq_length() == 44
 
@@ -299,10 +299,10 @@ def test_a_nan_key_gives_nan_attention_as_sdpa_does():
         model.set_attn_implementation(impl)
         cache = TurboQuantCache("k4v4", residual_length=2, sink_tokens=0)
         x = ids(1, 20)
-        model(x, past_key_values=cache)  # a prefill (> 16 tokens): what leaves the residual window is quantized
+        model(x, **with_cache(cache))  # a prefill (> 16 tokens): what leaves the residual window is quantized
         layer = cache.layers[0]
         layer.k_buf.norms[0, 0, 3] = float("nan")  # one quantized key of KV head 0
-        outs[impl] = [model(x[:, i : i + 1], past_key_values=cache).logits for i in range(3)]
+        outs[impl] = [model(x[:, i : i + 1], **with_cache(cache)).logits for i in range(3)]
     for impl, logits in outs.items():
         assert all(torch.isnan(x).all() for x in logits), impl
 
@@ -513,10 +513,10 @@ def test_a_pickled_cache_runs_forward_and_backward_like_dynamic_cache(fill_with_
     for make in (DynamicCache, lambda: TurboQuantCache("k4v4", residual_length=4)):
         cache = make()
         with torch.set_grad_enabled(fill_with_grad):
-            model(x[:, :20], past_key_values=cache)
+            model(x[:, :20], **with_cache(cache))
         restored = pickle.loads(pickle.dumps(cache))
         model.zero_grad()
-        out = model(x[:, 20:22], past_key_values=restored).logits
+        out = model(x[:, 20:22], **with_cache(restored)).logits
         out.float().sum().backward()
         assert model.model.layers[0].self_attn.k_proj.weight.grad is not None
         assert restored.get_seq_length() == 22
@@ -528,10 +528,10 @@ def test_gradients_reach_the_current_tokens_through_quantized_history():
     x = ids(1, 30)
     cache = TurboQuantCache("k4v4", residual_length=4)
     with torch.no_grad():
-        model(x[:, :26], past_key_values=cache)
+        model(x[:, :26], **with_cache(cache))
     for i in range(26, 30):  # several steps with grad: the shared workspace is not what autograd saves
         model.zero_grad()
-        model(x[:, i : i + 1], past_key_values=cache).logits.sum().backward()
+        model(x[:, i : i + 1], **with_cache(cache)).logits.sum().backward()
         assert torch.isfinite(model.model.layers[1].self_attn.v_proj.weight.grad).all()
 
 
@@ -563,10 +563,10 @@ def test_attention_switch_and_nan_keys_through_the_fused_kernel(monkeypatch):
     x = ids(1, 61).cuda()
     switched, plain = TurboQuantCache(residual_length=8), TurboQuantCache(residual_length=8)
     model.set_attn_implementation("sdpa")
-    model(x[:, :40], past_key_values=plain)
+    model(x[:, :40], **with_cache(plain))
     want = _steps(model, plain, x[:, :59], 40)
     model.set_attn_implementation("turboquant")
-    model(x[:, :40], past_key_values=switched)
+    model(x[:, :40], **with_cache(switched))
     fused = _steps(model, switched, x[:, :50], 40)
     for a, b in zip(fused, want):
         assert ((a.float() - b.float()).norm() / b.float().norm()).item() < 0.02
@@ -580,7 +580,7 @@ def test_attention_switch_and_nan_keys_through_the_fused_kernel(monkeypatch):
     calls = []
     kernel = da.decode_attention
     monkeypatch.setattr(da, "decode_attention", lambda *a, **k: calls.append(1) or kernel(*a, **k))
-    assert torch.isnan(model(x[:, 59:60], past_key_values=switched).logits).all()
+    assert torch.isnan(model(x[:, 59:60], **with_cache(switched)).logits).all()
     assert calls  # the step ran the fused kernel
 
 

@@ -10,6 +10,7 @@ import transformers
 
 from tq_hf_cache import TurboQuantStaticCache, TurboQuantStaticLayer, kernels
 from tq_hf_cache._compat import IS_V5
+from conftest import with_cache
 
 pytestmark = pytest.mark.skipif(not IS_V5, reason="TurboQuantStaticCache needs transformers >= 5")
 
@@ -44,7 +45,7 @@ def prompt(batch=1, length=PROMPT, seed=0):
 
 
 def greedy(model, cache, ids, new=NEW):
-    out = model.generate(ids, past_key_values=cache, max_new_tokens=new, min_new_tokens=new, do_sample=False,
+    out = model.generate(ids, **with_cache(cache), max_new_tokens=new, min_new_tokens=new, do_sample=False,
                          output_logits=True, return_dict_in_generate=True)
     return out.sequences, torch.stack(out.logits, 1)
 
@@ -92,10 +93,10 @@ def test_compiled_fullgraph_decode_equals_eager(impl):
         forward = torch.compile(model.forward, backend="aot_eager", fullgraph=True) if compiled else model.forward
         logits = []
         with torch.no_grad():
-            tok = model(ids, past_key_values=cache).logits[:, -1:].argmax(-1)
+            tok = model(ids, **with_cache(cache)).logits[:, -1:].argmax(-1)
             for i in range(5):
                 pos = torch.tensor([PROMPT + i])
-                out = forward(tok, past_key_values=cache, cache_position=pos, position_ids=pos.expand(2, 1))
+                out = forward(tok, **with_cache(cache), cache_position=pos, position_ids=pos.expand(2, 1))
                 logits.append(out.logits)
                 tok = out.logits[:, -1:].argmax(-1)
         steps.append(torch.cat(logits, 1))
@@ -111,10 +112,10 @@ def test_switching_attention_mid_generation_changes_nothing():
         logits = []
         with torch.no_grad():
             model.set_attn_implementation(schedule[0])
-            tok = model(ids, past_key_values=cache).logits[:, -1:].argmax(-1)
+            tok = model(ids, **with_cache(cache)).logits[:, -1:].argmax(-1)
             for i, impl in enumerate(schedule):
                 model.set_attn_implementation(impl)
-                out = model(tok, past_key_values=cache, position_ids=torch.tensor([[PROMPT + i]]))
+                out = model(tok, **with_cache(cache), position_ids=torch.tensor([[PROMPT + i]]))
                 logits.append(out.logits)
                 tok = out.logits[:, -1:].argmax(-1)
         runs.append(torch.cat(logits, 1))
@@ -135,16 +136,16 @@ def test_reset_reuse_and_crop():
     # cropped cache keeps fewer tokens exact, as its ring lost the cropped ones' slots)
     fresh = TurboQuantStaticCache(cfg, max_cache_len=CAP, **EIGHT_BIT)
     with torch.no_grad():
-        want = model(ids, past_key_values=fresh).logits
+        want = model(ids, **with_cache(fresh)).logits
         tail = prompt(length=8, seed=1)
-        want_next = model(tail, past_key_values=fresh).logits
+        want_next = model(tail, **with_cache(fresh)).logits
         cache = TurboQuantStaticCache(cfg, max_cache_len=CAP, **EIGHT_BIT)
-        model(ids, past_key_values=cache)
-        model(prompt(length=10, seed=2), past_key_values=cache)
+        model(ids, **with_cache(cache))
+        model(prompt(length=10, seed=2), **with_cache(cache))
         assert int(cache.get_seq_length()) == 40
         cache.crop(-10)
         assert int(cache.get_seq_length()) == 30
-        got_next = model(tail, past_key_values=cache).logits
+        got_next = model(tail, **with_cache(cache)).logits
     torch.testing.assert_close(got_next, want_next, atol=0.05, rtol=0, msg=lambda m: f"after crop(-10): {m}")
     assert want.shape[1] == 30
 
@@ -154,7 +155,7 @@ def test_memory_is_a_fraction_of_static_cache():
     cap = 2048
     cache = TurboQuantStaticCache(cfg, max_cache_len=cap)
     with torch.no_grad():
-        model(prompt(length=8), past_key_values=cache)
+        model(prompt(length=8), **with_cache(cache))
     static = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cap * cfg.head_dim * 4  # float32 model
     nb = cache.nbytes()
     assert nb["packed"] + nb["residual"] + nb["sinks"] == nb["total"]
@@ -170,7 +171,7 @@ def test_bad_arguments_are_refused_before_anything_changes():
         TurboQuantStaticCache(cfg, max_cache_len=8, max_batch_size=0)
     cache = TurboQuantStaticCache(cfg, max_cache_len=CAP, max_batch_size=1)
     with pytest.raises(ValueError, match="batch 2 exceeds max_batch_size=1"):
-        model(prompt(batch=2), past_key_values=cache)
+        model(prompt(batch=2), **with_cache(cache))
     assert not any(getattr(l, "is_initialized", False) for l in cache.layers)
     with pytest.raises(ValueError, match="key_bits"):
         TurboQuantStaticCache(cfg, max_cache_len=CAP, key_bits=9)
@@ -180,9 +181,9 @@ def test_overflowing_the_capacity_is_refused_in_eager_mode():
     cfg, model = build("llama")
     cache = TurboQuantStaticCache(cfg, max_cache_len=20)
     with torch.no_grad():
-        model(prompt(length=15), past_key_values=cache)
+        model(prompt(length=15), **with_cache(cache))
         with pytest.raises(ValueError, match="6 new tokens after 15 exceed max_cache_len=20"):
-            model(prompt(length=6), past_key_values=cache)
+            model(prompt(length=6), **with_cache(cache))
         assert int(cache.get_seq_length()) == 15
 
 
@@ -195,16 +196,17 @@ def _cache_tensor_guards(cache_cls, **kw) -> int:
     cache = cache_cls(config=cfg, max_cache_len=CAP, **kw)
     forward = torch.compile(model.forward, backend="eager", fullgraph=True)
     with torch.no_grad():
-        tok = model(prompt(), past_key_values=cache).logits[:, -1:].argmax(-1)
+        tok = model(prompt(), **with_cache(cache)).logits[:, -1:].argmax(-1)
         pos = torch.tensor([PROMPT])
-        forward(tok, past_key_values=cache, cache_position=pos, position_ids=pos[None])
+        forward(tok, **with_cache(cache), cache_position=pos, position_ids=pos[None])
     f, entries = model.forward.__func__, []
     while not entries and f is not None:
         entries = _debug_get_cache_entry_list(f.__code__)
         f = getattr(f, "__wrapped__", None)
     assert len(entries) == 1, f"expected one compiled frame, found {len(entries)}"
     guards = str(entries[0].guard_manager).splitlines()
-    return sum("TENSOR_MATCH" in g and "past_key_values" in g for g in guards)
+    arg = f"['{next(iter(with_cache(cache)))}']"  # the cache as the step's argument, under this release's name
+    return sum("TENSOR_MATCH" in g and arg in g for g in guards)
 
 
 def test_a_compiled_step_checks_few_tensors_per_layer():
@@ -215,3 +217,4 @@ def test_a_compiled_step_checks_few_tensors_per_layer():
     layers = build("llama")[0].num_hidden_layers
     assert theirs >= 2 * layers, theirs  # the count works: StaticCache's keys and values per layer
     assert ours <= theirs + layers + 3, (ours, theirs)  # + the buffer per layer, the shared scratch and counters
+

@@ -68,10 +68,10 @@ def cache_kwargs(model, cache) -> dict:
     """`{name: cache}` under the keyword the model's `forward` and `generate` take: `cache` from transformers 5.24,
     `past_key_values` before (5.24 deprecates it: removed from `forward` in 5.40 and from `generate` in 6.0).
 
-    Example: `model.generate(ids, **cache_kwargs(model, TurboQuantCache(config=model.config)))` runs on every
-    supported release without a deprecation warning.
+    `model` may also be a model class. Example: `model.generate(ids, **cache_kwargs(model,
+    TurboQuantCache(config=model.config)))` runs on every supported release without a deprecation warning.
     """
-    forward = getattr(type(model), "forward", None)
+    forward = getattr(model if isinstance(model, type) else type(model), "forward", None)
     try:
         takes_cache = forward is not None and "cache" in inspect.signature(forward).parameters
     except (TypeError, ValueError):  # a forward without a signature (a C extension, a partial)
