@@ -39,6 +39,7 @@ from triton.testing import do_bench_cudagraph  # noqa: E402
 from tq_hf_cache import TurboQuantConfig, kernels  # noqa: E402
 from tq_hf_cache.codebook import theoretical_codebook  # noqa: E402
 from tq_hf_cache.kernels import decode_attention as da  # noqa: E402
+from tq_hf_cache.kernels import dequantize  # noqa: E402
 from tq_hf_cache.packed_kv import PackedKV  # noqa: E402
 from tq_hf_cache.packing import packed_bytes  # noqa: E402
 from tq_hf_cache.rotation import make_rotation  # noqa: E402
@@ -164,7 +165,9 @@ def dequant_row(bits: int, bw: float, b: int = 1, t: int = 32768, **knobs) -> di
     torch.cuda.synchronize()
     ms = do_bench_cudagraph(f)
     moved = kv.k_packed.numel() + kv.k_norms.numel() * 2 + out.numel() * 2
-    r = {"bits": bits, "batch": b, "context": t, **knobs, "dequantize_ms": round(ms, 4), "bytes_moved": moved,
+    unit = knobs.get("words", dequantize.word_unit(kv.k_packed, bits))
+    r = {"bits": bits, "batch": b, "context": t, **knobs, "words": unit, "dequantize_ms": round(ms, 4),
+         "bytes_moved": moved,
          "GBps": round(moved / (ms * 1e-3) / 1e9, 1), "fraction_of_copy_bw": round(moved / bw / (ms * 1e-3), 3)}
     if want is not None:
         r["max_abs_diff_vs_default"] = float((out.float() - want.float()).abs().max())
@@ -180,6 +183,8 @@ def main():
     p.add_argument("--dequant", type=int, default=1)
     p.add_argument("--dequant_sweep", type=int, default=0, help="also time the dequantize's knobs per width")
     p.add_argument("--dequant_bits", default="1,2,3,4,5,6,7,8", help="the widths of the dequantize rows and sweep")
+    p.add_argument("--dequant_words", default="", help="e.g. 4,8: also time the group widths (3, 5, 6, 7) with packed "
+                   "rows read in each of these units (int32 / int64 words)")
     p.add_argument("--shape", default="llama-3.1-8b", choices=sorted(SHAPES),
                    help="one layer's query / KV heads and head dim")
     p.add_argument("--workspace", type=int, default=0, help="also time the workspace path (dequantize + SDPA)")
@@ -238,6 +243,8 @@ def main():
             torch.cuda.empty_cache()
     dq_bits = [int(x) for x in a.dequant_bits.split(",")]
     dequant = [dequant_row(bits, bw) for bits in dq_bits] if a.dequant else []
+    units = [int(x) for x in a.dequant_words.split(",") if x]
+    dequant += [dequant_row(bits, bw, words=u) for bits in dq_bits if bits in dequantize.WIDE_WORDS for u in units]
     for r in dequant:
         print(r, flush=True)
     dequant_sweep = []

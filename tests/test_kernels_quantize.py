@@ -566,6 +566,46 @@ def test_sat_search_per_head_alignment_and_refusal():
         check_dequant(out, view, n, rot, cb, seed)
 
 
+@pytest.mark.parametrize("d", [64, 128])
+def test_dequantize_reads_rows_in_every_word_unit_alike(d):
+    """Packed rows read as int64 words (the default at 6 and 7 bits where rows start on 8 bytes), int32 words or bytes
+    give the same output at every group width (to fp32 rounding: on a GPU each unit is its own compiled kernel, whose
+    sums may run in another order); rows 4 bytes off an 8-byte boundary fall back to int32 words;
+    a unit the rows do not allow, or int64 words at a width without groups, is refused by name."""
+    from tq_hf_cache.kernels import dequantize as DQ
+
+    seed, g = fresh_gen()
+    rot = make_rotation(d, seed % 1000).to(DEV)
+    for bits in DQ.WIDE_WORDS:
+        cb = per_head_codebook(g, bits, 3, d).to(DEV)
+        nb = packed_bytes(d, bits)
+        t = 11
+        packed = torch.randint(0, 256, (2, 3, t, nb), generator=g, dtype=torch.uint8).to(DEV)
+        norms = (torch.rand(2, 3, t, generator=g) + 0.1).to(torch.float16).to(DEV)
+        assert DQ.word_unit(packed, bits) == (8 if bits in DQ.INT64_WORDS else 4)
+        outs = {}
+        for unit in (8, 4, 0):
+            outs[unit] = torch.full((2, 3, t, d), float("nan"), device=DEV)
+            DQ.dequantize_into(packed, norms, rot, cb, outs[unit], words=unit)
+        check_dequant(outs[8], packed, norms, rot, cb, seed)
+        for unit in (4, 0):
+            torch.testing.assert_close(outs[unit], outs[8], rtol=1e-5, atol=1e-6,
+                                       msg=lambda m: f"{bits} bits, words {unit} vs 8, seed {seed}: {m}")
+        # rows whose stride is 4 bytes past a multiple of 8: int32 words, same output
+        big = torch.zeros(2, 3, t, nb + 4, dtype=torch.uint8, device=DEV)
+        big[..., :nb] = packed
+        off = big[..., :nb]
+        assert DQ.word_unit(off, bits) == 4
+        out = torch.full((2, 3, t, d), float("nan"), device=DEV)
+        DQ.dequantize_into(off, norms, rot, cb, out)
+        torch.testing.assert_close(out, outs[8], rtol=1e-5, atol=1e-6, msg=lambda m: f"{bits} bits, 4-aligned rows: {m}")
+        with pytest.raises(ValueError, match="words=8"):
+            DQ.dequantize_into(off, norms, rot, cb, out, words=8)
+    with pytest.raises(ValueError, match="words=8"):
+        DQ.dequantize_into(packed[..., :packed_bytes(d, 4)].contiguous(), norms, rot, shared_codebook(4, d).to(DEV),
+                           torch.empty(2, 3, t, d, device=DEV), words=8)
+
+
 def test_poly_search_table_default_and_refusals():
     """'poly' is the default above 4 bits for symmetric codebooks (per-head ones too: each head its own polynomial) and
     matches the table search; its fit check rejects a polynomial off by 0.6 of an index; asymmetric codebooks keep

@@ -52,7 +52,7 @@ def _codes(base, offs, t_ok, BITS: tl.constexpr, D: tl.constexpr, STRIDE_T: tl.c
         idx = tl.reshape(tl.join(tl.join(w & 255, (w >> 16) & 255), tl.join((w >> 8) & 255, (w >> 24) & 255)),
                          (BLOCK_N, D))
     else:
-        idx = C.expand_groups(C.load_groups(rows, t_ok, BITS, D, True, D // 8), BITS, D, BLOCK_N)
+        idx = C.expand_groups(C.load_groups(rows, t_ok, BITS, D, 4, D // 8), BITS, D, BLOCK_N)
     return idx
 
 

@@ -373,12 +373,25 @@ def load_groups(rows, ok, BITS: tl.constexpr, D: tl.constexpr, WORDS: tl.constex
     read as 0, so that a tile can be padded to the 16 columns of a dot. Dequantize reads every width but 8 this way
     (its int32 words of four 8-bit indices are faster: benchmarks/results/bench_attention_dequant_h100.json).
 
-    WORDS (rows start on 4-byte boundaries, see `rows_aligned`): a group is cut from the int32 words it overlaps
-    (one at 1, 2 and 4 bits; two at 3, 5, 6 and 8; two or three at 7) instead of BITS byte loads; otherwise the
-    bytes are assembled. Bits past a group's 8 * BITS may be set; `expand_groups` masks them off."""
+    WORDS, the unit the rows start on (`rows_aligned`): 4, a group is cut from the int32 words it overlaps (one at 1,
+    2 and 4 bits; two at 3, 5, 6 and 8; two or three at 7); 8, from the one or two int64 words it overlaps (for the
+    group widths 3, 5, 6 and 7); 0, the bytes are assembled. Bits past a group's 8 * BITS may be set;
+    `expand_groups` masks them off."""
     col = tl.arange(0, COLS)
     live = ok[:, None] & (col < D // 8)[None, :]
-    if WORDS and (BITS == 1 or BITS == 2 or BITS == 4):  # a group is a quarter, half or whole word
+    if WORDS == 8:
+        tl.static_assert(BITS == 3 or BITS == 5 or BITS == 6 or BITS == 7, "int64 words serve the group widths")
+        wrows = rows.to(tl.pointer_type(tl.int64), bitcast=True)
+        bit0 = col * (8 * BITS)
+        j0 = bit0 // 64
+        s = bit0 % 64
+        w0 = tl.load(wrows[:, None] + j0[None, :], mask=live, other=0).to(tl.uint64, bitcast=True)
+        two = live & ((s + 8 * BITS) > 64)[None, :]
+        w1 = tl.load(wrows[:, None] + j0[None, :] + 1, mask=two, other=0).to(tl.uint64, bitcast=True)
+        # logical shifts; w1 is 0 where the group ends in w0, so the (64 - s) % 64 shift of s = 0 adds nothing
+        v = ((w0 >> s.to(tl.uint64)[None, :]) | (w1 << ((64 - s) % 64).to(tl.uint64)[None, :])).to(tl.int64,
+                                                                                                  bitcast=True)
+    elif WORDS and (BITS == 1 or BITS == 2 or BITS == 4):  # a group is a quarter, half or whole word
         wrows = rows.to(tl.pointer_type(tl.int32), bitcast=True)
         w0 = tl.load(wrows[:, None] + (col * BITS // 4)[None, :], mask=live, other=0)
         v = (w0.to(tl.int64) & 0xFFFFFFFF) >> ((col * 8 * BITS) % 32).to(tl.int64)[None, :]

@@ -62,7 +62,7 @@ def _load_packed(base, offs_t, t_ok, BITS: tl.constexpr, D: tl.constexpr, STRIDE
             ok = ok & (cols < D * BITS // 8)[None, :]
         v = tl.load(base + offs_t[:, None] * STRIDE_T + cols[None, :], mask=ok, other=0).to(tl.int32)
     else:
-        v = C.load_groups(base + offs_t * STRIDE_T, t_ok, BITS, D, True, W)
+        v = C.load_groups(base + offs_t * STRIDE_T, t_ok, BITS, D, 4, W)
     return v
 
 

@@ -26,6 +26,18 @@ C_SCALE = 1024.0  # power of two: exact to apply and to undo
 PROGS_PER_SM = 4  # best of 0 (a program per tile) / 2 / 4 on the H100 (benchmarks/results/dequant_sweep_h100.json)
 
 
+WIDE_WORDS = (3, 5, 6, 7)  # group widths that may be read in int64 words (`_common.load_groups`)
+INT64_WORDS = (6, 7)  # read so by default: 6-7 % of copy bandwidth faster on the H100 (3 and 5 bits: no faster)
+
+
+def word_unit(packed: torch.Tensor, bits: int) -> int:
+    """The unit the dequantize kernel reads `packed`'s rows in: 8 (int64 words) at INT64_WORDS widths, else 4 (int32
+    words), where the rows are aligned to it; 0 (bytes) otherwise."""
+    if bits in INT64_WORDS and C.rows_aligned(packed, 8):
+        return 8
+    return 4 if C.rows_aligned(packed) else 0
+
+
 @triton.jit
 def _dequantize_kernel(
     p_ptr, spb, sph, spt,
@@ -114,10 +126,13 @@ def dequantize_into(
     num_warps: int | None = None,
     progs_per_sm: int | None = None,
     stages: int = 1,
+    words: int | None = None,
 ):
     """Dequantize packed (B, H, T, nbytes) + norms (B, H, T) into out (B, H, T, D), in out's dtype and strides.
 
-    rot / terms / block_t / num_warps / progs_per_sm (0: one program per tile) / stages override the defaults (for the benchmark); the cache never passes them.
+    rot / terms / block_t / num_warps / progs_per_sm (0: one program per tile) / stages / words (the unit packed rows
+    are read in: 0 bytes, 4 or 8, where the rows are aligned to it) override the defaults (for the benchmark); the
+    cache never passes them.
     Returns the launched kernel handle (its n_regs / n_spills), or None when there was nothing to do.
     """
     where = "dequantize_into"
@@ -154,6 +169,10 @@ def dequantize_into(
             mdtype = torch.float16
         mat = C.rotation_operand(rotation, dev, "inv", mdtype)
 
+    unit = word_unit(packed, bits) if words is None else words
+    if unit not in (0, 4, 8) or (unit and not C.rows_aligned(packed, unit)) or (unit == 8 and bits not in WIDE_WORDS):
+        raise ValueError(f"{where}: words={words} needs rows aligned to it and, for 8, {WIDE_WORDS} bits; these "
+                         f"{bits}-bit rows take {word_unit(packed, bits)}")
     bt = C.block_t(tokens) if block_t is None else block_t
     n_t = triton.cdiv(tokens, bt)
     n_tiles = n_t * bsz * heads
@@ -165,6 +184,6 @@ def dequantize_into(
         mat, cen, sch,
         heads, tokens, scale, n_t, n_tiles,
         D=dim, LOG2D=dim.bit_length() - 1, BITS=bits, BLOCK_T=bt,
-        ROT=rmode, TERMS=n_terms, O_UNIT=out.stride(-1) == 1, STAGES=stages, WORDS=C.rows_aligned(packed),
+        ROT=rmode, TERMS=n_terms, O_UNIT=out.stride(-1) == 1, STAGES=stages, WORDS=unit,
         num_warps=num_warps if num_warps is not None else 4,
     )
