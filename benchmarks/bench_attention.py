@@ -223,7 +223,7 @@ def main():
         for b, t in SWEEP_CASES:
             kv, nbytes = packed_layer(b, t, 5, 3)
             _, want = kernel_time(kv, b)
-            for block_n, warps, per_sm, stages in itertools.product((16, 32, 64), (1,), (2, 4, 8), (2, 3)):
+            for block_n, warps, per_sm, stages in itertools.product((16, 32, 64), (1,), (4, 6, 8), (1, 2)):
                 splits = kernels.num_splits_for(b * HKV, t - RESIDUAL, DEV, per_sm)
                 try:
                     ms, out = kernel_time(kv, b, block_n=block_n, num_warps=warps, num_splits=splits, num_stages=stages)

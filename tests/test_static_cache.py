@@ -10,6 +10,7 @@ import transformers
 
 from tq_hf_cache import TurboQuantStaticCache, TurboQuantStaticLayer, kernels
 from tq_hf_cache._compat import IS_V5
+from tq_hf_cache.packed_kv import MAX_FUSED_QUERIES
 from conftest import with_cache
 
 pytestmark = pytest.mark.skipif(not IS_V5, reason="TurboQuantStaticCache needs transformers >= 5")
@@ -218,3 +219,35 @@ def test_a_compiled_step_checks_few_tensors_per_layer():
     assert theirs >= 2 * layers, theirs  # the count works: StaticCache's keys and values per layer
     assert ours <= theirs + layers + 3, (ours, theirs)  # + the buffer per layer, the shared scratch and counters
 
+
+@pytest.mark.parametrize("head_dim, preset", [(64, "k5v3"), (64, "k8v4"), (128, "k5v3"), (128, "k4v4"), (128, "k8v4")])
+def test_the_kernel_runs_on_a_long_static_cache_with_its_own_plan(head_dim, preset, monkeypatch):
+    """The fused kernel itself (interpreted on a CPU) on a static cache whose capacity allows many splits: the cache's
+    scratch must hold what the launcher's plan (`kernels.decode_plan`: stages and programs per SM, per head dim and
+    widths) asks for at the most queries it serves at once (a chunk of MAX_FUSED_QUERIES), and the chunk's and the
+    steps' logits are those of SDPA on the same cache."""
+    from tq_hf_cache import ops
+
+    if not kernels.available():
+        pytest.skip("no Triton here")
+    monkeypatch.setattr(ops, "FUSED_BACKEND", "triton")
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    cfg = transformers.LlamaConfig(num_hidden_layers=1, **{**BASE, "head_dim": head_dim})
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(cfg).eval().to(dev)
+    cap = 65536  # 2 heads x 64k rows: the plans of many key rows (6-8 programs per SM ask for more splits than 4)
+    ids = prompt(length=20 + MAX_FUSED_QUERIES).to(dev)
+    logits = {}
+    for impl in ("sdpa", "turboquant"):
+        model.set_attn_implementation(impl)
+        cache = TurboQuantStaticCache(config=cfg, max_cache_len=cap, tq_config=preset, residual_length=4)
+        with torch.no_grad():
+            model(ids[:, :20], **with_cache(cache))
+            out = [model(ids[:, 20:], **with_cache(cache)).logits[0]]  # the fused path's widest chunk
+            for i in range(2):
+                pos = torch.tensor([ids.shape[1] + i], device=dev)
+                tok = out[-1][-1:].argmax(-1, keepdim=True)
+                out.append(model(tok, **with_cache(cache), cache_position=pos, position_ids=pos[None]).logits[0])
+        logits[impl] = torch.cat(out)
+    torch.testing.assert_close(logits["turboquant"], logits["sdpa"], atol=2e-2, rtol=2e-2,
+                               msg=lambda m: f"kernel vs sdpa, head dim {head_dim}, {preset}: {m}")

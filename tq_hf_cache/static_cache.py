@@ -157,7 +157,7 @@ class TurboQuantStaticLayer(StaticLayer):
         self.keys = torch.zeros(b, h, self.ring_size, d, dtype=self.dtype, device=dev)  # the ring
         self.values = torch.zeros(b, h, self.ring_size, d, dtype=self.dtype, device=dev)
         rows = min(DECODE_MAX_ROWS, _next_pow2(self._group * MAX_FUSED_QUERIES))
-        splits = _max_splits(b * h, cap, dev)
+        splits = _max_splits(b * h, cap, dev, d, self.key_bits, self.value_bits, self.key_split is not None)
         self._shared.ensure(b * h * (splits + 1) * rows * (d + 2), b * h, dev)
         # the ring is what update returns, and it carries the StaticKV that the attention reads
         static = StaticKV(store, cap, sinks, ops.dtype_name(self.norm_dtype), ops.quantizer_id(rotation, kcb),
@@ -426,7 +426,10 @@ def _next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
-def _max_splits(batch_heads: int, capacity: int, device: torch.device) -> int:
-    from .kernels import num_splits_for
+def _max_splits(batch_heads: int, capacity: int, device: torch.device, head_dim: int, key_bits: int, value_bits: int,
+                split: bool) -> int:
+    """The fused kernel's splits over the whole capacity: what its scratch must hold (the launcher's own count)."""
+    from .kernels import decode_plan, num_splits_for
 
-    return num_splits_for(batch_heads, capacity, device)
+    plan = decode_plan(head_dim, key_bits, value_bits, split, batch_heads * capacity)
+    return num_splits_for(batch_heads, capacity, device, plan[1])

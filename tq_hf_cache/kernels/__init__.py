@@ -21,7 +21,33 @@ DECODE_MAX_ROWS = 128  # its query rows per KV head (query heads per KV head x q
 
 
 MIN_TOKENS_PER_SPLIT = 256  # the fused kernel's packed history per program, at least
-PROGRAMS_PER_SM = 4  # the fused kernel's programs per SM (H100, one warp each: 4 measured faster than 8 or 16)
+PROGRAMS_PER_SM = 4  # the fused kernel's programs per SM where `decode_plan` names none
+PLAN_MIN_KEY_ROWS = 131072  # head dim 128: 1 stage from these many packed key rows on (batch x KV heads x tokens)
+
+
+def decode_plan(head_dim: int, key_bits: int, value_bits: int, split: bool = False,
+                key_rows: int | None = None) -> tuple[int, int]:
+    """(Triton pipeline stages, programs per SM) of the fused decode kernel, as measured fastest on the H100 (stages
+    1-2 x 4 / 6 / 8 programs per SM over presets, head dims 64-256, batch 1-8 and 4k-128k tokens:
+    benchmarks/results/decode_plan_sweep_h100.json). key_rows: batch x KV heads x packed tokens (None: many).
+
+    With 2 stages Triton pipelines the centroid-table loads through shared memory (24.7 KB a program); with 1 they are
+    plain loads (16.4 KB), and 6-8 one-warp programs share an SM. At head dims 64 and 128 that is 1.1-3.9x faster for
+    the pair tables of the group widths, 2-bit tables and split keys, once there is enough work (at head dim 128 and
+    batch 1 / 4k it is 7-10 % slower); with a 4- or 8-bit table at head dim 128 it is 1.3-3.3x slower, and it is slower
+    at head dim 256."""
+    widths = (key_bits, value_bits)
+    if head_dim > 128:
+        return 2, 4
+    if head_dim <= 64:
+        return (2, 8) if 8 in widths and not split else (1, 8)
+    if not split and 8 in widths:
+        return 2, 6
+    if not split and 4 in widths:
+        return 2, 4
+    if key_rows is not None and key_rows < PLAN_MIN_KEY_ROWS and not split:
+        return 2, 4
+    return 1, 6
 
 
 @functools.lru_cache(maxsize=None)

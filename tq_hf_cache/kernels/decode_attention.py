@@ -34,7 +34,7 @@ import triton.language as tl
 
 from . import decode_supports as supports
 from . import split_supports
-from . import num_splits_for
+from . import decode_plan, num_splits_for
 from . import _common as C
 
 if TYPE_CHECKING:
@@ -595,7 +595,6 @@ DEFAULT_PREFETCH = 2  # 2: the next tile's loads are issued before this tile's m
 # work (4 warps issued 4x the instructions of one); on 64 rows (several queries) 4 warps gave a wrong result on the
 # H100 (triton 3.6) in one test case.
 DEFAULT_WARPS = 1
-DEFAULT_STAGES = 2  # Triton's own software pipelining; with the hand prefetch, 3 stages ran slower (H100 sweep)
 def rotate_once(head_dim: int) -> bool:
     """Whether the launcher rotates the query and the merge rotates the values back, once per call (head dim 256),
     instead of every program (head dims 64, 128: faster there on the H100, by 5-70 % at k5v3; at 256 the per-program
@@ -729,9 +728,9 @@ def _split_args(query, kv, block_m: int, scale_log2: float, pi: torch.Tensor) ->
     return tuple(args), const
 
 
-def _split_plan(batch_heads: int, lq: int, device, num_splits, block_n: int) -> tuple[int, int]:
+def _split_plan(batch_heads: int, lq: int, device, num_splits, block_n: int, per_sm: int) -> tuple[int, int]:
     if num_splits is None:
-        num_splits = num_splits_for(batch_heads, lq, device)
+        num_splits = num_splits_for(batch_heads, lq, device, per_sm)
     num_splits = max(1, int(num_splits))
     tok_per_split = max(block_n, -(-max(lq, 1) // num_splits))
     tok_per_split = -(-tok_per_split // block_n) * block_n
@@ -820,7 +819,8 @@ def decode_attention(
         split_len, t = lq, lq + lr
         lens, ring = None, 0
     block_m, rows, sc = _rows(group, n, d)
-    num_splits, tok_per_split = _split_plan(b * hkv, split_len, query.device, num_splits, block_n)
+    stages, per_sm = decode_plan(d, kcb.bits, vcb.bits, kv.key_split is not None, b * hkv * split_len)
+    num_splits, tok_per_split = _split_plan(b * hkv, split_len, query.device, num_splits, block_n, per_sm)
     slots = b * hkv * (num_splits + 1)
     need = slots * rows * (d + 2)
     if kv.scratch is None:
@@ -870,6 +870,6 @@ def decode_attention(
         BLOCK_M=block_m, R=rows, SC=sc, BLOCK_N=block_n, MASK_KIND=mask_kind,
         PREFETCH=DEFAULT_PREFETCH if prefetch is None else prefetch,
         STATIC=kv.static, ROTATE_ONCE=rotate_once(d), FP_BLOCK_N=16 if d > 128 else block_n, **split_const,
-        num_warps=num_warps or DEFAULT_WARPS, num_stages=DEFAULT_STAGES if num_stages is None else num_stages,
+        num_warps=num_warps or DEFAULT_WARPS, num_stages=stages if num_stages is None else num_stages,
     )
     return out
