@@ -182,5 +182,16 @@ def main(argv=None) -> int:
     return 0 if ok else 1
 
 
+def finish() -> None:
+    """Tear down the process group that tensor parallelism opened: left to the interpreter's exit, its threads can
+    abort a rank (SIGABRT, "terminate called without an active exception") after the work is done."""
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        code = main()
+    finally:
+        finish()
+    sys.exit(code)
