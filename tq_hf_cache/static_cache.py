@@ -431,5 +431,5 @@ def _max_splits(batch_heads: int, capacity: int, device: torch.device, head_dim:
     """The fused kernel's splits over the whole capacity: what its scratch must hold (the launcher's own count)."""
     from .kernels import decode_plan, num_splits_for
 
-    plan = decode_plan(head_dim, key_bits, value_bits, split, batch_heads * capacity)
-    return num_splits_for(batch_heads, capacity, device, plan[1])
+    _, per_sm, _ = decode_plan(head_dim, key_bits, value_bits, split, batch_heads * capacity)
+    return num_splits_for(batch_heads, capacity, device, per_sm)

@@ -590,7 +590,6 @@ def _merge_rotated(pid, base, num_splits, acc_ptr, ml_ptr, cnt_ptr, o_ptr, sob, 
 
 _SCRATCH: "collections.OrderedDict[tuple, tuple[torch.Tensor, torch.Tensor]]" = collections.OrderedDict()
 _SCRATCH_STREAMS = 16  # (device, stream) pairs whose scratch is kept
-DEFAULT_PREFETCH = 2  # 2: the next tile's loads are issued before this tile's math; 0: each tile loads its own
 # One warp per program: Triton lays a chained dot's warps along M, so on 16 rows every further warp redoes the same
 # work (4 warps issued 4x the instructions of one); on 64 rows (several queries) 4 warps gave a wrong result on the
 # H100 (triton 3.6) in one test case.
@@ -819,7 +818,7 @@ def decode_attention(
         split_len, t = lq, lq + lr
         lens, ring = None, 0
     block_m, rows, sc = _rows(group, n, d)
-    stages, per_sm = decode_plan(d, kcb.bits, vcb.bits, kv.key_split is not None, b * hkv * split_len)
+    stages, per_sm, plan_prefetch = decode_plan(d, kcb.bits, vcb.bits, kv.key_split is not None, b * hkv * split_len)
     num_splits, tok_per_split = _split_plan(b * hkv, split_len, query.device, num_splits, block_n, per_sm)
     slots = b * hkv * (num_splits + 1)
     need = slots * rows * (d + 2)
@@ -868,7 +867,7 @@ def decode_attention(
         G=group, D=d, KBITS=kcb.bits, VBITS=vcb.bits, KPT=kp.shape[-1], VPT=vp.shape[-1],
         KT_SH=kt_sh, VT_SH=vt_sh, KP=kplanes, VP=vplanes, KW=max(16, d // kplanes), VW=max(16, d // vplanes),
         BLOCK_M=block_m, R=rows, SC=sc, BLOCK_N=block_n, MASK_KIND=mask_kind,
-        PREFETCH=DEFAULT_PREFETCH if prefetch is None else prefetch,
+        PREFETCH=plan_prefetch if prefetch is None else prefetch,
         STATIC=kv.static, ROTATE_ONCE=rotate_once(d), FP_BLOCK_N=16 if d > 128 else block_n, **split_const,
         num_warps=num_warps or DEFAULT_WARPS, num_stages=stages if num_stages is None else num_stages,
     )
