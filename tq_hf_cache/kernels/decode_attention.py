@@ -594,6 +594,8 @@ _SCRATCH_STREAMS = 16  # (device, stream) pairs whose scratch is kept
 # work (4 warps issued 4x the instructions of one); on 64 rows (several queries) 4 warps gave a wrong result on the
 # H100 (triton 3.6) in one test case.
 DEFAULT_WARPS = 1
+
+
 def rotate_once(head_dim: int) -> bool:
     """Whether the launcher rotates the query and the merge rotates the values back, once per call (head dim 256),
     instead of every program (head dims 64, 128: faster there on the H100, by 5-70 % at k5v3; at 256 the per-program
