@@ -52,7 +52,9 @@ def main():
         _, want = ba.kernel_time(kv, b)
         for m in minimums:
             kernels.MIN_TOKENS_PER_SPLIT = m
-            splits = kernels.num_splits_for(b * ba.HKV, lq, ba.DEV)
+            kbits, vbits, parts = ba.parse_preset(preset)
+            per_sm = kernels.decode_plan(ba.D, kbits, vbits, parts is not None, b * ba.HKV * lq)[1]  # the launcher's
+            splits = kernels.num_splits_for(b * ba.HKV, lq, ba.DEV, per_sm)
             ms, out = ba.kernel_time(kv, b, num_splits=splits)
             row = {"shape": shape, "preset": preset, "batch": b, "context": t, "min_tokens_per_split": m,
                    "num_splits": splits, "kernel_ms": round(ms, 4), "sdpa_ms": round(sdpa_ms, 4),

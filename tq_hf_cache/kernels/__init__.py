@@ -21,7 +21,7 @@ DECODE_MAX_ROWS = 128  # its query rows per KV head (query heads per KV head x q
 
 
 MIN_TOKENS_PER_SPLIT = 256  # the fused kernel's packed history per program, at least
-PROGRAMS_PER_SM = 4  # the fused kernel's programs per SM where `decode_plan` names none
+PROGRAMS_PER_SM = 4  # num_splits_for's default programs per SM (the launcher passes `decode_plan`'s own)
 PLAN_MIN_KEY_ROWS = 131072  # head dim 128: 1 stage from these many packed key rows on (batch x KV heads x tokens)
 
 
