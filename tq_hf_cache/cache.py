@@ -11,6 +11,7 @@ from transformers.cache_utils import Cache, DynamicLayer
 from . import _compat
 from .codebook import Codebook, theoretical_codebook
 from .config import TurboQuantConfig, model_facts
+from .crop import crop_layers
 from .layer import TurboQuantLayer, TurboQuantSlidingLayer, hybrid_classes
 from .rope import rope_angles
 from .rotation import make_rotation
@@ -130,6 +131,10 @@ class TurboQuantCache(DynamicCache):
         if codebooks is not None:
             codebooks.check_covers(tq)
         return cls(tq, config=config, codebooks=codebooks)
+
+    def crop(self, max_length: int) -> None:
+        """As `DynamicCache.crop`, all or nothing: a layer that would refuse is found before any layer is cut."""
+        crop_layers(self.layers, max_length)
 
     def save_prefix(self, path: str, token_ids) -> str:
         """Save this cache, holding a prompt prefix, for reuse by later requests that start with the same tokens.

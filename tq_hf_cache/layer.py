@@ -566,6 +566,9 @@ class TurboQuantLayer(DynamicLayer):
     def reset(self) -> None:
         self._clear()
 
+    def check_crop(self, max_length: int) -> None:
+        """Raise what `crop(max_length)` would raise, changing nothing: a full-attention layer takes every crop."""
+
     def crop(self, max_length: int) -> None:
         """Negative: remove that many newest tokens; positive: keep the first `max_length` tokens.
 
@@ -707,13 +710,13 @@ class TurboQuantSlidingLayer(TurboQuantLayer):
             return k[:, :, -visible:], v[:, :, -visible:]
         return k, v
 
-    def crop(self, max_length: int) -> None:
-        """As `DynamicSlidingWindowLayer.crop`: past the window only while recording, only by a count (<= 0) of
-        newest tokens to remove; it also trims what is kept back to the window."""
-        if self.is_initialized:
-            self._settle()
-        if not self.is_initialized or self.get_seq_length() < self.sliding_window:
-            super().crop(max_length)
+    def check_crop(self, max_length: int) -> None:
+        """Raise what `crop(max_length)` would raise, changing nothing (a cache checks every layer before it crops
+        any): past the window only while recording, and only by a count (<= 0) of newest tokens to remove."""
+        if not self.is_initialized:
+            return
+        self._settle()  # what a decode step left beyond the residual window: no visible change
+        if self.get_seq_length() < self.sliding_window:
             return
         if not self.record_past:
             raise SlidingCropError(
@@ -732,6 +735,16 @@ class TurboQuantSlidingLayer(TurboQuantLayer):
                 f"cannot remove {remove} tokens from a sliding-window layer that keeps {stored}: the window would "
                 f"need {max(needed, 0)} older tokens, dropped before activate_past_recording()"
             )
+
+    def crop(self, max_length: int) -> None:
+        """As `DynamicSlidingWindowLayer.crop` (see `check_crop`); it also trims what is kept back to the window."""
+        if self.is_initialized:
+            self._settle()
+        if not self.is_initialized or self.get_seq_length() < self.sliding_window:
+            super().crop(max_length)
+            return
+        self.check_crop(max_length)
+        remove, stored = -max_length, self.k_buf.length + self._rlen
         self._truncate(stored - remove)
         self.cumulative_length -= remove
         self._trim_front(self.sliding_window - 1)
@@ -787,6 +800,12 @@ def hybrid_classes():
             LinearAttentionLayer.crop(self, tokens_to_remove)
             base.crop(self, tokens_to_remove)
 
+        def check_crop(self, tokens_to_remove: int):
+            from .crop import check_foreign_crop
+
+            check_foreign_crop(self, tokens_to_remove, LinearAttentionLayer.crop)
+            base.check_crop(self, tokens_to_remove)
+
         attrs = {
             "__init__": __init__,
             "lazy_initialization": lazy_initialization,
@@ -795,6 +814,7 @@ def hybrid_classes():
             "reset": both("reset"),
             "reorder_cache": both("reorder_cache"),
             "crop": crop,
+            "check_crop": check_crop,
             "is_compileable": False,
             "supports_early_init": True,
             "__doc__": f"{base.__name__} plus the untouched linear-attention (conv/recurrent) states of a hybrid layer.",

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import warnings
+import weakref
 
 import torch
 
@@ -119,54 +120,104 @@ def dequantize_split_into(parts, split, out: torch.Tensor) -> None:
 
 
 # --- custom ops: what torch.compile sees of a static TurboQuant layer ---------------------------------------------
-# Each op is opaque to dynamo (no graph break) and has a fake implementation for shapes. A quantizer (rotation +
-# codebook on one device) is passed as an id into this registry, since custom ops take tensors and scalars only.
+# Each op is opaque to dynamo (no graph break) and has a fake implementation for shapes. Custom ops take tensors and
+# scalars only, so a layer's quantizers (rotation + codebook on one device), key split and RoPE reach them as ids.
+# The layer owns the objects; the ids hold them weakly (an entry dies with the last cache that uses it) and are made
+# again from the objects whenever a layer is unpickled or copied, so an id never outlives or leaves its process.
 
-_QUANTIZERS: list[tuple[Rotation, Codebook]] = []
-_QUANTIZER_IDS: dict[tuple, int] = {}
+
+class _Ids:
+    """Ids of weakly held objects. `key` names an entry: content for quantizers (every cache holding equal ones
+    shares the id, so successive caches compile to the same graph), identity for the rest. An entry lives while
+    one of the object tuples registered under it does; an identity key dies with its object, so no id is reused."""
+
+    def __init__(self, kind: str):
+        self.kind = kind
+        self._ids: dict = {}  # key -> id
+        self._refs: dict[int, list[tuple]] = {}  # id -> weak references of each holder's objects
+        self._next = 0
+
+    def id_for(self, key, *objects) -> int:
+        oid = self._ids.get(key)
+        if oid is None:
+            oid = self._ids[key] = self._next
+            self._next += 1
+        held = self._refs.setdefault(oid, [])
+        if not any(all(r() is o for r, o in zip(refs, objects)) for refs in held):
+            held.append(tuple(weakref.ref(o, _drop(self, key, oid)) for o in objects))
+        return oid
+
+    def get(self, oid: int) -> tuple:
+        for refs in self._refs.get(oid, ()):
+            objs = tuple(r() for r in refs)
+            if all(o is not None for o in objs):
+                return objs
+        raise ValueError(
+            f"unknown {self.kind} id {oid}: ids name the objects of live caches in this process (made by their "
+            "layers, again when a cache is unpickled or copied); this one was never made here or its cache is gone"
+        )
+
+    def __len__(self) -> int:
+        return len(self._refs)
+
+
+def _drop(ids: _Ids, key, oid: int):
+    """The weakref callback of one holder's objects: forget that holder, the entry with its last holder, and an
+    identity key with its object."""
+
+    def callback(ref):
+        held = ids._refs.get(oid)
+        if held is None:
+            return
+        held[:] = [refs for refs in held if not any(r is ref for r in refs)]
+        if not held:
+            del ids._refs[oid]
+            if key[0] == "identity":
+                ids._ids.pop(key, None)
+
+    return callback
+
+
+_QUANTIZERS = _Ids("quantizer")
+_OBJECTS = _Ids("object")
 _OUT_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 
 
 def quantizer_id(rotation: Rotation, codebook: Codebook) -> int:
-    """The registry id of (rotation, codebook); the same id for the same content on the same device."""
-    key = (rotation.kind, rotation.dim, rotation.seed, str(rotation.matrix.device), codebook.bits,
-           codebook.fingerprint or id(codebook), str(codebook.centroids.device))
-    qid = _QUANTIZER_IDS.get(key)
-    if qid is None:
-        qid = _QUANTIZER_IDS[key] = len(_QUANTIZERS)
-        _QUANTIZERS.append((rotation, codebook))  # holds the codebook, so that an id() key stays unique
-    return qid
+    """The id of (rotation, codebook), held weakly: the same id for the same content on the same device."""
+    content = codebook.fingerprint or ("identity", id(codebook))
+    key = (rotation.kind, rotation.dim, rotation.seed, str(rotation.matrix.device), codebook.bits, content,
+           str(codebook.centroids.device))
+    if not codebook.fingerprint:
+        key = ("identity", *key)
+    return _QUANTIZERS.id_for(key, rotation, codebook)
 
 
 def quantizer(qid: int) -> tuple[Rotation, Codebook]:
-    if not 0 <= qid < len(_QUANTIZERS):
-        raise ValueError(f"unknown quantizer id {qid}: ids come from tq_hf_cache.ops.quantizer_id (0..{len(_QUANTIZERS) - 1})")
-    return _QUANTIZERS[qid]
-
-
-_OBJECTS: list = []  # the KeySplits and RopeAngles static layers name by id
+    return _QUANTIZERS.get(qid)
 
 
 def object_id(obj) -> int:
-    """The registry id of a static layer's `key_split.KeySplit` or `rope.RopeAngles` (custom ops take ints, not
-    objects); -1 for None."""
+    """The id of a static layer's `key_split.KeySplit` or `rope.RopeAngles` (custom ops take ints, not objects),
+    held weakly; -1 for None."""
     if obj is None:
         return -1
-    for i, known in enumerate(_OBJECTS):
-        if known is obj:
-            return i
-    _OBJECTS.append(obj)
-    return len(_OBJECTS) - 1
+    return _OBJECTS.id_for(("identity", id(obj)), obj)
 
 
 def object_of(oid: int, kind: type | None = None):
-    """The object of a registry id (of type `kind` when given), None for -1."""
+    """The object of an id (of type `kind` when given), None for -1."""
     if oid == -1:
         return None
-    if not 0 <= oid < len(_OBJECTS) or (kind is not None and not isinstance(_OBJECTS[oid], kind)):
-        raise ValueError(f"unknown {getattr(kind, '__name__', 'object')} id {oid}: ids come from "
-                         f"tq_hf_cache.ops.object_id")
-    return _OBJECTS[oid]
+    (obj,) = _OBJECTS.get(oid)
+    if kind is not None and not isinstance(obj, kind):
+        raise ValueError(f"object id {oid} names a {type(obj).__name__}, not a {kind.__name__}")
+    return obj
+
+
+def live_ids() -> dict[str, int]:
+    """How many quantizer and object entries are alive (tests check that a deleted cache releases its own)."""
+    return {"quantizers": len(_QUANTIZERS), "objects": len(_OBJECTS)}
 
 
 def dtype_name(dtype: torch.dtype) -> str:

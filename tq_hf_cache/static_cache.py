@@ -27,6 +27,8 @@ R(t) mu back (to the dense keys, or as q . R(t) mu to the fused op's scores).
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 from functools import partial
 
 import torch
@@ -37,6 +39,7 @@ from . import _compat, ops
 from .attention import NAME
 from .cache import _check_codebooks, _codebook, _rotation, resolve_config
 from .config import model_facts
+from .crop import crop_layers
 from .codebook import theoretical_codebook
 from .kernels import DECODE_MAX_ROWS, decode_pays, decode_supports, split_supports
 from .key_split import make_split
@@ -159,17 +162,45 @@ class TurboQuantStaticLayer(StaticLayer):
         rows = min(DECODE_MAX_ROWS, _next_pow2(self._group * MAX_FUSED_QUERIES))
         splits = _max_splits(b * h, cap, dev, d, self.key_bits, self.value_bits, self.key_split is not None)
         self._shared.ensure(b * h * (splits + 1) * rows * (d + 2), b * h, dev)
+        self._quantizers = (rotation, kcb, vcb)  # owned here: the ops' ids hold them weakly
         # the ring is what update returns, and it carries the StaticKV that the attention reads
-        static = StaticKV(store, cap, sinks, ops.dtype_name(self.norm_dtype), ops.quantizer_id(rotation, kcb),
-                          ops.quantizer_id(rotation, vcb), self._shared.scratch, self._shared.counters,
-                          ops.object_id(self.key_split), ops.object_id(self.rope))
-        setattr(self.keys, PACKED_ATTR, static)
-        ops.prepare_fused(self.packed)
-        if self.rope is not None:  # its score tables, made now: made inside a captured graph they would outlive it
-            self.rope.scores(torch.zeros(1, d, device=dev), torch.zeros(1, d, device=dev), 0, cap)
-        for t in (store, self.keys, self.values):
-            _mark_static(t)
+        setattr(self.keys, PACKED_ATTR, StaticKV(store, cap, sinks, ops.dtype_name(self.norm_dtype), -1, -1,
+                                                 self._shared.scratch, self._shared.counters))
+        self._bind()
         self.is_initialized = True
+
+    def _bind(self) -> None:
+        """Name this layer's quantizers, key split and RoPE to the custom ops by this process's ids, and build
+        what the fused path caches for them (made inside a captured graph, it would outlive the graph). Run when the
+        buffers are made and again when the layer is unpickled or copied: ids never leave their process."""
+        rotation, kcb, vcb = self._quantizers
+        s = getattr(self.keys, PACKED_ATTR)
+        setattr(self.keys, PACKED_ATTR, dataclasses.replace(
+            s, k_quantizer=ops.quantizer_id(rotation, kcb), v_quantizer=ops.quantizer_id(rotation, vcb),
+            key_split=ops.object_id(self.key_split), key_rope=ops.object_id(self.rope)))
+        if self.key_split is not None:
+            for r, cb in self.key_split.parts:
+                ops.quantizer_id(r, cb)
+        ops.prepare_fused(self.packed)
+        if self.rope is not None:
+            d, dev = self.k_head_dim, self.keys.device
+            self.rope.scores(torch.zeros(1, d, device=dev), torch.zeros(1, d, device=dev), 0, self.max_cache_len)
+        for t in (s.store, s.scratch, s.counters, self.keys, self.values):
+            _mark_static(t)
+
+    def __setstate__(self, state: dict) -> None:
+        """Unpickled (its config a copy: it follows the attention setting its model had when it was pickled)."""
+        self.__dict__.update(state)
+        if self.__dict__.get("is_initialized", False):
+            self._bind()
+
+    def __deepcopy__(self, memo: dict) -> "TurboQuantStaticLayer":
+        """A copy of the buffers that, like the original, follows its model's live attention setting."""
+        memo[id(self._attn_config)] = self._attn_config
+        new = type(self).__new__(type(self))
+        memo[id(self)] = new
+        new.__setstate__({k: copy.deepcopy(v, memo) for k, v in self.__dict__.items()})
+        return new
 
     @property
     def packed(self) -> PackedKV:
@@ -264,6 +295,9 @@ class TurboQuantStaticLayer(StaticLayer):
                 t.zero_()
             self._mu_pending = self.rope is not None
 
+    def check_crop(self, max_length: int) -> None:
+        """Raise what `crop(max_length)` would raise, changing nothing: this layer takes every crop."""
+
     def crop(self, max_length: int) -> None:
         """Negative: remove that many newest positions; positive: keep the first `max_length` (a length)."""
         if not self.is_initialized:
@@ -354,6 +388,12 @@ class TurboQuantStaticCache(Cache):
             )
         if isinstance(max_cache_len, bool) or not isinstance(max_cache_len, int) or max_cache_len < 1:
             raise ValueError(f"max_cache_len must be a positive integer, got {max_cache_len!r}")
+        if offloading:
+            raise ValueError(
+                "TurboQuantStaticCache does not offload layers (offloading=True): its buffers keep fixed device "
+                "addresses for CUDA graphs, and transformers' offload would move the rings without the packed state. "
+                "Use TurboQuantCache(offloading=True), or no offloading: the packed cache is ~1/4 of StaticCache's bytes"
+            )
         if max_batch_size is not None and (
             isinstance(max_batch_size, bool) or not isinstance(max_batch_size, int) or max_batch_size < 1
         ):
@@ -404,6 +444,10 @@ class TurboQuantStaticCache(Cache):
             for layer, t in centred:
                 layer.rope, layer._mu_pending = ropes[t], True
         Cache.__init__(self, layers=layers, offloading=offloading, offload_only_non_sliding=offload_only_non_sliding)
+
+    def crop(self, max_length: int) -> None:
+        """As `StaticCache.crop`, all or nothing: a layer that would refuse is found before any layer is cut."""
+        crop_layers(self.layers, max_length)
 
     def nbytes(self) -> dict[str, int]:
         """Device bytes the cache holds, by kind; `full_precision` counts the layers kept in full precision."""
