@@ -91,39 +91,58 @@ def _prefilled(model, overrides, ids):
     return cache
 
 
+def _make(model, overrides, kind: str, seed_offset: int = 0):
+    if kind == "static":
+        return _static(model, overrides, seed_offset)
+    return TurboQuantCache(config=model.config, seed=seed_offset, **overrides)
+
+
+def _continue(model, cache, ids) -> torch.Tensor:
+    """Logits of ids[:, PROMPT:] one token at a time through a cache holding ids[:, :PROMPT]."""
+    if type(cache).__name__ == "TurboQuantStaticCache":
+        return static_logits(model, cache, ids, PROMPT, "turboquant", prefilled=True)
+    with torch.no_grad():
+        return torch.cat([model(ids[:, t : t + 1], **with_cache(cache)).logits for t in range(PROMPT, ids.shape[1])], 1)
+
+
+_CASES = [(name, kind, how) for name, _, _ in KINDS for kind in ("static", "dynamic") for how in ("pickle", "torch")]
+
 _CHILD = r"""
 import pickle, sys, torch
 sys.path.insert(0, {tests!r})
-from conftest import static_logits
-from test_cache_lifecycle import KINDS, PROMPT, _model, _static, _ids
-name = {name!r}
-_, family, overrides = next(k for k in KINDS if k[0] == name)
-model = _model(family)
+from test_cache_lifecycle import KINDS, _CASES, PROMPT, _continue, _make, _model, _ids
 ids = _ids()
-other = _static(model, overrides, seed_offset=11)  # this process's own ids first
-static_logits(model, other, ids, PROMPT, "turboquant")
-with open({path!r}, "rb") as f:
-    cache = pickle.load(f)
-got = static_logits(model, cache, ids, PROMPT, "turboquant", prefilled=True)
-torch.save(got, {out!r})
+for i, (name, kind, how) in enumerate(_CASES):
+    _, family, overrides = next(k for k in KINDS if k[0] == name)
+    model = _model(family)
+    _continue(model, _make(model, overrides, kind, seed_offset=11), ids)  # this process's own ids first
+    with open({folder!r} + f"/{{i}}.bin", "rb") as f:
+        cache = pickle.load(f) if how == "pickle" else torch.load(f, weights_only=False)
+    torch.save(_continue(model, cache, ids), {folder!r} + f"/{{i}}.out")
 """
 
 
-@pytest.mark.parametrize("name", [k[0] for k in KINDS])
-def test_a_pickled_static_cache_continues_exactly_in_a_fresh_process(name, tmp_path):
-    _, family, overrides = next(k for k in KINDS if k[0] == name)
-    model = _model(family)
-    ids = _ids()
-    cache = _prefilled(model, overrides, ids)
-    path, out = tmp_path / "cache.pkl", tmp_path / "logits.pt"
-    path.write_bytes(pickle.dumps(cache))
-    want = static_logits(model, cache, ids, PROMPT, "turboquant", prefilled=True)
+def test_copied_caches_continue_exactly_in_a_fresh_process(tmp_path):
+    """Each cache kind (static and dynamic; plain, split and centred keys), pickled or torch.save'd, continues with
+    the saved cache's exact logits in a new interpreter that has built caches of other quantizers first."""
+    ids, want = _ids(), []
+    for i, (name, kind, how) in enumerate(_CASES):
+        _, family, overrides = next(k for k in KINDS if k[0] == name)
+        model = _model(family)
+        cache = _make(model, overrides, kind)
+        with torch.no_grad():
+            model(ids[:, :PROMPT], **with_cache(cache))
+        with open(tmp_path / f"{i}.bin", "wb") as f:
+            pickle.dump(cache, f) if how == "pickle" else torch.save(cache, f)
+        want.append(_continue(model, cache, ids))
     tests = os.path.dirname(os.path.abspath(__file__))
-    code = _CHILD.format(tests=tests, name=name, path=str(path), out=str(out))
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([tests, os.environ.get("PYTHONPATH", "")])}
-    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600)
+    code = _CHILD.format(tests=tests, folder=str(tmp_path))
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=900)
     assert run.returncode == 0, run.stderr[-3000:]
-    torch.testing.assert_close(torch.load(out), want, rtol=0, atol=0, msg=f"{name}: logits in a fresh process")
+    for i, case in enumerate(_CASES):
+        torch.testing.assert_close(torch.load(tmp_path / f"{i}.out"), want[i], rtol=0, atol=0,
+                                   msg=f"{case}: logits in a fresh process")
 
 
 def test_the_dynamic_cache_round_trips_through_pickle():
