@@ -138,10 +138,14 @@ class StaticKV:
 
     Args:
         store: the uint8 buffer laid out by `static_parts`.
-        capacity, sinks: positions held at most; sink positions kept exact.
+        capacity: positions held at most.
+        sinks: the first positions, kept exact.
         norm_dtype: the norms' dtype name ("float16" or "float32").
-        k_quantizer, v_quantizer: `tq_hf_cache.ops` quantizer ids (rotation + codebook).
-        scratch, counters: the fused kernel's split-K scratch and arrival counters, shared by a cache's layers.
+        k_quantizer: the `tq_hf_cache.ops` id of the keys' rotation and codebook (the layer owns them; the id,
+            held weakly, is made again in each process the layer is unpickled in).
+        v_quantizer: the same for the values.
+        scratch: the fused kernel's split-K scratch, shared by a cache's layers.
+        counters: the fused kernel's arrival counters, shared likewise.
         key_split: the `tq_hf_cache.ops` id of the layer's `KeySplit` when its keys are split, else -1.
         key_rope: the `tq_hf_cache.ops` id of the layer's `RopeAngles` when its keys are centred, else -1.
     """
