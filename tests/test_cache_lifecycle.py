@@ -241,7 +241,10 @@ def test_a_crop_that_one_layer_refuses_changes_no_layer(kind, amount):
     with torch.no_grad():
         model(torch.randint(3, 128, (1, 40)), **with_cache(cache))
     before = [int(layer.get_seq_length()) for layer in cache.layers]
-    if kind == "static" and amount < 0:  # static layers take a negative crop everywhere (transformers' own too)
+    from transformers.cache_utils import StaticSlidingWindowLayer
+
+    # static layers take a negative crop where transformers' static sliding layer has one (5.24, not 5.17)
+    if kind == "static" and amount < 0 and hasattr(StaticSlidingWindowLayer, "crop"):
         cache.crop(amount)
         assert [int(layer.get_seq_length()) for layer in cache.layers] == [b + amount for b in before]
         return

@@ -16,13 +16,16 @@ def check_foreign_crop(layer, max_length: int, crop=None) -> None:
     """Raise what `crop(layer, max_length)` (default: the layer's own `crop`) would raise, changing nothing: it runs
     on a copy that shares the layer's tensors (a dynamic layer's crop rebinds them) but holds its own lists, dicts
     and one-element tensors (a static layer's length is cut in place)."""
+    crop = crop or getattr(type(layer), "crop", None)
+    if crop is None:
+        raise RuntimeError(f"a {type(layer).__name__} has no crop in this transformers release")
     clone = copy.copy(layer)
     for name, value in vars(layer).items():
         if isinstance(value, (list, dict)):
             setattr(clone, name, copy.copy(value))
         elif isinstance(value, torch.Tensor) and value.numel() <= 1:
             setattr(clone, name, value.clone())
-    (crop or type(layer).crop)(clone, max_length)
+    crop(clone, max_length)
 
 
 def crop_layers(layers, max_length: int) -> None:
