@@ -421,3 +421,13 @@ def test_prefix_files_follow_the_umask(tmp_path, umask, file_mode):
     assert oct(os.stat(tmp_path / "new").st_mode & 0o777) == oct(0o777 & ~umask)
     for name in (PREFIX_JSON, PREFIX_TENSORS):
         assert oct(os.stat(tmp_path / "new" / name).st_mode & 0o777) == oct(file_mode)
+
+
+def test_a_huge_key_split_size_in_the_index_is_refused_without_building_it(tmp_path):
+    """Found by the fuzz suite: a size of 10**30 made the spec check build range(10**30) (OverflowError; 10**9
+    would have taken gigabytes)."""
+    cfg, _, _ = saved(tmp_path)
+    reseal(tmp_path, lambda doc: doc["tq_config"].update(key_split={"0": {"bits": [4, 2], "sizes": [10**30, 2],
+                                                                         "order": [[0, 1], [1, 0]]}}))
+    with pytest.raises(ValueError, match="field tq_config is invalid: key_split.0. KV head 0"):
+        TurboQuantCache.load_prefix(str(tmp_path), cfg)

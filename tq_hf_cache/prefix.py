@@ -328,7 +328,10 @@ def load_prefix(cls, path: str, config, *, token_ids=None, codebooks=None, devic
     if token_ids is not None:
         _check_tokens(doc, where, token_ids)
     tensors = _read_tensors(path, doc["tensors_sha256"], device)
-    cache = cls(TurboQuantConfig.from_dict(doc["tq_config"]), config=config, codebooks=codebooks)
+    try:
+        cache = cls(TurboQuantConfig.from_dict(doc["tq_config"]), config=config, codebooks=codebooks)
+    except ValueError as e:
+        raise ValueError(f"{where}: field tq_config does not fit this model: {e}") from None
     if len(doc["layers"]) != len(cache.layers):
         raise ValueError(f"{where}: field layers lists {len(doc['layers'])} layers, this model's cache has "
                          f"{len(cache.layers)}")
@@ -450,9 +453,9 @@ def _restore_tq_layer(layer, i: int, info: dict, facts: dict, get, where: str, d
         raise ValueError(f"{where}: layers[{i}] has heads={h}, head_dim={d}, the model "
                          f"{facts['num_key_value_heads']} KV heads of dim {facts['head_dim']}")
     _check_stored_length(layer, i, q + r, info, where, "quantized + residual")
-    if r > layer.residual_capacity or s > min(layer.sink_tokens, q):
-        raise ValueError(f"{where}: layers[{i}] holds residual={r} and sinks={s}; this config keeps at most "
-                         f"{layer.residual_capacity} and min(sink_tokens={layer.sink_tokens}, quantized={q})")
+    if r > layer.residual_capacity or s != min(layer.sink_tokens, q):
+        raise ValueError(f"{where}: layers[{i}] holds residual={r} and sinks={s}; this config keeps a residual of at "
+                         f"most {layer.residual_capacity} and min(sink_tokens={layer.sink_tokens}, quantized={q}) sinks")
     dtype = _DTYPES[info["dtype"]]
     layer.lazy_initialization(torch.empty(b, h, 0, d, dtype=dtype, device=device))
     if _layer_digest(layer) != info["digest"]:
