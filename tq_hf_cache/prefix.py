@@ -454,8 +454,9 @@ def _restore_tq_layer(layer, i: int, info: dict, facts: dict, get, where: str, d
                          f"{facts['num_key_value_heads']} KV heads of dim {facts['head_dim']}")
     _check_stored_length(layer, i, q + r, info, where, "quantized + residual")
     if r > layer.residual_capacity or s != min(layer.sink_tokens, q):
-        raise ValueError(f"{where}: layers[{i}] holds residual={r} and sinks={s}; this config keeps a residual of at "
-                         f"most {layer.residual_capacity} and min(sink_tokens={layer.sink_tokens}, quantized={q}) sinks")
+        raise ValueError(f"{where}: layers[{i}] holds residual={r} and sinks={s}; this config keeps a residual of "
+                         f"at most {layer.residual_capacity} and min(sink_tokens={layer.sink_tokens}, quantized={q}) "
+                         "sinks")
     dtype = _DTYPES[info["dtype"]]
     layer.lazy_initialization(torch.empty(b, h, 0, d, dtype=dtype, device=device))
     if _layer_digest(layer) != info["digest"]:
