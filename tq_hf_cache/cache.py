@@ -136,26 +136,33 @@ class TurboQuantCache(DynamicCache):
         """As `DynamicCache.crop`, all or nothing: a layer that would refuse is found before any layer is cut."""
         crop_layers(self.layers, max_length)
 
-    def save_prefix(self, path: str, token_ids) -> str:
+    def save_prefix(self, path: str, token_ids, model=None) -> str:
         """Save this cache, holding a prompt prefix, for reuse by later requests that start with the same tokens.
 
         Args:
-            path: a folder; `turboquant_prefix.safetensors` and `turboquant_prefix.json` are written into it.
+            path: a folder; `turboquant_prefix.safetensors` and `turboquant_prefix.json` are written into it, both
+                or neither for a new folder (an existing one gets the tensors, then the index; a torn pair is
+                refused at load by the tensors' SHA-256 in the index).
             token_ids: the prefix's token ids, (seq,) or (batch, seq), exactly the tokens the cache holds. Their
                 SHA-256 is stored so that `load_prefix(..., token_ids=prompt)` can refuse another prompt.
+            model: the model that filled the cache. Given, a digest of its weights is stored and `load_prefix`
+                then needs the same weights (`model=`): a checkpoint of the same shape is refused. Without it,
+                only the model facts (type, layers, KV heads, head dim) bind the prefix to a model.
 
         The cache must have been built with `config=model.config`. No pickle is used. Example:
 
             cache = TurboQuantCache(config=model.config)
             model(prefix_ids, cache=cache)
-            cache.save_prefix("prefixes/manual", prefix_ids)
+            cache.save_prefix("prefixes/manual", prefix_ids, model=model)
         """
         from .prefix import save_prefix
 
-        return save_prefix(self, path, token_ids)
+        return save_prefix(self, path, token_ids, model=model)
 
     @classmethod
-    def load_prefix(cls, path: str, config, *, token_ids=None, codebooks=None, device=None) -> "TurboQuantCache":
+    def load_prefix(
+        cls, path: str, config, *, token_ids=None, codebooks=None, device=None, model=None
+    ) -> "TurboQuantCache":
         """A cache holding a prefix saved by `save_prefix`, ready to continue generation.
 
         Args:
@@ -164,15 +171,19 @@ class TurboQuantCache(DynamicCache):
             token_ids: optional, the new prompt: refused unless it starts with the saved prefix's exact tokens.
             codebooks: the calibrated codebooks the prefix was saved with, if any (their identity is checked).
             device: where the tensors go (default: as saved, i.e. CPU).
+            model: the model to continue with; needed when the prefix was saved with `model=` (its weights must
+                be the saved ones), refused when it was not (there is nothing to check it against).
 
-        Continuing from the loaded cache gives the logits of the cache that was saved. Example:
+        Every refusal is a ValueError naming the file and the field or tensor (FileNotFoundError for a missing
+        file); nothing half built is returned. Continuing from the loaded cache gives the logits of the cache that
+        was saved. Example:
 
-            cache = TurboQuantCache.load_prefix("prefixes/manual", model.config, token_ids=prompt_ids)
+            cache = TurboQuantCache.load_prefix("prefixes/manual", model.config, token_ids=prompt_ids, model=model)
             out = model.generate(prompt_ids, cache=cache, max_new_tokens=64)
         """
         from .prefix import load_prefix
 
-        return load_prefix(cls, path, config, token_ids=token_ids, codebooks=codebooks, device=device)
+        return load_prefix(cls, path, config, token_ids=token_ids, codebooks=codebooks, device=device, model=model)
 
     def _make_layer(self, idx: int, layer_type: str, kwargs: dict, private_output: bool = False):
         return make_layer(

@@ -99,7 +99,7 @@ def check_spec(spec, layer: int) -> dict:
         raise ValueError(f"key_split[{layer}]['order'] must be a non-empty list (one channel order per KV head), "
                          f"got {order!r}")
     for h, row in enumerate(order):
-        if not isinstance(row, (list, tuple)) or sorted(row) != list(range(d)):
+        if not isinstance(row, (list, tuple)) or len(row) != d or sorted(row) != list(range(d)):
             raise ValueError(f"key_split[{layer}] KV head {h}: the order must be a permutation of the channels "
                              f"0..{d - 1} (sizes {list(sizes)} sum to {d}), got {row!r}")
     return {"bits": bits, "sizes": list(sizes), "order": [list(row) for row in order]}
