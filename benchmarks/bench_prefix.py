@@ -103,8 +103,9 @@ def run(args):
                 save_dynamic(filled, folder)
                 load = lambda: load_dynamic(folder, cfg, args.device)  # noqa: E731
             else:
-                filled.save_prefix(folder, prefix)
-                load = lambda: TurboQuantCache.load_prefix(folder, cfg, token_ids=ids, device=args.device)  # noqa: E731
+                filled.save_prefix(folder, prefix, model=model)
+                load = lambda: TurboQuantCache.load_prefix(folder, cfg, token_ids=ids, device=args.device,  # noqa: E731
+                                                           model=model)
             paths = {
                 "cold": lambda: first_token(model, ids, make(), 0),
                 "disk": lambda: first_token(model, ids, load(), n),
