@@ -438,3 +438,25 @@ def test_calibrated_lowers_heldout_error_on_smollm2(smollm2):
         assert cal[k] < theo[k], (k, cal[k], theo[k])
     # keys are far from the uniform-sphere law: at 3 and 4 bits calibration removes > 1.5 % of the error
     assert cal["key_4bit"] < 0.985 * theo["key_4bit"] and cal["key_3bit"] < 0.985 * theo["key_3bit"]
+
+
+def test_constructors_refuse_codebooks_of_another_rotation(tiny, calibrated):
+    """Codebooks hold centroids of coordinates under the calibration's rotation: every constructor checks the seed
+    and the rotation kind, as from_pretrained does."""
+    from tq_hf_cache._compat import IS_V5
+
+    assert calibrated.config.seed == 0 and calibrated.config.rotation == "auto"
+    msg = r"calibrated with seed=0, rotation='auto' but the cache uses seed=5, rotation='auto'"
+    with pytest.raises(ValueError, match=msg):
+        TurboQuantCache(CFG, config=tiny.config, codebooks=calibrated, seed=5)
+    with pytest.raises(ValueError, match=msg):
+        TurboQuantCache(CFG, codebooks=calibrated, seed=5)
+    with pytest.raises(ValueError, match="rotation='orthogonal'"):
+        TurboQuantCache(CFG, config=tiny.config, codebooks=calibrated, rotation="orthogonal")
+    TurboQuantCache(CFG, config=tiny.config, codebooks=calibrated)
+    if IS_V5:
+        from tq_hf_cache import TurboQuantStaticCache
+
+        with pytest.raises(ValueError, match=msg):
+            TurboQuantStaticCache(tiny.config, max_cache_len=64, tq_config=CFG, codebooks=calibrated, seed=5)
+        TurboQuantStaticCache(tiny.config, max_cache_len=64, tq_config=CFG, codebooks=calibrated)

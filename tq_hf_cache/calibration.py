@@ -310,15 +310,21 @@ class CalibratedCodebooks:
             raise ValueError(f"{path} holds tensors not listed in {TURBOQUANT_CONFIG_NAME}: {sorted(tensors)}")
         return out
 
-    def check_covers(self, tq_config: TurboQuantConfig) -> None:
-        """Raise unless every quantized layer's (kind, bits) under `tq_config` has a calibrated entry."""
-        n = self.model["num_hidden_layers"]
+    def check_rotation(self, tq_config: TurboQuantConfig) -> None:
+        """Raise unless `tq_config` rotates as the calibration did: the rotation defines the coordinates the
+        centroids were fitted to."""
         if tq_config.seed != self.config.seed or tq_config.rotation != self.config.rotation:
             raise ValueError(
                 f"the codebooks were calibrated with seed={self.config.seed}, rotation={self.config.rotation!r} but the "
                 f"cache uses seed={tq_config.seed}, rotation={tq_config.rotation!r}; they must match (the rotation "
-                "defines the coordinates the centroids were fitted to)"
+                "defines the coordinates the centroids were fitted to): pass seed / rotation as calibrated, or "
+                "recalibrate"
             )
+
+    def check_covers(self, tq_config: TurboQuantConfig) -> None:
+        """Raise unless every quantized layer's (kind, bits) under `tq_config` has a calibrated entry."""
+        n = self.model["num_hidden_layers"]
+        self.check_rotation(tq_config)
         for i in range(n):
             kv = tq_config.bits_for_layer(i, n)
             if kv is None:

@@ -7,6 +7,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
+from ._io import write_text
 from .codebook import check_bits
 from .key_split import check_spec
 from .rotation import ROTATION_KINDS
@@ -99,6 +100,13 @@ class TurboQuantConfig:
                                            _check_layer_bits)
         self.key_split = self._layer_dict(self.key_split, "key_split",
                                           '{layer_idx: {"bits": [...], "sizes": [...], "order": [...]}}', check_spec)
+        if self.rotation == "hadamard":
+            for i, spec in self.key_split.items():
+                bad = [n for n in spec["sizes"] if n & (n - 1)]
+                if bad:
+                    raise ValueError(f"key_split[{i}] has parts of {bad} channels, but rotation='hadamard' needs "
+                                     "power-of-two part sizes; use rotation='auto' or 'orthogonal', or sizes such as "
+                                     "16, 16, 32")
 
     def _layer_dict(self, value, what: str, shape: str, check) -> dict:
         """{layer index: check(v, index)} from a dict keyed by layer indices (ints, or digit strings from JSON)."""
@@ -128,6 +136,21 @@ class TurboQuantConfig:
         for what in ("skip_first", "skip_last"):
             if getattr(self, what) > num_layers:
                 raise ValueError(f"{what}={getattr(self, what)} is more than the model's {num_layers} layers")
+
+    def check_model_facts(self, facts: dict[str, Any] | None) -> None:
+        """Refuse per-layer settings that cannot fit a model of these facts (`model_facts`): layers it lacks, and
+        key splits whose parts do not hold its head dim or whose channel orders are not one per KV head."""
+        if facts is None:
+            return
+        self.check_layers(facts["num_hidden_layers"])
+        d, heads = facts["head_dim"], facts["num_key_value_heads"]
+        for i, spec in self.key_split.items():
+            if sum(spec["sizes"]) != d:
+                raise ValueError(f"key_split[{i}] parts of sizes {spec['sizes']} hold {sum(spec['sizes'])} channels, "
+                                 f"but the model's head dim is {d}: the sizes must sum to {d}")
+            if len(spec["order"]) != heads:
+                raise ValueError(f"key_split[{i}] gives channel orders for {len(spec['order'])} KV heads, but the "
+                                 f"model has {heads} KV heads")
 
     @staticmethod
     def _layer_index(i, what: str) -> int:
@@ -219,6 +242,7 @@ class TurboQuantConfig:
         }
         if model_config is not None:
             doc["model"] = model_facts(model_config)
+            self.check_model_facts(doc["model"])
         if "codebooks" not in (extra or {}):
             doc.update(self._kept_codebooks(save_directory, doc.get("model")))
         os.makedirs(save_directory, exist_ok=True)
@@ -227,11 +251,7 @@ class TurboQuantConfig:
                 raise ValueError(f"extra section {key!r} would overwrite a reserved key of {TURBOQUANT_CONFIG_NAME}")
             doc[key] = value
         path = os.path.join(save_directory, TURBOQUANT_CONFIG_NAME)
-        tmp = path + ".tmp"
-        with open(tmp, "w", encoding="utf-8") as f:
-            f.write(json.dumps(doc, indent=2, sort_keys=True) + "\n")
-        os.replace(tmp, path)
-        return path
+        return write_text(path, json.dumps(doc, indent=2, sort_keys=True) + "\n")
 
     def _kept_codebooks(self, directory, model: dict | None) -> dict[str, Any]:
         """The calibrated-codebook sections of a folder's existing config file, kept when this config can use
@@ -267,7 +287,28 @@ class TurboQuantConfig:
         transformers config) when given and against `directory/config.json` when present."""
         doc = read_turboquant_json(directory)
         check_model_facts(doc, directory, config)
-        return cls.from_dict(doc["tq_config"])
+        return cls.from_file_doc(doc, directory)
+
+    @classmethod
+    def from_file_doc(cls, doc: dict[str, Any], directory) -> "TurboQuantConfig":
+        """The config of a read `turboquant_config.json` (see `read_turboquant_json`), checked against its stored
+        model facts. save_pretrained writes every field, so a missing one means the file was cut or edited: it is
+        refused rather than read as its default."""
+        import os
+
+        where = os.path.join(directory, TURBOQUANT_CONFIG_NAME)
+        d = doc["tq_config"]
+        missing = [f.name for f in dataclasses.fields(cls) if f.name not in d]
+        if "tq_hf_cache_config_version" not in d:
+            missing.insert(0, "tq_hf_cache_config_version")
+        if missing:
+            raise ValueError(f"{where}: tq_config lacks the fields {missing} (save_pretrained writes every field)")
+        try:
+            cfg = cls.from_dict(d)
+            cfg.check_model_facts(doc.get("model"))
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"{where}: tq_config: {e}") from None
+        return cfg
 
 
 def _check_layer_bits(v, idx: int) -> list[int]:
@@ -356,6 +397,8 @@ def read_turboquant_json(directory) -> dict[str, Any]:
     if model is not None:
         if not isinstance(model, dict) or set(model) != set(MODEL_FACT_KEYS):
             raise ValueError(f"{path}: the 'model' section must have exactly the keys {list(MODEL_FACT_KEYS)}, got {model!r}")
+        if model["model_type"] is not None and not isinstance(model["model_type"], str):
+            raise ValueError(f"{path}: model.model_type must be a string or null, got {model['model_type']!r}")
         for k in MODEL_FACT_KEYS[1:]:
             v = model[k]
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
