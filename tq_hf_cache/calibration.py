@@ -43,11 +43,15 @@ from .config import (
     read_turboquant_json,
 )
 from ._compat import cache_kwargs
+from ._io import safetensors_bytes, sha256_bytes, sha256_file, write_bytes
 from .rotation import make_rotation
 
 CODEBOOKS_NAME = "turboquant_codebooks.safetensors"
 CODEBOOKS_FORMAT_VERSION = 1
 KINDS = ("key", "value")
+CHOICES = ("theoretical", "shared", "per_head")
+_INDEX_KEYS = ("file", "format_version", "bits", "entries", "info", "sha256")
+_ENTRY_KEYS = ("layer", "kind", "bits", "choice", "heldout_rel_mse")
 DEFAULT_BINS = 8192
 HOLDOUT_BLOCK = 32
 PER_HEAD_MIN_GAIN = 0.02
@@ -202,10 +206,9 @@ class CalibratedCodebooks:
     # ---- persistence ----
 
     def save_pretrained(self, save_directory) -> None:
-        """Write `turboquant_config.json` (config, model facts, codebook index) and `turboquant_codebooks.safetensors`."""
-        from safetensors.torch import save_file
-
-        os.makedirs(save_directory, exist_ok=True)
+        """Write `turboquant_codebooks.safetensors`, then `turboquant_config.json` (config, model facts, codebook
+        index). The two are bound: the index holds the tensors file's SHA-256, the tensors file the SHA-256 of the
+        index and model facts (`_index_digest`), so a file of another calibration, or an edited one, is refused."""
         tensors = {}
         for (layer, kind, bits), cb in sorted(self.codebooks.items()):
             tensors[_tensor_name(layer, kind, bits)] = cb.centroids.detach().float().cpu().contiguous()
@@ -220,18 +223,24 @@ class CalibratedCodebooks:
             ],
             "info": self.info,
         }
-        path = os.path.join(save_directory, CODEBOOKS_NAME)
-        save_file(tensors, path + ".tmp", metadata={"format_version": str(CODEBOOKS_FORMAT_VERSION)})
-        os.replace(path + ".tmp", path)
-        self.config.save_pretrained(save_directory, model_config=self.model, extra={"codebooks": index})
+        model = model_facts(self.model)
+        index = json.loads(json.dumps(index))  # the index as it will read back (tuples as lists, keys as strings)
+        data = safetensors_bytes(tensors, metadata={"format_version": str(CODEBOOKS_FORMAT_VERSION),
+                                                    "index_sha256": _index_digest(model, index)})
+        index["sha256"] = sha256_bytes(data)
+        os.makedirs(save_directory, exist_ok=True)
+        write_bytes(os.path.join(save_directory, CODEBOOKS_NAME), data)
+        self.config.save_pretrained(save_directory, model_config=model, extra={"codebooks": index})
 
     @classmethod
     def from_pretrained(cls, directory, config=None) -> "CalibratedCodebooks":
-        """Load and validate; `config` (a transformers config) is checked against the stored model facts."""
+        """Load and validate; `config` (a transformers config) is checked against the stored model facts.
+
+        Files with digests (see `save_pretrained`) must match them; files of format version 1 written before the
+        digests existed carry neither and are read unbound."""
         doc = read_turboquant_json(directory)
         check_model_facts(doc, directory, config)
         where = os.path.join(directory, TURBOQUANT_CONFIG_NAME)
-        tq = TurboQuantConfig.from_dict(doc["tq_config"])
         model = doc.get("model")
         if model is None:
             raise ValueError(f"{where} has no 'model' section: codebooks need the model facts it was calibrated on")
@@ -240,7 +249,11 @@ class CalibratedCodebooks:
             raise ValueError(f"{where} has no 'codebooks' section: this folder holds a config without calibrated codebooks")
         if not isinstance(index, dict):
             raise ValueError(f"{where}: the 'codebooks' section must be a JSON object, got {index!r}")
-        if index.get("format_version") != CODEBOOKS_FORMAT_VERSION:
+        tq = TurboQuantConfig.from_file_doc(doc, directory)
+        unknown = sorted(set(index) - set(_INDEX_KEYS))
+        if unknown:
+            raise ValueError(f"{where}: codebooks holds unknown fields {unknown}; known fields are {list(_INDEX_KEYS)}")
+        if index.get("format_version") != CODEBOOKS_FORMAT_VERSION or isinstance(index.get("format_version"), bool):
             raise ValueError(
                 f"{where}: codebooks.format_version {index.get('format_version')!r} is not supported; "
                 f"this tq_hf_cache reads version {CODEBOOKS_FORMAT_VERSION}"
@@ -253,8 +266,15 @@ class CalibratedCodebooks:
             raise ValueError(
                 f"{where}: codebooks.file must name a file inside the folder (no path separators), got {file_name!r}"
             )
+        if not isinstance(index.get("info", {}), dict):
+            raise ValueError(f"{where}: codebooks.info must be a JSON object, got {index['info']!r}")
+        digest = index.get("sha256")
+        if digest is not None and (not isinstance(digest, str) or len(digest) != 64
+                                   or any(c not in "0123456789abcdef" for c in digest)):
+            raise ValueError(f"{where}: codebooks.sha256 must be 64 lowercase hex digits, got {digest!r}")
         path = os.path.join(directory, file_name)
-        tensors = _load_tensors(path)
+        tensors, meta = _load_tensors(path)
+        bound = meta.get("index_sha256")
         n_layers, heads = model["num_hidden_layers"], model["num_key_value_heads"]
 
         seeds = tensors.pop("rotation_seeds", None)
@@ -266,7 +286,7 @@ class CalibratedCodebooks:
                 f"{path}: rotation_seeds {seeds.tolist()} ({seeds.dtype}) do not match seed={tq.seed} + layer index "
                 f"for {n_layers} layers"
             )
-        out = cls(tq, dict(model), info=dict(index.get("info") or {}))
+        out = cls(tq, dict(model), info=dict(index.get("info", {})))
         raw_entries = index.get("entries")
         if not isinstance(raw_entries, list):
             raise ValueError(f"{where}: codebooks.entries must be a list, got {type(raw_entries).__name__}")
@@ -274,12 +294,20 @@ class CalibratedCodebooks:
             if not isinstance(e, dict):
                 raise ValueError(f"{where}: a codebook entry must be an object, got {e!r}")
             layer, kind, bits, choice = e.get("layer"), e.get("kind"), e.get("bits"), e.get("choice")
+            if not set(_ENTRY_KEYS[:4]) <= set(e) <= set(_ENTRY_KEYS):
+                raise ValueError(f"{where}: a codebook entry holds the fields {list(_ENTRY_KEYS[:4])} and optionally "
+                                 f"{_ENTRY_KEYS[4]!r}, got {e!r}")
+            mse = e.get("heldout_rel_mse", {c: None for c in CHOICES})
+            if not isinstance(mse, dict) or set(mse) != set(CHOICES) or not all(
+                    v is None or (isinstance(v, (int, float)) and not isinstance(v, bool)) for v in mse.values()):
+                raise ValueError(f"{where}: an entry's heldout_rel_mse must map each of {list(CHOICES)} to a number "
+                                 f"or null, got {mse!r}")
             if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer < n_layers:
                 raise ValueError(f"{where}: entry layer must be an integer in [0, {n_layers}), got {layer!r}")
             if kind not in KINDS:
                 raise ValueError(f"{where}: entry kind must be one of {KINDS}, got {kind!r}")
             check_bits(bits, f"{where}: layer {layer} {kind} bits")
-            if choice not in ("theoretical", "shared", "per_head"):
+            if choice not in CHOICES:
                 raise ValueError(f"{where}: layer {layer} {kind} {bits}-bit choice must be theoretical/shared/per_head, got {choice!r}")
             key = (layer, kind, bits)
             if key in out.entries:
@@ -308,6 +336,22 @@ class CalibratedCodebooks:
             out.codebooks[key] = Codebook.from_centroids(t, bits)
         if tensors:
             raise ValueError(f"{path} holds tensors not listed in {TURBOQUANT_CONFIG_NAME}: {sorted(tensors)}")
+        if "bits" in index and index["bits"] != out.bits:
+            raise ValueError(f"{where}: codebooks.bits {index['bits']!r} does not match its entries' bits {out.bits}")
+        if (bound is None) != (digest is None):
+            raise ValueError(f"{where} and {path} do not belong together: "
+                             + (f"{path} carries no index_sha256 but codebooks.sha256 is given" if bound is None
+                                else f"codebooks.sha256 is missing, but {path} is bound to its index"))
+        if digest is not None and sha256_file(path) != digest:
+            raise ValueError(
+                f"{path} is not the codebooks file {where} indexes (its SHA-256 differs from codebooks.sha256): it "
+                "was changed, or comes from another calibration; recalibrate, or restore both files together"
+            )
+        if bound is not None and bound != _index_digest(model, {k: v for k, v in index.items() if k != "sha256"}):
+            raise ValueError(
+                f"{where}: the 'codebooks' or 'model' section differs from the one {path} was saved with (edited "
+                "after saving?); recalibrate, or restore the saved file"
+            )
         return out
 
     def check_rotation(self, tq_config: TurboQuantConfig) -> None:
@@ -341,7 +385,13 @@ def _tensor_name(layer: int, kind: str, bits: int) -> str:
     return f"layers.{layer}.{kind}.{bits}bit.centroids"
 
 
-def _load_tensors(path) -> dict[str, torch.Tensor]:
+def _index_digest(model: dict, index: dict) -> str:
+    """SHA-256 of the model facts and the codebook index (without its own `sha256`), as canonical JSON."""
+    return sha256_bytes(json.dumps({"model": model, "codebooks": index}, sort_keys=True,
+                                   separators=(",", ":")).encode("utf-8"))
+
+
+def _load_tensors(path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     from safetensors import safe_open
 
     if not os.path.isfile(path):
@@ -354,7 +404,7 @@ def _load_tensors(path) -> dict[str, torch.Tensor]:
                     f"{path}: format_version {meta.get('format_version')!r} is not supported; expected "
                     f"{str(CODEBOOKS_FORMAT_VERSION)!r}"
                 )
-            return {k: f.get_tensor(k) for k in f.keys()}
+            return {k: f.get_tensor(k) for k in f.keys()}, meta
     except ValueError:
         raise
     except Exception as e:  # safetensors raises SafetensorsError (truncated header, bad offsets, ...)

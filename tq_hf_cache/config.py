@@ -26,7 +26,11 @@ PRESETS: dict[str, tuple[int, int]] = {
 }
 DEFAULT_PRESET = "k5v3"
 NORM_DTYPES = ("float16", "float32")
-CONFIG_VERSION = 1
+# version 2 files hold every field; version 1 files (written before key_centering and key_split existed) may lack
+# those two, which then read as off
+CONFIG_VERSION = 2
+READABLE_CONFIG_VERSIONS = (1, 2)
+_FIELDS_AFTER_VERSION_1 = ("key_centering", "key_split")
 # layer i uses rotation seed `seed + i`, stored as int64 beside calibrated codebooks: room for 2**31 layers
 MAX_SEED = 2**63 - 2**31
 # the residual window holds at most this many tokens per layer (its buffer grows with the sequence)
@@ -206,8 +210,9 @@ class TurboQuantConfig:
     def from_dict(cls, d: dict[str, Any]) -> "TurboQuantConfig":
         d = dict(d)
         version = d.pop("tq_hf_cache_config_version", CONFIG_VERSION)
-        if version != CONFIG_VERSION:
-            raise ValueError(f"unsupported TurboQuantConfig version {version!r}; this tq_hf_cache reads version {CONFIG_VERSION}")
+        if isinstance(version, bool) or version not in READABLE_CONFIG_VERSIONS:
+            raise ValueError(f"unsupported TurboQuantConfig version {version!r}; this tq_hf_cache reads versions "
+                             f"{list(READABLE_CONFIG_VERSIONS)}")
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(d) - known)
         if unknown:
@@ -298,16 +303,18 @@ class TurboQuantConfig:
 
         where = os.path.join(directory, TURBOQUANT_CONFIG_NAME)
         d = doc["tq_config"]
-        missing = [f.name for f in dataclasses.fields(cls) if f.name not in d]
-        if "tq_hf_cache_config_version" not in d:
-            missing.insert(0, "tq_hf_cache_config_version")
-        if missing:
-            raise ValueError(f"{where}: tq_config lacks the fields {missing} (save_pretrained writes every field)")
         try:
             cfg = cls.from_dict(d)
             cfg.check_model_facts(doc.get("model"))
         except (TypeError, ValueError) as e:
             raise ValueError(f"{where}: tq_config: {e}") from None
+        version = d.get("tq_hf_cache_config_version")
+        optional = _FIELDS_AFTER_VERSION_1 if version == 1 else ()
+        missing = [f.name for f in dataclasses.fields(cls) if f.name not in d and f.name not in optional]
+        if version is None:
+            missing.insert(0, "tq_hf_cache_config_version")
+        if missing:
+            raise ValueError(f"{where}: tq_config lacks the fields {missing} (save_pretrained writes every field)")
         return cfg
 
 
