@@ -133,7 +133,8 @@ def _cmd_bench(args) -> int:
     import transformers
 
     from . import bench
-    from .eval.cli import new_output_name
+    from ._io import write_text
+    from .eval.cli import new_output_name, output_problem
 
     try:
         try:
@@ -164,9 +165,12 @@ def _cmd_bench(args) -> int:
              "bfloat16": torch.bfloat16, "float16": torch.float16}[args.dtype]
     tag = os.path.basename(os.path.normpath(args.model)) or "model"
     out = args.out or new_output_name(f"{tag}_{device.type}", prefix="tq_bench")
-    problem = _unwritable(os.path.dirname(os.path.abspath(out)))
+    png = os.path.splitext(out)[0] + ".png"
+    problem = output_problem(out, "--out") or output_problem(png, "--out's plot (beside it)")
+    if not problem and os.path.abspath(png) == os.path.abspath(out):
+        problem = f"--out {out!r} is where the plot goes; name a .json file"
     if problem:
-        print(f"error: cannot write {out!r}: {problem}", file=sys.stderr)
+        print(f"error: {problem}", file=sys.stderr)
         return 2
     text_ids = None
     if args.model == RANDOM_8B:
@@ -199,8 +203,7 @@ def _cmd_bench(args) -> int:
     def save(row=None):
         if row is not None:
             result["rows"].append({k: v for k, v in row.items() if not k.startswith("_")})
-        with open(out, "w") as f:
-            json.dump(result, f, indent=1)
+        write_text(out, json.dumps(result, indent=1))
 
     results = bench.decode_bench(model, rows, contexts, args.batch, steps=steps, warmup=args.warmup,
                                  chunk=args.chunk, preset=args.preset, text_ids=text_ids, progress=not args.no_progress,
@@ -215,7 +218,6 @@ def _cmd_bench(args) -> int:
         print(f"{r['row']:<20} {r['context']:>8} {r['wall_ms']:>9.2f} {r.get('vs_best_baseline', float('nan')):>10.2f}x "
               f"{r['cache_MiB']:>10.1f} {r['agree'] if 'agree' in r else '-':>6}")
     try:
-        png = os.path.splitext(out)[0] + ".png"
         bench.plot(results, png, f"{args.model}, {env['dtype']}, batch {args.batch}, {env['device']}")
         print(f"wrote {out} and {png}")
     except ImportError:
@@ -454,15 +456,9 @@ def _read_text(args, default_chars: int) -> tuple[str | None, str]:
 
 def _unwritable(folder: str) -> str | None:
     """Why `folder` cannot receive the calibration files (None when it can); creates it if needed."""
-    try:
-        os.makedirs(folder, exist_ok=True)
-        probe = os.path.join(folder, ".tq-hf-cache-write-test")
-        with open(probe, "w") as f:
-            f.write("")
-        os.remove(probe)
-    except OSError as e:
-        return str(e)
-    return None
+    from ._io import probe_writable
+
+    return probe_writable(folder)
 
 
 def _print_summary(summary: dict) -> None:
