@@ -205,7 +205,7 @@ class CalibratedCodebooks:
 
     # ---- persistence ----
 
-    def save_pretrained(self, save_directory) -> None:
+    def save_pretrained(self, save_directory, extra: dict[str, Any] | None = None) -> None:
         """Write `turboquant_codebooks.safetensors`, then `turboquant_config.json` (config, model facts, codebook
         index). The two are bound: the index holds the tensors file's SHA-256, the tensors file the SHA-256 of the
         index and model facts (`_index_digest`), so a file of another calibration, or an edited one, is refused."""
@@ -230,7 +230,7 @@ class CalibratedCodebooks:
         index["sha256"] = sha256_bytes(data)
         os.makedirs(save_directory, exist_ok=True)
         write_bytes(os.path.join(save_directory, CODEBOOKS_NAME), data)
-        self.config.save_pretrained(save_directory, model_config=model, extra={"codebooks": index})
+        self.config.save_pretrained(save_directory, model_config=model, extra={**(extra or {}), "codebooks": index})
 
     @classmethod
     def from_pretrained(cls, directory, config=None) -> "CalibratedCodebooks":
