@@ -37,6 +37,7 @@ from .codebook import Codebook, check_bits, theoretical_codebook
 from .config import (
     TURBOQUANT_CONFIG_NAME,
     TurboQuantConfig,
+    check_doc_digest,
     check_model_facts,
     fact_mismatch,
     model_facts,
@@ -249,7 +250,7 @@ class CalibratedCodebooks:
             raise ValueError(f"{where} has no 'codebooks' section: this folder holds a config without calibrated codebooks")
         if not isinstance(index, dict):
             raise ValueError(f"{where}: the 'codebooks' section must be a JSON object, got {index!r}")
-        tq = TurboQuantConfig.from_file_doc(doc, directory)
+        tq = TurboQuantConfig.from_file_doc(doc, directory, check_digest=False)
         unknown = sorted(set(index) - set(_INDEX_KEYS))
         if unknown:
             raise ValueError(f"{where}: codebooks holds unknown fields {unknown}; known fields are {list(_INDEX_KEYS)}")
@@ -347,6 +348,7 @@ class CalibratedCodebooks:
                 f"{path} is not the codebooks file {where} indexes (its SHA-256 differs from codebooks.sha256): it "
                 "was changed, or comes from another calibration; recalibrate, or restore both files together"
             )
+        check_doc_digest(doc, where)
         if bound is not None and bound != _index_digest(model, {k: v for k, v in index.items() if k != "sha256"}):
             raise ValueError(
                 f"{where}: the 'codebooks' or 'model' section differs from the one {path} was saved with (edited "
@@ -620,6 +622,7 @@ def describe(directory) -> dict[str, Any]:
     """What a folder stores (for `tq-hf-cache info`), without loading a model."""
     doc = read_turboquant_json(directory)
     tq = TurboQuantConfig.from_dict(doc["tq_config"])  # validated: a bad field is named, not a KeyError later
+    check_doc_digest(doc, os.path.join(directory, TURBOQUANT_CONFIG_NAME))
     out = {"format_version": doc["format_version"], "tq_config": tq.to_dict(), "model": doc.get("model")}
     if "codebooks" in doc:
         cb = CalibratedCodebooks.from_pretrained(directory)

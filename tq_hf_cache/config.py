@@ -245,6 +245,8 @@ class TurboQuantConfig:
             "format_version": TURBOQUANT_FORMAT_VERSION,
             "tq_config": json.loads(self.to_json_string()),
         }
+        if DOC_DIGEST in (extra or {}):
+            raise ValueError(f"extra section {DOC_DIGEST!r} is reserved for the file's digest")
         if model_config is not None:
             doc["model"] = model_facts(model_config)
             self.check_model_facts(doc["model"])
@@ -255,6 +257,7 @@ class TurboQuantConfig:
             if key in doc:
                 raise ValueError(f"extra section {key!r} would overwrite a reserved key of {TURBOQUANT_CONFIG_NAME}")
             doc[key] = value
+        doc[DOC_DIGEST] = doc_digest(doc)
         path = os.path.join(save_directory, TURBOQUANT_CONFIG_NAME)
         return write_text(path, json.dumps(doc, indent=2, sort_keys=True) + "\n")
 
@@ -295,7 +298,7 @@ class TurboQuantConfig:
         return cls.from_file_doc(doc, directory)
 
     @classmethod
-    def from_file_doc(cls, doc: dict[str, Any], directory) -> "TurboQuantConfig":
+    def from_file_doc(cls, doc: dict[str, Any], directory, check_digest: bool = True) -> "TurboQuantConfig":
         """The config of a read `turboquant_config.json` (see `read_turboquant_json`), checked against its stored
         model facts. save_pretrained writes every field, so a missing one means the file was cut or edited: it is
         refused rather than read as its default."""
@@ -315,6 +318,15 @@ class TurboQuantConfig:
             missing.insert(0, "tq_hf_cache_config_version")
         if missing:
             raise ValueError(f"{where}: tq_config lacks the fields {missing} (save_pretrained writes every field)")
+        if check_digest:
+            try:
+                check_doc_digest(doc, where)
+            except ValueError:
+                if "codebooks" in doc:  # name a bad codebook field, when there is one, before the digest
+                    from .calibration import CalibratedCodebooks
+
+                    CalibratedCodebooks.from_pretrained(directory)
+                raise
         return cfg
 
 
@@ -364,6 +376,31 @@ def model_facts(model_config) -> dict[str, Any]:
         "num_key_value_heads": int(kv_heads),
         "head_dim": int(head_dim),
     }
+
+
+DOC_DIGEST = "sha256"
+
+
+def doc_digest(doc: dict[str, Any]) -> str:
+    """SHA-256 of a turboquant_config.json document without its own digest, as canonical JSON."""
+    from ._io import sha256_bytes
+
+    body = {k: v for k, v in doc.items() if k != DOC_DIGEST}
+    return sha256_bytes(json.dumps(body, sort_keys=True, separators=(",", ":")).encode("utf-8"))
+
+
+def check_doc_digest(doc: dict[str, Any], where: str) -> None:
+    """Refuse a document whose content differs from its `sha256` (written by save_pretrained): a corrupted or
+    edited file. A document without one (older files, hand-written ones) is taken as it is; deleting the field is
+    how a deliberate hand edit is accepted. Called after the fields are validated, so a bad field is named first."""
+    digest = doc.get(DOC_DIGEST)
+    if digest is None and DOC_DIGEST not in doc:
+        return
+    if not isinstance(digest, str) or len(digest) != 64 or any(c not in "0123456789abcdef" for c in digest):
+        raise ValueError(f"{where}: {DOC_DIGEST} must be 64 lowercase hex digits, got {digest!r}")
+    if digest != doc_digest(doc):
+        raise ValueError(f"{where}: the content differs from its {DOC_DIGEST} (corrupted or edited after saving); "
+                         f"save it again, or delete the {DOC_DIGEST!r} field to accept a hand edit")
 
 
 def read_format_json(path: str, fmt: str, version: int, missing_hint: str) -> dict[str, Any]:
