@@ -285,31 +285,32 @@ class CalibratedCodebooks:
         if seeds.dtype != torch.int64 or seeds.shape != expected.shape or not torch.equal(seeds, expected):
             raise ValueError(
                 f"{path}: rotation_seeds {seeds.tolist()} ({seeds.dtype}) do not match seed={tq.seed} + layer index "
-                f"for {n_layers} layers"
+                f"for {n_layers} layers of {where}: the files come from different calibrations"
             )
         out = cls(tq, dict(model), info=dict(index.get("info", {})))
         raw_entries = index.get("entries")
         if not isinstance(raw_entries, list):
             raise ValueError(f"{where}: codebooks.entries must be a list, got {type(raw_entries).__name__}")
-        for e in raw_entries:
+        for n, e in enumerate(raw_entries):
+            field = f"codebooks.entries[{n}]"
             if not isinstance(e, dict):
-                raise ValueError(f"{where}: a codebook entry must be an object, got {e!r}")
+                raise ValueError(f"{where}: {field} must be an object, got {e!r}")
             layer, kind, bits, choice = e.get("layer"), e.get("kind"), e.get("bits"), e.get("choice")
             if not set(_ENTRY_KEYS[:4]) <= set(e) <= set(_ENTRY_KEYS):
-                raise ValueError(f"{where}: a codebook entry holds the fields {list(_ENTRY_KEYS[:4])} and optionally "
+                raise ValueError(f"{where}: {field} holds the fields {list(_ENTRY_KEYS[:4])} and optionally "
                                  f"{_ENTRY_KEYS[4]!r}, got {e!r}")
             mse = e.get("heldout_rel_mse", {c: None for c in CHOICES})
             if not isinstance(mse, dict) or set(mse) != set(CHOICES) or not all(
                     v is None or (isinstance(v, (int, float)) and not isinstance(v, bool)) for v in mse.values()):
-                raise ValueError(f"{where}: an entry's heldout_rel_mse must map each of {list(CHOICES)} to a number "
+                raise ValueError(f"{where}: {field}.heldout_rel_mse must map each of {list(CHOICES)} to a number "
                                  f"or null, got {mse!r}")
             if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer < n_layers:
-                raise ValueError(f"{where}: entry layer must be an integer in [0, {n_layers}), got {layer!r}")
+                raise ValueError(f"{where}: {field}.layer must be an integer in [0, {n_layers}), got {layer!r}")
             if kind not in KINDS:
-                raise ValueError(f"{where}: entry kind must be one of {KINDS}, got {kind!r}")
-            check_bits(bits, f"{where}: layer {layer} {kind} bits")
+                raise ValueError(f"{where}: {field}.kind must be one of {KINDS}, got {kind!r}")
+            check_bits(bits, f"{where}: {field}.bits (layer {layer} {kind})")
             if choice not in CHOICES:
-                raise ValueError(f"{where}: layer {layer} {kind} {bits}-bit choice must be theoretical/shared/per_head, got {choice!r}")
+                raise ValueError(f"{where}: {field}.choice (layer {layer} {kind} {bits}-bit) must be theoretical/shared/per_head, got {choice!r}")
             key = (layer, kind, bits)
             if key in out.entries:
                 raise ValueError(f"{where}: duplicate entry for layer {layer} {kind} {bits}-bit")
@@ -317,7 +318,7 @@ class CalibratedCodebooks:
             name = _tensor_name(*key)
             if choice == "theoretical":
                 if name in tensors:
-                    raise ValueError(f"{path}: tensor {name!r} is present but the entry says 'theoretical'")
+                    raise ValueError(f"{path}: tensor {name!r} is present but the entry in {where} says 'theoretical'")
                 continue
             t = tensors.pop(name, None)
             if t is None:

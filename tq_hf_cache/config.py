@@ -293,9 +293,17 @@ class TurboQuantConfig:
     def from_pretrained(cls, directory, config=None) -> "TurboQuantConfig":
         """Read `directory/turboquant_config.json`; check the stored model facts against `config` (a
         transformers config) when given and against `directory/config.json` when present."""
+        import os
+
         doc = read_turboquant_json(directory)
         check_model_facts(doc, directory, config)
-        return cls.from_file_doc(doc, directory)
+        cfg = cls.from_file_doc(doc, directory)
+        index = doc.get("codebooks")
+        name = index.get("file", "turboquant_codebooks.safetensors") if isinstance(index, dict) else None
+        if isinstance(name, str) and not os.path.isfile(os.path.join(directory, name)):
+            raise FileNotFoundError(f"calibrated codebooks file {os.path.join(directory, name)!r} is missing (listed in "
+                                    f"{TURBOQUANT_CONFIG_NAME}): restore it, or save the config without codebooks")
+        return cfg
 
     @classmethod
     def from_file_doc(cls, doc: dict[str, Any], directory, check_digest: bool = True) -> "TurboQuantConfig":
