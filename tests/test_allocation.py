@@ -113,7 +113,9 @@ def test_an_allocation_folder_is_an_eval_cache(tmp_path):
     (["allocate", "smollm2", "--budget", "3.25"], "pass --out DIR"),
     (["allocate", "smollm2", "--budget", "0", "--out", "X"], "--budget must be a positive"),
     (["allocate", "smollm2", "--budget", "nan", "--out", "X"], "--budget must be a positive"),
-    (["allocate", "smollm2", "--budget", "3", "--tokens", "100", "--out", "X"], "must exceed --chunk"),
+    (["allocate", "smollm2", "--budget", "3", "--tokens", "100", "--out", "X"], "pass --tokens 257 or more"),
+    (["allocate", "smollm2", "--budget", "3", "--tokens", "192", "--chunk", "128", "--out", "X"], "measure nothing"),
+    (["allocate", "smollm2", "--budget", "3", "--chunk", "0", "--out", "X"], "chunk must be a positive"),
     (["allocate", "/no/such/folder", "--budget", "3"], "is not a folder"),
 ])
 def test_allocate_cli_refuses_bad_arguments_before_loading_the_model(tmp_path, capsys, monkeypatch, args, match):
@@ -144,3 +146,52 @@ def test_sliding_layers_weigh_by_the_tokens_they_hold():
     assert bits_per_coordinate(choice, 64, weights=w) <= 3.0
     assert sum(choice[0]) > sum(choice[5])
     assert bits_per_coordinate(choice, 64) > 3.0  # unweighted, it would look over budget
+
+
+@torch.no_grad()
+def test_tokens_that_reach_no_quantized_token_are_refused_and_the_minimum_measures():
+    """Below `min_tokens` no scored position attends to a quantized token (every KL would be 0 and the narrowest
+    widths would win any budget): refused naming tokens, chunk and residual_length. At the minimum the
+    sensitivities are not all 0."""
+    from tq_hf_cache.allocation import min_tokens
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(tiny_llama_config()).eval()
+    ids = torch.randint(3, 128, (1, 400), generator=torch.Generator().manual_seed(2))
+    base = TurboQuantConfig(residual_length=16, sink_tokens=4)
+    least = min_tokens(16, base)
+    assert least == 49  # the window overflows its capacity (16 + 16) at the chunk boundary 48
+    with pytest.raises(ValueError, match=r"48 tokens in chunks of 16 with residual_length=16 and sink_tokens=4 "
+                                         r"measure nothing.*at least 49 tokens"):
+        measure_sensitivity(model, ids[:, :48], chunk=16, base=base, key_bits=(2,), value_bits=(1,), progress=False)
+    with pytest.raises(ValueError, match=r"192 tokens in chunks of 128 with residual_length=128"):
+        calibrate_bits(model, ids, 3.0, tokens=192, chunk=128, progress=False)
+    sens = measure_sensitivity(model, ids[:, :least], chunk=16, base=base, key_bits=(2,), value_bits=(1,),
+                               progress=False)
+    assert any(sens[i][k][b] > 0 for i in sens for k, b in (("key", 2), ("value", 1)))
+    for chunk, r, sinks in ((16, 8, 0), (8, 20, 0), (16, 4, 0), (16, 4, 24)):
+        b = TurboQuantConfig(residual_length=r, sink_tokens=sinks)
+        n = min_tokens(chunk, b)
+        if n - 1 > chunk:
+            with pytest.raises(ValueError, match="measure nothing"):
+                measure_sensitivity(model, ids[:, : n - 1], chunk=chunk, base=b, key_bits=(2,), value_bits=(1,),
+                                    progress=False)
+        s = measure_sensitivity(model, ids[:, :n], chunk=chunk, base=b, key_bits=(2,), value_bits=(1,), progress=False)
+        assert any(v > 0 for layer in s.values() for d in layer.values() for v in d.values()), (chunk, r, sinks)
+
+
+def test_all_zero_sensitivities_are_refused(monkeypatch):
+    """A measurement where no width moved the output (every KL 0) is an error, not an allocation of the narrowest
+    widths."""
+    from tq_hf_cache import allocation
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(tiny_llama_config()).eval()
+    ids = torch.randint(3, 128, (1, 100), generator=torch.Generator().manual_seed(2))
+    real = allocation._chunk_logprobs
+    monkeypatch.setattr(allocation, "_chunk_logprobs",
+                        lambda m, i, cache, chunk: real(m, i, TurboQuantCache("k8v4", skip_first=2, config=m.config),
+                                                        chunk))
+    with pytest.raises(ValueError, match=r"every one of the 4 measured sensitivities is 0"):
+        measure_sensitivity(model, ids, chunk=16, base=TurboQuantConfig(residual_length=0, sink_tokens=0),
+                            key_bits=(2,), value_bits=(1,), progress=False)

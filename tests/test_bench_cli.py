@@ -64,3 +64,46 @@ def test_bench_refuses_contexts_beyond_the_model(tiny_dir, tmp_path, capsys):
     rc = cli.main(["bench", "--model", tiny_dir, "--device", "cpu", "--contexts", "2000", "--out",
                    str(tmp_path / "x.json")])
     assert rc == 2 and "max_position_embeddings (1024)" in capsys.readouterr().err
+
+
+def _no_model(*a, **k):
+    raise AssertionError("the model was loaded before the output paths were checked")
+
+
+@pytest.mark.parametrize("out, message", [
+    ("{DIR}", "--out '{DIR}' is a folder"),
+    ("{DIR}/x.png", "is where the plot goes"),
+    ("{PLOTDIR}.json", "--out's plot (beside it) '{PLOTDIR}.png' is a folder"),
+    ("{FILE}/x.json", "cannot write into its folder"),
+])
+def test_bench_checks_its_output_paths_before_any_work(out, message, tmp_path, capsys, monkeypatch):
+    (tmp_path / "PLOTDIR.png").mkdir()
+    (tmp_path / "FILE").write_text("")
+    monkeypatch.setattr(cli, "_load_model", _no_model)
+    subs = {"DIR": str(tmp_path), "PLOTDIR": str(tmp_path / "PLOTDIR"), "FILE": str(tmp_path / "FILE")}
+    rc = cli.main(["bench", "--device", "cpu", "--out", out.format(**subs), "--model", str(tmp_path)])
+    err = capsys.readouterr().err
+    assert rc == 2 and message.format(**subs) in err and "Traceback" not in err, err
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--output", "{DIR}"], "--output '{DIR}' is a folder"),
+    (["--plot", "{DIR}"], "--plot '{DIR}' must name a .png file"),
+    (["--plot", "{DIR}/sub.png"], "--plot '{DIR}/sub.png' is a folder"),
+    (["--markdown", "{DIR}"], "--markdown '{DIR}' is a folder"),
+    (["--output", "{FILE}/r.json"], "--output '{FILE}/r.json': cannot write into its folder"),
+    (["--output", "{DIR}/a.json", "--markdown", "{DIR}/a.json"], "must name different files"),
+])
+def test_eval_checks_its_output_paths_before_any_work(args, message, tmp_path, capsys, monkeypatch):
+    import tq_hf_cache.eval.models as models
+
+    (tmp_path / "sub.png").mkdir()
+    (tmp_path / "FILE").write_text("")
+    monkeypatch.setattr(models, "load_model", _no_model)
+    monkeypatch.chdir(tmp_path)
+    subs = {"DIR": str(tmp_path), "FILE": str(tmp_path / "FILE")}
+    args = [a.format(**subs) for a in args]
+    rc = cli.main(["eval", "--caches", "fp", "--tasks", "bytes", *args])
+    err = capsys.readouterr().err
+    assert rc == 2 and message.format(**subs) in err and "Traceback" not in err, err
+    assert not [p for p in tmp_path.rglob("*") if p.name.endswith(".tmp")]

@@ -189,10 +189,18 @@ def _edit_json(d, fn):
 
 
 def _edit_tensors(d, fn):
+    """Edit the tensors and re-bind the index to the new file, so that what is checked is the tensors' content."""
+    from safetensors import safe_open
+
+    from tq_hf_cache._io import sha256_file
+
     p = os.path.join(d, CODEBOOKS_NAME)
+    with safe_open(p, framework="pt") as f:
+        meta = f.metadata()
     t = load_file(p)
     fn(t)
-    save_file(t, p, metadata={"format_version": "1"})
+    save_file(t, p, metadata=meta)
+    _edit_json(d, lambda doc: doc["codebooks"].update(sha256=sha256_file(p)))
 
 
 def _a_calibrated_name(calibrated):
@@ -209,10 +217,10 @@ def _a_calibrated_name(calibrated):
         (lambda doc: doc["model"].update(num_hidden_layers=3), r"num_hidden_layers=3.*num_hidden_layers=2"),
         (lambda doc: doc["model"].update(head_dim=64), r"head_dim=64.*head_dim=32"),
         (lambda doc: doc["model"].update(num_key_value_heads=4), r"num_key_value_heads=4.*num_key_value_heads=2"),
-        (lambda doc: doc["codebooks"]["entries"][0].update(bits=9), r"bits must be an integer in \[1, 8\], got 9"),
+        (lambda doc: doc["codebooks"]["entries"][0].update(bits=9), r"entries\[0\].bits \(layer 0 key\) must be an integer in \[1, 8\], got 9"),
         (lambda doc: doc["codebooks"]["entries"][0].update(layer=5), r"layer must be an integer in \[0, 2\), got 5"),
         (lambda doc: doc["codebooks"]["entries"][0].update(kind="query"), r"kind must be one of .* got 'query'"),
-        (lambda doc: doc.pop("codebooks"), r"no 'codebooks' section"),
+        (lambda doc: doc.pop("codebooks"), r"content differs from its sha256"),
         (lambda doc: doc["tq_config"].update(key_bits=0), r"key_bits must be an integer in \[1, 8\], got 0"),
     ],
 )
@@ -438,3 +446,81 @@ def test_calibrated_lowers_heldout_error_on_smollm2(smollm2):
         assert cal[k] < theo[k], (k, cal[k], theo[k])
     # keys are far from the uniform-sphere law: at 3 and 4 bits calibration removes > 1.5 % of the error
     assert cal["key_4bit"] < 0.985 * theo["key_4bit"] and cal["key_3bit"] < 0.985 * theo["key_3bit"]
+
+
+def test_constructors_refuse_codebooks_of_another_rotation(tiny, calibrated):
+    """Codebooks hold centroids of coordinates under the calibration's rotation: every constructor checks the seed
+    and the rotation kind, as from_pretrained does."""
+    from tq_hf_cache._compat import IS_V5
+
+    assert calibrated.config.seed == 0 and calibrated.config.rotation == "auto"
+    msg = r"calibrated with seed=0, rotation='auto' but the cache uses seed=5, rotation='auto'"
+    with pytest.raises(ValueError, match=msg):
+        TurboQuantCache(CFG, config=tiny.config, codebooks=calibrated, seed=5)
+    with pytest.raises(ValueError, match=msg):
+        TurboQuantCache(CFG, codebooks=calibrated, seed=5)
+    with pytest.raises(ValueError, match="rotation='orthogonal'"):
+        TurboQuantCache(CFG, config=tiny.config, codebooks=calibrated, rotation="orthogonal")
+    TurboQuantCache(CFG, config=tiny.config, codebooks=calibrated)
+    if IS_V5:
+        from tq_hf_cache import TurboQuantStaticCache
+
+        with pytest.raises(ValueError, match=msg):
+            TurboQuantStaticCache(tiny.config, max_cache_len=64, tq_config=CFG, codebooks=calibrated, seed=5)
+        TurboQuantStaticCache(tiny.config, max_cache_len=64, tq_config=CFG, codebooks=calibrated)
+
+
+@pytest.mark.parametrize("edit, match", [
+    (lambda doc: doc["codebooks"].update(info=[1, 2]), r"codebooks.info must be a JSON object, got \[1, 2\]"),
+    (lambda doc: doc["codebooks"].update(info="x"), r"codebooks.info must be a JSON object"),
+    (lambda doc: doc["codebooks"].update(entries={}), r"codebooks.entries must be a list"),
+    (lambda doc: doc["codebooks"]["entries"][0].update(heldout_rel_mse=3), r"heldout_rel_mse must map"),
+    (lambda doc: doc["codebooks"]["entries"][0].pop("choice"), r"codebooks.entries\[0\] holds the fields"),
+    (lambda doc: doc["codebooks"].update(sha256=5), r"codebooks.sha256 must be 64 lowercase hex digits"),
+    (lambda doc: doc["codebooks"].update(extra=1), r"codebooks holds unknown fields \['extra'\]"),
+    (lambda doc: doc["codebooks"].update(bits={"key": [3]}), r"codebooks.bits .* does not match"),
+    (lambda doc: doc["codebooks"]["info"].update(num_tokens=1), r"turboquant_config.json: the content differs from"),
+    (lambda doc: doc["tq_config"].pop("residual_length"), r"tq_config lacks the fields \['residual_length'\]"),
+    (lambda doc: doc["tq_config"].update(layer_bits=[3]), r"turboquant_config.json: tq_config: layer_bits must be a dict"),
+])
+def test_malformed_codebook_fields_are_value_errors_naming_file_and_field(saved, edit, match):
+    _edit_json(saved, edit)
+    with pytest.raises(ValueError, match=match) as e:
+        CalibratedCodebooks.from_pretrained(saved)
+    assert TURBOQUANT_CONFIG_NAME in str(e.value)
+
+
+def test_the_tensors_file_is_bound_to_its_index(tiny, calibrated, saved, tmp_path):
+    """A tensors file of another calibration of the same layout (every centroid moved by 1 %) is refused by its
+    digest, where every name, shape and value check passes."""
+    from tq_hf_cache.codebook import Codebook
+
+    moved = {k: Codebook.from_centroids(cb.centroids * 0.99, k[2]) for k, cb in calibrated.codebooks.items()}
+    other = CalibratedCodebooks(calibrated.config, calibrated.model, codebooks=moved, entries=calibrated.entries,
+                                info=calibrated.info)
+    other.save_pretrained(tmp_path / "other")
+    shutil.copy(tmp_path / "other" / CODEBOOKS_NAME, os.path.join(saved, CODEBOOKS_NAME))
+    with pytest.raises(ValueError, match=r"turboquant_codebooks.safetensors is not the codebooks file .* indexes"):
+        CalibratedCodebooks.from_pretrained(saved)
+
+
+def test_saved_files_follow_the_umask_and_never_write_through_planted_symlinks(calibrated, tmp_path):
+    """Files come out 0644 under umask 022 (readable beside a shared model), and a symlink planted at an old fixed
+    temporary name keeps its target untouched."""
+    target = tmp_path / "victim"
+    target.write_text("keep me")
+    d = tmp_path / "ckpt"
+    d.mkdir()
+    for name in (TURBOQUANT_CONFIG_NAME + ".tmp", CODEBOOKS_NAME + ".tmp", ".tq-hf-cache-write-test"):
+        os.symlink(target, d / name)
+    old = os.umask(0o022)
+    try:
+        calibrated.save_pretrained(d)
+    finally:
+        os.umask(old)
+    assert target.read_text() == "keep me"
+    for name in (TURBOQUANT_CONFIG_NAME, CODEBOOKS_NAME):
+        assert os.stat(d / name).st_mode & 0o777 == 0o644, name
+    loaded = CalibratedCodebooks.from_pretrained(d)
+    assert loaded.entries == calibrated.entries and sorted(loaded.codebooks) == sorted(calibrated.codebooks)
+    assert sorted(p.name for p in d.iterdir() if not p.is_symlink()) == sorted([TURBOQUANT_CONFIG_NAME, CODEBOOKS_NAME])

@@ -61,27 +61,29 @@ def test_split_keys_are_turboquant_vectors_of_their_channel_sets(sizes, bits):
 
 
 def test_a_bad_split_is_refused_naming_the_value():
-    ok = {"bits": [5, 3], "sizes": [2, 2], "order": [[3, 0, 2, 1]]}
+    ok = {"bits": [5, 3], "sizes": [4, 4], "order": [[3, 0, 2, 1, 7, 4, 6, 5]]}
     assert check_spec(ok, 2) == ok
     cases = [
         ({**ok, "bits": [9, 3]}, r"key_split\[2\] bits of part 0 must be an integer in \[1, 8\], got 9"),
-        ({**ok, "bits": [5]}, "one entry per part, at least 2 parts; got bits=\\[5\\], sizes=\\[2, 2\\]"),
-        ({**ok, "sizes": [1, 3]}, "part 0 must hold an integer >= 2 of channels, got 1"),
-        ({**ok, "order": [[0, 0, 1, 2]]}, r"KV head 0: the order must be a permutation of the channels 0..3"),
-        ({**ok, "order": [[0, 1, 2, 3], [0, 1, 2]]}, r"KV head 1: the order must be a permutation"),
+        ({**ok, "bits": [5]}, "one entry per part, at least 2 parts; got bits=\\[5\\], sizes=\\[4, 4\\]"),
+        ({**ok, "sizes": [1, 7]}, r"key_split\[2\] part 0 holds 1 channels; a part must hold an integer >= 3"),
+        ({**ok, "sizes": [2, 6]}, r"key_split\[2\] part 0 holds 2 channels; a part must hold an integer >= 3"),
+        ({**ok, "order": [[0, 0, 1, 2, 3, 4, 5, 6]]}, r"KV head 0: the order must be a permutation of the channels 0..7"),
+        ({**ok, "order": [list(range(8)), [0, 1, 2]]}, r"KV head 1: the order must be a permutation"),
         ({"bits": [5, 3]}, "must be {'bits'"),
     ]
     for spec, msg in cases:
         with pytest.raises(ValueError, match=msg):
             check_spec(spec, 2)
     with pytest.raises(ValueError, match=r"key_split\[0\] gives channel orders for 1 KV heads, the layer has 2"):
-        make_split(check_spec(ok, 0), 0, 2, 4, make_rotation, theoretical_codebook)
-    with pytest.raises(ValueError, match=r"parts of sizes \[2, 2\] hold 4 channels, the layer's head dim is 32"):
+        make_split(check_spec(ok, 0), 0, 2, 8, make_rotation, theoretical_codebook)
+    with pytest.raises(ValueError, match=r"parts of sizes \[4, 4\] hold 8 channels, the layer's head dim is 32"):
         make_split(check_spec(ok, 0), 0, 1, 32, make_rotation, theoretical_codebook)
     with pytest.raises(ValueError, match="key_split names layers \\[7\\], but the model has 2 layers"):
         TurboQuantCache("k4v2", config=tiny_llama_config(), key_split={7: ok})
     with pytest.raises(ValueError, match="key_split names layer 0, which the config keeps in full precision"):
-        TurboQuantCache("k4v2", config=tiny_llama_config(), key_split={0: ok}, skip_layers=[0])
+        TurboQuantCache("k4v2", config=tiny_llama_config(), skip_layers=[0],
+                        key_split={0: {"bits": [5, 3], "sizes": [16, 16], "order": [list(range(32))] * 2}})
 
 
 def _pair_heavy_llama(pairs=(3, 9), head_dim=64, scale=8.0, **kw):
@@ -124,8 +126,10 @@ def test_calibration_picks_the_heavy_rope_pairs_and_the_split_brings_the_logits_
     # 90 % of both, and gets 5 bits where the plain format spreads a 4-bit error over every channel (measured 0.70x)
     assert err["split"] < err["plain"] * 0.8, err
     model = model.cpu()
-    with pytest.raises(ValueError, match="every part needs an even number of channels >= 2"):
+    with pytest.raises(ValueError, match="every part needs an even number of channels >= 4"):
         calibrate_key_split(model, ids, [5, 59], [1, -1])
+    with pytest.raises(ValueError, match="every part needs an even number of channels >= 4"):
+        calibrate_key_split(model, ids, [2, 62], [1, -1])
     with pytest.raises(ValueError, match="sizes \\[32, 16\\] sum to 48; they must sum to the head dim 64"):
         calibrate_key_split(model, ids, [32, 16], [1, -1])
     with pytest.raises(ValueError, match="key bits 2 \\+ deltas\\[1\\] \\(-2\\) gives 0; the bits must lie in 1..8"):
@@ -381,3 +385,37 @@ def test_a_static_split_cache_reorders_crops_and_resets_every_part(centred, monk
         (t == 0).all() for layer in cache.layers for part in layer.packed.key_parts for t in part)
     with pytest.raises(ValueError, match="key_split names layer 0, which the config keeps in full precision"):
         TurboQuantStaticCache(config=model.config, max_cache_len=64, key_split=spec, skip_layers=[0])
+
+
+def test_a_split_that_would_fail_at_the_first_forward_is_refused_up_front(tmp_path):
+    """Part sizes a layer cannot build (a 2-channel part, Hadamard on a non-power-of-two part, parts not summing to
+    the head dim, orders for another head count) are refused by the config / cache naming key_split and the layer,
+    not at the first forward."""
+    cfg = tiny_llama_config()  # 2 KV heads, head dim 32
+    order = [list(range(32))] * 2
+    with pytest.raises(ValueError, match=r"key_split\[1\] part 0 holds 2 channels; a part must hold an integer >= 3"):
+        TurboQuantConfig(key_split={1: {"bits": [6, 4], "sizes": [2, 30], "order": order}})
+    with pytest.raises(ValueError, match=r"key_split\[0\] has parts of \[12, 20\] channels, but rotation='hadamard'"):
+        TurboQuantConfig(rotation="hadamard", key_split={0: {"bits": [6, 4], "sizes": [12, 20], "order": order}})
+    wrong_sum = TurboQuantConfig(key_split={0: {"bits": [6, 4], "sizes": [8, 16], "order": [list(range(24))] * 2}})
+    wrong_heads = TurboQuantConfig(key_split={0: {"bits": [6, 4], "sizes": [16, 16], "order": order[:1]}})
+    for tq, msg in ((wrong_sum, r"key_split\[0\] parts of sizes \[8, 16\] hold 24 channels, but the model's head dim is 32"),
+                    (wrong_heads, r"key_split\[0\] gives channel orders for 1 KV heads, but the model has 2 KV heads")):
+        with pytest.raises(ValueError, match=msg):
+            TurboQuantCache(tq, config=cfg)
+        with pytest.raises(ValueError, match=msg):
+            tq.save_pretrained(tmp_path / "out", model_config=cfg)
+        assert not (tmp_path / "out" / "turboquant_config.json").exists()
+    if IS_V5:
+        from tq_hf_cache import TurboQuantStaticCache
+
+        with pytest.raises(ValueError, match=r"key_split\[0\] parts of sizes \[8, 16\] hold 24 channels"):
+            TurboQuantStaticCache(cfg, max_cache_len=64, tq_config=wrong_sum)
+    # a hand-edited file: the stored model facts catch it when the folder is read
+    TurboQuantConfig().save_pretrained(tmp_path / "edited", model_config=cfg)
+    path = tmp_path / "edited" / "turboquant_config.json"
+    doc = json.loads(path.read_text())
+    doc["tq_config"]["key_split"] = wrong_sum.to_dict()["key_split"]
+    path.write_text(json.dumps(doc))
+    with pytest.raises(ValueError, match=r"turboquant_config.json: tq_config: key_split\[0\] parts of sizes \[8, 16\]"):
+        TurboQuantConfig.from_pretrained(tmp_path / "edited")

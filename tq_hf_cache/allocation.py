@@ -57,6 +57,35 @@ def layer_token_weights(model_config, context: int) -> dict[int, float]:
     return out
 
 
+def min_tokens(chunk: int, base: TurboQuantConfig | None = None) -> int:
+    """The fewest tokens whose chunked prefill (`chunk` tokens a step) gives a scored position a quantized token to
+    attend to, under `base`'s residual window and sinks.
+
+    A chunk attends to [packed history | residual window | itself]; tokens are quantized only when a chunk pushes
+    the window past its capacity (residual_length + min(FLUSH_BLOCK, residual_length)), and then all but the newest
+    residual_length; the first sink_tokens are kept exact. So some chunk boundary e < T must exceed both the
+    capacity and residual_length + sink_tokens."""
+    from .layer import FLUSH_BLOCK
+
+    base = base or TurboQuantConfig()
+    if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
+        raise ValueError(f"chunk must be a positive number of tokens, got {chunk!r}")
+    r = base.residual_length
+    need = max(r + min(FLUSH_BLOCK, r), r + base.sink_tokens)
+    return (need // chunk + 1) * chunk + 1
+
+
+def _check_tokens(tokens: int, chunk: int, base: TurboQuantConfig) -> None:
+    least = min_tokens(chunk, base)
+    if tokens < least:
+        raise ValueError(
+            f"{tokens} tokens in chunks of {chunk} with residual_length={base.residual_length} and "
+            f"sink_tokens={base.sink_tokens} measure nothing: no scored position attends to a quantized token (the "
+            f"residual window keeps the newest tokens exact), so every sensitivity would be 0. Pass at least "
+            f"{least} tokens, a smaller chunk, or a base config with a smaller residual_length"
+        )
+
+
 @torch.inference_mode()
 def _chunk_logprobs(model, ids: torch.Tensor, cache, chunk: int) -> torch.Tensor:
     """log-probs of the positions of chunks 1.. (the ones that attend to the cache) of a chunked prefill."""
@@ -99,6 +128,7 @@ def measure_sensitivity(
     for name, widths in (("key_bits", key_bits), ("value_bits", value_bits)):
         if not widths or any(isinstance(b, bool) or not isinstance(b, int) or not 1 <= b <= 8 for b in widths):
             raise ValueError(f"{name} must be a non-empty list of widths in 1..8, got {widths!r}")
+    _check_tokens(ids.shape[1], chunk, base)
     ids = ids.to(next(model.parameters()).device)
 
     def cache(**kw):
@@ -114,6 +144,13 @@ def measure_sensitivity(
         lp = _chunk_logprobs(model, ids, cache(skip_layers=others, layer_bits={i: bits}), chunk)
         kl = float((ref.exp() * (ref - lp)).sum(-1).mean())
         out.setdefault(i, {"key": {}, "value": {}})[kind][b] = max(kl, 0.0)
+    if not any(v > 0 for layer in out.values() for kind in layer.values() for v in kind.values()):
+        raise ValueError(
+            f"every one of the {len(jobs)} measured sensitivities is 0: quantizing no layer at any width moved the "
+            f"output on these {ids.shape[1]} tokens (chunk {chunk}, residual_length {base.residual_length}), so an "
+            "allocation would pick the narrowest widths blindly. Measure on more tokens or with a smaller "
+            "residual_length"
+        )
     return out
 
 
@@ -206,6 +243,7 @@ def calibrate_bits(
         raise ValueError(f"budget must be a positive number of bits per coordinate, got {budget!r}")
     if base.layer_bits or base.skip_layers or base.skip_first or base.skip_last or base.skip_layer_types:
         raise ValueError("calibrate_bits allocates every layer: pass a base config without layer_bits or skips")
+    _check_tokens(tokens, chunk, base)
     if isinstance(text_or_ids, str):
         if tokenizer is None:
             raise ValueError("a text needs tokenizer=")

@@ -235,5 +235,6 @@ def plot(results: list[dict], path: str, title: str) -> None:
     ax.set_title(title)
     ax.legend()
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    from .eval.report import save_figure
+
+    save_figure(fig, path)

@@ -68,6 +68,7 @@ class TurboQuantCache(DynamicCache):
         **overrides,
     ):
         self.tq_config = resolve_config(tq_config, **overrides)
+        _check_codebook_rotation(codebooks, self.tq_config)
         self.codebooks = codebooks
         self.workspace = Workspace()
         self.num_model_layers = None
@@ -83,6 +84,7 @@ class TurboQuantCache(DynamicCache):
             stores = _compat.kv_sharing_producers(config)
             self.num_model_layers = len(layer_types)
             self.tq_config.check_layers(self.num_model_layers)
+            self.tq_config.check_model_facts(self.model_facts)
             if codebooks is not None and hasattr(codebooks, "check_model"):
                 codebooks.check_model(config)
             layers = [
@@ -264,6 +266,13 @@ def _tq_layer(tq_config, codebooks, workspace, cls, idx: int, bits: tuple[int, i
         key_split=cfg.key_split.get(idx),
         **extra,
     )
+
+
+def _check_codebook_rotation(codebooks, tq_config) -> None:
+    """Calibrated codebooks hold centroids of coordinates under one rotation: refuse a config of another seed or
+    rotation kind (`check_rotation` of `CalibratedCodebooks`; other codebook objects are taken as they are)."""
+    if codebooks is not None and hasattr(codebooks, "check_rotation"):
+        codebooks.check_rotation(tq_config)
 
 
 def _check_codebooks(codebooks, layer_idx: int, heads: int, head_dim: int) -> None:

@@ -37,17 +37,22 @@ from .codebook import Codebook, check_bits, theoretical_codebook
 from .config import (
     TURBOQUANT_CONFIG_NAME,
     TurboQuantConfig,
+    check_doc_digest,
     check_model_facts,
     fact_mismatch,
     model_facts,
     read_turboquant_json,
 )
 from ._compat import cache_kwargs
+from ._io import safetensors_bytes, sha256_bytes, sha256_file, write_bytes
 from .rotation import make_rotation
 
 CODEBOOKS_NAME = "turboquant_codebooks.safetensors"
 CODEBOOKS_FORMAT_VERSION = 1
 KINDS = ("key", "value")
+CHOICES = ("theoretical", "shared", "per_head")
+_INDEX_KEYS = ("file", "format_version", "bits", "entries", "info", "sha256")
+_ENTRY_KEYS = ("layer", "kind", "bits", "choice", "heldout_rel_mse")
 DEFAULT_BINS = 8192
 HOLDOUT_BLOCK = 32
 PER_HEAD_MIN_GAIN = 0.02
@@ -201,11 +206,10 @@ class CalibratedCodebooks:
 
     # ---- persistence ----
 
-    def save_pretrained(self, save_directory) -> None:
-        """Write `turboquant_config.json` (config, model facts, codebook index) and `turboquant_codebooks.safetensors`."""
-        from safetensors.torch import save_file
-
-        os.makedirs(save_directory, exist_ok=True)
+    def save_pretrained(self, save_directory, extra: dict[str, Any] | None = None) -> None:
+        """Write `turboquant_codebooks.safetensors`, then `turboquant_config.json` (config, model facts, codebook
+        index). The two are bound: the index holds the tensors file's SHA-256, the tensors file the SHA-256 of the
+        index and model facts (`_index_digest`), so a file of another calibration, or an edited one, is refused."""
         tensors = {}
         for (layer, kind, bits), cb in sorted(self.codebooks.items()):
             tensors[_tensor_name(layer, kind, bits)] = cb.centroids.detach().float().cpu().contiguous()
@@ -220,18 +224,24 @@ class CalibratedCodebooks:
             ],
             "info": self.info,
         }
-        path = os.path.join(save_directory, CODEBOOKS_NAME)
-        save_file(tensors, path + ".tmp", metadata={"format_version": str(CODEBOOKS_FORMAT_VERSION)})
-        os.replace(path + ".tmp", path)
-        self.config.save_pretrained(save_directory, model_config=self.model, extra={"codebooks": index})
+        model = model_facts(self.model)
+        index = json.loads(json.dumps(index))  # the index as it will read back (tuples as lists, keys as strings)
+        data = safetensors_bytes(tensors, metadata={"format_version": str(CODEBOOKS_FORMAT_VERSION),
+                                                    "index_sha256": _index_digest(model, index)})
+        index["sha256"] = sha256_bytes(data)
+        os.makedirs(save_directory, exist_ok=True)
+        write_bytes(os.path.join(save_directory, CODEBOOKS_NAME), data)
+        self.config.save_pretrained(save_directory, model_config=model, extra={**(extra or {}), "codebooks": index})
 
     @classmethod
     def from_pretrained(cls, directory, config=None) -> "CalibratedCodebooks":
-        """Load and validate; `config` (a transformers config) is checked against the stored model facts."""
+        """Load and validate; `config` (a transformers config) is checked against the stored model facts.
+
+        Files with digests (see `save_pretrained`) must match them; files of format version 1 written before the
+        digests existed carry neither and are read unbound."""
         doc = read_turboquant_json(directory)
         check_model_facts(doc, directory, config)
         where = os.path.join(directory, TURBOQUANT_CONFIG_NAME)
-        tq = TurboQuantConfig.from_dict(doc["tq_config"])
         model = doc.get("model")
         if model is None:
             raise ValueError(f"{where} has no 'model' section: codebooks need the model facts it was calibrated on")
@@ -240,7 +250,11 @@ class CalibratedCodebooks:
             raise ValueError(f"{where} has no 'codebooks' section: this folder holds a config without calibrated codebooks")
         if not isinstance(index, dict):
             raise ValueError(f"{where}: the 'codebooks' section must be a JSON object, got {index!r}")
-        if index.get("format_version") != CODEBOOKS_FORMAT_VERSION:
+        tq = TurboQuantConfig.from_file_doc(doc, directory, check_digest=False)
+        unknown = sorted(set(index) - set(_INDEX_KEYS))
+        if unknown:
+            raise ValueError(f"{where}: codebooks holds unknown fields {unknown}; known fields are {list(_INDEX_KEYS)}")
+        if index.get("format_version") != CODEBOOKS_FORMAT_VERSION or isinstance(index.get("format_version"), bool):
             raise ValueError(
                 f"{where}: codebooks.format_version {index.get('format_version')!r} is not supported; "
                 f"this tq_hf_cache reads version {CODEBOOKS_FORMAT_VERSION}"
@@ -253,8 +267,15 @@ class CalibratedCodebooks:
             raise ValueError(
                 f"{where}: codebooks.file must name a file inside the folder (no path separators), got {file_name!r}"
             )
+        if not isinstance(index.get("info", {}), dict):
+            raise ValueError(f"{where}: codebooks.info must be a JSON object, got {index['info']!r}")
+        digest = index.get("sha256")
+        if digest is not None and (not isinstance(digest, str) or len(digest) != 64
+                                   or any(c not in "0123456789abcdef" for c in digest)):
+            raise ValueError(f"{where}: codebooks.sha256 must be 64 lowercase hex digits, got {digest!r}")
         path = os.path.join(directory, file_name)
-        tensors = _load_tensors(path)
+        tensors, meta = _load_tensors(path)
+        bound = meta.get("index_sha256")
         n_layers, heads = model["num_hidden_layers"], model["num_key_value_heads"]
 
         seeds = tensors.pop("rotation_seeds", None)
@@ -264,23 +285,32 @@ class CalibratedCodebooks:
         if seeds.dtype != torch.int64 or seeds.shape != expected.shape or not torch.equal(seeds, expected):
             raise ValueError(
                 f"{path}: rotation_seeds {seeds.tolist()} ({seeds.dtype}) do not match seed={tq.seed} + layer index "
-                f"for {n_layers} layers"
+                f"for {n_layers} layers of {where}: the files come from different calibrations"
             )
-        out = cls(tq, dict(model), info=dict(index.get("info") or {}))
+        out = cls(tq, dict(model), info=dict(index.get("info", {})))
         raw_entries = index.get("entries")
         if not isinstance(raw_entries, list):
             raise ValueError(f"{where}: codebooks.entries must be a list, got {type(raw_entries).__name__}")
-        for e in raw_entries:
+        for n, e in enumerate(raw_entries):
+            field = f"codebooks.entries[{n}]"
             if not isinstance(e, dict):
-                raise ValueError(f"{where}: a codebook entry must be an object, got {e!r}")
+                raise ValueError(f"{where}: {field} must be an object, got {e!r}")
             layer, kind, bits, choice = e.get("layer"), e.get("kind"), e.get("bits"), e.get("choice")
+            if not set(_ENTRY_KEYS[:4]) <= set(e) <= set(_ENTRY_KEYS):
+                raise ValueError(f"{where}: {field} holds the fields {list(_ENTRY_KEYS[:4])} and optionally "
+                                 f"{_ENTRY_KEYS[4]!r}, got {e!r}")
+            mse = e.get("heldout_rel_mse", {c: None for c in CHOICES})
+            if not isinstance(mse, dict) or set(mse) != set(CHOICES) or not all(
+                    v is None or (isinstance(v, (int, float)) and not isinstance(v, bool)) for v in mse.values()):
+                raise ValueError(f"{where}: {field}.heldout_rel_mse must map each of {list(CHOICES)} to a number "
+                                 f"or null, got {mse!r}")
             if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer < n_layers:
-                raise ValueError(f"{where}: entry layer must be an integer in [0, {n_layers}), got {layer!r}")
+                raise ValueError(f"{where}: {field}.layer must be an integer in [0, {n_layers}), got {layer!r}")
             if kind not in KINDS:
-                raise ValueError(f"{where}: entry kind must be one of {KINDS}, got {kind!r}")
-            check_bits(bits, f"{where}: layer {layer} {kind} bits")
-            if choice not in ("theoretical", "shared", "per_head"):
-                raise ValueError(f"{where}: layer {layer} {kind} {bits}-bit choice must be theoretical/shared/per_head, got {choice!r}")
+                raise ValueError(f"{where}: {field}.kind must be one of {KINDS}, got {kind!r}")
+            check_bits(bits, f"{where}: {field}.bits (layer {layer} {kind})")
+            if choice not in CHOICES:
+                raise ValueError(f"{where}: {field}.choice (layer {layer} {kind} {bits}-bit) must be theoretical/shared/per_head, got {choice!r}")
             key = (layer, kind, bits)
             if key in out.entries:
                 raise ValueError(f"{where}: duplicate entry for layer {layer} {kind} {bits}-bit")
@@ -288,7 +318,7 @@ class CalibratedCodebooks:
             name = _tensor_name(*key)
             if choice == "theoretical":
                 if name in tensors:
-                    raise ValueError(f"{path}: tensor {name!r} is present but the entry says 'theoretical'")
+                    raise ValueError(f"{path}: tensor {name!r} is present but the entry in {where} says 'theoretical'")
                 continue
             t = tensors.pop(name, None)
             if t is None:
@@ -308,17 +338,40 @@ class CalibratedCodebooks:
             out.codebooks[key] = Codebook.from_centroids(t, bits)
         if tensors:
             raise ValueError(f"{path} holds tensors not listed in {TURBOQUANT_CONFIG_NAME}: {sorted(tensors)}")
+        if "bits" in index and index["bits"] != out.bits:
+            raise ValueError(f"{where}: codebooks.bits {index['bits']!r} does not match its entries' bits {out.bits}")
+        if (bound is None) != (digest is None):
+            raise ValueError(f"{where} and {path} do not belong together: "
+                             + (f"{path} carries no index_sha256 but codebooks.sha256 is given" if bound is None
+                                else f"codebooks.sha256 is missing, but {path} is bound to its index"))
+        if digest is not None and sha256_file(path) != digest:
+            raise ValueError(
+                f"{path} is not the codebooks file {where} indexes (its SHA-256 differs from codebooks.sha256): it "
+                "was changed, or comes from another calibration; recalibrate, or restore both files together"
+            )
+        check_doc_digest(doc, where)
+        if bound is not None and bound != _index_digest(model, {k: v for k, v in index.items() if k != "sha256"}):
+            raise ValueError(
+                f"{where}: the 'codebooks' or 'model' section differs from the one {path} was saved with (edited "
+                "after saving?); recalibrate, or restore the saved file"
+            )
         return out
 
-    def check_covers(self, tq_config: TurboQuantConfig) -> None:
-        """Raise unless every quantized layer's (kind, bits) under `tq_config` has a calibrated entry."""
-        n = self.model["num_hidden_layers"]
+    def check_rotation(self, tq_config: TurboQuantConfig) -> None:
+        """Raise unless `tq_config` rotates as the calibration did: the rotation defines the coordinates the
+        centroids were fitted to."""
         if tq_config.seed != self.config.seed or tq_config.rotation != self.config.rotation:
             raise ValueError(
                 f"the codebooks were calibrated with seed={self.config.seed}, rotation={self.config.rotation!r} but the "
                 f"cache uses seed={tq_config.seed}, rotation={tq_config.rotation!r}; they must match (the rotation "
-                "defines the coordinates the centroids were fitted to)"
+                "defines the coordinates the centroids were fitted to): pass seed / rotation as calibrated, or "
+                "recalibrate"
             )
+
+    def check_covers(self, tq_config: TurboQuantConfig) -> None:
+        """Raise unless every quantized layer's (kind, bits) under `tq_config` has a calibrated entry."""
+        n = self.model["num_hidden_layers"]
+        self.check_rotation(tq_config)
         for i in range(n):
             kv = tq_config.bits_for_layer(i, n)
             if kv is None:
@@ -335,7 +388,13 @@ def _tensor_name(layer: int, kind: str, bits: int) -> str:
     return f"layers.{layer}.{kind}.{bits}bit.centroids"
 
 
-def _load_tensors(path) -> dict[str, torch.Tensor]:
+def _index_digest(model: dict, index: dict) -> str:
+    """SHA-256 of the model facts and the codebook index (without its own `sha256`), as canonical JSON."""
+    return sha256_bytes(json.dumps({"model": model, "codebooks": index}, sort_keys=True,
+                                   separators=(",", ":")).encode("utf-8"))
+
+
+def _load_tensors(path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     from safetensors import safe_open
 
     if not os.path.isfile(path):
@@ -348,7 +407,7 @@ def _load_tensors(path) -> dict[str, torch.Tensor]:
                     f"{path}: format_version {meta.get('format_version')!r} is not supported; expected "
                     f"{str(CODEBOOKS_FORMAT_VERSION)!r}"
                 )
-            return {k: f.get_tensor(k) for k in f.keys()}
+            return {k: f.get_tensor(k) for k in f.keys()}, meta
     except ValueError:
         raise
     except Exception as e:  # safetensors raises SafetensorsError (truncated header, bad offsets, ...)
@@ -564,6 +623,7 @@ def describe(directory) -> dict[str, Any]:
     """What a folder stores (for `tq-hf-cache info`), without loading a model."""
     doc = read_turboquant_json(directory)
     tq = TurboQuantConfig.from_dict(doc["tq_config"])  # validated: a bad field is named, not a KeyError later
+    check_doc_digest(doc, os.path.join(directory, TURBOQUANT_CONFIG_NAME))
     out = {"format_version": doc["format_version"], "tq_config": tq.to_dict(), "model": doc.get("model")}
     if "codebooks" in doc:
         cb = CalibratedCodebooks.from_pretrained(directory)

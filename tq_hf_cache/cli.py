@@ -38,7 +38,8 @@ def _build_parser() -> argparse.ArgumentParser:
     c.add_argument("--key-bits", type=int, help="key bits (1..8); excludes --preset")
     c.add_argument("--value-bits", type=int, help="value bits (1..8); excludes --preset")
     c.add_argument("--extra-bits", type=int, nargs="*", default=[], help="also fit these bit widths (both kinds)")
-    c.add_argument("--seed", type=int, default=0, help="rotation seed (layer i uses seed + i)")
+    c.add_argument("--seed", type=int, default=None, help="rotation seed (layer i uses seed + i; default 0, or the "
+                   "seed of the config already in --out)")
     c.add_argument("--out", help="output folder (default MODEL_DIR)")
     c.add_argument("--max-tokens", type=int, default=4096, help="calibration tokens (default 4096)")
     c.add_argument("--seq-len", type=int, default=512, help="tokens per forward pass (default 512)")
@@ -68,8 +69,9 @@ def _build_parser() -> argparse.ArgumentParser:
     k.add_argument("--sizes", required=True, help="channels per part, heaviest RoPE pairs first; even, summing to the "
                    "head dim (e.g. 64,64,128)")
     k.add_argument("--deltas", required=True, help="bits added to each layer's key bits, per part (e.g. 2,0,-1)")
-    k.add_argument("--base", default=DEFAULT_PRESET, help="the per-layer bits to start from: a preset name, or a folder "
-                   f"holding a {TURBOQUANT_CONFIG_NAME} (an allocation); default {DEFAULT_PRESET}")
+    k.add_argument("--base", default=None, help="the per-layer bits to start from: a preset name, or a folder "
+                   f"holding a {TURBOQUANT_CONFIG_NAME} (an allocation); default: the config --out holds, else "
+                   f"{DEFAULT_PRESET}")
     k.add_argument("--key-centering", action="store_true", help="also centre the keys (TurboQuantConfig.key_centering)")
     k.add_argument("--text", help="UTF-8 text file to measure on (default: prose shipped with Python)")
     k.add_argument("--gguf-file", help="GGUF file name inside MODEL_DIR")
@@ -133,7 +135,8 @@ def _cmd_bench(args) -> int:
     import transformers
 
     from . import bench
-    from .eval.cli import new_output_name
+    from ._io import write_text
+    from .eval.cli import new_output_name, output_problem
 
     try:
         try:
@@ -164,9 +167,12 @@ def _cmd_bench(args) -> int:
              "bfloat16": torch.bfloat16, "float16": torch.float16}[args.dtype]
     tag = os.path.basename(os.path.normpath(args.model)) or "model"
     out = args.out or new_output_name(f"{tag}_{device.type}", prefix="tq_bench")
-    problem = _unwritable(os.path.dirname(os.path.abspath(out)))
+    png = os.path.splitext(out)[0] + ".png"
+    problem = output_problem(out, "--out") or output_problem(png, "--out's plot (beside it)")
+    if not problem and os.path.abspath(png) == os.path.abspath(out):
+        problem = f"--out {out!r} is where the plot goes; name a .json file"
     if problem:
-        print(f"error: cannot write {out!r}: {problem}", file=sys.stderr)
+        print(f"error: {problem}", file=sys.stderr)
         return 2
     text_ids = None
     if args.model == RANDOM_8B:
@@ -199,8 +205,7 @@ def _cmd_bench(args) -> int:
     def save(row=None):
         if row is not None:
             result["rows"].append({k: v for k, v in row.items() if not k.startswith("_")})
-        with open(out, "w") as f:
-            json.dump(result, f, indent=1)
+        write_text(out, json.dumps(result, indent=1))
 
     results = bench.decode_bench(model, rows, contexts, args.batch, steps=steps, warmup=args.warmup,
                                  chunk=args.chunk, preset=args.preset, text_ids=text_ids, progress=not args.no_progress,
@@ -215,7 +220,6 @@ def _cmd_bench(args) -> int:
         print(f"{r['row']:<20} {r['context']:>8} {r['wall_ms']:>9.2f} {r.get('vs_best_baseline', float('nan')):>10.2f}x "
               f"{r['cache_MiB']:>10.1f} {r['agree'] if 'agree' in r else '-':>6}")
     try:
-        png = os.path.splitext(out)[0] + ".png"
         bench.plot(results, png, f"{args.model}, {env['dtype']}, batch {args.batch}, {env['device']}")
         print(f"wrote {out} and {png}")
     except ImportError:
@@ -263,23 +267,49 @@ def _cmd_calibrate(args) -> int:
     out = _output_folder(args)
     if out is None:
         return 2
+    ex = _existing(out)
+    if ex is None:
+        return 2
+    seed = 0 if args.seed is None else args.seed
     try:
-        if args.preset:
-            cfg = TurboQuantConfig.from_preset(args.preset, seed=args.seed)
+        ex.check_model(args.model_dir)
+        if ex.allocation or ex.split:
+            # the folder's config is the one to calibrate for: its widths, split and seed stay
+            where = os.path.join(out, TURBOQUANT_CONFIG_NAME)
+            if args.preset or args.key_bits is not None or args.value_bits is not None:
+                raise ValueError(f"{where} holds {ex.names()}; calibrate fits codebooks to that config's widths, and "
+                                 "--preset / --key-bits / --value-bits would replace it. Drop them to calibrate the "
+                                 "folder's config, or pass another --out")
+            if args.seed is not None and args.seed != ex.config.seed:
+                raise ValueError(f"{where} holds {ex.names()} under seed={ex.config.seed}; --seed {args.seed} would "
+                                 f"replace it. Drop --seed (or pass --seed {ex.config.seed}), or pass another --out")
+            if ex.config.key_centering:
+                raise ValueError(f"{where} centres the keys (key_centering); calibrated codebooks are fitted to "
+                                 "uncentred keys and would not match. Calibrate into another --out")
+            cfg = ex.config
+        elif args.preset:
+            cfg = TurboQuantConfig.from_preset(args.preset, seed=seed)
         else:
             base = TurboQuantConfig()
             cfg = TurboQuantConfig(
                 key_bits=base.key_bits if args.key_bits is None else args.key_bits,
                 value_bits=base.value_bits if args.value_bits is None else args.value_bits,
-                seed=args.seed,
+                seed=seed,
             )
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    if ex.doc is not None and cfg is not ex.config:
+        print(f"note: replacing the {ex.names()} in {os.path.join(out, TURBOQUANT_CONFIG_NAME)}", file=sys.stderr)
     loaded = _text_and_model(args, min(6 * args.max_tokens, 100_000))
     if loaded is None:
         return 2
     text, source, model, tok = loaded
+    try:
+        ex.check_model(args.model_dir, model.config)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     per_head = {"auto": None, "yes": True, "no": False}[args.per_head]
     try:
         cb = calibrate(
@@ -292,7 +322,7 @@ def _cmd_calibrate(args) -> int:
     cb.info["text_source"] = source
     cb.info["model"] = args.model_dir if args.model_dir == EMBEDDED_MODEL else os.path.abspath(args.model_dir)
     try:
-        cb.save_pretrained(out)
+        cb.save_pretrained(out, extra=ex.sections())
     except (OSError, ValueError) as e:
         print(f"error: cannot save into {out!r}: {e}", file=sys.stderr)
         return 2
@@ -305,7 +335,7 @@ def _cmd_calibrate(args) -> int:
 def _cmd_allocate(args) -> int:
     import math
 
-    from .allocation import bits_per_coordinate, calibrate_bits, layer_token_weights
+    from .allocation import bits_per_coordinate, calibrate_bits, layer_token_weights, min_tokens
     from .config import model_facts
 
     if not math.isfinite(args.budget) or args.budget <= 0:
@@ -314,23 +344,45 @@ def _cmd_allocate(args) -> int:
     if args.context < 1:
         print(f"error: --context must be a positive number of tokens, got {args.context}", file=sys.stderr)
         return 2
-    if args.tokens <= args.chunk or args.chunk < 1:
-        print(f"error: --tokens ({args.tokens}) must exceed --chunk ({args.chunk}) >= 1: the positions after the first "
-              "chunk are scored", file=sys.stderr)
+    try:
+        base = TurboQuantConfig(seed=args.seed)
+        least = min_tokens(args.chunk, base)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if args.tokens < least:
+        print(f"error: --tokens {args.tokens} in chunks of --chunk {args.chunk} measure nothing: with residual_length "
+              f"{base.residual_length} no scored position attends to a quantized token; pass --tokens {least} or "
+              "more, or a smaller --chunk", file=sys.stderr)
         return 2
     out = _output_folder(args)
     if out is None:
         return 2
+    ex = _existing(out)
+    if ex is None:
+        return 2
+    where = os.path.join(out, TURBOQUANT_CONFIG_NAME)
     try:
-        base = TurboQuantConfig(seed=args.seed)
+        ex.check_model(args.model_dir)
+        if ex.codebooks:
+            raise ValueError(f"{where} holds calibrated codebooks of key bits / value bits fixed at calibration, "
+                             "which an allocation's widths would not match. Allocate into another --out, then run "
+                             "`tq-hf-cache calibrate` on that folder (it fits the allocation's widths)")
+        if ex.split:
+            raise ValueError(f"{where} holds a key split (key_split), whose part widths come from the per-layer key "
+                             "bits it was made from. Allocate into another --out, then run `tq-hf-cache split-keys "
+                             "--base THAT_FOLDER` to split on top of the allocation")
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    if ex.doc is not None:
+        print(f"note: replacing the {ex.names()} in {where}", file=sys.stderr)
     loaded = _text_and_model(args, 8 * args.tokens)
     if loaded is None:
         return 2
     text, source, model, tok = loaded
     try:
+        ex.check_model(args.model_dir, model.config)
         cfg, sens = calibrate_bits(model, text, args.budget, tokenizer=tok, tokens=args.tokens, chunk=args.chunk,
                                    base=base, context=args.context, progress=not args.no_progress)
         path = cfg.save_pretrained(out, model_config=model.config, extra={"bit_allocation": {
@@ -352,6 +404,7 @@ def _cmd_allocate(args) -> int:
 
 
 def _cmd_split_keys(args) -> int:
+    from .config import model_facts
     from .key_split import calibrate_key_split, split_bits
 
     try:
@@ -367,30 +420,61 @@ def _cmd_split_keys(args) -> int:
     if args.tokens < 16:
         print(f"error: --tokens must be >= 16, got {args.tokens}", file=sys.stderr)
         return 2
-    try:
-        if args.base in PRESETS:
-            base = TurboQuantConfig.from_preset(args.base)
-        elif os.path.isdir(args.base):
-            base = TurboQuantConfig.from_pretrained(args.base)
-        else:
-            raise ValueError(f"--base must be a preset ({', '.join(sorted(PRESETS))}) or a folder, got {args.base!r}")
-    except (OSError, ValueError) as e:
-        print(f"error: {e}", file=sys.stderr)
+    if args.base is not None and args.base not in PRESETS and not os.path.isdir(args.base):
+        print(f"error: --base must be a preset ({', '.join(sorted(PRESETS))}) or a folder, got {args.base!r}",
+              file=sys.stderr)
         return 2
     out = _output_folder(args)
     if out is None:
         return 2
+    ex = _existing(out)
+    if ex is None:
+        return 2
+    where = os.path.join(out, TURBOQUANT_CONFIG_NAME)
+    base_name = args.base
+    try:
+        ex.check_model(args.model_dir)
+        if args.base is None:  # split on top of what --out holds (an allocation, codebooks), else the default preset
+            base_ex, base_name = (ex, out) if ex.doc is not None else (None, DEFAULT_PRESET)
+        elif args.base in PRESETS:
+            base_ex = None
+        else:
+            base_ex = ex if os.path.realpath(args.base) == os.path.realpath(out) else _Existing(args.base)
+            if base_ex.doc is None:
+                raise ValueError(f"--base {args.base!r} holds no {TURBOQUANT_CONFIG_NAME}")
+            base_ex.check_model(args.model_dir)
+        base = base_ex.config if base_ex is not None else TurboQuantConfig.from_preset(base_name)
+        if base_ex is not None and base_ex.split:  # a new split replaces the old one: both start from the same bits
+            print(f"note: the key split in {os.path.join(base_ex.folder, TURBOQUANT_CONFIG_NAME)} is replaced",
+                  file=sys.stderr)
+            base = TurboQuantConfig.from_dict({**base.to_dict(), "key_split": {}})
+        if ex.doc is not None and base_ex is not ex:
+            if ex.allocation or ex.codebooks or ex.split:
+                raise ValueError(f"{where} holds {ex.names()}, which a split from --base {base_name!r} would replace. "
+                                 "Drop --base (or pass --base OUT) to split on top of it, or pass another --out")
+        if ex.codebooks and (args.key_centering or base.key_centering):
+            raise ValueError(f"{where} holds calibrated codebooks, fitted to uncentred keys: --key-centering would "
+                             "not match them. Pass another --out")
+    except (OSError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if ex.doc is not None and base_ex is not ex:
+        print(f"note: replacing the {ex.names()} in {where}", file=sys.stderr)
     loaded = _text_and_model(args, 8 * args.tokens)
     if loaded is None:
         return 2
     text, source, model, tok = loaded
     ids = tok(text, return_tensors="pt")["input_ids"][:, : args.tokens]
     try:
+        if base_ex is not None:
+            base_ex.check_model(args.model_dir, model.config)
+        base.check_model_facts(model_facts(model.config))
         spec = calibrate_key_split(model, ids, sizes, deltas, base)
         cfg = TurboQuantConfig.from_dict({**base.to_dict(), "key_split": spec,
                                           "key_centering": args.key_centering or base.key_centering})
-        path = cfg.save_pretrained(out, model_config=model.config, extra={"key_split_calibration": {
-            "sizes": sizes, "deltas": deltas, "base": args.base, "tokens": int(ids.shape[1]), "text_source": source}})
+        extra = {**(base_ex.sections() if base_ex is ex else {}), "key_split_calibration": {
+            "sizes": sizes, "deltas": deltas, "base": base_name, "tokens": int(ids.shape[1]), "text_source": source}}
+        path = cfg.save_pretrained(out, model_config=model.config, extra=extra)
     except (OSError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -417,6 +501,76 @@ def _output_folder(args) -> str | None:
         print(f"error: cannot write the output folder {out!r}: {problem}", file=sys.stderr)
         return None
     return out
+
+
+# the top-level sections of turboquant_config.json that the three commands write beside the config
+_RESULT_SECTIONS = ("bit_allocation", "key_split_calibration")
+
+
+class _Existing:
+    """What an output folder's turboquant_config.json already holds, read before any work so that a command can
+    merge with it or refuse by name."""
+
+    def __init__(self, folder: str):
+        from .config import read_turboquant_json
+
+        self.folder, self.doc, self.config = folder, None, None
+        if os.path.isfile(os.path.join(folder, TURBOQUANT_CONFIG_NAME)):
+            self.doc = read_turboquant_json(folder)
+            self.config = TurboQuantConfig.from_file_doc(self.doc, folder)
+
+    @property
+    def codebooks(self) -> bool:
+        return self.doc is not None and "codebooks" in self.doc
+
+    @property
+    def allocation(self) -> bool:
+        return self.config is not None and bool(self.config.layer_bits)
+
+    @property
+    def split(self) -> bool:
+        return self.config is not None and bool(self.config.key_split)
+
+    def sections(self) -> dict:
+        """The result sections (allocation, split calibration) to carry into the rewritten file."""
+        return {k: self.doc[k] for k in _RESULT_SECTIONS if self.doc is not None and k in self.doc}
+
+    def names(self) -> str:
+        what = [w for w, has in (("calibrated codebooks", self.codebooks), ("a bit allocation (layer_bits)",
+                self.allocation), ("a key split (key_split)", self.split)) if has]
+        return " and ".join(what) or "a TurboQuant config"
+
+    def check_model(self, model_dir: str, model_config=None) -> None:
+        """Refuse a folder whose stored model facts are not the model's (its config.json, or the loaded config)."""
+        from .config import check_model_facts, fact_mismatch, model_facts
+
+        if self.doc is None or self.doc.get("model") is None:
+            return
+        if model_config is not None:
+            check_model_facts(self.doc, self.folder, model_config)
+            return
+        cfg_path = os.path.join(model_dir, "config.json")
+        if os.path.isfile(cfg_path):
+            try:
+                with open(cfg_path, encoding="utf-8") as f:
+                    facts = model_facts(json.load(f))
+            except (OSError, ValueError, TypeError):
+                return  # the model load reports an unreadable checkpoint config
+            diff = fact_mismatch(self.doc["model"], facts)
+            if diff:
+                k, want, got = diff
+                raise ValueError(f"{os.path.join(self.folder, TURBOQUANT_CONFIG_NAME)} holds {self.names()} for a "
+                                 f"model with {k}={want!r}, but {cfg_path} has {k}={got!r}")
+
+
+def _existing(folder: str) -> _Existing | None:
+    """`_Existing(folder)`, or None after printing why its file cannot be read."""
+    try:
+        return _Existing(folder)
+    except (OSError, ValueError) as e:
+        print(f"error: the output folder {folder!r} holds a {TURBOQUANT_CONFIG_NAME} that cannot be read ({e}); "
+              "pass another --out, or remove the file", file=sys.stderr)
+        return None
 
 
 def _text_and_model(args, default_chars: int):
@@ -454,15 +608,9 @@ def _read_text(args, default_chars: int) -> tuple[str | None, str]:
 
 def _unwritable(folder: str) -> str | None:
     """Why `folder` cannot receive the calibration files (None when it can); creates it if needed."""
-    try:
-        os.makedirs(folder, exist_ok=True)
-        probe = os.path.join(folder, ".tq-hf-cache-write-test")
-        with open(probe, "w") as f:
-            f.write("")
-        os.remove(probe)
-    except OSError as e:
-        return str(e)
-    return None
+    from ._io import probe_writable
+
+    return probe_writable(folder)
 
 
 def _print_summary(summary: dict) -> None:

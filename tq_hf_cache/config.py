@@ -7,6 +7,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
+from ._io import write_text
 from .codebook import check_bits
 from .key_split import check_spec
 from .rotation import ROTATION_KINDS
@@ -25,7 +26,11 @@ PRESETS: dict[str, tuple[int, int]] = {
 }
 DEFAULT_PRESET = "k5v3"
 NORM_DTYPES = ("float16", "float32")
-CONFIG_VERSION = 1
+# version 2 files hold every field; version 1 files (written before key_centering and key_split existed) may lack
+# those two, which then read as off
+CONFIG_VERSION = 2
+READABLE_CONFIG_VERSIONS = (1, 2)
+_FIELDS_AFTER_VERSION_1 = ("key_centering", "key_split")
 # layer i uses rotation seed `seed + i`, stored as int64 beside calibrated codebooks: room for 2**31 layers
 MAX_SEED = 2**63 - 2**31
 # the residual window holds at most this many tokens per layer (its buffer grows with the sequence)
@@ -99,6 +104,13 @@ class TurboQuantConfig:
                                            _check_layer_bits)
         self.key_split = self._layer_dict(self.key_split, "key_split",
                                           '{layer_idx: {"bits": [...], "sizes": [...], "order": [...]}}', check_spec)
+        if self.rotation == "hadamard":
+            for i, spec in self.key_split.items():
+                bad = [n for n in spec["sizes"] if n & (n - 1)]
+                if bad:
+                    raise ValueError(f"key_split[{i}] has parts of {bad} channels, but rotation='hadamard' needs "
+                                     "power-of-two part sizes; use rotation='auto' or 'orthogonal', or sizes such as "
+                                     "16, 16, 32")
 
     def _layer_dict(self, value, what: str, shape: str, check) -> dict:
         """{layer index: check(v, index)} from a dict keyed by layer indices (ints, or digit strings from JSON)."""
@@ -128,6 +140,21 @@ class TurboQuantConfig:
         for what in ("skip_first", "skip_last"):
             if getattr(self, what) > num_layers:
                 raise ValueError(f"{what}={getattr(self, what)} is more than the model's {num_layers} layers")
+
+    def check_model_facts(self, facts: dict[str, Any] | None) -> None:
+        """Refuse per-layer settings that cannot fit a model of these facts (`model_facts`): layers it lacks, and
+        key splits whose parts do not hold its head dim or whose channel orders are not one per KV head."""
+        if facts is None:
+            return
+        self.check_layers(facts["num_hidden_layers"])
+        d, heads = facts["head_dim"], facts["num_key_value_heads"]
+        for i, spec in self.key_split.items():
+            if sum(spec["sizes"]) != d:
+                raise ValueError(f"key_split[{i}] parts of sizes {spec['sizes']} hold {sum(spec['sizes'])} channels, "
+                                 f"but the model's head dim is {d}: the sizes must sum to {d}")
+            if len(spec["order"]) != heads:
+                raise ValueError(f"key_split[{i}] gives channel orders for {len(spec['order'])} KV heads, but the "
+                                 f"model has {heads} KV heads")
 
     @staticmethod
     def _layer_index(i, what: str) -> int:
@@ -183,8 +210,9 @@ class TurboQuantConfig:
     def from_dict(cls, d: dict[str, Any]) -> "TurboQuantConfig":
         d = dict(d)
         version = d.pop("tq_hf_cache_config_version", CONFIG_VERSION)
-        if version != CONFIG_VERSION:
-            raise ValueError(f"unsupported TurboQuantConfig version {version!r}; this tq_hf_cache reads version {CONFIG_VERSION}")
+        if isinstance(version, bool) or version not in READABLE_CONFIG_VERSIONS:
+            raise ValueError(f"unsupported TurboQuantConfig version {version!r}; this tq_hf_cache reads versions "
+                             f"{list(READABLE_CONFIG_VERSIONS)}")
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(d) - known)
         if unknown:
@@ -217,8 +245,11 @@ class TurboQuantConfig:
             "format_version": TURBOQUANT_FORMAT_VERSION,
             "tq_config": json.loads(self.to_json_string()),
         }
+        if DOC_DIGEST in (extra or {}):
+            raise ValueError(f"extra section {DOC_DIGEST!r} is reserved for the file's digest")
         if model_config is not None:
             doc["model"] = model_facts(model_config)
+            self.check_model_facts(doc["model"])
         if "codebooks" not in (extra or {}):
             doc.update(self._kept_codebooks(save_directory, doc.get("model")))
         os.makedirs(save_directory, exist_ok=True)
@@ -226,12 +257,9 @@ class TurboQuantConfig:
             if key in doc:
                 raise ValueError(f"extra section {key!r} would overwrite a reserved key of {TURBOQUANT_CONFIG_NAME}")
             doc[key] = value
+        doc[DOC_DIGEST] = doc_digest(doc)
         path = os.path.join(save_directory, TURBOQUANT_CONFIG_NAME)
-        tmp = path + ".tmp"
-        with open(tmp, "w", encoding="utf-8") as f:
-            f.write(json.dumps(doc, indent=2, sort_keys=True) + "\n")
-        os.replace(tmp, path)
-        return path
+        return write_text(path, json.dumps(doc, indent=2, sort_keys=True) + "\n")
 
     def _kept_codebooks(self, directory, model: dict | None) -> dict[str, Any]:
         """The calibrated-codebook sections of a folder's existing config file, kept when this config can use
@@ -265,9 +293,49 @@ class TurboQuantConfig:
     def from_pretrained(cls, directory, config=None) -> "TurboQuantConfig":
         """Read `directory/turboquant_config.json`; check the stored model facts against `config` (a
         transformers config) when given and against `directory/config.json` when present."""
+        import os
+
         doc = read_turboquant_json(directory)
         check_model_facts(doc, directory, config)
-        return cls.from_dict(doc["tq_config"])
+        cfg = cls.from_file_doc(doc, directory)
+        index = doc.get("codebooks")
+        name = index.get("file", "turboquant_codebooks.safetensors") if isinstance(index, dict) else None
+        if isinstance(name, str) and not os.path.isfile(os.path.join(directory, name)):
+            raise FileNotFoundError(f"calibrated codebooks file {os.path.join(directory, name)!r} is missing (listed in "
+                                    f"{TURBOQUANT_CONFIG_NAME}): restore it, or save the config without codebooks")
+        return cfg
+
+    @classmethod
+    def from_file_doc(cls, doc: dict[str, Any], directory, check_digest: bool = True) -> "TurboQuantConfig":
+        """The config of a read `turboquant_config.json` (see `read_turboquant_json`), checked against its stored
+        model facts. save_pretrained writes every field, so a missing one means the file was cut or edited: it is
+        refused rather than read as its default."""
+        import os
+
+        where = os.path.join(directory, TURBOQUANT_CONFIG_NAME)
+        d = doc["tq_config"]
+        try:
+            cfg = cls.from_dict(d)
+            cfg.check_model_facts(doc.get("model"))
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"{where}: tq_config: {e}") from None
+        version = d.get("tq_hf_cache_config_version")
+        optional = _FIELDS_AFTER_VERSION_1 if version == 1 else ()
+        missing = [f.name for f in dataclasses.fields(cls) if f.name not in d and f.name not in optional]
+        if version is None:
+            missing.insert(0, "tq_hf_cache_config_version")
+        if missing:
+            raise ValueError(f"{where}: tq_config lacks the fields {missing} (save_pretrained writes every field)")
+        if check_digest:
+            try:
+                check_doc_digest(doc, where)
+            except ValueError:
+                if "codebooks" in doc:  # name a bad codebook field, when there is one, before the digest
+                    from .calibration import CalibratedCodebooks
+
+                    CalibratedCodebooks.from_pretrained(directory)
+                raise
+        return cfg
 
 
 def _check_layer_bits(v, idx: int) -> list[int]:
@@ -318,6 +386,31 @@ def model_facts(model_config) -> dict[str, Any]:
     }
 
 
+DOC_DIGEST = "sha256"
+
+
+def doc_digest(doc: dict[str, Any]) -> str:
+    """SHA-256 of a turboquant_config.json document without its own digest, as canonical JSON."""
+    from ._io import sha256_bytes
+
+    body = {k: v for k, v in doc.items() if k != DOC_DIGEST}
+    return sha256_bytes(json.dumps(body, sort_keys=True, separators=(",", ":")).encode("utf-8"))
+
+
+def check_doc_digest(doc: dict[str, Any], where: str) -> None:
+    """Refuse a document whose content differs from its `sha256` (written by save_pretrained): a corrupted or
+    edited file. A document without one (older files, hand-written ones) is taken as it is; deleting the field is
+    how a deliberate hand edit is accepted. Called after the fields are validated, so a bad field is named first."""
+    digest = doc.get(DOC_DIGEST)
+    if digest is None and DOC_DIGEST not in doc:
+        return
+    if not isinstance(digest, str) or len(digest) != 64 or any(c not in "0123456789abcdef" for c in digest):
+        raise ValueError(f"{where}: {DOC_DIGEST} must be 64 lowercase hex digits, got {digest!r}")
+    if digest != doc_digest(doc):
+        raise ValueError(f"{where}: the content differs from its {DOC_DIGEST} (corrupted or edited after saving); "
+                         f"save it again, or delete the {DOC_DIGEST!r} field to accept a hand edit")
+
+
 def read_format_json(path: str, fmt: str, version: int, missing_hint: str) -> dict[str, Any]:
     """Load a tq_hf_cache JSON document and check its `format` and `format_version` (raises naming the path and
     the bad value); `missing_hint` says how to make the file when it is absent."""
@@ -356,6 +449,8 @@ def read_turboquant_json(directory) -> dict[str, Any]:
     if model is not None:
         if not isinstance(model, dict) or set(model) != set(MODEL_FACT_KEYS):
             raise ValueError(f"{path}: the 'model' section must have exactly the keys {list(MODEL_FACT_KEYS)}, got {model!r}")
+        if model["model_type"] is not None and not isinstance(model["model_type"], str):
+            raise ValueError(f"{path}: model.model_type must be a string or null, got {model['model_type']!r}")
         for k in MODEL_FACT_KEYS[1:]:
             v = model[k]
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:

@@ -27,6 +27,7 @@ from .packing import packed_bytes
 from .rotation import Rotation
 
 SPEC_KEYS = ("bits", "sizes", "order")
+MIN_PART = 3  # channels of a part: `theoretical_codebook` needs 3 or more dimensions
 
 
 @dataclass(eq=False)
@@ -92,8 +93,10 @@ def check_spec(spec, layer: int) -> dict:
                          f"got bits={bits!r}, sizes={sizes!r}")
     bits = [check_bits(b, f"key_split[{layer}] bits of part {p}") for p, b in enumerate(bits)]
     for p, n in enumerate(sizes):
-        if isinstance(n, bool) or not isinstance(n, int) or n < 2:
-            raise ValueError(f"key_split[{layer}] part {p} must hold an integer >= 2 of channels, got {n!r}")
+        if isinstance(n, bool) or not isinstance(n, int) or n < MIN_PART:
+            raise ValueError(f"key_split[{layer}] part {p} holds {n!r} channels; a part must hold an integer >= "
+                             f"{MIN_PART} of them (each part is its own TurboQuant vector, whose codebook needs "
+                             f"{MIN_PART} or more dimensions) and the parts must sum to the head dim")
     d = sum(sizes)
     if not isinstance(order, (list, tuple)) or not order:
         raise ValueError(f"key_split[{layer}]['order'] must be a non-empty list (one channel order per KV head), "
@@ -178,7 +181,7 @@ def calibrate_key_split(model, input_ids: torch.Tensor, sizes: list[int], deltas
     Args:
         model: a transformers causal LM with RoPE attention.
         input_ids: (1, T) calibration tokens (the first 4 are left out of the weights: attention sinks).
-        sizes: channels per part, even (whole RoPE pairs), >= 2 each, summing to the head dim.
+        sizes: channels per part, even (whole RoPE pairs), >= 4 each, summing to the head dim.
         deltas: bits added to the layer's key bits for each part (the results must lie in 1..8).
         tq_config: the config whose per-layer key bits are the base (default: the default preset).
 
@@ -193,8 +196,9 @@ def calibrate_key_split(model, input_ids: torch.Tensor, sizes: list[int], deltas
     if len(sizes) < 2 or len(sizes) != len(deltas):
         raise ValueError(f"sizes and deltas need one entry per part, at least 2 parts; got sizes={sizes}, deltas={deltas}")
     for n in sizes:
-        if isinstance(n, bool) or not isinstance(n, int) or n < 2 or n % 2:
-            raise ValueError(f"every part needs an even number of channels >= 2 (whole RoPE pairs), got sizes={sizes}")
+        if isinstance(n, bool) or not isinstance(n, int) or n < MIN_PART or n % 2:
+            raise ValueError(f"every part needs an even number of channels >= {MIN_PART + 1} (whole RoPE pairs, and a "
+                             f"part's codebook needs {MIN_PART} or more dimensions), got sizes={sizes}")
     if input_ids.dim() != 2 or input_ids.shape[0] != 1 or input_ids.shape[1] < 16:
         raise ValueError(f"input_ids must be (1, T) with T >= 16 calibration tokens, got {tuple(input_ids.shape)}")
     types, _ = layer_types_and_kwargs(model.config)

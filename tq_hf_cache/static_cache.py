@@ -37,7 +37,7 @@ from transformers.cache_utils import Cache, StaticLayer
 
 from . import _compat, ops
 from .attention import NAME
-from .cache import _check_codebooks, _codebook, _rotation, resolve_config
+from .cache import _check_codebook_rotation, _check_codebooks, _codebook, _rotation, resolve_config
 from .config import model_facts
 from .crop import crop_layers
 from .codebook import theoretical_codebook
@@ -399,6 +399,7 @@ class TurboQuantStaticCache(Cache):
         ):
             raise ValueError(f"max_batch_size must be a positive integer or None, got {max_batch_size!r}")
         self.tq_config = resolve_config(tq_config, **overrides)
+        _check_codebook_rotation(codebooks, self.tq_config)
         self.codebooks = codebooks
         self.capacity = max_cache_len  # (Cache.max_cache_len is a read-only property in some transformers 5.x)
         self.model_facts = model_facts(config)
@@ -407,6 +408,7 @@ class TurboQuantStaticCache(Cache):
         if _compat.kv_sharing_producers(config):
             raise ValueError("TurboQuantStaticCache does not support models that share KV between layers")
         self.tq_config.check_layers(len(layer_types))
+        self.tq_config.check_model_facts(self.model_facts)
         if codebooks is not None and hasattr(codebooks, "check_model"):
             codebooks.check_model(config)
         heads = text.num_attention_heads

@@ -103,6 +103,27 @@ def new_output_name(tag: str, folder: str = ".", prefix: str = "tq_eval") -> str
     return path
 
 
+def output_problem(path: str, option: str, suffix: str | None = None, read: bool = False) -> str | None:
+    """Why `path` cannot take an output file of `option` (None when it can), checked before any work: a folder, a
+    non-regular or read-only file, a wrong suffix, a folder that cannot be written into (created if missing).
+    `read`: the file is updated, so an existing one must be readable."""
+    from .._io import probe_writable
+
+    full = os.path.abspath(path)
+    if suffix and not full.lower().endswith(suffix):
+        return f"{option} {path!r} must name a {suffix} file"
+    if os.path.isdir(full):
+        return f"{option} {path!r} is a folder; name a file (inside it, for instance)"
+    if os.path.lexists(full) and not os.path.islink(full) and not os.path.isfile(full):
+        return f"{option} {path!r} exists and is not a regular file"
+    if os.path.isfile(full) and not os.access(full, os.W_OK | (os.R_OK if read else 0)):
+        return f"{option} {path!r} exists and is not {'readable and ' if read else ''}writable"
+    why = probe_writable(os.path.dirname(full))
+    if why:
+        return f"{option} {path!r}: cannot write into its folder: {why}"
+    return None
+
+
 def settings_from_args(args):
     from .runner import EvalSettings
 
@@ -124,6 +145,7 @@ def run(args) -> int:
     from .models import load_model
     from .runner import run_eval
 
+    from .._io import write_text
     from ..config import TURBOQUANT_CONFIG_NAME
     from .caches import folder_spec
 
@@ -149,6 +171,16 @@ def run(args) -> int:
         return 2
     tag = os.path.splitext(os.path.basename(os.path.normpath(args.model)))[0]
     out = args.output or new_output_name(tag)
+    outputs = [(out, "--output", None, False), (args.markdown, "--markdown", None, True), (args.plot, "--plot", ".png", False)]
+    for path, option, suffix, read in outputs:
+        problem = path and output_problem(path, option, suffix, read)
+        if problem:
+            print(f"error: {problem}", file=sys.stderr)
+            return 2
+    named = [os.path.abspath(p) for p, *_ in outputs if p]
+    if len(set(named)) != len(named):
+        print("error: --output, --markdown and --plot must name different files", file=sys.stderr)
+        return 2
     t = time.time()
     try:
         model, tok, info = load_model(args.model, getattr(torch, args.dtype))
@@ -163,8 +195,7 @@ def run(args) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     result["command"] = "tq-hf-cache eval " + " ".join(sys.argv[2:] if len(sys.argv) > 1 and sys.argv[1] == "eval" else sys.argv[1:])
-    with open(out, "w") as f:
-        json.dump(result, f, indent=1, default=str)
+    write_text(out, json.dumps(result, indent=1, default=str))
     print(f"wrote {out}")
     if args.markdown or args.plot:
         from .report import plot, update_markdown

@@ -7,8 +7,21 @@
 from __future__ import annotations
 
 import argparse
+import io
 import json
 import re
+
+from .._io import write_bytes, write_text
+
+
+def save_figure(fig, path: str) -> None:
+    """A matplotlib figure as a PNG at `path`, written through `_io` (savefig would open the path itself)."""
+    import matplotlib.pyplot as plt
+
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=120)
+    plt.close(fig)
+    write_bytes(path, buf.getvalue())
 
 
 def _fmt(x, spec):
@@ -107,8 +120,7 @@ def update_markdown(path: str, results: list[dict]) -> None:
             text = text[: text.index(begin)] + block + text[text.index(end) + len(end):]
         else:
             text = text.rstrip("\n") + "\n\n" + block + "\n"
-    with open(path, "w") as f:
-        f.write(text)
+    write_text(path, text)
 
 
 def seed_groups(caches: dict) -> list[tuple[str, list[dict]]]:
@@ -164,8 +176,7 @@ def plot(results: list[dict], path: str) -> None:
                    loc="upper right", fontsize=8, title_fontsize=8)
     fig.suptitle("KV-cache quality vs size (chunked prefill, CPU)")
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def merge_results(results: list[dict]) -> list[dict]:
@@ -216,8 +227,7 @@ def main(argv=None) -> int:
     if args.merged_json:
         for r in results:
             path = args.merged_json.format(model=r["model"]["name"])
-            with open(path, "w") as f:
-                json.dump(r, f, indent=1)
+            write_text(path, json.dumps(r, indent=1))
     if args.markdown:
         update_markdown(args.markdown, results)
     if args.plot:

@@ -188,8 +188,7 @@ def _bytes_entry(spec, cfg, info, cache, tokens, synthetic_tokens, dtype_name) -
 def _write(path, result):
     if not path:
         return
+    from .._io import write_text
+
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(result, f, indent=1, default=str)
-    os.replace(tmp, path)
+    write_text(path, json.dumps(result, indent=1, default=str))
