@@ -125,7 +125,7 @@ def save_prefix(cache, path: str, token_ids, model=None) -> str:
         "num_tokens": ids.shape[1],
         "batch": ids.shape[0],
         "token_ids_sha256": token_digest(ids),
-        "tensors_sha256": _io.sha256_bytes(blob),
+        "tensors_sha256": _io.sha256_blocks(blob),
         "layers": layers,
     }
     doc["index_sha256"] = index_digest(doc)
@@ -391,23 +391,17 @@ def _check_tokens(doc: dict, where: str, token_ids) -> None:
 
 
 def _read_tensors(path: str, digest: str, device) -> dict[str, torch.Tensor]:
-    """The tensors file, read once: its SHA-256 must be the index's, then it is parsed from the same bytes."""
-    from safetensors.torch import load
-
+    """The tensors file, mapped once: its digest (`_io.sha256_blocks`) must be the index's, then the tensors are
+    copied from the same mapping to `device` (CPU when None)."""
     file = os.path.join(path, PREFIX_TENSORS)
     if not os.path.isfile(file):
         raise FileNotFoundError(f"no {PREFIX_TENSORS} in {path!r}, which {PREFIX_JSON} indexes: the folder is "
                                 "incomplete; re-save the prefix")
-    with open(file, "rb") as f:
-        blob = f.read()
-    if _io.sha256_bytes(blob) != digest:
+    data = _io.map_file(file)
+    if _io.sha256_blocks(data) != digest:
         raise ValueError(f"{file}: its SHA-256 differs from field tensors_sha256 of {PREFIX_JSON}: the tensors are "
                          "not the ones saved with this index (damaged, torn or another prefix's); re-save the prefix")
-    try:
-        tensors = load(blob)
-    except Exception as e:  # safetensors raises its own error types for a malformed file
-        raise ValueError(f"{file} cannot be read: {e}") from None
-    return tensors if device is None else {k: v.to(device) for k, v in tensors.items()}
+    return _io.parse_safetensors(data, file, device)
 
 
 def _restore_layer(layer, i: int, info: dict, doc: dict, facts: dict, get, where: str, device) -> None:
