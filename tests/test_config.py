@@ -66,3 +66,14 @@ def test_layer_policy():
     ]
     with pytest.raises(ValueError, match="skip_last needs the model's layer count"):
         cfg.bits_for_layer(3)
+
+
+def test_an_unknown_model_type_does_not_match_a_known_one():
+    from conftest import tiny_llama_config
+
+    from tq_hf_cache.config import fact_mismatch, model_facts
+
+    facts = model_facts(tiny_llama_config())
+    assert fact_mismatch(dict(facts), facts) is None
+    assert fact_mismatch({**facts, "model_type": None}, facts) == ("model_type", None, "llama")
+    assert fact_mismatch(facts, {**facts, "model_type": None}) == ("model_type", "llama", None)

@@ -459,11 +459,9 @@ def read_turboquant_json(directory) -> dict[str, Any]:
 
 
 def fact_mismatch(stored: dict[str, Any], facts: dict[str, Any]) -> tuple[str, Any, Any] | None:
-    """The first model fact (name, stored value, given value) that differs, or None; a model_type unknown on
-    either side matches."""
+    """The first model fact (name, stored value, given value) that differs, or None. Exact, model_type too: one
+    unknown on one side does not match a known one (the layer count and shapes alone bind nothing)."""
     for k in MODEL_FACT_KEYS:
-        if k == "model_type" and (stored.get(k) is None or facts.get(k) is None):
-            continue
         if stored.get(k) != facts.get(k):
             return k, stored.get(k), facts.get(k)
     return None
