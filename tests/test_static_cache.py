@@ -251,3 +251,40 @@ def test_the_kernel_runs_on_a_long_static_cache_with_its_own_plan(head_dim, pres
         logits[impl] = torch.cat(out)
     torch.testing.assert_close(logits["turboquant"], logits["sdpa"], atol=2e-2, rtol=2e-2,
                                msg=lambda m: f"kernel vs sdpa, head dim {head_dim}, {preset}: {m}")
+
+
+@pytest.mark.parametrize("skip", [[], [0]], ids=["quantized", "first-layer-exact"])
+def test_an_eager_prefill_attends_over_the_positions_held(skip, monkeypatch):
+    """A prefill chunk (or an eager step under another attention) sees the positions held, not max_cache_len: its
+    keys are that long, one mask fits every full-attention layer (quantized or kept exact), and the logits are
+    those of the max_cache_len path, which a compiled step keeps."""
+    from tq_hf_cache import static_cache
+
+    cfg, model = build("llama")
+    model.set_attn_implementation("sdpa")
+    ids = prompt(length=PROMPT + 4)
+    seen = []
+    real_full = TurboQuantStaticLayer._full
+
+    def recording(self, k, v):
+        out = real_full(self, k, v)
+        seen.append(out[0].shape[2])
+        return out
+
+    monkeypatch.setattr(TurboQuantStaticLayer, "_full", recording)
+
+    def run(held: bool):
+        monkeypatch.setattr(static_cache, "held_only", lambda cfg, n: held)  # eager either way: the rule's choice
+        cache = TurboQuantStaticCache(config=cfg, max_cache_len=4 * CAP, skip_layers=skip, **EIGHT_BIT)
+        with torch.no_grad():
+            chunks = [model(ids[:, s: min(s + 16, PROMPT)], **with_cache(cache)).logits for s in range(0, PROMPT, 16)]
+            steps = [model(ids[:, t: t + 1], **with_cache(cache)).logits for t in range(PROMPT, ids.shape[1])]
+        return torch.cat(chunks + steps, 1)
+
+    capacity = run(False)
+    assert set(seen) == {4 * CAP}
+    seen.clear()
+    held = run(True)
+    want = [min(s + 16, PROMPT) for s in range(0, PROMPT, 16)] + list(range(PROMPT + 1, ids.shape[1] + 1))
+    assert seen == [n for n in want for _ in range(2 - len(skip))], seen
+    torch.testing.assert_close(held, capacity, rtol=1e-5, atol=1e-5, msg="logits, held positions vs max_cache_len")

@@ -43,6 +43,7 @@ from .crop import crop_layers
 from .codebook import theoretical_codebook
 from .kernels import DECODE_MAX_ROWS, decode_pays, decode_supports, split_supports
 from .key_split import make_split
+from .layer import _query_length
 from .packed_kv import MAX_FUSED_QUERIES, PACKED_ATTR, PackedKV, StaticKV, overlay_exact, static_parts
 from .packing import packed_bytes
 from .rope import RopeAngles, rope_angles
@@ -67,6 +68,43 @@ class _Shared:
 def _mark_static(t: torch.Tensor) -> None:
     if not torch.compiler.is_compiling():
         torch._dynamo.mark_static_address(t)
+
+
+def held_only(attn_config, n: int) -> bool:
+    """Whether a step of n new tokens attends over the positions held only, not over `max_cache_len`: an eager step
+    that the fused attention does not take (a prefill chunk, or any step under another attention). A compiled step
+    keeps every shape static. The cache's full-attention layers and `get_mask_sizes` all answer by this rule, so one
+    mask fits them all."""
+    return not torch.compiler.is_compiling() and (
+        n > MAX_FUSED_QUERIES or getattr(attn_config, "_attn_implementation", None) != NAME
+    )
+
+
+def mask_sizes(layer, query_length) -> tuple[int, int]:
+    """(kv_length, kv_offset) of a full-attention layer of the cache (see `held_only`)."""
+    n = _query_length(query_length)
+    if not held_only(layer._attn_config, n):
+        return layer.max_cache_len, 0
+    return (int(layer.get_seq_length()) if layer.is_initialized else 0) + n, 0
+
+
+class ExactStaticLayer(StaticLayer):
+    """A full-attention layer the config keeps in full precision: transformers' `StaticLayer`, whose eager steps
+    attend over the positions held, as the quantized layers' do (`held_only`)."""
+
+    def __init__(self, max_cache_len: int, attn_config):
+        super().__init__(max_cache_len=max_cache_len)
+        self._attn_config = attn_config
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        k, v = super().update(key_states, value_states, *args, **kwargs)
+        if not held_only(self._attn_config, key_states.shape[2]):
+            return k, v
+        held = int(self.get_seq_length())
+        return k[:, :, :held], v[:, :, :held]
+
+    def get_mask_sizes(self, query_length, *args, **kwargs) -> tuple[int, int]:
+        return mask_sizes(self, query_length)
 
 
 class TurboQuantStaticLayer(StaticLayer):
@@ -261,30 +299,36 @@ class TurboQuantStaticLayer(StaticLayer):
         self.packed.key_offset.mu.copy_(mu)
 
     def _full(self, key_states, value_states):
-        """Keys and values of every position: dequantized, the exact copies and this step's tokens over them."""
+        """Keys and values of every position a step attends to: dequantized, the exact copies and this step's
+        tokens over them. All `max_cache_len` positions in a compiled step; in an eager one (`held_only`) only the
+        positions held, as `get_mask_sizes` says, so a long prefill costs what a dynamic cache's does."""
         n = key_states.shape[2]
         p, name = self.packed, ops.dtype_name(self.dtype)
+        stop = held = self.max_cache_len
+        if held_only(self._attn_config, n):
+            held = int(p.length)  # after the append; the ring's dead slots and the sinks need room too
+            stop = min(self.max_cache_len, max(held, self.ring_size, p.sinks))
         pos = p.length - n + torch.arange(n, device=self.device)  # this step's, after the append
         if p.key_split is None:
-            k = ops.dequantize(p.k_packed, p.k_norms, p.k_quantizer, name)
+            k = ops.dequantize(p.k_packed[:, :, :stop], p.k_norms[:, :, :stop], p.k_quantizer, name)
         else:  # each part dequantized (its own quantizer id), then its channels put back in their places
-            dense = [ops.dequantize(pk, nk, ops.quantizer_id(r, cb), name)
+            dense = [ops.dequantize(pk[:, :, :stop], nk[:, :, :stop], ops.quantizer_id(r, cb), name)
                      for (pk, nk), (r, cb) in zip(p.key_parts, p.key_split.parts)]
             k = p.key_split.join(dense, dense[0].new_empty(*dense[0].shape[:-1], self.k_head_dim))
         if p.key_offset is not None:  # centred: the packed keys are k - R(t) mu
             p.key_offset.add_to(k, 0)
-        v = ops.dequantize(p.v_packed, p.v_norms, p.v_quantizer, name)
+        v = ops.dequantize(p.v_packed[:, :, :stop], p.v_norms[:, :, :stop], p.v_quantizer, name)
         overlay_exact(k, self.keys, p.sink_k[:, :, : p.sinks], p.length, p.exact_from)
         overlay_exact(v, self.values, p.sink_v[:, :, : p.sinks], p.length, p.exact_from)
         k.index_copy_(2, pos, key_states)
         v.index_copy_(2, pos, value_states)
-        return k, v
+        return k[:, :, :held], v[:, :, :held]
 
     def get_seq_length(self) -> int:
         return self.packed.length if self.is_initialized else 0
 
-    def get_mask_sizes(self, *args, **kwargs) -> tuple[int, int]:
-        return self.max_cache_len, 0
+    def get_mask_sizes(self, query_length, *args, **kwargs) -> tuple[int, int]:
+        return mask_sizes(self, query_length)
 
     def get_max_length(self) -> int:
         return self.max_cache_len
@@ -428,7 +472,7 @@ class TurboQuantStaticCache(Cache):
             elif bits is None:
                 if idx in cfg.key_split:
                     raise ValueError(f"key_split names layer {idx}, which the config keeps in full precision")
-                layers.append(StaticLayer(max_cache_len=max_cache_len))
+                layers.append(ExactStaticLayer(max_cache_len, text))
             else:
                 layers.append(TurboQuantStaticLayer(
                     max_cache_len=max_cache_len, key_bits=bits[0], value_bits=bits[1],
