@@ -99,8 +99,12 @@ def _build_parser() -> argparse.ArgumentParser:
     b.add_argument("--rows", default=None, help="comma-separated rows (default: dynamic,tq_sdpa,tq_fused on CPU; "
                                                 "dynamic,static_compiled,tq_fused,tq_static_compiled on CUDA)")
     b.add_argument("--preset", choices=sorted(PRESETS), default=DEFAULT_PRESET)
-    b.add_argument("--steps", type=int, default=None, help="timed decode steps per row (default 10 CPU, 20 CUDA)")
-    b.add_argument("--warmup", type=int, default=3, help="untimed steps first (compilation happens there)")
+    b.add_argument("--steps", type=int, default=None, help="timed decode steps per row and repetition, >= 3 "
+                                                            "(default 10 CPU, 20 CUDA)")
+    b.add_argument("--repeats", type=int, default=5, help="repetitions, >= 3: each times every row once, in an order "
+                                                          "rotated per repetition (default 5)")
+    b.add_argument("--warmup", type=int, default=3, help="untimed steps first, >= 1 (>= 3 with compiled rows: "
+                                                         "compilation and CUDA graph recording happen there)")
     b.add_argument("--chunk", type=int, default=8192, help="prefill chunk, tokens")
     b.add_argument("--layers", type=int, default=32, help=f"layers of {RANDOM_8B!r}")
     b.add_argument("--out", help="result JSON (default: a new tq_bench_<model>_<date-time>.json here); "
@@ -150,12 +154,11 @@ def _cmd_bench(args) -> int:
         cuda = device.type == "cuda"
         contexts = _positive_ints(args.contexts or ("4096,32768" if cuda else "1024,3072"), "--contexts")
         rows = bench.check_rows((args.rows or ",".join(bench.GPU_ROWS if cuda else bench.CPU_ROWS)).split(","), device)
-        for name in ("batch", "warmup", "chunk", "layers"):
-            if getattr(args, name) < (0 if name == "warmup" else 1):
-                raise ValueError(f"--{name} must be {'>= 0' if name == 'warmup' else 'positive'}, got {getattr(args, name)}")
+        for name in ("batch", "chunk", "layers"):
+            if getattr(args, name) < 1:
+                raise ValueError(f"--{name} must be an integer >= 1, got {getattr(args, name)}")
         steps = args.steps if args.steps is not None else (20 if cuda else 10)
-        if steps < 1:
-            raise ValueError(f"--steps must be positive, got {steps}")
+        bench.check_counts(steps, args.warmup, args.repeats, rows)
         if args.model == RANDOM_8B and not cuda:
             raise ValueError(f"--model {RANDOM_8B} is a 16 GB bf16 model: it needs --device cuda")
         if args.model not in (EMBEDDED_MODEL, RANDOM_8B) and not os.path.isdir(args.model):
@@ -192,14 +195,15 @@ def _cmd_bench(args) -> int:
 
             text_ids = tok(package_text(min(8 * max(contexts), 400_000)), return_tensors="pt")["input_ids"]
     longest = getattr(model.config, "max_position_embeddings", None)
-    if longest and max(contexts) + args.warmup + steps > longest:
-        print(f"error: --contexts up to {max(contexts)} plus {args.warmup + steps} steps exceed the model's "
-              f"max_position_embeddings ({longest})", file=sys.stderr)
+    decode = args.warmup + args.repeats * steps
+    if longest and max(contexts) + decode > longest:
+        print(f"error: --contexts up to {max(contexts)} plus {decode} decode steps (--warmup + --repeats x --steps) "
+              f"exceed the model's max_position_embeddings ({longest})", file=sys.stderr)
         return 2
     env = {"device": torch.cuda.get_device_name(device) if cuda else platform.processor() or platform.machine(),
            "threads": torch.get_num_threads(), "torch": torch.__version__, "transformers": transformers.__version__,
            "model": args.model, "dtype": str(dtype).removeprefix("torch."), "preset": args.preset,
-           "batch": args.batch, "steps": steps, "warmup": args.warmup}
+           "batch": args.batch, "steps": steps, "repeats": args.repeats, "warmup": args.warmup}
     result = {"env": env, "rows": []}
 
     def save(row=None):
@@ -208,23 +212,41 @@ def _cmd_bench(args) -> int:
         write_text(out, json.dumps(result, indent=1))
 
     results = bench.decode_bench(model, rows, contexts, args.batch, steps=steps, warmup=args.warmup,
-                                 chunk=args.chunk, preset=args.preset, text_ids=text_ids, progress=not args.no_progress,
-                                 on_row=save, agree=args.model != RANDOM_8B)
+                                 repeats=args.repeats, chunk=args.chunk, preset=args.preset, text_ids=text_ids,
+                                 progress=not args.no_progress, on_row=save, agree=args.model != RANDOM_8B)
     result["rows"] = results
     save()
-    print(f"{'row':<20} {'context':>8} {'ms/step':>9} {'vs best fp':>11} {'cache MiB':>10} {'agree':>6}")
-    for r in results:
-        if "error" in r:
-            print(f"{r['row']:<20} {r['context']:>8} {r['error']}")
-            continue
-        print(f"{r['row']:<20} {r['context']:>8} {r['wall_ms']:>9.2f} {r.get('vs_best_baseline', float('nan')):>10.2f}x "
-              f"{r['cache_MiB']:>10.1f} {r['agree'] if 'agree' in r else '-':>6}")
+    _print_bench(results, args.repeats, steps)
+    name = {EMBEDDED_MODEL: "SmolLM2-135M", RANDOM_8B: "Llama-3.1-8B shape (random weights)"}.get(args.model, tag)
+    title = (f"{name}, preset {args.preset}, "
+             f"contexts {', '.join(map(str, contexts))} tokens\n{env['device']}, {env['dtype']}, batch {args.batch}, "
+             f"median of {args.repeats} interleaved repetitions x {steps} steps")
     try:
-        bench.plot(results, png, f"{args.model}, {env['dtype']}, batch {args.batch}, {env['device']}")
+        bench.plot(results, png, title)
         print(f"wrote {out} and {png}")
     except ImportError:
         print(f"wrote {out}; the plot needs matplotlib (pip install 'tq-hf-cache[bench]')")
     return 0
+
+
+def _print_bench(results: list[dict], repeats: int, steps: int) -> None:
+    """The bench table: per row its median ms, the repetitions' spread, the ratio to the best fp row and its range."""
+    width = max([len(r.get("label", r["row"])) for r in results] + [3])
+    print(f"median of {repeats} interleaved repetitions, each the median of {steps} steps; spread: the repetitions' "
+          "range over the median")
+    print(f"{'row':<{width}} {'context':>8} {'ms/step':>9} {'spread':>7} {'vs best fp (range)':>20} "
+          f"{'cache MiB':>10} {'agree':>6}")
+    for r in results:
+        label = r.get("label", r["row"])
+        if "error" in r:
+            print(f"{label:<{width}} {r['context']:>8} {r['error']}")
+            continue
+        ratio = "-"
+        if "vs_best_baseline" in r:
+            lo, hi = r["vs_best_baseline_range"]
+            ratio = f"{r['vs_best_baseline']:.2f}x ({lo:.2f}-{hi:.2f})"
+        print(f"{label:<{width}} {r['context']:>8} {r['wall_ms']:>9.2f} {r['spread_pct']:>6.1f}% {ratio:>20} "
+              f"{r['cache_MiB']:>10.1f} {r['agree'] if 'agree' in r else '-':>6}")
 
 
 def _load_model(model_dir: str, gguf_file: str | None, tokenizer_optional: bool = False):
