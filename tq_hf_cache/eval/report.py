@@ -68,6 +68,45 @@ def summary_rows(result: dict) -> list[dict]:
     return rows
 
 
+def text_summary(result: dict) -> str:
+    """The end-of-run table of `tq-hf-cache eval`: per cache, the columns of the tasks the run measured."""
+    rows = summary_rows(result)
+    tasks = set(result.get("tasks", ()))
+    cols = [("cache", lambda r: r["cache"])]
+    if "ppl" in tasks:
+        cols += [("ppl", lambda r: _fmt(r.get("ppl"), ".4f")),
+                 ("ppl vs fp", lambda r: "n/a" if r.get("delta") is None else f"{r['delta']:+.2f}%"),
+                 ("top-1 = fp", lambda r: _fmt(r.get("top1"), ".4f"))]
+    if "needle" in tasks:
+        cols += [("needle found", lambda r: r.get("needle", "n/a")),
+                 ("same as fp", lambda r: r.get("needle_same", "n/a"))]
+    if "agreement" in tasks and result["settings"].get("agreement_prompts"):
+        cols += [("greedy prefix", lambda r: _fmt(r.get("prefix"), ".3f")),
+                 ("greedy top-1", lambda r: _fmt(r.get("agree"), ".3f"))]
+    if "bytes" in tasks:
+        cols += [("bits/coord", lambda r: _fmt(r.get("bits"), ".2f")),
+                 ("bytes/token", lambda r: _fmt(r.get("meas_eval"), ".0f"))]
+    table = []
+    for r in rows:
+        if not r["available"] or not any(k in r for k in ("ppl", "needle", "prefix", "meas_eval")):
+            why = "not available" if not r["available"] else "failed"
+            table.append([r["cache"], f"{why}: {r['reason']}"])
+        else:
+            table.append([f(r) for _, f in cols])
+    widths = [max([len(c)] + [len(t[i]) for t in table if len(t) == len(cols)]) for i, (c, _) in enumerate(cols)]
+    lines = ["  ".join(f"{c:<{w}}" if i == 0 else f"{c:>{w}}" for i, ((c, _), w) in enumerate(zip(cols, widths)))]
+    for t in table:
+        lines.append("  ".join(f"{c:<{w}}" if i == 0 else f"{c:>{w}}" for i, (c, w) in enumerate(zip(t, widths)))
+                     if len(t) == len(cols) else f"{t[0]:<{widths[0]}}  {t[1]}")
+    if "bytes" in tasks:
+        lines.append("bits/coord: stored bits per K/V coordinate (fp16 formula); bytes/token: the perplexity run's "
+                     "cache in the model dtype, residual window included")
+    failed = [(n, e["error"]) for n, e in result["caches"].items()
+              if e.get("error") and any(k in e for k in ("perplexity", "needle", "agreement", "bytes"))]
+    lines += [f"{n}: a task failed after others ran: {err}" for n, err in failed]
+    return "\n".join(lines)
+
+
 def markdown_table(result: dict) -> str:
     m, s = result["model"], result["settings"]
     lines = [
