@@ -12,7 +12,7 @@ from .codebook import check_bits
 from .key_split import check_spec
 from .rotation import ROTATION_KINDS
 
-# (key bits, value bits). Keys carry the quantization loss (docs/eval_findings.md: 4-bit values cost nothing
+# (key bits, value bits). Keys carry the quantization loss (benchmarks/results/archive/eval_findings.md: 4-bit values cost nothing
 # measurable, 4-bit keys cost most of k4v4's perplexity), so the default spends the 4 bits per coordinate of
 # k4v4 as 5 on keys and 3 on values: the same bytes per token; k4v2 does the same at 3 bits.
 PRESETS: dict[str, tuple[int, int]] = {

@@ -1,6 +1,7 @@
-"""Tables (markdown) and the quality-vs-bytes plot from result JSON files written by `run_eval`.
+"""Tables (markdown) and the quality-vs-bytes plot from result JSON files written by `run_eval` (docs/quality.md
+quotes its tables from them).
 
-    python -m tq_hf_cache.eval.report benchmarks/results/quality_*.json --markdown docs/quality.md \
+    python -m tq_hf_cache.eval.report benchmarks/results/quality_*.json --markdown quality_tables.md \
         --plot docs/quality_vs_bytes.png
 """
 
