@@ -35,14 +35,23 @@ def main(argv=None) -> int:
                    help="bits to calibrate (default k4v2: at 3 bits per coordinate calibration matters most)")
     p.add_argument("--tokens", type=int, default=2048, help="calibration tokens (default %(default)s)")
     p.add_argument("--eval-tokens", type=int, default=1024, help="held-out tokens for perplexity (default %(default)s)")
-    p.add_argument("--out", default=None, help="folder to save into (default: a new temporary folder)")
+    p.add_argument("--out", default=None,
+                   help="folder to save into and keep (default: a temporary folder, removed at the end)")
     args = p.parse_args(argv)
 
     from tq_hf_cache.models import load_smollm2
 
     model, tok = load_smollm2()
+    if args.out:
+        return run(args, model, tok, args.out)
+    with tempfile.TemporaryDirectory(prefix="tq_calibrated_") as out:
+        code = run(args, model, tok, out)
+    print(f"removed {out} (pass --out DIR to keep the files)")
+    return code
+
+
+def run(args, model, tok, out: str) -> int:
     config = TurboQuantConfig.from_preset(args.preset)
-    out = args.out or tempfile.mkdtemp(prefix="tq_calibrated_")
 
     print(f"1. calibrating {args.preset} on {args.tokens} tokens of package text")
     text = package_text(min_chars=6 * args.tokens)  # from the start of the prose; the evaluation text comes later

@@ -45,7 +45,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--preset", default=DEFAULT_PRESET, choices=sorted(PRESETS))
     p.add_argument("--context-chars", type=int, default=3000, help="characters of package text in the first message")
-    p.add_argument("--new-tokens", type=int, default=40)
+    p.add_argument("--new-tokens", type=int, default=160, help="the most tokens an answer may take")
     p.add_argument("--turns", type=int, default=3, choices=range(1, len(QUESTIONS) + 1))
     args = p.parse_args(argv)
 
@@ -72,6 +72,7 @@ def main(argv=None) -> int:
             raise RuntimeError("the pipeline tokenized the conversation differently from apply_chat_template")
         new_ids = list(full[len(prompt_ids):])
         reply = tok.decode(new_ids, skip_special_tokens=True).strip()
+        cut = len(new_ids) >= args.new_tokens and tok.eos_token_id not in new_ids
         # generate fed the prompt and every generated token but the last one into the cache
         cached_ids = (list(prompt_ids) + list(new_ids))[: cache.get_seq_length()]
         messages.append({"role": "assistant", "content": reply})
@@ -80,7 +81,7 @@ def main(argv=None) -> int:
               f"{seconds:.1f} s; cache holds {cache.get_seq_length()} tokens in "
               f"{(held['total'] - held['workspace']) / 2**20:.2f} MiB")
         print(f"user: {question}")
-        print(f"assistant: {reply}")
+        print(f"assistant: {reply}" + (f" [... stopped at --new-tokens {args.new_tokens}]" if cut else ""))
     return 0
 
 

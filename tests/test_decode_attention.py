@@ -309,8 +309,9 @@ def _llama(head_dim=64, layers=2, heads=8, kv_heads=2, seed=0):
 
 
 def _generate(model, impl, ids, mask, new_tokens=10, preset="k4v4", residual=6):
+    """`generate` under `impl`; under "sdpa" on the dequantized keys and values (the workspace path) to compare with."""
     model.set_attn_implementation(impl)
-    cache = TurboQuantCache(preset, config=model.config, residual_length=residual)
+    cache = TurboQuantCache(preset, config=model.config, residual_length=residual, fused_sdpa=impl != "sdpa")
     with torch.no_grad():
         out = model.generate(
             ids, attention_mask=mask, **with_cache(cache), max_new_tokens=new_tokens, do_sample=False,
@@ -376,7 +377,7 @@ def test_turboquant_chunked_prefill_fills_long_chunks_whole_or_by_row_groups(row
     logits, caches = {}, {}
     for impl in ("sdpa", attention.NAME):
         model.set_attn_implementation(impl)
-        cache = TurboQuantCache("k4v4", config=model.config, residual_length=4)
+        cache = TurboQuantCache("k4v4", config=model.config, residual_length=4, fused_sdpa=impl != "sdpa")
         with torch.no_grad():
             first = model(ids[:, :20], attention_mask=mask[:, :20], **with_cache(cache))
             second = model(ids[:, 20:], attention_mask=mask, **with_cache(cache))

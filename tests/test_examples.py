@@ -18,20 +18,25 @@ def load_example(name):
 
 @pytest.mark.model
 def test_generate_demo(smollm2, monkeypatch, capsys):
+    import re
+
     import tq_hf_cache.models
 
     monkeypatch.setattr(tq_hf_cache.models, "load_smollm2", lambda *a, **k: smollm2)
     demo = load_example("generate_demo")
-    try:
-        assert demo.main(["--new-tokens", "12", "--context-chars", "2500"]) == 0
-    finally:
-        smollm2[0].set_attn_implementation("sdpa")  # the demo selects the turboquant attention on the shared model
+    assert demo.main(["--new-tokens", "12", "--context-chars", "2500"]) == 0
     out = capsys.readouterr().out
-    assert "[DynamicCache, attention turboquant]" in out and "[TurboQuantCache(k5v3), attention turboquant]" in out
-    line = next(l for l in out.splitlines() if l.startswith("memory at "))
+    # what ran is named: the cache, its bits, the model's own attention (the demo sets none)
+    assert '[DynamicCache; attention "sdpa"]' in out and '[TurboQuantCache k5v3 (keys 5 bits, values 3 bits' in out
+    timings = re.findall(r"prefill ([\d.]+) s, then ([\d.]+) ms per generated token", out)
+    assert len(timings) == 2 and all(float(p) > 0 and float(ms) > 0 for p, ms in timings)
+    line = next(l for l in out.splitlines() if l.startswith("memory with both caches"))
     factor = float(line.split("x less")[0].rsplit("(", 1)[1])
     assert factor > 1.5, line  # both caches hold the same tokens; most of them are packed
-    assert "verdict: the two answers are" in out
+    packed = int(re.search(r"(\d+) tokens per layer packed", out).group(1))
+    assert packed > 0 and "nothing was quantized" not in out
+    assert re.search(r"picks the same next token at \d+/\d+ steps", out)
+    assert "the two answers are identical" in out or "the answers agree for" in out
 
 
 @pytest.mark.model
@@ -130,4 +135,4 @@ def test_compiled_generate_runs_both_static_caches(smollm2, monkeypatch, capsys)
     sizes = {name: float(mib) for name, mib in __import__("re").findall(r"\[(\w+), call 1\].* cache ([\d.]+) MiB", out)}
     assert set(sizes) == {"StaticCache", "TurboQuantStaticCache"}
     assert sizes["TurboQuantStaticCache"] < sizes["StaticCache"] / 2, out
-    assert "share" in out
+    assert "share" in out and "[StaticCache] " in out and "[TurboQuantStaticCache] " in out  # both answers

@@ -297,7 +297,8 @@ def test_decode_steps_through_the_fused_kernel_on_split_centred_keys(monkeypatch
     out = {}
     for impl in ("sdpa", "turboquant"):
         model.set_attn_implementation(impl)
-        cache = TurboQuantCache("k4v2", config=model.config, residual_length=8, key_split=spec, key_centering=True)
+        cache = TurboQuantCache("k4v2", config=model.config, residual_length=8, key_split=spec, key_centering=True,
+                                fused_sdpa=impl != "sdpa")
         out[impl] = chunked_logits(model, cache, ids, 48, chunk=24)
     assert fused["calls"] == 72 - 48  # every decode step
     torch.testing.assert_close(out["turboquant"], out["sdpa"], atol=2e-2, rtol=2e-2,  # the kernel's fp16 operands

@@ -36,7 +36,7 @@ def test_held_bytes_are_packed_plus_residual_plus_one_workspace():
     torch.manual_seed(0)
     model = LlamaForCausalLM(cfg).eval()
     b, h, d, layers, residual = 2, 2, 64, 4, 16
-    cache = TurboQuantCache("k3v4", residual_length=residual, config=cfg)
+    cache = TurboQuantCache("k3v4", residual_length=residual, config=cfg, fused_sdpa=False)  # SDPA fills the workspace
     x = torch.randint(3, 128, (b, 300))
     with torch.no_grad():  # under grad, update returns private tensors for autograd instead of workspace views
         model(x[:, :290], **with_cache(cache))

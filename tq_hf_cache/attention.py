@@ -13,6 +13,9 @@ What the function does with the keys a layer returned (`packed_kv.packed_source(
   first use. A long chunk of a large batch is attended a group of batch rows at a time (`ROW_GROUP_BYTES`): the
   dense history, and the copies per query head that SDPA makes under a mask, then exist for one group, not for the
   whole batch.
+Under transformers' "sdpa" attention (the default), `scaled_dot_product_attention` on a dynamic layer's LazyKVs runs
+the same fused attention (`sdpa_on_packed`), so `generate(cache=TurboQuantCache(...))` reads the packed K/V on decode
+steps without any setting on the model; "turboquant" adds the row-grouped long chunks and the static cache's op.
 Nothing is remembered between calls: which attention runs is decided by the model at every step, and the cache
 gives every implementation what it needs.
 """
@@ -53,17 +56,18 @@ def _warn_once(key, msg: str) -> None:
         logger.warning(msg)
 
 
-def _fusable(query, kv, dropout, kwargs) -> bool:
+def _fusable(query, kv, dropout, kwargs, warn: bool = True) -> bool:
     if dropout or _unsupported(kwargs):
         return False
     b, hq, n, d = query.shape
     hkv = kv.k_packed.shape[1]
     split = kv.key_split
     if split is not None and not split_supports(split.sizes, split.bits):
-        _warn_once(("key_split", tuple(split.sizes)),
-                   f"tq_hf_cache: no fused decode attention for keys split in parts of {split.sizes} channels (at "
-                   f"most {MAX_KEY_PARTS} parts of multiples of 8 channels, whole 4-byte words per row); those "
-                   "layers use the workspace (dequantize + SDPA) path")
+        if warn:
+            _warn_once(("key_split", tuple(split.sizes)),
+                       f"tq_hf_cache: no fused decode attention for keys split in parts of {split.sizes} channels (at "
+                       f"most {MAX_KEY_PARTS} parts of multiples of 8 channels, whole 4-byte words per row); those "
+                       "layers use the workspace (dequantize + SDPA) path")
         return False
     if n > MAX_FUSED_QUERIES or hq % hkv or (hq // hkv) * n > DECODE_MAX_ROWS:
         return False
@@ -72,11 +76,12 @@ def _fusable(query, kv, dropout, kwargs) -> bool:
     if supported and not decode_pays(d, b * hkv * int(kv.exact_from), query.device.type):
         return False  # a short history at head dim 256 on CUDA: the workspace path is the faster one
     if not supported:
-        _warn_once(
-            ("unsupported", d, kbits, vbits),
-            f"tq_hf_cache: no fused decode attention for head dim {d} with k{kbits}v{vbits}; "
-            "those steps use the workspace (dequantize + SDPA) path",
-        )
+        if warn:
+            _warn_once(
+                ("unsupported", d, kbits, vbits),
+                f"tq_hf_cache: no fused decode attention for head dim {d} with k{kbits}v{vbits}; "
+                "those steps use the workspace (dequantize + SDPA) path",
+            )
         return False
     return True
 
@@ -129,6 +134,42 @@ def _dynamic(module, query, key, value, kv, attention_mask, dropout, scaling, is
     if rows < query.shape[0] and not _unsupported(kwargs):
         return _by_row_groups(module, query, key, attention_mask, rows, dropout, scaling, is_causal, **kwargs), None
     return _sdpa(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, is_causal=is_causal, **kwargs)
+
+
+def sdpa_on_packed(args, kwargs) -> torch.Tensor | None:
+    """`scaled_dot_product_attention(query, key, value, ...)` over a LazyKV pair by the fused attention over its
+    PackedKV, where that serves the call; None where it does not (the caller fills the dense keys and values).
+
+    It serves what transformers' sdpa attention passes on a decode step: one query per head (`enable_gqa`, or
+    the query heads of a KV head packed as rows under a mask shared by them), or up to `MAX_FUSED_QUERIES` under
+    a mask, no dropout, no `is_causal`. The result is SDPA's: (B, heads, queries, D) in the query's dtype."""
+    names = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
+    call = {**dict(zip(names, args)), **kwargs}
+    query, key, value, mask = call.get("query"), call.get("key"), call.get("value"), call.get("attn_mask")
+    if set(call) - set(names) or torch.compiler.is_compiling():
+        return None
+    state, other = getattr(key, "__dict__", {}), getattr(value, "__dict__", {})
+    kv = state.get("turboquant_packed")
+    if (kv is None or other.get("_pair") is not state.get("_pair") or (state.get("_kind"), other.get("_kind"))
+            != ("key", "value") or state["_dense"] is not None or not state["_pair"]["fused_sdpa"]):
+        return None
+    if call.get("dropout_p") or call.get("is_causal") or not isinstance(query, torch.Tensor) or query.dim() != 4:
+        return None
+    b, hq, n, d = query.shape
+    hkv = kv.k_packed.shape[1]
+    if mask is not None and (mask.dim() != 4 or mask.shape[-2] not in (1, n)):
+        return None
+    if mask is None and n > 1:  # SDPA without a mask lets every query see every key; the fused path is causal
+        return None
+    q = query
+    if hq == hkv and n > 1 and mask is not None and mask.shape[-2] == 1 and mask.shape[1] == 1:
+        q = query.reshape(b, hq * n, 1, d)  # the query heads of a KV head, packed as rows: heads again
+    elif hq != hkv and not call.get("enable_gqa"):
+        return None
+    if not _fusable(q, kv, 0.0, {}, warn=False):  # SDPA was asked for: its own path is no surprise
+        return None
+    out = ops.decode_attention(q, kv, mask, call.get("scale"))  # (B, n, Hq, D)
+    return out.transpose(1, 2).reshape(query.shape)
 
 
 def _group_rows(query, key) -> int:

@@ -51,6 +51,9 @@ class TurboQuantCache(DynamicCache):
             (sliding-window layers keep their window) and resolves per-layer policies such as `skip_last`.
         codebooks: optional calibrated codebooks, an object with `get(layer_idx, kind, bits) -> Codebook | None`
             where kind is "key" or "value"; layers without one use the theoretical Lloyd-Max codebook.
+        fused_sdpa: under transformers' "sdpa" attention (the default), decode steps read the packed K/V with the
+            fused attention, as `attn_implementation="turboquant"` does; False gives SDPA the dequantized keys and
+            values instead (the workspace path: the reference to compare against, and slower).
         **overrides: any `TurboQuantConfig` field, e.g. `residual_length=64`.
 
     `update` returns full-precision views of a workspace shared by all layers: they are valid until the next
@@ -65,9 +68,11 @@ class TurboQuantCache(DynamicCache):
         codebooks=None,
         offloading: bool = False,
         offload_only_non_sliding: bool = False,
+        fused_sdpa: bool = True,
         **overrides,
     ):
         self.tq_config = resolve_config(tq_config, **overrides)
+        self.fused_sdpa = bool(fused_sdpa)
         _check_codebook_rotation(codebooks, self.tq_config)
         self.codebooks = codebooks
         self.workspace = Workspace()
@@ -91,6 +96,9 @@ class TurboQuantCache(DynamicCache):
                 self._make_layer(i, t, kw, private_output=i in stores)
                 for i, (t, kw) in enumerate(zip(layer_types, layer_kwargs))
             ]
+            for layer in layers:
+                if isinstance(layer, TurboQuantLayer) and not self.fused_sdpa:
+                    layer.fused_sdpa = False
             if self.tq_config.key_centering:
                 centred = [(layer, t) for layer, t in zip(layers, layer_types) if isinstance(layer, TurboQuantLayer)]
                 ropes = rope_angles(config, [t for _, t in centred])
@@ -110,7 +118,7 @@ class TurboQuantCache(DynamicCache):
             # grows a config-less cache one full-attention layer at a time; a bound method here would make the
             # cache a reference cycle that keeps GPU buffers alive until the garbage collector runs
             self.layer_class_to_replicate = _NextLayer(
-                self.layers, self.tq_config, self.codebooks, self.workspace
+                self.layers, self.tq_config, self.codebooks, self.workspace, self.fused_sdpa
             )
 
     @classmethod
@@ -195,6 +203,12 @@ class TurboQuantCache(DynamicCache):
 
     def _tq_layer(self, cls, idx: int, bits: tuple[int, int], **extra):
         return _tq_layer(self.tq_config, self.codebooks, self.workspace, cls, idx, bits, **extra)
+
+    @property
+    def quantized_tokens(self) -> int:
+        """Tokens the most quantized layer holds packed; 0 while everything fits the exact window (`residual_length`),
+        where the cache gives DynamicCache's results."""
+        return max((layer.quantized_length for layer in self.layers if isinstance(layer, TurboQuantLayer)), default=0)
 
     def nbytes(self) -> dict[str, int]:
         """Device bytes the cache holds between steps, by kind. `full_precision` counts unquantized layers."""
@@ -284,13 +298,17 @@ def _check_codebooks(codebooks, layer_idx: int, heads: int, head_dim: int) -> No
 class _NextLayer:
     """`layer_class_to_replicate` of a config-less cache: builds layer len(layers) as a full-attention layer."""
 
-    def __init__(self, layers: list, tq_config, codebooks, workspace):
+    def __init__(self, layers: list, tq_config, codebooks, workspace, fused_sdpa: bool = True):
         self.layers, self.tq_config, self.codebooks, self.workspace = layers, tq_config, codebooks, workspace
+        self.fused_sdpa = fused_sdpa
 
     def __call__(self):
-        return make_layer(
+        layer = make_layer(
             self.tq_config, self.codebooks, self.workspace, None, len(self.layers), "full_attention", {}
         )
+        if not getattr(self, "fused_sdpa", True):
+            layer.fused_sdpa = False
+        return layer
 
 
 def _codebook(codebooks, idx: int, kind: str, bits: int, dim: int) -> Codebook:

@@ -119,6 +119,7 @@ class TurboQuantLayer(DynamicLayer):
     is_sliding = False
     is_compileable = False
     is_croppable = True
+    fused_sdpa = True  # SDPA on a step's LazyKVs runs the fused attention (`TurboQuantCache(fused_sdpa=...)`)
 
     def __init__(
         self,
@@ -361,7 +362,7 @@ class TurboQuantLayer(DynamicLayer):
         def alloc(rows: int):
             return self.workspace.views(rows, self.heads, kv.length, self.head_dim, self.dtype, self.device)
 
-        return lazy_pair(kv, shape, self.dtype, alloc)
+        return lazy_pair(kv, shape, self.dtype, alloc, self.fused_sdpa)
 
     def _key_offset(self, held: int) -> KeyOffset | None:
         """The offset of the packed keys, when they are centred; `held`: the positions after packed slot 0 that the

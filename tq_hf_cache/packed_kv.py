@@ -248,7 +248,9 @@ class LazyKV(torch.Tensor):
     A dynamic layer's decode step (or long chunk over a packed history) returns a pair of these, carrying the
     layer's `PackedKV` (attribute `turboquant_packed`). The turboquant attention reads the PackedKV and never
     touches the data, so a decode step allocates nothing (a long chunk is filled by row groups, `fill_rows`). Any
-    other consumer (SDPA, eager, flex, user code) triggers the fill on its first torch operation: the pair takes its
+    `scaled_dot_product_attention` on a pair (transformers' "sdpa" attention) runs that same fused attention where it
+    serves the call (`attention.sdpa_on_packed`; off with `fused_sdpa=False`). Any
+    other consumer (eager, flex, user code) triggers the fill on its first torch operation: the pair takes its
     views of the cache's shared workspace, the dequantized keys or values are written there, and the consumer gets
     that plain dense tensor. So every attention implementation sees the
     right keys and values at every step. Like any workspace view, a LazyKV is valid until the next layer's update.
@@ -261,6 +263,12 @@ class LazyKV(torch.Tensor):
         name = getattr(func, "__name__", "")
         if name == "__get__":  # a property such as .shape
             name = getattr(getattr(func, "__self__", None), "__name__", name)
+        if func is torch.nn.functional.scaled_dot_product_attention:
+            from .attention import sdpa_on_packed
+
+            out = sdpa_on_packed(args, kwargs)
+            if out is not None:
+                return out
         with torch._C.DisableTorchFunctionSubclass():
             if name not in _METADATA:
                 args, kwargs = tree_map_only(LazyKV, LazyKV.dense, (args, kwargs))
@@ -279,11 +287,12 @@ class LazyKV(torch.Tensor):
         return state["_dense"]
 
 
-def lazy_pair(kv: PackedKV, shape: tuple, dtype: torch.dtype, alloc) -> tuple[LazyKV, LazyKV]:
+def lazy_pair(kv: PackedKV, shape: tuple, dtype: torch.dtype, alloc, fused_sdpa: bool = True) -> tuple[LazyKV, LazyKV]:
     """LazyKVs of kv's keys and values, of `shape` (B, H, length, D); `alloc(rows) -> (key buffer, value buffer)`
-    of shape (rows, H, length, D) gives their storage when they are filled (rows = B) or read by rows."""
+    of shape (rows, H, length, D) gives their storage when they are filled (rows = B) or read by rows. fused_sdpa:
+    whether SDPA on the pair may run the fused attention over kv instead of filling them."""
     placeholder = torch.empty(1, dtype=dtype, device=kv.k_packed.device).expand(*shape)
-    pair = {"alloc": alloc, "views": None}
+    pair = {"alloc": alloc, "views": None, "fused_sdpa": fused_sdpa}
     out = []
     for kind in ("key", "value"):
         t = placeholder.as_subclass(LazyKV)

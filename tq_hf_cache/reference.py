@@ -8,6 +8,7 @@ it comes back as ||x|| * Pi^T c[idx].
 from __future__ import annotations
 
 import sys
+import weakref
 
 import torch
 
@@ -68,17 +69,25 @@ def _centroid_table(codebook: Codebook, device) -> torch.Tensor:
     return table
 
 
-def centroids(packed: torch.Tensor, codebook: Codebook, dim: int) -> torch.Tensor:
+def centroids(packed: torch.Tensor, codebook: Codebook, dim: int, row_major: bool = False) -> torch.Tensor:
     """The rotated unit vectors `c[unpack(packed)]`, float32 (..., dim), without materializing the indices: each
     group of 8 coordinates (`bits` bytes) becomes one integer word, cut into rows of a centroid table. Per-head
-    codebooks need packed shaped (B, H, T, nbytes)."""
+    codebooks need packed shaped (B, H, T, nbytes).
+
+    row_major: the coordinates in the order `row_order(bits, dim)` gives (each row's coordinates of every group,
+    then the next row's), which takes one scalar shift per row of a group instead of a broadcast shift; a caller
+    that rotates the result with `row_major_matrix` gets the natural order's products."""
     bits = codebook.bits
     if dim % 8 or sys.byteorder != "little" or packed.shape[-1] != dim * bits // 8:
+        if row_major:
+            raise ValueError(f"row_major centroids need a head dim divisible by 8 and whole bytes, got dim {dim}")
         return centroid_lookup(unpack_indices(packed, bits, dim), codebook)
     lead, w = packed.shape[:-1], _ROW_COORDS[bits]
     table = _centroid_table(codebook, packed.device)
-    if bits == 8:
-        rows = packed.long()
+    if bits * w == 8:  # a row is a byte: the packed bytes are the rows, in the natural order
+        rows = packed.to(torch.int32)
+    elif row_major:
+        rows = _rows_by_row(packed, bits, dim)
     else:
         groups = packed.reshape(*lead, dim // 8, bits)
         width = 4 if bits <= 4 else 8  # bytes of the word that holds a group
@@ -89,9 +98,44 @@ def centroids(packed: torch.Tensor, codebook: Codebook, dim: int) -> torch.Tenso
         rows = (word >> shifts) & (2 ** (bits * w) - 1)  # (..., dim // 8, 8 // w)
     if codebook.per_head:
         heads = _per_head(codebook.centroids, packed).shape[0]
-        offset = torch.arange(heads, device=packed.device) * 2 ** (bits * w)
+        offset = torch.arange(heads, device=packed.device, dtype=rows.dtype) * 2 ** (bits * w)
         rows = rows + offset.view(heads, *([1] * (rows.dim() - 2)))
     return table.index_select(0, rows.reshape(-1)).view(torch.float32).view(*lead, dim)
+
+
+def _rows_by_row(packed: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
+    """Table rows of packed (..., nbytes) as (..., rows per group, groups): row i of every group, then row i + 1."""
+    lead, w, groups = packed.shape[:-1], _ROW_COORDS[bits], dim // 8
+    width, dtype = (4, torch.int32) if bits <= 4 else (8, torch.int64)
+    word = packed.new_zeros(*lead, groups, width)
+    word[..., :bits] = packed.reshape(*lead, groups, bits)
+    word = word.view(dtype).squeeze(-1)
+    rows = torch.empty(*lead, 8 // w, groups, dtype=dtype, device=packed.device)
+    for i in range(8 // w):
+        torch.bitwise_right_shift(word, bits * w * i, out=rows[..., i, :])
+    return rows.bitwise_and_(2 ** (bits * w) - 1)
+
+
+def row_order(bits: int, dim: int) -> list[int]:
+    """The natural coordinate at each position of `centroids(..., row_major=True)`."""
+    w = _ROW_COORDS[bits]
+    if bits * w == 8:
+        return list(range(dim))
+    return [g * 8 + i * w + j for i in range(8 // w) for g in range(dim // 8) for j in range(w)]
+
+
+_ROW_MAJOR: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def row_major_matrix(rotation: Rotation, bits: int) -> torch.Tensor:
+    """Pi's rows in `row_order(bits)`: y_rm @ this == y @ Pi (the inverse rotation) and x @ this.T == Pi x in that
+    order, for y_rm / Pi x in the row-major order of `centroids(..., row_major=True)`."""
+    per = _ROW_MAJOR.setdefault(rotation, {})
+    m = per.get(bits)
+    if m is None:
+        order = torch.tensor(row_order(bits, rotation.dim), device=rotation.matrix.device)
+        m = per[bits] = rotation.matrix.index_select(0, order).contiguous()
+    return m
 
 
 def store_norm(norm: torch.Tensor, norm_dtype: torch.dtype) -> torch.Tensor:
@@ -181,21 +225,18 @@ def packed_attention(query: torch.Tensor, kv, mask: torch.Tensor | None, scale: 
     query's dtype.
     """
     b, hq, n, d = query.shape
-    rot, vcb = kv.rotation, kv.v_codebook
     lq, t, ns = int(kv.exact_from), int(kv.length), kv.sinks
     hkv = kv.k_packed.shape[1]
     g = hq // hkv
     q = query.float().reshape(b, hkv, g * n, d)  # the g query heads sharing a KV head as rows
-    kf, vf = kv.ring_k[:, :, : t - lq].float(), kv.ring_v[:, :, : t - lq].float()
-    if ns:
-        kf = torch.cat([kv.sink_k[:, :, :ns].float(), kf], dim=2)
-        vf = torch.cat([kv.sink_v[:, :, :ns].float(), vf], dim=2)
-    vc = centroids(kv.v_packed[:, :, ns:lq], vcb, d)  # (B, Hkv, lq - ns, D): rotated unit vectors
     scale = d**-0.5 if scale is None else scale
-    s_packed = packed_scores(q, kv, ns, lq) * scale
-    s_exact = (q @ kf.transpose(-1, -2)) * scale
-    # positions: [sinks | packed after the sinks | ring], the order of `s` below
-    s = torch.cat([s_exact[..., :ns], s_packed, s_exact[..., ns:]], dim=-1).view(b, hq, n, t)
+    # positions: [sinks | packed after the sinks | ring], each part's scores written into its slice of s
+    s = q.new_empty(b, hkv, g * n, t)
+    s[..., ns:lq] = packed_scores(q, kv, ns, lq)
+    if ns:
+        torch.matmul(q, kv.sink_k[:, :, :ns].float().transpose(-1, -2), out=s[..., :ns])
+    torch.matmul(q, kv.ring_k[:, :, : t - lq].float().transpose(-1, -2), out=s[..., lq:])
+    s = s.mul_(scale).view(b, hq, n, t)
     if mask is None and n == 1:  # one query at the last position sees every key: nothing to mask
         p = torch.softmax(s, dim=-1).view(b, hkv, g * n, t)
     else:
@@ -209,8 +250,15 @@ def packed_attention(query: torch.Tensor, kv, mask: torch.Tensor | None, scale: 
         else:
             s = s + mask.float()
         p = softmax_rows(s).view(b, hkv, g * n, t)
+    vcb = kv.v_codebook
+    row_major = d % 8 == 0 and sys.byteorder == "little" and kv.v_packed.shape[-1] == d * vcb.bits // 8
+    vc = centroids(kv.v_packed[:, :, ns:lq], vcb, d, row_major)  # (B, Hkv, lq - ns, D): rotated unit vectors
     p_packed = p[..., ns:lq] * kv.v_norms[:, :, None, ns:lq].float()
-    out = rot.inverse(p_packed @ vc) + p[..., :ns] @ vf[:, :, :ns] + p[..., lq:] @ vf[:, :, ns:]
+    inverse = row_major_matrix(kv.rotation, vcb.bits) if row_major else kv.rotation.matrix
+    out = (p_packed @ vc) @ inverse.to(vc.device)
+    out += p[..., lq:] @ kv.ring_v[:, :, : t - lq].float()
+    if ns:
+        out += p[..., :ns] @ kv.sink_v[:, :, :ns].float()
     return out.view(b, hq, n, d).transpose(1, 2).to(query.dtype).contiguous()
 
 
@@ -219,13 +267,21 @@ def packed_scores(q: torch.Tensor, kv, start: int, stop: int) -> torch.Tensor:
     the rotated domain: (Pi q) . c[idx] times the key norm; for split keys (`KeySplit`) the sum over the parts of
     (Pi_p q_p) . c_p[idx_p] times part p's norm, q_p being the query's channels of part p."""
     if kv.key_split is None:
-        kc = centroids(kv.k_packed[:, :, start:stop], kv.k_codebook, q.shape[-1])
-        return (kv.rotation.forward(q) @ kc.transpose(-1, -2)) * kv.k_norms[:, :, None, start:stop].float()
+        return _part_scores(q, kv.k_packed, kv.k_norms, kv.rotation, kv.k_codebook, start, stop)
     s = 0
     for qp, (rot, cb), (packed, norms) in zip(kv.key_split.split(q), kv.key_split.parts, kv.key_parts):
-        kc = centroids(packed[:, :, start:stop], cb, rot.dim)
-        s = s + (rot.forward(qp) @ kc.transpose(-1, -2)) * norms[:, :, None, start:stop].float()
+        s = s + _part_scores(qp, packed, norms, rot, cb, start, stop)
     return s
+
+
+def _part_scores(q, packed, norms, rot: Rotation, cb: Codebook, start: int, stop: int) -> torch.Tensor:
+    """(Pi q) . c[idx] times the norm, over slots [start, stop); in the row-major order where it applies (the
+    query is rotated into that order, the centroids come out in it)."""
+    d = rot.dim
+    row_major = d % 8 == 0 and sys.byteorder == "little" and packed.shape[-1] == d * cb.bits // 8
+    kc = centroids(packed[:, :, start:stop], cb, d, row_major)
+    rq = q.float() @ (row_major_matrix(rot, cb.bits) if row_major else rot.matrix).to(q.device).T
+    return (rq @ kc.transpose(-1, -2)) * norms[:, :, None, start:stop].float()
 
 
 def static_append(
