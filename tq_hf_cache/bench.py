@@ -75,8 +75,8 @@ def _make_cache(row: str, config, capacity: int, preset: str):
         return transformers.DynamicCache(config=config), "sdpa"
     if row == "static_compiled":
         return transformers.StaticCache(config=config, max_cache_len=capacity), "sdpa"
-    if row == "tq_sdpa":
-        return TurboQuantCache(preset, config=config), "sdpa"
+    if row == "tq_sdpa":  # the workspace path: SDPA on the dequantized history
+        return TurboQuantCache(preset, config=config, fused_sdpa=False), "sdpa"
     if row == "tq_fused":
         return TurboQuantCache(preset, config=config), "turboquant"
     from .static_cache import TurboQuantStaticCache

@@ -1,0 +1,58 @@
+"""CPU decode step at 3072 tokens on the embedded SmolLM2: DynamicCache against TurboQuantCache on the path a user
+gets by default (transformers' sdpa attention, which runs the fused attention's torch math on a decode step) and on
+the workspace path (`fused_sdpa=False`). The caches are stepped in turns in one process; medians after 2 warm steps.
+
+    python benchmarks/studies/cpu_default_path.py --out benchmarks/results
+"""
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+from transformers import DynamicCache
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), os.pardir, os.pardir))
+from tq_hf_cache import TurboQuantCache, cache_kwargs  # noqa: E402
+from tq_hf_cache.models import load_smollm2  # noqa: E402
+from tq_hf_cache.texts import package_text  # noqa: E402
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--context", type=int, default=3072)
+    p.add_argument("--steps", type=int, default=12)
+    p.add_argument("--out", default=".")
+    args = p.parse_args()
+    model, tok = load_smollm2()
+    ids = tok(package_text(8 * args.context), return_tensors="pt")["input_ids"][:, : args.context]
+    caches = {"DynamicCache": DynamicCache(config=model.config),
+              "TurboQuantCache (default, sdpa)": TurboQuantCache(config=model.config),
+              "TurboQuantCache (fused_sdpa=False)": TurboQuantCache(config=model.config, fused_sdpa=False)}
+    tok_of, times = {}, {k: [] for k in caches}
+    with torch.no_grad():
+        for name, cache in caches.items():
+            for s in range(0, args.context, 512):
+                out = model(ids[:, s: s + 512], **cache_kwargs(model, cache))
+            tok_of[name] = out.logits[:, -1:].argmax(-1)
+        for _ in range(args.steps + 2):
+            for name, cache in caches.items():
+                t = time.perf_counter()
+                out = model(tok_of[name], **cache_kwargs(model, cache))
+                times[name].append(time.perf_counter() - t)
+                tok_of[name] = out.logits[:, -1:].argmax(-1)
+    ms = {k: statistics.median(v[2:]) * 1e3 for k, v in times.items()}
+    base = ms["DynamicCache"]
+    res = {"context": args.context, "threads": torch.get_num_threads(), "torch": torch.__version__,
+           "ms_per_step": {k: round(v, 2) for k, v in ms.items()},
+           "vs_DynamicCache": {k: round(v / base, 3) for k, v in ms.items()}}
+    print(json.dumps(res))
+    with open(os.path.join(args.out, "cpu_default_path_smollm2.json"), "w") as f:
+        json.dump(res, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
