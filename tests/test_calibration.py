@@ -524,3 +524,21 @@ def test_saved_files_follow_the_umask_and_never_write_through_planted_symlinks(c
     loaded = CalibratedCodebooks.from_pretrained(d)
     assert loaded.entries == calibrated.entries and sorted(loaded.codebooks) == sorted(calibrated.codebooks)
     assert sorted(p.name for p in d.iterdir() if not p.is_symlink()) == sorted([TURBOQUANT_CONFIG_NAME, CODEBOOKS_NAME])
+
+
+def test_summary_leaves_out_non_finite_measurements(calibrated):
+    """A non-finite held-out error is stored as None: the summary averages the others (None if none is left)."""
+    import copy
+
+    cb = copy.deepcopy(calibrated)
+    keys = [k for k in sorted(cb.entries) if k[1] == "key"]
+    want = cb.summary()
+    first = cb.entries[keys[0]]["heldout_rel_mse"]
+    first["theoretical"] = None
+    rest = [cb.entries[k]["heldout_rel_mse"]["theoretical"] for k in keys if k[2] == keys[0][2]][1:]
+    got = cb.summary()[f"key_{keys[0][2]}bit"]["theoretical"]
+    assert got == (sum(rest) / len(rest) if rest else None)
+    assert got != want[f"key_{keys[0][2]}bit"]["theoretical"] or not rest
+    for k in keys:
+        cb.entries[k]["heldout_rel_mse"]["theoretical"] = None
+    assert cb.summary()[f"key_{keys[0][2]}bit"]["theoretical"] is None

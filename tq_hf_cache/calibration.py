@@ -198,8 +198,8 @@ class CalibratedCodebooks:
         for kind in KINDS:
             for b in self.bits[kind]:
                 es = [e for (l, k, bb), e in sorted(self.entries.items()) if k == kind and bb == b]
-                row = {c: sum(e["heldout_rel_mse"][c] for e in es) / len(es) for c in ("theoretical", "shared", "per_head")}
-                row["chosen"] = sum(e["heldout_rel_mse"][e["choice"]] for e in es) / len(es)
+                row = {c: _mean(e["heldout_rel_mse"][c] for e in es) for c in ("theoretical", "shared", "per_head")}
+                row["chosen"] = _mean(e["heldout_rel_mse"][e["choice"]] for e in es)
                 row["choices"] = {c: sum(e["choice"] == c for e in es) for c in ("theoretical", "shared", "per_head")}
                 out[f"{kind}_{b}bit"] = row
         return out
@@ -675,3 +675,9 @@ def measure_reconstruction(
         model(input_ids=ids.to(next(model.parameters()).device), **cache_kwargs(model, RecordingCache(on_update)),
               use_cache=True)
     return {k: s[0] / s[1] for k, s in sorted(sums.items())}
+
+
+def _mean(values) -> float | None:
+    """The mean of the measured values; a non-finite measurement is stored as None and left out (None if all are)."""
+    known = [v for v in values if v is not None]
+    return sum(known) / len(known) if known else None

@@ -640,8 +640,12 @@ def _print_summary(summary: dict) -> None:
     print("held-out relative MSE (mean over layers)   theoretical    as saved     choices (theoretical/shared/per_head)")
     for name, row in summary.items():
         ch = row["choices"]
-        print(f"  {name:<40} {row['theoretical']:.6f}      {row['chosen']:.6f}     "
+        print(f"  {name:<40} {_mse(row['theoretical'])}      {_mse(row['chosen'])}     "
               f"{ch['theoretical']}/{ch['shared']}/{ch['per_head']}")
+
+
+def _mse(v) -> str:
+    return "  n/a   " if v is None else f"{v:.6f}"
 
 
 def _ranges(idx) -> str:
