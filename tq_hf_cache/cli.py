@@ -287,10 +287,7 @@ def _cmd_calibrate(args) -> int:
         print(f"error: --seq-len must be > {HOLDOUT_BLOCK} (every other block of {HOLDOUT_BLOCK} positions is held out), "
               f"got {args.seq_len}", file=sys.stderr)
         return 2
-    out = _output_folder(args)
-    if out is None:
-        return 2
-    ex = _existing(out)
+    out, ex = _output(args)
     if ex is None:
         return 2
     seed = 0 if args.seed is None else args.seed
@@ -378,10 +375,7 @@ def _cmd_allocate(args) -> int:
               f"{base.residual_length} no scored position attends to a quantized token; pass --tokens {least} or "
               "more, or a smaller --chunk", file=sys.stderr)
         return 2
-    out = _output_folder(args)
-    if out is None:
-        return 2
-    ex = _existing(out)
+    out, ex = _output(args)
     if ex is None:
         return 2
     where = os.path.join(out, TURBOQUANT_CONFIG_NAME)
@@ -447,10 +441,7 @@ def _cmd_split_keys(args) -> int:
         print(f"error: --base must be a preset ({', '.join(sorted(PRESETS))}) or a folder, got {args.base!r}",
               file=sys.stderr)
         return 2
-    out = _output_folder(args)
-    if out is None:
-        return 2
-    ex = _existing(out)
+    out, ex = _output(args)
     if ex is None:
         return 2
     where = os.path.join(out, TURBOQUANT_CONFIG_NAME)
@@ -584,6 +575,13 @@ class _Existing:
                 k, want, got = diff
                 raise ValueError(f"{os.path.join(self.folder, TURBOQUANT_CONFIG_NAME)} holds {self.names()} for a "
                                  f"model with {k}={want!r}, but {cfg_path} has {k}={got!r}")
+
+
+def _output(args) -> tuple[str | None, _Existing | None]:
+    """The output folder of calibrate / allocate / split-keys and what it already holds, both checked before the
+    model loads; (folder or None, None) after printing why it cannot be used."""
+    out = _output_folder(args)
+    return out, (None if out is None else _existing(out))
 
 
 def _existing(folder: str) -> _Existing | None:
