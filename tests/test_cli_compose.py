@@ -86,21 +86,14 @@ def test_allocate_then_calibrate_fits_the_allocation_and_keeps_it(env, capsys, m
     assert rc == 2 and "a bit allocation (layer_bits)" in err and "--preset" in err, err
 
 
-def test_calibrate_then_allocate_is_refused_before_the_model_loads(env, capsys):
+@pytest.mark.parametrize("first, held, advice", [("calibrate", "holds calibrated codebooks", "another --out"),
+                                                  ("split-keys", "holds a key split", "--base")])
+def test_allocate_over_another_result_is_refused_before_the_model_loads(env, capsys, first, held, advice):
     m, o, loads = env
-    assert run(capsys, "calibrate", m, o)[0] == 0
+    assert run(capsys, first, m, o)[0] == 0
     before, n = _files(o), len(loads)
     rc, err = run(capsys, "allocate", m, o)
-    assert rc == 2 and "holds calibrated codebooks" in err and "another --out" in err, err
-    assert len(loads) == n and _files(o) == before
-
-
-def test_split_keys_then_allocate_is_refused_before_the_model_loads(env, capsys):
-    m, o, loads = env
-    assert run(capsys, "split-keys", m, o)[0] == 0
-    before, n = _files(o), len(loads)
-    rc, err = run(capsys, "allocate", m, o)
-    assert rc == 2 and "holds a key split" in err and "--base" in err, err
+    assert rc == 2 and held in err and advice in err, err
     assert len(loads) == n and _files(o) == before
 
 
