@@ -185,10 +185,9 @@ _OUT_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": 
 
 def quantizer_id(rotation: Rotation, codebook: Codebook) -> int:
     """The id of (rotation, codebook), held weakly: the same id for the same content on the same device."""
-    content = codebook.fingerprint or ("identity", id(codebook))
-    key = (rotation.kind, rotation.dim, rotation.seed, str(rotation.matrix.device), codebook.bits, content,
-           str(codebook.centroids.device))
-    if not codebook.fingerprint:
+    key = (rotation.kind, rotation.dim, rotation.seed, str(rotation.matrix.device), codebook.bits,
+           codebook.fingerprint or id(codebook), str(codebook.centroids.device))
+    if not codebook.fingerprint:  # named by identity: the key dies with the codebook
         key = ("identity", *key)
     return _QUANTIZERS.id_for(key, rotation, codebook)
 
