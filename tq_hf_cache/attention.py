@@ -27,7 +27,8 @@ import logging
 import torch
 
 from . import ops  # noqa: F401  (registers the tq_hf_cache:: custom ops)
-from .kernels import DECODE_MAX_ROWS, MAX_KEY_PARTS, decode_pays, decode_supports, split_supports  # no triton
+from .kernels import (  # no triton
+    DECODE_MAX_ROWS, MAX_KEY_PARTS, decode_pays, decode_supports, fast_serves, split_supports)
 from .packed_kv import MAX_FUSED_QUERIES, StaticKV, fill_rows, packed_source
 
 NAME = "turboquant"
@@ -72,6 +73,8 @@ def _fusable(query, kv, dropout, kwargs, warn: bool = True) -> bool:
     if n > MAX_FUSED_QUERIES or hq % hkv or (hq // hkv) * n > DECODE_MAX_ROWS:
         return False
     kbits, vbits = kv.k_codebook.bits, kv.v_codebook.bits
+    if fast_serves(query.device, d, kbits, vbits, hq // hkv * n, split is not None, kv.k_packed.shape[2]):
+        return True
     supported = decode_supports(d, kbits, vbits, n, hq // hkv)
     if supported and not decode_pays(d, b * hkv * int(kv.exact_from), query.device.type):
         return False  # a short history at head dim 256 on CUDA: the workspace path is the faster one

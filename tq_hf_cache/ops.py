@@ -393,13 +393,17 @@ def prepare_fused(kv) -> None:
 
 
 def kernel_serves(query: torch.Tensor, kv) -> bool:
-    """Whether the fused Triton kernel takes this query over this PackedKV (else the torch math does)."""
+    """Whether a fused kernel (Triton, or the explicit-layout one on a GPU that runs it) takes this query over this
+    PackedKV (else the torch math does)."""
     b, hq, n, d = query.shape
     hkv = kv.k_packed.shape[1]
     split = kv.key_split
-    return (kernels.available() and hq % hkv == 0
-            and kernels.decode_supports(d, kv.k_codebook.bits, kv.v_codebook.bits, n, hq // hkv)
-            and (split is None or kernels.split_supports(split.sizes, split.bits)))
+    if not kernels.available() or hq % hkv:
+        return False
+    if kernels.decode_supports(d, kv.k_codebook.bits, kv.v_codebook.bits, n, hq // hkv):
+        return split is None or kernels.split_supports(split.sizes, split.bits)
+    return kernels.fast_serves(query.device, d, kv.k_codebook.bits, kv.v_codebook.bits, hq // hkv * n,
+                               split is not None, kv.k_packed.shape[2])
 
 
 @torch.library.custom_op("tq_hf_cache::static_attention", mutates_args=("scratch", "counters"))

@@ -41,7 +41,7 @@ from .cache import _check_codebook_rotation, _check_codebooks, _codebook, _rotat
 from .config import model_facts
 from .crop import crop_layers
 from .codebook import theoretical_codebook
-from .kernels import DECODE_MAX_ROWS, decode_pays, decode_supports, split_supports
+from .kernels import DECODE_MAX_ROWS, decode_pays, decode_supports, fast_serves, split_supports
 from .key_split import make_split
 from .layer import _query_length
 from .packed_kv import MAX_FUSED_QUERIES, PACKED_ATTR, PackedKV, StaticKV, overlay_exact, static_parts
@@ -263,10 +263,13 @@ class TurboQuantStaticLayer(StaticLayer):
     def _fused(self, n: int) -> bool:
         """Whether this update serves the fused attention: static facts and the live attention setting only."""
         split = self.key_split
+        if getattr(self._attn_config, "_attn_implementation", None) != NAME or n > MAX_FUSED_QUERIES:
+            return False
+        if fast_serves(torch.device(self.device), self.k_head_dim, self.key_bits, self.value_bits, self._group * n,
+                       split is not None, self.max_cache_len):
+            return True
         return (
-            getattr(self._attn_config, "_attn_implementation", None) == NAME
-            and n <= MAX_FUSED_QUERIES
-            and decode_supports(self.k_head_dim, self.key_bits, self.value_bits, n, self._group)
+            decode_supports(self.k_head_dim, self.key_bits, self.value_bits, n, self._group)
             and decode_pays(self.k_head_dim, self.batch_size * self.num_heads * self.max_cache_len,
                             torch.device(self.device).type)
             and (split is None or split_supports(split.sizes, split.bits))

@@ -36,6 +36,7 @@ from . import decode_supports as supports
 from . import split_supports
 from . import decode_plan, num_splits_for
 from . import _common as C
+from . import fast as _fast
 
 if TYPE_CHECKING:
     from ..packed_kv import PackedKV
@@ -786,6 +787,7 @@ def decode_attention(
     prefetch: int | None = None,
     num_stages: int | None = None,
     out: torch.Tensor | None = None,
+    fast: bool | None = None,
 ) -> torch.Tensor:
     """Attention of query (B, Hq, n, D) over every position of `kv` (see `PackedKV`); the n queries are the last n
     positions.
@@ -794,7 +796,8 @@ def decode_attention(
     (dynamic) or the capacity (static); a longer last dim is cut to T. A static layer's lengths are read on the
     device and the grid depends on shapes only, so one launch serves every step of a CUDA graph. Returns
     (B, n, Hq, D) in the query's dtype, as transformers' attention functions do, written into `out` when given.
-    The other keyword arguments are tuning knobs for studies.
+    fast: whether the explicit-layout kernels (`fast`) serve: None where they can (CUDA sm_80+, a shape they take),
+    False never (this Triton kernel alone: their oracle). The other keyword arguments are tuning knobs for studies.
     """
     b, hq, n, d = query.shape
     hkv = kv.k_packed.shape[1]
@@ -802,7 +805,10 @@ def decode_attention(
         raise ValueError(f"query heads ({hq}) must be a multiple of KV heads ({hkv})")
     group = hq // hkv
     kcb, vcb = kv.k_codebook, kv.v_codebook
-    if not supports(d, kcb.bits, vcb.bits, n, group):
+    fast_ok = fast is not False and num_splits is None and _fast.shape_ok(
+        d, kcb.bits, vcb.bits, group * n, kv.key_split is not None, kv.k_packed.shape[2]) and _fast.machine_ok(
+        query.device)
+    if not fast_ok and not supports(d, kcb.bits, vcb.bits, n, group):
         raise ValueError(f"decode_attention does not support head dim {d}, bits k{kcb.bits}v{vcb.bits}, {group}x{n} rows")
     if kv.static:
         lq = lr = 0  # read on the device
@@ -821,7 +827,13 @@ def decode_attention(
         lens, ring = None, 0
     block_m, rows, sc = _rows(group, n, d)
     stages, per_sm, plan_prefetch = decode_plan(d, kcb.bits, vcb.bits, kv.key_split is not None, b * hkv * split_len)
-    num_splits, tok_per_split = _split_plan(b * hkv, split_len, query.device, num_splits, block_n, per_sm)
+    kp, vp = _packed(kv.k_packed), _packed(kv.v_packed)
+    use_fast = fast_ok
+    if use_fast:
+        most = None if kv.scratch is None else kv.scratch.numel() // (b * hkv * rows * (d + 2)) - 1
+        num_splits, tok_per_split = _fast.plan(b * hkv, split_len, query.device, most)
+    else:
+        num_splits, tok_per_split = _split_plan(b * hkv, split_len, query.device, num_splits, block_n, per_sm)
     slots = b * hkv * (num_splits + 1)
     need = slots * rows * (d + 2)
     if kv.scratch is None:
@@ -834,7 +846,6 @@ def decode_attention(
     acc, ml = scratch[: slots * rows * d], scratch[slots * rows * d : need]
     mask_kind, m_arg, ms = _mask_args(mask, b, hq, n, t, query)
     qv = query if query.stride(-1) == 1 else query.contiguous()
-    kp, vp = _packed(kv.k_packed), _packed(kv.v_packed)
     kn = _tokens_last(kv.k_norms.unsqueeze(-1), 1).squeeze(-1)
     vn = _tokens_last(kv.v_norms.unsqueeze(-1), 1).squeeze(-1)
     rk, rv = _tokens_last(kv.ring_k, d), _tokens_last(kv.ring_v, d)
@@ -842,15 +853,18 @@ def decode_attention(
     pi = kv.rotation.matrix
     if pi.device != query.device:
         pi = pi.to(query.device)
-    (kt, kt_sh), (vt, vt_sh) = lookup_table(kcb, hkv, query.device), lookup_table(vcb, hkv, query.device)
-    kplanes, vplanes = planes(kcb.bits), planes(vcb.bits)
-    scale_log2 = (d**-0.5 if scale is None else float(scale)) * LOG2E
-    split_args, split_const = _split_args(query, kv, block_m, scale_log2, pi)
     if out is None:
         out = torch.empty(b, n, hq, d, dtype=query.dtype, device=query.device)
     elif out.shape != (b, n, hq, d) or out.stride(-1) != 1 or out.dtype != query.dtype:
         raise ValueError(f"out must be ({b}, {n}, {hq}, {d}) {query.dtype} with unit last stride, got "
                          f"{tuple(out.shape)} {out.dtype}")
+    scale_log2 = (d**-0.5 if scale is None else float(scale)) * LOG2E
+    if use_fast and _fast.decode(qv, kv, pi, scale_log2, kp, kn, vp, vn, rk, rv, sk, sv, (mask_kind, m_arg, ms), acc,
+                                 ml, lens, (lq, lr, ring), num_splits, tok_per_split, rows, out):
+        return out
+    (kt, kt_sh), (vt, vt_sh) = lookup_table(kcb, hkv, query.device), lookup_table(vcb, hkv, query.device)
+    kplanes, vplanes = planes(kcb.bits), planes(vcb.bits)
+    split_args, split_const = _split_args(query, kv, block_m, scale_log2, pi)
     len_ptr, from_ptr = lens if lens is not None else (counters, counters)  # unread unless STATIC
     _decode_kernel[(b * hkv, num_splits + 1)](
         qv, *qv.stride()[:3],

@@ -1,0 +1,82 @@
+"""Per-layer decode attention on the H100: the explicit-layout kernel (`kernels.fast`) against the Triton kernel
+alone and cuDNN SDPA on bf16 K/V, Llama-3.1-8B shape (32 / 8 heads, head dim 128; --shape for others), one query.
+
+Each case checks the fast output against the Triton kernel's (relative error), then times the three as CUDA-graph
+replays (`do_bench_cudagraph` medians), repetitions interleaved. Usage:
+    python benchmarks/studies/fast_decode_study.py [--presets k5v3,k4v4,k4v2] [--cases 1x4096,1x32768,...] --out F
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from triton.testing import do_bench_cudagraph  # noqa: E402
+
+import bench_attention as ba  # noqa: E402
+from tq_hf_cache.kernels import decode_attention as da  # noqa: E402
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--presets", default="k5v3,k4v4,k4v2")
+    ap.add_argument("--cases", default="1x4096,1x32768,1x131072,8x32768,8x131072")
+    ap.add_argument("--shape", default="llama-3.1-8b")
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--out", required=True)
+    a = ap.parse_args()
+    ba.HQ, ba.HKV, ba.D = ba.SHAPES[a.shape]
+    bw = ba.copy_bandwidth()
+    rows = []
+    for preset in a.presets.split(","):
+        kb, vb, _ = ba.parse_preset(preset)
+        for case in a.cases.split(","):
+            b, t = map(int, case.split("x"))
+            kv, nbytes = ba.packed_layer(b, t, kb, vb)
+            q = torch.randn(b, ba.HQ, 1, ba.D, device="cuda", dtype=torch.bfloat16)
+            fast_out = da.decode_attention(q, kv)
+            tri_out = da.decode_attention(q, kv, fast=False)
+            torch.cuda.synchronize()
+            err = ((fast_out.float() - tri_out.float()).norm() / tri_out.float().norm()).item()
+            qs = torch.randn(b, ba.HQ, 1, ba.D, device="cuda", dtype=torch.bfloat16)
+            ks = torch.randn(b, ba.HKV, t, ba.D, device="cuda", dtype=torch.bfloat16)
+            vs = torch.randn_like(ks)
+            from torch.nn.attention import SDPBackend, sdpa_kernel
+
+            f = torch.nn.functional.scaled_dot_product_attention
+
+            def sdpa():
+                with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
+                    return f(qs, ks, vs, enable_gqa=True)
+
+            sdpa()
+            times = {"sdpa": [], "triton": [], "fast": []}
+            for _ in range(a.reps):
+                times["sdpa"].append(do_bench_cudagraph(sdpa))
+                times["triton"].append(do_bench_cudagraph(lambda: da.decode_attention(q, kv, fast=False)))
+                times["fast"].append(do_bench_cudagraph(lambda: da.decode_attention(q, kv)))
+            med = {k: sorted(v)[len(v) // 2] for k, v in times.items()}
+            row = dict(preset=preset, batch=b, context=t, err_vs_triton=err, ms=med, all_ms=times,
+                       fast_vs_sdpa=med["sdpa"] / med["fast"], triton_vs_sdpa=med["sdpa"] / med["triton"],
+                       bytes=nbytes, fast_bw_frac=nbytes / (med["fast"] * 1e-3) / (bw / 2))
+            rows.append(row)
+            print(f"{preset} {b}x{t}: sdpa {med['sdpa']:.4f} triton {med['triton']:.4f} fast {med['fast']:.4f} ms "
+                  f"| fast {row['fast_vs_sdpa']:.2f}x sdpa, triton {row['triton_vs_sdpa']:.2f}x | "
+                  f"bw {row['fast_bw_frac']:.0%} | err {err:.1e}", flush=True)
+            del kv, ks, vs
+            torch.cuda.empty_cache()
+    with open(a.out, "w") as fh:
+        json.dump(dict(device=torch.cuda.get_device_name(), torch=torch.__version__, copy_bw=bw, shape=a.shape,
+                       when=time.strftime("%Y-%m-%d %H:%M"), rows=rows), fh, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,287 @@
+"""The explicit-layout decode kernel (`tq_hf_cache.kernels.fast`, CUDA C++ through NVRTC).
+
+Without a GPU: its pair tables, its plan, and its SASS: compiled for sm_90 here, the main loop's instructions per
+32-token tile must stay within `SASS_BUDGET` (NVRTC from nvidia-cuda-nvrtc-cu12 and cuobjdump from the triton wheel;
+skipped where either is missing). On a GPU: the kernel against the torch oracle on fresh random inputs (poisoned
+outputs, every width it takes, head dims 64 / 128 / 256, GQA groups, several queries, masks, sinks, NaN), and against
+the Triton kernel on the same state.
+"""
+
+import collections
+import glob
+import os
+import re
+import subprocess
+from dataclasses import replace
+
+import pytest
+import torch
+
+from tq_hf_cache import reference
+from tq_hf_cache.codebook import Codebook
+from tq_hf_cache.kernels import fast
+from tq_hf_cache.kernels.fast import jit
+
+from test_decode_attention import TOL, fresh_seed, make_query, make_state, padding_mask, rel_err
+
+CUDA = torch.cuda.is_available()
+gpu = pytest.mark.skipif(not CUDA, reason="needs CUDA")
+
+# Main-loop SASS instructions per 32-token tile (two 16-token steps, one warp) at head dim 128, one query n-tile, no
+# mask, as compiled for sm_90 by NVRTC 12.9. What the loop costs: per code pair a shift, one or two LOP3 (the pair's
+# bits into the lane's table copy address) and one LDS; a PRMT per value register; 24 HMMA a step; 64 FMUL of the
+# rescale, which runs only when a running max moves. The issue's aim is 2 thread-instructions per K/V element (512 a
+# tile at head dim 128): not met (813-937 today); each budget is today's count + 5 %.
+SASS_BUDGET = {(5, 3): 921, (4, 4): 923, (4, 2): 854, (2, 2): 921, (3, 3): 984}
+
+
+def _cuobjdump() -> str | None:
+    import triton
+
+    path = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    return path if os.path.exists(path) else None
+
+
+def _nvrtc_ok() -> bool:
+    try:
+        jit.nvrtc()
+        return True
+    except jit.JitError:
+        return False
+
+
+def main_loop(sass: str, function: str = fast.NAME) -> collections.Counter:
+    """Opcode counts of the backward-branch loop with the most HMMA instructions in `function`'s SASS."""
+    sass = sass[sass.index(f"Function : {function}"):]
+    nxt = sass.find("Function : ", 1)
+    sass = sass if nxt < 0 else sass[:nxt]
+    ins = [(int(a, 16), t.strip()) for a, t in re.findall(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", sass)]
+    best, most = [], -1
+    for addr, text in ins:
+        m = re.search(r"\bBRA\b[^;]*?0x([0-9a-f]+)", text)
+        if m and int(m.group(1), 16) < addr:
+            body = [t for a, t in ins if int(m.group(1), 16) <= a <= addr]
+            hmma = sum("HMMA" in t for t in body)
+            if hmma > most:
+                best, most = body, hmma
+    return collections.Counter(re.sub(r"^@!?U?P\w+\s+", "", t).split()[0].split(".")[0] for t in best)
+
+
+@pytest.mark.skipif(not _nvrtc_ok() or _cuobjdump() is None, reason="NVRTC or cuobjdump missing")
+@pytest.mark.parametrize("kb,vb", sorted(SASS_BUDGET))
+def test_sm90_main_loop_within_its_instruction_budget(kb, vb, tmp_path):
+    df = fast.defines(128, kb, vb, 1, 0, 0, False, False, False, 16, True)
+    cubin = tmp_path / "k.cubin"
+    cubin.write_bytes(jit.compile_cubin(fast.source(), fast.NAME, df, 90))
+    res = subprocess.run([_cuobjdump(), "-res-usage", str(cubin)], capture_output=True, text=True, check=True).stdout
+    assert "LOCAL:0" in res, f"k{kb}v{vb}: the kernel spills to local memory:\n{res}"
+    ops = main_loop(subprocess.run([_cuobjdump(), "-sass", str(cubin)], capture_output=True, text=True,
+                                   check=True).stdout)
+    total = sum(ops.values())
+    assert ops["HMMA"] == 48, f"k{kb}v{vb}: {ops['HMMA']} HMMA in the loop, expected 2 steps x 24: {ops}"
+    assert ops["LDS"] == 128, f"k{kb}v{vb}: one LDS per code pair expected (128 a tile): {ops}"
+    assert ops["LDL"] == ops["STL"] == 0, f"k{kb}v{vb}: local memory in the loop: {ops}"
+    assert total <= SASS_BUDGET[(kb, vb)], f"k{kb}v{vb}: {total} instructions a tile > {SASS_BUDGET[(kb, vb)]}: {ops}"
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4, 5])
+@pytest.mark.parametrize("per_head", [False, True])
+def test_pair_table_entries_are_the_fp16_centroid_pairs(bits, per_head):
+    seed = fresh_seed()
+    g = torch.Generator().manual_seed(seed)
+    heads = 3
+    cb = Codebook.from_centroids(torch.randn((heads, 2**bits) if per_head else (2**bits,), generator=g), bits)
+    table, stride = fast.pair_table(cb, heads, torch.device("cpu"))
+    assert table.dtype == torch.int32 and table.shape[-1] == 4**bits and stride == (4**bits if per_head else 0)
+    want = cb.centroids.to(torch.float16).reshape(-1, 2**bits)
+    key = torch.arange(4**bits)
+    t = table.to(torch.int64) & 0xFFFFFFFF
+    for half, idx in ((t & 0xFFFF, key & (2**bits - 1)), (t >> 16, key >> bits)):
+        got = half.to(torch.int32).to(torch.int16).view(torch.float16)
+        torch.testing.assert_close(got, want[:, idx], rtol=0, atol=0, msg=lambda m: f"seed {seed}: {m}")
+
+
+def test_plan_covers_the_history_in_whole_warp_tiles():
+    for bh, lq in ((8, 131072), (64, 32768), (1, 100), (256, 4096), (8, 17)):
+        splits, per = fast.plan(bh, lq, torch.device("cpu"))
+        assert per % (16 * fast.WARPS) == 0 and splits * per >= lq and (splits - 1) * per < lq, (bh, lq, splits, per)
+        s2, _ = fast.plan(bh, lq, torch.device("cpu"), max_splits=2)
+        assert s2 <= 2
+
+
+def test_shape_limits():
+    assert fast.shape_ok(128, 5, 3, 4, False, 4096) and fast.shape_ok(64, 2, 5, 16, False, 16)
+    assert not fast.shape_ok(128, 8, 3, 4, False, 4096)  # an 8-bit pair table is 256 KB
+    assert not fast.shape_ok(128, 4, 4, 17, False, 4096)
+    assert not fast.shape_ok(256, 4, 4, 16, False, 4096)
+    assert not fast.shape_ok(128, 4, 4, 4, True, 4096)
+    assert not fast.shape_ok(128, 4, 4, 4, False, 15)
+    assert not fast.shape_ok(96, 4, 4, 4, False, 4096)
+
+
+# --------------------------------------------------------------------------------------------------- on a GPU
+
+def _decode(q, state, mask, scale, **kw):
+    from tq_hf_cache.kernels.decode_attention import decode_attention
+
+    return decode_attention(q, state, mask, scale, **kw)
+
+
+@pytest.fixture
+def launches(monkeypatch):
+    calls = []
+    real = fast.decode
+
+    def spy(*a, **k):
+        ok = real(*a, **k)
+        calls.append(ok)
+        return ok
+
+    monkeypatch.setattr(fast, "decode", spy)
+    return calls
+
+
+# (kbits, vbits, d, group, n, lq, lr, dtype, mask, sinks, per_head)
+GPU_CASES = [
+    (5, 3, 128, 4, 1, 4001, 17, torch.bfloat16, None, 4, False),
+    (4, 4, 128, 4, 1, 3001, 3, torch.float16, None, 0, True),
+    (4, 2, 128, 8, 1, 2500, 128, torch.bfloat16, "bool", 4, False),
+    (2, 2, 128, 4, 4, 777, 9, torch.float16, "additive", 2, False),
+    (3, 5, 64, 3, 3, 1203, 5, torch.float16, "bool", 0, True),
+    (5, 3, 64, 1, 16, 900, 0, torch.bfloat16, None, 1, False),
+    (2, 4, 64, 8, 2, 517, 2, torch.float16, "additive", 3, False),
+    (3, 3, 128, 2, 7, 64, 1, torch.bfloat16, "bool", 0, False),
+    (5, 3, 256, 2, 1, 2049, 7, torch.bfloat16, None, 4, False),
+    (4, 4, 256, 4, 2, 1500, 3, torch.float16, "bool", 2, True),
+    (3, 2, 256, 8, 1, 700, 0, torch.bfloat16, "additive", 0, False),
+    (5, 5, 128, 16, 1, 999, 4, torch.float16, None, 0, False),
+    (4, 3, 64, 5, 3, 16, 2, torch.float16, None, 0, False),
+    (4, 4, 128, 4, 1, 17, 2, torch.bfloat16, "bool", 17, False),  # every packed token a sink but 0
+]
+
+
+def _gpu_id(c):
+    return f"k{c[0]}v{c[1]}-d{c[2]}-g{c[3]}-n{c[4]}-lq{c[5]}-lr{c[6]}-{str(c[7])[6:]}-{c[8]}-sinks{c[9]}" + \
+        ("-ph" if c[10] else "")
+
+
+@gpu
+@pytest.mark.parametrize("case", GPU_CASES, ids=_gpu_id)
+def test_fast_kernel_matches_the_oracle_and_the_triton_kernel(case, launches):
+    kbits, vbits, d, group, n, lq, lr, dtype, mask_kind, sinks, per_head = case
+    seed = fresh_seed()
+    b, hkv = 2, 2
+    hq = hkv * group
+    state, kf, vf = make_state(b, hkv, lq, lr, n, d, kbits, vbits, dtype, seed, per_head, sinks=sinks)
+    q = make_query(b, hq, n, d, dtype, seed)
+    t = lq + lr + n
+    mask = None if mask_kind is None else padding_mask(b, 1, n, t, [min(4, lq), 0], mask_kind)
+    scale = 0.7 * d**-0.5
+    out = torch.full((b, n, hq, d), float("nan"), dtype=dtype, device="cuda")
+    _decode(q, state, mask, scale, out=out)
+    assert launches == [True], f"seed {seed}: the fast kernel did not serve ({launches})"
+    assert torch.isfinite(out).all(), f"seed {seed}: unwritten or non-finite outputs"
+    ref = reference.attention(q.cpu(), kf, vf, mask=None if mask is None else mask.cpu(), scale=scale).transpose(1, 2)
+    err = rel_err(out, ref)
+    assert err < TOL[dtype], f"seed {seed}: relative error {err:.2e} against the oracle"
+    from tq_hf_cache import kernels
+
+    if kernels.decode_supports(d, kbits, vbits, n, group):  # (head dim 256 at byte widths: the fast kernel only)
+        tri = _decode(q, state, mask, scale, fast=False)
+        assert rel_err(out, tri.float().cpu()) < TOL[dtype], f"seed {seed}: fast and Triton kernels differ"
+
+
+@gpu
+@pytest.mark.parametrize("kind", ["bool", "additive"])
+def test_fast_kernel_mask_that_differs_by_head(kind, launches):
+    seed = fresh_seed()
+    b, hkv, group, n, d, lq, lr = 2, 2, 3, 2, 128, 1200, 5
+    state, kf, vf = make_state(b, hkv, lq, lr, n, d, 4, 3, torch.float16, seed)
+    q = make_query(b, hkv * group, n, d, torch.float16, seed)
+    t = lq + lr + n
+    g = torch.Generator().manual_seed(seed)
+    allowed = torch.rand(b, hkv * group, n, t, generator=g) > 0.4
+    allowed[..., -1] = True
+    mask = allowed if kind == "bool" else torch.zeros(allowed.shape).masked_fill(~allowed, float("-inf"))
+    mask = mask.to("cuda")
+    out = _decode(q, state, mask, None)
+    assert launches == [True]
+    ref = reference.attention(q.cpu(), kf, vf, mask=mask.cpu()).transpose(1, 2)
+    assert rel_err(out, ref) < TOL[torch.float16], f"seed {seed}"
+
+
+@gpu
+@pytest.mark.parametrize("where", ["packed_norm", "packed_value_norm"])
+def test_fast_kernel_propagates_nan_as_sdpa_does(where, launches):
+    seed = fresh_seed()
+    b, hkv, group, n, d = 1, 2, 2, 1, 128
+    state, kf, vf = make_state(b, hkv, 400, 5, n, d, 4, 4, torch.float16, seed)
+    norms = state.k_norms if where == "packed_norm" else state.v_norms
+    norms[0, 0, 77] = float("nan")
+    q = make_query(b, hkv * group, n, d, torch.float16, seed)
+    out = _decode(q, state, None, None)
+    assert launches == [True]
+    assert torch.isnan(out[0, 0, :group].float()).all(), f"seed {seed}: a NaN norm did not give NaN"
+    assert torch.isfinite(out[0, 0, group:].float()).all(), f"seed {seed}: the other head is not finite"
+
+
+@gpu
+def test_fast_kernel_is_deterministic_and_graph_capturable():
+    seed = fresh_seed()
+    state, kf, vf = make_state(2, 4, 20000, 5, 1, 128, 5, 3, torch.bfloat16, seed, sinks=4)
+    q = make_query(2, 16, 1, 128, torch.bfloat16, seed)
+    first = _decode(q, state, None, None)
+    out = torch.empty_like(first)
+    graph = torch.cuda.CUDAGraph()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        _decode(q, state, None, None, out=out)  # warm
+        with torch.cuda.graph(graph, stream=s):
+            _decode(q, state, None, None, out=out)
+    torch.cuda.current_stream().wait_stream(s)
+    out.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(first, out), f"seed {seed}: the replay differs"
+
+
+@gpu
+def test_fast_kernel_on_two_streams_at_once():
+    seed = fresh_seed()
+    s1, kf1, vf1 = make_state(1, 2, 30000, 3, 1, 128, 5, 3, torch.float16, seed)
+    s2, kf2, vf2 = make_state(1, 2, 20000, 3, 1, 128, 4, 4, torch.float16, seed + 1)
+    q1, q2 = make_query(1, 8, 1, 128, torch.float16, seed), make_query(1, 8, 1, 128, torch.float16, seed + 1)
+    side = torch.cuda.Stream()
+    for _ in range(5):
+        o1 = _decode(q1, s1, None, None)
+        with torch.cuda.stream(side):
+            o2 = _decode(q2, s2, None, None)
+        torch.cuda.synchronize()
+        assert rel_err(o1, reference.attention(q1.cpu(), kf1, vf1).transpose(1, 2)) < TOL[torch.float16]
+        assert rel_err(o2, reference.attention(q2.cpu(), kf2, vf2).transpose(1, 2)) < TOL[torch.float16]
+
+
+@gpu
+def test_turned_off_by_the_environment(monkeypatch, launches):
+    seed = fresh_seed()
+    state, kf, vf = make_state(1, 2, 300, 3, 1, 128, 4, 4, torch.float16, seed)
+    q = make_query(1, 8, 1, 128, torch.float16, seed)
+    monkeypatch.setenv(fast.ENV, "0")
+    _decode(q, state, None, None)
+    assert launches == []
+    monkeypatch.delenv(fast.ENV)
+    _decode(q, replace(state), None, None)
+    assert launches == [True]
+
+
+@pytest.mark.skipif(not _nvrtc_ok(), reason="NVRTC missing")
+def test_compile_errors_name_the_defines():
+    with pytest.raises(jit.JitError, match=r"(?s)'D': 7.*broken"):
+        jit.compile_cubin(fast.source() + "\n#error broken\n", fast.NAME, {"D": 7}, 90)
+
+
+def test_cache_dir_follows_the_environment(monkeypatch, tmp_path):
+    monkeypatch.setenv("TQ_HF_CACHE_KERNEL_DIR", str(tmp_path))
+    assert jit.cache_dir() == str(tmp_path)
+    assert not glob.glob(str(tmp_path / "*"))

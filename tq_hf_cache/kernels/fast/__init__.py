@@ -1,0 +1,252 @@
+"""The explicit-layout decode kernels (`decode_mma.cu`, CUDA C++ compiled at first use by NVRTC: `jit`).
+
+Three launches: `tq_decode_prep` rotates and scales the query rows; `tq_decode_packed` computes the packed history's
+split-K partials on tensor cores, with the codes loaded straight into the MMA operand registers (see the source's
+header); `tq_decode_finish` attends to the exact copies (sinks, the ring), merges the partials, rotates the values
+back once and writes the output. The Triton kernel (`..decode_attention`) computes the same function and stays the
+oracle and the fallback: where these kernels cannot serve (no CUDA, a GPU older than sm_80, no NVRTC, a shape they
+do not take) it does everything, with one warning naming why when the reason is the machine rather than the shape.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import warnings
+from importlib import resources
+
+import torch
+
+from .. import _common as C
+from . import jit
+
+NAME = "tq_decode_packed"
+WARPS = 4  # as the source's WARPS
+HEAD_DIMS = (64, 128, 256)
+BITS = (2, 3, 4, 5)  # pair tables up to 4^5 entries
+MAX_ROWS = 16  # query heads per KV head x queries: two query n-tiles
+MIN_TOKENS_PER_SPLIT = 512
+CTAS_PER_SM = 3
+ENV = "TQ_HF_CACHE_FAST_DECODE"  # "0" turns the kernel off
+
+_SOURCE: str | None = None
+_BROKEN: dict[int, str] = {}  # device index -> why the kernel cannot run there (warned once)
+
+
+def source() -> str:
+    global _SOURCE
+    if _SOURCE is None:
+        _SOURCE = resources.files(__package__).joinpath("decode_mma.cu").read_text()
+    return _SOURCE
+
+
+class Params(ctypes.Structure):
+    """The kernel's one by-value argument: the layout of `struct Params` in decode_mma.cu."""
+
+    _fields_ = [
+        ("q", ctypes.c_void_p),
+        ("kp", ctypes.c_void_p), ("skpb", ctypes.c_int64), ("skph", ctypes.c_int64),
+        ("kn", ctypes.c_void_p), ("sknb", ctypes.c_int64), ("sknh", ctypes.c_int64),
+        ("vp", ctypes.c_void_p), ("svpb", ctypes.c_int64), ("svph", ctypes.c_int64),
+        ("vn", ctypes.c_void_p), ("svnb", ctypes.c_int64), ("svnh", ctypes.c_int64),
+        ("ktab", ctypes.c_void_p), ("ktab_sh", ctypes.c_int64),
+        ("vtab", ctypes.c_void_p), ("vtab_sh", ctypes.c_int64),
+        ("mask", ctypes.c_void_p), ("smb", ctypes.c_int64), ("smh", ctypes.c_int64), ("smi", ctypes.c_int64),
+        ("smt", ctypes.c_int64),
+        ("acc", ctypes.c_void_p), ("ml", ctypes.c_void_p),
+        ("len_ptr", ctypes.c_void_p), ("from_ptr", ctypes.c_void_p),
+        ("hkv", ctypes.c_int32), ("group", ctypes.c_int32), ("nq", ctypes.c_int32), ("rows", ctypes.c_int32),
+        ("lq", ctypes.c_int32), ("sinks", ctypes.c_int32), ("tok_per_split", ctypes.c_int32),
+        ("num_splits", ctypes.c_int32), ("mask_elt", ctypes.c_int32), ("slots", ctypes.c_int32),
+    ]
+
+
+def shape_ok(head_dim: int, key_bits: int, value_bits: int, rows: int, split_keys: bool, slots: int) -> bool:
+    """Whether the kernel takes this shape: head dims 64 / 128 / 256, keys and values at 2-5 bits, at most 16 query
+    rows per KV head (8 at head dim 256: the warps' partials share 48 KB of shared memory), whole keys, and at least
+    16 packed slots (a tile's rows stay inside the buffer)."""
+    most = MAX_ROWS if head_dim <= 128 else 8
+    return (head_dim in HEAD_DIMS and key_bits in BITS and value_bits in BITS and rows <= most and not split_keys
+            and slots >= 16)
+
+
+def machine_ok(device: torch.device) -> bool:
+    """Whether the kernel can run on this device (CUDA, sm_80+, NVRTC found, not turned off by the environment)."""
+    if device.type != "cuda" or os.environ.get(ENV, "1") == "0":
+        return False
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx in _BROKEN:
+        return False
+    why = None
+    if torch.cuda.get_device_capability(idx) < (8, 0):
+        why = "it needs a GPU of compute capability 8.0 or newer"
+    else:
+        try:
+            jit.nvrtc()
+        except jit.JitError as e:
+            why = str(e)
+    if why is not None:
+        _disable(idx, why)
+        return False
+    return True
+
+
+def _disable(idx: int, why: str) -> None:
+    _BROKEN[idx] = why
+    warnings.warn(f"tq_hf_cache: the fast decode kernel is off on cuda:{idx} ({why}); the Triton kernel serves "
+                  f"instead", RuntimeWarning, stacklevel=3)
+
+
+def plan(batch_heads: int, packed_len: int, device: torch.device, max_splits: int | None = None) -> tuple[int, int]:
+    """(num_splits, tokens per split): about CTAS_PER_SM CTAs per SM, at least MIN_TOKENS_PER_SPLIT tokens each (a
+    multiple of 16 * WARPS), at most max_splits (what a caller's scratch holds)."""
+    from .. import sm_count
+
+    want = max(1, CTAS_PER_SM * sm_count(device) // batch_heads)  # one wave: a partial second one doubles the time
+    most = max(1, -(-max(packed_len, 1) // MIN_TOKENS_PER_SPLIT))
+    splits = min(want, most)
+    if max_splits is not None:
+        splits = max(1, min(splits, max_splits))
+    per = 16 * WARPS
+    tps = -(-max(packed_len, 1) // splits)
+    tps = -(-tps // per) * per
+    return -(-max(packed_len, 1) // tps), tps
+
+
+@C._per_codebook_and_device
+def pair_table(codebook, heads: int, device: torch.device) -> tuple[torch.Tensor, int]:
+    """(H', 4^bits) int32: entry i is the fp16 centroid pair (c[i & m], c[i >> bits]) (low index in the low half),
+    and its head stride (0 when the codebook is shared by the heads)."""
+    bits = codebook.bits
+    c = codebook.centroids.detach().to("cpu", torch.float16).view(torch.int16).to(torch.int64) & 0xFFFF
+    c = c.reshape(-1, 2**bits)
+    key = torch.arange(4**bits)
+    entry = c[:, key & (2**bits - 1)] | (c[:, key >> bits] << 16)
+    table = entry.to(torch.int64).where(entry < 2**31, entry - 2**32).to(torch.int32).contiguous().to(device)
+    return table, (table.stride(0) if codebook.per_head else 0)
+
+
+_MASK_DT = {torch.uint8: 0, torch.float16: 1, torch.bfloat16: 2, torch.float32: 3}
+
+
+TABLE_BYTES = 16 * 1024  # shared memory per pair table: each sits in its own 16 KB-aligned block (see the source)
+SMEM_BYTES = 3 * TABLE_BYTES  # dynamic shared memory a CTA takes: the tables, their alignment, the warps' partials
+
+
+def _copies(bits: int) -> int:
+    """Copies of a pair table in shared memory (one per lane at most: conflict-free at 32), within TABLE_BYTES."""
+    return max(1, min(32, TABLE_BYTES // (4 * 4**bits)))
+
+
+def _aligned(v: int, *tensors: torch.Tensor) -> bool:
+    """Whether every tensor's base address and every stride but the last dim's allow v-byte loads of its rows."""
+    return all(t.data_ptr() % v == 0 and all((st * t.element_size()) % v == 0 for st in t.stride()[:-1])
+               for t in tensors)
+
+
+def _vec(*packed: torch.Tensor) -> int:
+    """The widest load (16, 8 or 4 bytes) the packed rows allow (0: none)."""
+    return next((v for v in (16, 8, 4) if _aligned(v, *packed)), 0)
+
+
+def _norms_vec(*norms: torch.Tensor) -> bool:
+    """Whether the (B, H, slots) norms load two tokens at a time (the kernel's tiles start at even tokens)."""
+    return all(t.stride(-1) == 1 and t.data_ptr() % (2 * t.element_size()) == 0
+               and all(st % 2 == 0 for st in t.stride()[:-1]) for t in norms)
+
+
+def defines(d: int, kb: int, vb: int, nq: int, mask_kind: int, mask_dt: int, kn_f32: bool, vn_f32: bool,
+            static: bool, vec: int, nvec: bool) -> dict[str, int]:
+    return dict(D=d, KB=kb, VB=vb, NQ=nq, MASK_KIND=mask_kind, MASK_DT=mask_dt, KN_F32=int(kn_f32),
+                VN_F32=int(vn_f32), KR=_copies(kb), VR=_copies(vb), STATIC=int(static), VEC=vec, NVEC=int(nvec), MIN_CTAS=1)
+
+
+class PrepParams(ctypes.Structure):
+    _fields_ = [("q", ctypes.c_void_p), ("sqb", ctypes.c_int64), ("sqh", ctypes.c_int64), ("sqn", ctypes.c_int64),
+                ("pi", ctypes.c_void_p), ("out", ctypes.c_void_p),
+                ("hkv", ctypes.c_int32), ("group", ctypes.c_int32), ("nq", ctypes.c_int32),
+                ("scale_log2", ctypes.c_float)]
+
+
+class FinishParams(ctypes.Structure):
+    _fields_ = [
+        ("q", ctypes.c_void_p), ("sqb", ctypes.c_int64), ("sqh", ctypes.c_int64), ("sqn", ctypes.c_int64),
+        ("pi", ctypes.c_void_p),
+        ("sk", ctypes.c_void_p), ("sskb", ctypes.c_int64), ("sskh", ctypes.c_int64),
+        ("sv", ctypes.c_void_p), ("ssvb", ctypes.c_int64), ("ssvh", ctypes.c_int64),
+        ("rk", ctypes.c_void_p), ("srkb", ctypes.c_int64), ("srkh", ctypes.c_int64),
+        ("rv", ctypes.c_void_p), ("srvb", ctypes.c_int64), ("srvh", ctypes.c_int64),
+        ("mask", ctypes.c_void_p), ("smb", ctypes.c_int64), ("smh", ctypes.c_int64), ("smi", ctypes.c_int64),
+        ("smt", ctypes.c_int64),
+        ("acc", ctypes.c_void_p), ("ml", ctypes.c_void_p),
+        ("out", ctypes.c_void_p), ("sob", ctypes.c_int64), ("son", ctypes.c_int64), ("soh", ctypes.c_int64),
+        ("len_ptr", ctypes.c_void_p), ("from_ptr", ctypes.c_void_p),
+        ("hkv", ctypes.c_int32), ("group", ctypes.c_int32), ("nq", ctypes.c_int32), ("lq", ctypes.c_int32),
+        ("lr", ctypes.c_int32), ("sinks", ctypes.c_int32), ("num_splits", ctypes.c_int32), ("ring", ctypes.c_int32),
+        ("mask_elt", ctypes.c_int32), ("pad", ctypes.c_int32),
+        ("scale_log2", ctypes.c_float),
+    ]
+
+
+FINISH_WARPS = 8  # as the source's FWARPS
+_DT = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2}
+
+
+def finish_smem(d: int, rows: int) -> int:
+    """Dynamic shared memory of the finish kernel: the query, the warps' exact partials, the merged packed one."""
+    return 4 * (d * rows * (FINISH_WARPS + 2) + 2 * FINISH_WARPS * rows + 2 * rows)
+
+
+def decode(query, kv, pi, scale_log2, kp, kn, vp, vn, rk, rv, sk, sv, mask_args, acc, ml, lens, lengths,
+           num_splits: int, tok_per_split: int, rows: int, out) -> bool:
+    """The whole decode attention of `..decode_attention.decode_attention` (its prepared arguments) into `out`.
+    Returns False, having launched nothing, when the kernels cannot be used here (and turns them off on this
+    device, with a warning, when they fail to build or load)."""
+    b, hq, n, d = query.shape
+    hkv = kp.shape[1]
+    group = hq // hkv
+    mask_kind, m_arg, ms = mask_args
+    lq, lr, ring = lengths
+    vec = _vec(kp, vp)
+    if vec == 0 or query.dtype not in _DT or rk.dtype not in _DT or pi.dtype != torch.float32:
+        return False
+    kind = {0: 0, 1: 1, 2: 2, 3: 1, 4: 2}[mask_kind]
+    mdt = _MASK_DT[m_arg.dtype] if mask_kind else 0
+    df = defines(d, kv.k_codebook.bits, kv.v_codebook.bits, 1 if group * n <= 8 else 2, kind, mdt,
+                 kn.dtype == torch.float32, vn.dtype == torch.float32, kv.static, vec,
+                 _norms_vec(kn, vn) and kp.shape[2] % 2 == 0)
+    df.update(Q_DT=_DT[query.dtype], X_DT=_DT[rk.dtype], O_DT=_DT[out.dtype], ROWS=rows)
+    device = query.device
+    try:
+        prep = jit.kernel(source(), "tq_decode_prep", df, device)
+        packed = jit.kernel(source(), NAME, df, device, SMEM_BYTES)
+        finish = jit.kernel(source(), "tq_decode_finish", df, device, finish_smem(d, rows))
+    except jit.JitError as e:
+        _disable(device.index if device.index is not None else torch.cuda.current_device(), str(e).splitlines()[0])
+        return False
+    stream = torch.cuda.current_stream(device).cuda_stream
+    bh = b * hkv
+    qrot = torch.empty(bh, MAX_ROWS, d, dtype=torch.float16, device=device)
+    pi = pi.contiguous()
+    prep.launch((bh, 1, 1), 32 * FINISH_WARPS, PrepParams(
+        query.data_ptr(), *query.stride()[:3], pi.data_ptr(), qrot.data_ptr(), hkv, group, n, scale_log2), stream)
+    (kt, kt_sh), (vt, vt_sh) = pair_table(kv.k_codebook, hkv, device), pair_table(kv.v_codebook, hkv, device)
+    ln, fr = lens if lens is not None else (acc, acc)
+    m_ptr = m_arg.data_ptr() if mask_kind else 0
+    m_strides = tuple(ms) if mask_kind else (0, 0, 0, 0)
+    m_elt = m_arg.element_size() if mask_kind else 1
+    packed.launch((num_splits, bh, 1), 32 * WARPS, Params(
+        qrot.data_ptr(),
+        kp.data_ptr(), kp.stride(0), kp.stride(1), kn.data_ptr(), kn.stride(0), kn.stride(1),
+        vp.data_ptr(), vp.stride(0), vp.stride(1), vn.data_ptr(), vn.stride(0), vn.stride(1),
+        kt.data_ptr(), kt_sh, vt.data_ptr(), vt_sh,
+        m_ptr, *m_strides, acc.data_ptr(), ml.data_ptr(), ln.data_ptr(), fr.data_ptr(),
+        hkv, group, n, rows, lq, kv.sinks, tok_per_split, num_splits, m_elt, kp.shape[2]), stream)
+    finish.launch((bh, 1, 1), 32 * FINISH_WARPS, FinishParams(
+        query.data_ptr(), *query.stride()[:3], pi.data_ptr(),
+        sk.data_ptr(), sk.stride(0), sk.stride(1), sv.data_ptr(), sv.stride(0), sv.stride(1),
+        rk.data_ptr(), rk.stride(0), rk.stride(1), rv.data_ptr(), rv.stride(0), rv.stride(1),
+        m_ptr, *m_strides, acc.data_ptr(), ml.data_ptr(),
+        out.data_ptr(), *out.stride()[:3], ln.data_ptr(), fr.data_ptr(),
+        hkv, group, n, lq, lr, kv.sinks, num_splits, ring, m_elt, 0, scale_log2), stream)
+    return True

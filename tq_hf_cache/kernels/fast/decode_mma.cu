@@ -1,0 +1,712 @@
+// Decode attention over TurboQuant-packed keys and values on tensor cores (mma.sync m16n8k16, sm_80+, tuned for
+// sm_90): the packed history's split-K partials, in the format the Triton kernel's merge reads.
+//
+// Compiled at first use by NVRTC (no headers) with -D: D, KB, VB (bits), NQ (query n-tiles: 8 * NQ >= G * n),
+// MASK_KIND (0 none, 1 bool / 2 additive per row, 3 bool / 4 additive shared by the rows), MASK_DT (0 u8, 1 f16,
+// 2 bf16, 3 f32), KN_F32, VN_F32 (norm dtypes), KR, VR (copies of each pair table), STATIC, VEC (widest load, bytes).
+//
+// Registers, not shared memory, carry the codes into the MMA operands, with no reshuffle:
+// - Scores S = Q K^T (M = 16 query rows, N = 8 tokens, K = 16 channels). Lane (g = lane / 4, l4 = lane % 4) holds,
+//   for token g of an n-tile, B registers of channels {2 l4, 2 l4 + 1} and {2 l4 + 8, 2 l4 + 9} of each k-step.
+//   The dot product does not care which channel sits in which k-slot as long as Q agrees, so lane l4 takes the
+//   contiguous channels [l4 D/4, (l4 + 1) D/4) of its token: pair p (channels l4 D/4 + 2p, + 1) is k-step p / 2,
+//   register p % 2, and Q's A registers read the same channels. One contiguous load per token and lane.
+// - Values O^T = V^T P^T (M = 16 channels, N = 8 queries, K = 16 tokens): P^T's B registers are exactly S's C
+//   registers (the FA2 reuse, transposed), and V^T's A registers pair two tokens of one channel; lane g takes the
+//   contiguous channels [g D/8, (g + 1) D/8) of its four tokens, pair j of them is m-tile j (rows g and g + 8), and
+//   one PRMT per register pairs the two tokens. The output channel order is undone when the partial is stored.
+// - A code pair (2 * bits bits) indexes a table of half2 centroid pairs in shared memory, one copy per lane (KR / VR
+//   copies: conflict-free at 32), so one LDS yields two values; the index is shifted and OR-ed with the lane's copy
+//   offset in one LOP3. Norms scale S after the MMA (keys) and P before it (values).
+
+typedef unsigned int u32;
+typedef unsigned short u16;
+typedef long long i64;
+
+struct Params {
+  const u16* q;                       // (BH, 16, D) fp16: rotated, scaled query rows (row g * n + i), zero padded
+  const unsigned char* kp; i64 skpb, skph;
+  const void* kn; i64 sknb, sknh;
+  const unsigned char* vp; i64 svpb, svph;
+  const void* vn; i64 svnb, svnh;
+  const u32* ktab; i64 ktab_sh;       // (heads', 4^KB) half2 pair tables, head stride in entries (0: shared)
+  const u32* vtab; i64 vtab_sh;
+  const unsigned char* mask; i64 smb, smh, smi, smt;  // element strides
+  float* acc; float* ml;              // partials: acc (slots, R, D) by planes, ml (slots, 2, R)
+  const i64* len_ptr; const i64* from_ptr;
+  int hkv, group, nq, rows, lq, sinks, tok_per_split, num_splits, mask_elt, slots;
+};
+
+#define WARPS 4
+#ifndef MIN_CTAS
+#define MIN_CTAS 1
+#endif
+#define NEG_INF __int_as_float(0xff800000)
+#define LOG2E 1.4426950408889634f
+#define KPT (D * KB / 8)
+#define VPT (D * VB / 8)
+#define KSPAN (D / 4 * KB / 8)
+#define VSPAN (D / 8 * VB / 8)
+#define KS (D / 16)
+#define KENT (1 << (2 * KB))
+#define VENT (1 << (2 * VB))
+#define VPLANES ((VB == 2 || VB == 4 || VB == 8) ? 8 / VB : 8)
+
+__device__ __forceinline__ u32 shf_r(u32 lo, u32 hi, u32 n) {
+  u32 r;
+  asm("shf.r.wrap.b32 %0, %1, %2, %3;" : "=r"(r) : "r"(lo), "r"(hi), "r"(n));
+  return r;
+}
+__device__ __forceinline__ u32 prmt(u32 a, u32 b, u32 sel) {
+  u32 r;
+  asm("prmt.b32 %0, %1, %2, %3;" : "=r"(r) : "r"(a), "r"(b), "r"(sel));
+  return r;
+}
+__device__ __forceinline__ float ex2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+__device__ __forceinline__ u32 pack_h2(float lo, float hi) {
+  u32 r;
+  asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+  return r;
+}
+__device__ __forceinline__ float h2f(u16 h) {
+  float f;
+  asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
+  return f;
+}
+__device__ __forceinline__ void mma(float (&c)[4], u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
+  asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+// The SPAN bytes at byte `start` of a packed row of ROWB bytes, as NW little-endian words starting at bit 0.
+template <int SPAN, int ROWB>
+struct Span {
+  static constexpr int NW = (SPAN + 3) / 4;
+  static constexpr bool ALIGNED = SPAN % 4 == 0;
+};
+
+template <int SPAN, int ROWB>
+__device__ __forceinline__ void load_span(const unsigned char* row, int start, u32 (&w)[Span<SPAN, ROWB>::NW]) {
+  constexpr int NW = Span<SPAN, ROWB>::NW;
+  if constexpr (VEC >= 16 && SPAN % 16 == 0 && ROWB % 16 == 0) {
+    const uint4* p = reinterpret_cast<const uint4*>(row + start);
+#pragma unroll
+    for (int i = 0; i < NW / 4; ++i) {
+      uint4 v = p[i];
+      w[4 * i] = v.x; w[4 * i + 1] = v.y; w[4 * i + 2] = v.z; w[4 * i + 3] = v.w;
+    }
+  } else if constexpr (VEC >= 8 && SPAN % 8 == 0 && ROWB % 8 == 0) {
+    const uint2* p = reinterpret_cast<const uint2*>(row + start);
+#pragma unroll
+    for (int i = 0; i < NW / 2; ++i) {
+      uint2 v = p[i];
+      w[2 * i] = v.x; w[2 * i + 1] = v.y;
+    }
+  } else if constexpr (SPAN % 4 == 0) {
+    const u32* p = reinterpret_cast<const u32*>(row + start);
+#pragma unroll
+    for (int i = 0; i < NW; ++i) w[i] = p[i];
+  } else {  // a span that starts inside a word: whole words of the row (clamped to it), then realigned
+    const u32* p = reinterpret_cast<const u32*>(row);
+    const int a = start >> 2;
+    const u32 sh = (start & 3) * 8;
+    u32 raw[NW + 1];
+#pragma unroll
+    for (int i = 0; i <= NW; ++i) raw[i] = p[min(a + i, ROWB / 4 - 1)];
+#pragma unroll
+    for (int i = 0; i < NW; ++i) w[i] = shf_r(raw[i], raw[i + 1], sh);
+  }
+}
+
+// Byte offset in a pair table (copies interleaved: entry e, copy c at word e * R + c) of code pair p (2 * B bits at
+// bit 2 * B * p of w), for the lane whose copy offset (bytes) is `lanebits`.
+template <int B, int LOGR, int NW>
+__device__ __forceinline__ u32 pair_offset(const u32 (&w)[NW], int p, u32 lanebits) {
+  constexpr int B2 = 2 * B;
+  constexpr int SH = LOGR + 2;
+  const int bit = B2 * p;
+  const int wi = bit >> 5, off = bit & 31;
+  u32 x;
+  if (off + B2 <= 32) {
+    x = off >= SH ? (w[wi] >> (off - SH)) : (w[wi] << (SH - off));
+  } else {
+    x = shf_r(w[wi], w[wi + 1], off - SH);
+  }
+  return (x & (((1u << B2) - 1) << SH)) | lanebits;
+}
+
+__device__ __forceinline__ float load_norm(const void* p, i64 i, bool f32) {
+  return f32 ? reinterpret_cast<const float*>(p)[i] : h2f(reinterpret_cast<const u16*>(p)[i]);
+}
+
+__device__ __forceinline__ float mask_value(const unsigned char* m, i64 off) {  // off in elements
+  // additive masks in base 2; boolean ones as 0 (attend) / -inf
+#if MASK_DT == 0
+  return m[off] ? 0.0f : NEG_INF;
+#elif MASK_DT == 1
+  return h2f(reinterpret_cast<const u16*>(m)[off]) * LOG2E;
+#elif MASK_DT == 2
+  return __uint_as_float(static_cast<u32>(reinterpret_cast<const u16*>(m)[off]) << 16) * LOG2E;
+#else
+  return reinterpret_cast<const float*>(m)[off] * LOG2E;
+#endif
+}
+
+#define LOGKR (KR == 32 ? 5 : KR == 16 ? 4 : KR == 8 ? 3 : KR == 4 ? 2 : KR == 2 ? 1 : 0)
+#define LOGVR (VR == 32 ? 5 : VR == 16 ? 4 : VR == 8 ? 3 : VR == 4 ? 2 : VR == 2 ? 1 : 0)
+#define NMROWS (NQ == 1 ? 1 : 2)   // S rows a lane uses: g, and g + 8 when NQ == 2
+
+struct Tile {
+  int tb;                           // first token of the 16 rows loaded (<= t: the last tile of a row range)
+  u32 k[2][Span<KSPAN, KPT>::NW];   // tokens tb + g, tb + 8 + g
+  u32 v[4][Span<VSPAN, VPT>::NW];   // tokens tb + 2 l4, + 1, + 8, + 9
+  float kn[4], vn[4];
+#if MASK_KIND != 0
+  float mk[NMROWS][4];
+#endif
+};
+
+// Shared memory (dynamic, SMEM_BYTES): the pair tables during the loop, at a 16 KB-aligned shared address so that a
+// lookup's address is one OR of the code pair's bits into the lane's copy address; the warps' partials after it.
+#define TAB_ALIGN 16384
+#define SMEM_BYTES (3 * TAB_ALIGN)
+
+__device__ __forceinline__ u32 shared_addr(const void* p) {
+  u32 r;
+  asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(r) : "l"(p));
+  return r;
+}
+__device__ __forceinline__ u32 lds(u32 addr) {
+  u32 r;
+  asm volatile("ld.shared.b32 %0, [%1];" : "=r"(r) : "r"(addr));
+  return r;
+}
+
+template <bool F32>
+__device__ __forceinline__ void load_norm_pair(const void* base, i64 i, float& a, float& b) {
+  if constexpr (NVEC) {
+    if constexpr (F32) {
+      const float2 v = *reinterpret_cast<const float2*>(reinterpret_cast<const float*>(base) + i);
+      a = v.x; b = v.y;
+    } else {
+      const u32 v = *reinterpret_cast<const u32*>(reinterpret_cast<const u16*>(base) + i);
+      a = h2f(static_cast<u16>(v & 0xffff)); b = h2f(static_cast<u16>(v >> 16));
+    }
+  } else {
+    a = load_norm(base, i, F32);
+    b = load_norm(base, i + 1, F32);
+  }
+}
+
+extern "C" __global__ void __launch_bounds__(WARPS * 32, MIN_CTAS) tq_decode_packed(const Params p) {
+  extern __shared__ __align__(16) unsigned char smem[];
+  const int split = blockIdx.x;
+  const int bh = blockIdx.y;
+  const int b = bh / p.hkv, h = bh % p.hkv;
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  const int g = lane >> 2, l4 = lane & 3;
+
+  // the pair tables of this KV head, KR / VR copies (copy c of entry e at word e * R + c), each in a 16 KB block
+  const u32 sbase = shared_addr(smem);
+  const u32 pad = (TAB_ALIGN - (sbase & (TAB_ALIGN - 1))) & (TAB_ALIGN - 1);
+  {
+    u32* ks = reinterpret_cast<u32*>(smem + pad);
+    u32* vs = reinterpret_cast<u32*>(smem + pad + TAB_ALIGN);
+    const u32* kt = p.ktab + h * p.ktab_sh;
+    for (int i = tid; i < KENT * KR; i += WARPS * 32) ks[i] = kt[i >> LOGKR];
+    const u32* vt = p.vtab + h * p.vtab_sh;
+    for (int i = tid; i < VENT * VR; i += WARPS * 32) vs[i] = vt[i >> LOGVR];
+  }
+
+  int lq = p.lq;
+  if (STATIC) lq = static_cast<int>(*p.from_ptr);
+  const int ls = min(p.sinks, lq);
+  const int start = max(split * p.tok_per_split, ls);
+  const int end = min(split * p.tok_per_split + p.tok_per_split, lq);
+  const int live = p.group * p.nq;
+  // the last 16-row tile inside the buffer (slots >= 16; even with NVEC, as the launcher checks: norm pairs)
+  const int last_tb = p.slots - 16;
+
+  // Q's A registers: rows g, g + 8; k-step s: channels l4 D/4 + 4s + {0, 1} (a0, a1) and + {2, 3} (a2, a3)
+  u32 qa[KS][4];
+  {
+    const u32* q = reinterpret_cast<const u32*>(p.q + static_cast<i64>(bh) * 16 * D);
+#pragma unroll
+    for (int s = 0; s < KS; ++s) {
+      const int c = l4 * (D / 4) + 4 * s;
+      qa[s][0] = q[(g * D + c) / 2];
+      qa[s][1] = q[((g + 8) * D + c) / 2];
+      qa[s][2] = q[(g * D + c + 2) / 2];
+      qa[s][3] = q[((g + 8) * D + c + 2) / 2];
+    }
+  }
+
+  const unsigned char* kbase = p.kp + b * p.skpb + h * p.skph;
+  const unsigned char* vbase = p.vp + b * p.svpb + h * p.svph;
+  const i64 knoff = b * p.sknb + h * p.sknh, vnoff = b * p.svnb + h * p.svnh;
+  // mask rows of this lane's S rows (g, g + 8): row r is query r % n of query head h * G + r / n
+  const unsigned char* mrow[NMROWS];
+  bool rok[NMROWS];
+#pragma unroll
+  for (int i = 0; i < NMROWS; ++i) {
+    const int r = g + 8 * i;
+    rok[i] = r < live;
+    const int rr = rok[i] ? r : 0;
+    mrow[i] = p.mask + (b * p.smb + static_cast<i64>(h * p.group + rr / p.nq) * p.smh +
+                        static_cast<i64>(rr % p.nq) * p.smi) * p.mask_elt;
+  }
+
+  // this lane's copy of each table, as a shared address: a code pair's bits OR into it
+  const u32 klane = (sbase + pad) | (static_cast<u32>(lane & (KR - 1)) << 2);
+  const u32 vlane = (sbase + pad + TAB_ALIGN) | (static_cast<u32>(lane & (VR - 1)) << 2);
+
+  float acc[KS][NQ][4];
+#pragma unroll
+  for (int j = 0; j < KS; ++j)
+#pragma unroll
+    for (int n = 0; n < NQ; ++n) acc[j][n][0] = acc[j][n][1] = acc[j][n][2] = acc[j][n][3] = 0.0f;
+  float m_i[NMROWS], l_i[NMROWS];
+#pragma unroll
+  for (int i = 0; i < NMROWS; ++i) { m_i[i] = NEG_INF; l_i[i] = 0.0f; }
+
+  auto load_tile = [&](int t, Tile& T) {
+    const int tb = min(t, last_tb);
+    T.tb = tb;
+    const unsigned char* kr = kbase + static_cast<i64>(tb + g) * KPT;
+    load_span<KSPAN, KPT>(kr, l4 * KSPAN, T.k[0]);
+    load_span<KSPAN, KPT>(kr + 8 * KPT, l4 * KSPAN, T.k[1]);
+    const int t0 = tb + 2 * l4;
+    const unsigned char* vr = vbase + static_cast<i64>(t0) * VPT;
+    load_span<VSPAN, VPT>(vr, g * VSPAN, T.v[0]);
+    load_span<VSPAN, VPT>(vr + VPT, g * VSPAN, T.v[1]);
+    load_span<VSPAN, VPT>(vr + 8 * VPT, g * VSPAN, T.v[2]);
+    load_span<VSPAN, VPT>(vr + 9 * VPT, g * VSPAN, T.v[3]);
+    load_norm_pair<KN_F32>(p.kn, knoff + t0, T.kn[0], T.kn[1]);
+    load_norm_pair<KN_F32>(p.kn, knoff + t0 + 8, T.kn[2], T.kn[3]);
+    load_norm_pair<VN_F32>(p.vn, vnoff + t0, T.vn[0], T.vn[1]);
+    load_norm_pair<VN_F32>(p.vn, vnoff + t0 + 8, T.vn[2], T.vn[3]);
+#if MASK_KIND != 0
+#pragma unroll
+    for (int i = 0; i < NMROWS; ++i)
+#pragma unroll
+      for (int j = 0; j < 4; ++j)
+        T.mk[i][j] = mask_value(mrow[i], static_cast<i64>(t0 + (j & 1) + 8 * (j >> 1)) * p.smt);
+#endif
+  };
+
+  auto compute = [&](int t, const Tile& T) {
+    // scores of rows tb .. tb + 15: two n-tiles of 8
+    float s[2][4];
+#pragma unroll
+    for (int n = 0; n < 2; ++n) {
+      s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.0f;
+#pragma unroll
+      for (int ks = 0; ks < KS; ++ks) {
+        const u32 b0 = lds(pair_offset<KB, LOGKR>(T.k[n], 2 * ks, klane));
+        const u32 b1 = lds(pair_offset<KB, LOGKR>(T.k[n], 2 * ks + 1, klane));
+        mma(s[n], qa[ks][0], qa[ks][1], qa[ks][2], qa[ks][3], b0, b1);
+      }
+    }
+    // this lane's tokens j: tb + 2 l4 + (j & 1) + 8 (j >> 1); row i's score is s[j >> 1][2 i + (j & 1)]
+    const int lo = max(t, start);
+    bool tok_ok[4];
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const int tok = T.tb + 2 * l4 + (j & 1) + 8 * (j >> 1);
+      tok_ok[j] = tok >= lo && tok < end;
+    }
+    float alpha[NMROWS];
+    u32 pb[NMROWS][2];
+#pragma unroll
+    for (int i = 0; i < NMROWS; ++i) {
+      float x[4];
+      float mx = NEG_INF;
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        float v = s[j >> 1][2 * i + (j & 1)] * T.kn[j];
+#if MASK_KIND != 0
+        v += T.mk[i][j];
+#endif
+        x[j] = (tok_ok[j] && rok[i]) ? v : NEG_INF;
+        mx = fmaxf(mx, x[j]);
+      }
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+      const float m_new = fmaxf(m_i[i], mx);
+      const float m_use = m_new == NEG_INF ? 0.0f : m_new;
+      alpha[i] = ex2(m_i[i] - m_use);
+      m_i[i] = m_new;
+      float pv[4], sum = 0.0f;
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const float pj = ex2(x[j] - m_use);
+        sum += pj;
+        pv[j] = x[j] == NEG_INF ? 0.0f : pj * T.vn[j];
+      }
+      l_i[i] = l_i[i] * alpha[i] + sum;
+      pb[i][0] = pack_h2(pv[0], pv[1]);
+      pb[i][1] = pack_h2(pv[2], pv[3]);
+    }
+    // rescale the accumulators when a running max moved: acc column 2 l4 (+1) of query n-tile n is query
+    // 8 n + 2 l4 (+1), whose alpha lives in lanes 4 (2 l4 (+1)) (S row g = that query, i = n)
+    bool moved = false;
+#pragma unroll
+    for (int i = 0; i < NMROWS; ++i) moved |= alpha[i] != 1.0f;
+    if (__any_sync(0xffffffffu, moved)) {
+#pragma unroll
+      for (int n = 0; n < NQ; ++n) {
+        const float a0 = __shfl_sync(0xffffffffu, alpha[n], 8 * l4);
+        const float a1 = __shfl_sync(0xffffffffu, alpha[n], 8 * l4 + 4);
+#pragma unroll
+        for (int mt = 0; mt < KS; ++mt) {
+          acc[mt][n][0] *= a0; acc[mt][n][1] *= a1; acc[mt][n][2] *= a0; acc[mt][n][3] *= a1;
+        }
+      }
+    }
+    // O^T += V^T P^T: m-tile mt is code pair mt of the lane's channel span (rows g, g + 8)
+#pragma unroll
+    for (int mt = 0; mt < KS; ++mt) {
+      u32 L[4];
+#pragma unroll
+      for (int j = 0; j < 4; ++j) L[j] = lds(pair_offset<VB, LOGVR>(T.v[j], mt, vlane));
+      const u32 a0 = prmt(L[0], L[1], 0x5410), a1 = prmt(L[0], L[1], 0x7632);
+      const u32 a2 = prmt(L[2], L[3], 0x5410), a3 = prmt(L[2], L[3], 0x7632);
+#pragma unroll
+      for (int n = 0; n < NQ; ++n) mma(acc[mt][n], a0, a1, a2, a3, pb[n][0], pb[n][1]);
+    }
+  };
+
+  __syncthreads();
+  // tiles of 16 rows from a multiple of 16, warps interleaved; two buffers, so the next loads fly during the math
+  const int step = 16 * WARPS;
+  int t = (start & ~15) + 16 * warp;
+  Tile A, B;
+  if (t < end) load_tile(t, A);
+  while (t < end) {
+    if (t + step < end) load_tile(t + step, B);
+    compute(t, A);
+    t += step;
+    if (t >= end) break;
+    if (t + step < end) load_tile(t + step, A);
+    compute(t, B);
+    t += step;
+  }
+
+  // merge the warps' partials in shared memory (the tables are done with), then store the CTA's partial
+#pragma unroll
+  for (int i = 0; i < NMROWS; ++i) {
+    l_i[i] += __shfl_xor_sync(0xffffffffu, l_i[i], 1);
+    l_i[i] += __shfl_xor_sync(0xffffffffu, l_i[i], 2);
+  }
+  __syncthreads();
+  constexpr int RQ = 8 * NQ;
+  float* wm = reinterpret_cast<float*>(smem);            // (WARPS, RQ)
+  float* wl = wm + WARPS * RQ;                           // (WARPS, RQ)
+  float* wa = wl + WARPS * RQ;                           // (WARPS, RQ, D), rotated channel order
+  if (l4 == 0) {
+#pragma unroll
+    for (int i = 0; i < NMROWS; ++i) {
+      wm[warp * RQ + g + 8 * i] = m_i[i];
+      wl[warp * RQ + g + 8 * i] = l_i[i];
+    }
+  }
+#pragma unroll
+  for (int mt = 0; mt < KS; ++mt)
+#pragma unroll
+    for (int n = 0; n < NQ; ++n) {
+      const int q0 = 8 * n + 2 * l4;
+      const int c = g * (D / 8) + 2 * mt;
+      float* a = wa + (warp * RQ) * D;
+      a[q0 * D + c] = acc[mt][n][0];
+      a[(q0 + 1) * D + c] = acc[mt][n][1];
+      a[q0 * D + c + 1] = acc[mt][n][2];
+      a[(q0 + 1) * D + c + 1] = acc[mt][n][3];
+    }
+  __syncthreads();
+  const int R = p.rows;
+  const i64 slot = static_cast<i64>(bh) * (p.num_splits + 1) + split;
+  for (int e = tid; e < R * D; e += WARPS * 32) {
+    const int r = e / D, x = e % D;
+    float M = NEG_INF;
+    if (r < live) {
+#pragma unroll
+      for (int w = 0; w < WARPS; ++w) M = fmaxf(M, wm[w * RQ + r]);
+    }
+    const float Mu = M == NEG_INF ? 0.0f : M;
+    float l = 0.0f, a = 0.0f;
+    if (r < live) {
+#pragma unroll
+      for (int w = 0; w < WARPS; ++w) {
+        const float f = ex2(wm[w * RQ + r] - Mu);
+        l += f * wl[w * RQ + r];
+        a += f * wa[(w * RQ + r) * D + x];
+      }
+    }
+    const int col = (x % VPLANES) * (D / VPLANES) + x / VPLANES;
+    p.acc[(slot * R + r) * D + col] = a;
+    if (x == 0) {
+      p.ml[slot * 2 * R + r] = M;
+      p.ml[slot * 2 * R + R + r] = l;
+    }
+  }
+}
+
+// ------------------------------------------------------------------------------------------------------------------
+// Before and after the packed splits: the rotated query (prep), then the exact copies and the merge (finish).
+// More -D: Q_DT / X_DT / O_DT (0 f16, 1 bf16, 2 f32: the query, the exact copies, the output), ROWS (stored rows,
+// a power of two >= G * n), EXACT_WARPS.
+
+#ifndef ROWS
+#define ROWS 16
+#endif
+#ifndef Q_DT
+#define Q_DT 0
+#endif
+#ifndef X_DT
+#define X_DT 0
+#endif
+#ifndef O_DT
+#define O_DT 0
+#endif
+#define FWARPS 8
+#define DPL (D / 32)  // channels per lane in the SIMT parts
+
+template <int DT>
+__device__ __forceinline__ float to_f32(const void* p, i64 i) {
+  if constexpr (DT == 0) return h2f(reinterpret_cast<const u16*>(p)[i]);
+  else if constexpr (DT == 1) return __uint_as_float(static_cast<u32>(reinterpret_cast<const u16*>(p)[i]) << 16);
+  else return reinterpret_cast<const float*>(p)[i];
+}
+
+struct PrepParams {
+  const void* q; i64 sqb, sqh, sqn;   // (B, Hq, n, D), element strides, unit last stride
+  const float* pi;                    // (D, D) Pi
+  u16* out;                           // (BH, 16, D) fp16
+  int hkv, group, nq;
+  float scale_log2;
+};
+
+// out[bh, r] = fp16(scale_log2 * Pi q_r) for r < G * n (row r = query r % n of head h * G + r / n), zero for r < 16
+extern "C" __global__ void __launch_bounds__(FWARPS * 32) tq_decode_prep(const PrepParams p) {
+  __shared__ float qs[16][D];
+  const int bh = blockIdx.x, b = bh / p.hkv, h = bh % p.hkv;
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  const int live = p.group * p.nq;
+  for (int e = tid; e < live * D; e += FWARPS * 32) {
+    const int r = e / D, c = e % D;
+    qs[r][c] = to_f32<Q_DT>(p.q, b * p.sqb + static_cast<i64>(h * p.group + r / p.nq) * p.sqh +
+                                     static_cast<i64>(r % p.nq) * p.sqn + c) * p.scale_log2;
+  }
+  __syncthreads();
+  u16* out = p.out + static_cast<i64>(bh) * 16 * D;
+  for (int x = warp; x < D; x += FWARPS) {
+    float pr[DPL];
+#pragma unroll
+    for (int k = 0; k < DPL; ++k) pr[k] = p.pi[x * D + lane * DPL + k];
+    for (int r = 0; r < 16; ++r) {
+      float s = 0.0f;
+      if (r < live) {
+#pragma unroll
+        for (int k = 0; k < DPL; ++k) s += pr[k] * qs[r][lane * DPL + k];
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
+      }
+      if (lane == 0) {
+        u32 h2 = pack_h2(s, 0.0f);
+        out[r * D + x] = static_cast<u16>(h2 & 0xffff);
+      }
+    }
+  }
+}
+
+struct FinishParams {
+  const void* q; i64 sqb, sqh, sqn;
+  const float* pi;
+  const void* sk; i64 sskb, sskh;     // exact copies: sinks and ring, (B, Hkv, slots, D), token stride D
+  const void* sv; i64 ssvb, ssvh;
+  const void* rk; i64 srkb, srkh;
+  const void* rv; i64 srvb, srvh;
+  const unsigned char* mask; i64 smb, smh, smi, smt;
+  const float* acc; const float* ml;  // the packed splits' partials
+  void* out; i64 sob, son, soh;       // (B, n, Hq, D)
+  const i64* len_ptr; const i64* from_ptr;
+  int hkv, group, nq, lq, lr, sinks, num_splits, ring, mask_elt, pad;
+  float scale_log2;
+};
+
+// One CTA per (batch, KV head): the exact copies (sinks, then the ring) by warps, an online softmax per warp; the
+// packed partials merged in the rotated domain and rotated back once (y Pi); both combined and written.
+extern "C" __global__ void __launch_bounds__(FWARPS * 32) tq_decode_finish(const FinishParams p) {
+  extern __shared__ __align__(16) unsigned char smem[];
+  float* qs = reinterpret_cast<float*>(smem);            // (ROWS, D) unrotated query, scaled for exp2
+  float* wacc = qs + ROWS * D;                           // (FWARPS, ROWS, D) the warps' exact partials
+  float* wm = wacc + FWARPS * ROWS * D;                  // (FWARPS, ROWS)
+  float* wl = wm + FWARPS * ROWS;                        // (FWARPS, ROWS)
+  float* ys = wl + FWARPS * ROWS;                        // (ROWS, D) merged packed partial, rotated
+  float* mp = ys + ROWS * D;                             // (ROWS) packed max; then (ROWS) packed sum
+  const int bh = blockIdx.x, b = bh / p.hkv, h = bh % p.hkv;
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  const int live = p.group * p.nq;
+
+  int lq = p.lq, lr = p.lr, ls = p.sinks;
+  if (STATIC) {
+    const int T = static_cast<int>(*p.len_ptr);
+    lq = static_cast<int>(*p.from_ptr);
+    lr = T - lq;
+    ls = min(ls, lq);
+  }
+  const int T = lq + lr;
+  for (int e = tid; e < ROWS * D; e += FWARPS * 32) {
+    const int r = e / D, c = e % D;
+    qs[e] = r < live ? to_f32<Q_DT>(p.q, b * p.sqb + static_cast<i64>(h * p.group + r / p.nq) * p.sqh +
+                                             static_cast<i64>(r % p.nq) * p.sqn + c) * p.scale_log2
+                     : 0.0f;
+  }
+  __syncthreads();
+
+  // exact copies: token e < ls is sink e; else position lq + (e - ls), at ring slot (pos % ring, static) or pos - lq
+  float m_i[ROWS], l_i[ROWS], a[ROWS][DPL];
+#pragma unroll
+  for (int r = 0; r < ROWS; ++r) {
+    m_i[r] = NEG_INF; l_i[r] = 0.0f;
+#pragma unroll
+    for (int k = 0; k < DPL; ++k) a[r][k] = 0.0f;
+  }
+  const int ne = ls + lr;
+  for (int e = warp; e < ne; e += FWARPS) {
+    const void *kb, *vb;
+    i64 ko, vo;
+    int pos;
+    if (e < ls) {
+      pos = e;
+      kb = p.sk; ko = b * p.sskb + h * p.sskh + static_cast<i64>(e) * D;
+      vb = p.sv; vo = b * p.ssvb + h * p.ssvh + static_cast<i64>(e) * D;
+    } else {
+      pos = lq + e - ls;
+      const int slot = STATIC ? pos % p.ring : pos - lq;
+      kb = p.rk; ko = b * p.srkb + h * p.srkh + static_cast<i64>(slot) * D;
+      vb = p.rv; vo = b * p.srvb + h * p.srvh + static_cast<i64>(slot) * D;
+    }
+    float kx[DPL], vx[DPL];
+#pragma unroll
+    for (int k = 0; k < DPL; ++k) {
+      kx[k] = to_f32<X_DT>(kb, ko + lane * DPL + k);
+      vx[k] = to_f32<X_DT>(vb, vo + lane * DPL + k);
+    }
+#pragma unroll
+    for (int r = 0; r < ROWS; ++r) {
+      if (r >= live) continue;
+      float s = 0.0f;
+#pragma unroll
+      for (int k = 0; k < DPL; ++k) s += qs[r * D + lane * DPL + k] * kx[k];
+#pragma unroll
+      for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
+      const int hh = h * p.group + r / p.nq, qi = r % p.nq;
+#if MASK_KIND == 0
+      if (pos > T - p.nq + qi) s = NEG_INF;
+#else
+      s += mask_value(p.mask + (b * p.smb + hh * p.smh + static_cast<i64>(qi) * p.smi) * p.mask_elt,
+                      static_cast<i64>(pos) * p.smt);
+#endif
+      const float m_new = fmaxf(m_i[r], s);
+      const float m_use = m_new == NEG_INF ? 0.0f : m_new;
+      const float alpha = ex2(m_i[r] - m_use), pr = ex2(s - m_use);
+      m_i[r] = m_new;
+      l_i[r] = l_i[r] * alpha + pr;
+#pragma unroll
+      for (int k = 0; k < DPL; ++k) a[r][k] = a[r][k] * alpha + pr * vx[k];
+    }
+  }
+#pragma unroll
+  for (int r = 0; r < ROWS; ++r) {
+    if (lane == 0) { wm[warp * ROWS + r] = m_i[r]; wl[warp * ROWS + r] = l_i[r]; }
+#pragma unroll
+    for (int k = 0; k < DPL; ++k) wacc[(warp * ROWS + r) * D + lane * DPL + k] = a[r][k];
+  }
+
+  // the packed partials: per row (a warp each) the largest max and the weighted sum of l, then the weighted sums of
+  // the accumulators (rotated, by planes) into ys
+  const i64 base = static_cast<i64>(bh) * (p.num_splits + 1);
+  for (int r = warp; r < ROWS; r += FWARPS) {
+    float M = NEG_INF;
+    for (int s = lane; s < p.num_splits; s += 32) M = fmaxf(M, p.ml[(base + s) * 2 * ROWS + r]);
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) M = fmaxf(M, __shfl_xor_sync(0xffffffffu, M, o));
+    const float Mu = M == NEG_INF ? 0.0f : M;
+    float L = 0.0f;
+    for (int s = lane; s < p.num_splits; s += 32)
+      L += ex2(p.ml[(base + s) * 2 * ROWS + r] - Mu) * p.ml[(base + s) * 2 * ROWS + ROWS + r];
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) L += __shfl_xor_sync(0xffffffffu, L, o);
+    if (lane == 0) {
+      mp[r] = M;
+      mp[ROWS + r] = L;
+    }
+  }
+  __syncthreads();
+  for (int e = tid; e < ROWS * D; e += FWARPS * 32) {
+    const int r = e / D, col = e % D;
+    if (r >= live) continue;
+    const float Mu = mp[r] == NEG_INF ? 0.0f : mp[r];
+    float y = 0.0f;
+#pragma unroll 8
+    for (int s = 0; s < p.num_splits; ++s)
+      y += ex2(p.ml[(base + s) * 2 * ROWS + r] - Mu) * p.acc[((base + s) * ROWS + r) * D + col];
+    const int x = (col % (D / VPLANES)) * VPLANES + col / (D / VPLANES);
+    ys[r * D + x] = y;
+  }
+  __syncthreads();
+
+  // out[r, x] = (wp (ys Pi)[r, x] + sum_w ww acc_w[r, x]) / (wp Lp + sum_w ww l_w): thread (rg, x) takes rows
+  // rg, rg + GR, ... of column x, reading each entry of Pi's column once
+  constexpr int GR = FWARPS * 32 / D;
+  constexpr int RPG = (ROWS + GR - 1) / GR;
+  const int x = tid % D, rg = tid / D;
+  float y[RPG];
+#pragma unroll
+  for (int j = 0; j < RPG; ++j) y[j] = 0.0f;
+#pragma unroll 16
+  for (int c = 0; c < D; ++c) {
+    const float pc = p.pi[c * D + x];
+#pragma unroll
+    for (int j = 0; j < RPG; ++j) {
+      const int r = rg + j * GR;
+      if (r < live) y[j] += ys[r * D + c] * pc;
+    }
+  }
+#pragma unroll
+  for (int j = 0; j < RPG; ++j) {
+    const int r = rg + j * GR;
+    if (r >= live) continue;
+    float Me = NEG_INF;
+#pragma unroll
+    for (int w = 0; w < FWARPS; ++w) Me = fmaxf(Me, wm[w * ROWS + r]);
+    const float M = fmaxf(Me, mp[r]);
+    const float Mu = M == NEG_INF ? 0.0f : M;
+    const float wp = ex2(mp[r] - Mu);
+    float num = wp == 0.0f ? 0.0f : wp * y[j], den = wp * mp[ROWS + r];
+#pragma unroll
+    for (int w = 0; w < FWARPS; ++w) {
+      const float ww = ex2(wm[w * ROWS + r] - Mu);
+      num += ww * wacc[(w * ROWS + r) * D + x];
+      den += ww * wl[w * ROWS + r];
+    }
+    const float o = den > 0.0f ? num / den : (den == den ? 0.0f : den);
+    const i64 oi = b * p.sob + static_cast<i64>(r % p.nq) * p.son + static_cast<i64>(h * p.group + r / p.nq) * p.soh + x;
+    if constexpr (O_DT == 0) {
+      reinterpret_cast<u16*>(p.out)[oi] = static_cast<u16>(pack_h2(o, 0.0f) & 0xffff);
+    } else if constexpr (O_DT == 1) {
+      u32 bits = __float_as_uint(o);
+      bits += 0x7fff + ((bits >> 16) & 1);  // round to nearest even (NaN stays NaN: its payload is nonzero)
+      if (o != o) bits = 0x7fc00000u;
+      reinterpret_cast<u16*>(p.out)[oi] = static_cast<u16>(bits >> 16);
+    } else {
+      reinterpret_cast<float*>(p.out)[oi] = o;
+    }
+  }
+}
