@@ -27,12 +27,13 @@ from test_decode_attention import TOL, fresh_seed, make_query, make_state, paddi
 CUDA = torch.cuda.is_available()
 gpu = pytest.mark.skipif(not CUDA, reason="needs CUDA")
 
-# Main-loop SASS instructions per 32-token tile (two 16-token steps, one warp) at head dim 128, one query n-tile, no
-# mask, as compiled for sm_90 by NVRTC 12.9. What the loop costs: per code pair a shift, one or two LOP3 (the pair's
-# bits into the lane's table copy address) and one LDS; a PRMT per value register; 24 HMMA a step; 64 FMUL of the
-# rescale, which runs only when a running max moves. The issue's aim is 2 thread-instructions per K/V element (512 a
-# tile at head dim 128): not met (813-937 today); each budget is today's count + 5 %.
-SASS_BUDGET = {(5, 3): 921, (4, 4): 923, (4, 2): 854, (2, 2): 921, (3, 3): 984}
+# Main-loop SASS instructions per 32-token tile (one warp) at head dim 128, one query n-tile, no mask, as compiled for
+# sm_90 by NVRTC 12.9. What a 16-token step costs: per code pair a shift, a LOP3 (the pair's bits into the lane's
+# table copy address) and an LDS (64); the codes read from the warp's cp.async ring (16-35 LDS); a PRMT per value
+# register (32); 24 HMMA; 32 FMUL of the rescale, which runs only when a running max moves. The issue's aim, 2
+# thread-instructions per K/V element (512 a tile at head dim 128), is not met (922-1036 today, 1.8-2x the aim:
+# the codes' second trip through shared memory and the softmax's per-step cost); each budget is today's count + 5 %.
+SASS_BUDGET = {(5, 3): 1088, (4, 4): 994, (4, 2): 983, (2, 2): 969, (3, 3): 1071}
 
 
 def _cuobjdump() -> str | None:
@@ -77,11 +78,12 @@ def test_sm90_main_loop_within_its_instruction_budget(kb, vb, tmp_path):
     assert "LOCAL:0" in res, f"k{kb}v{vb}: the kernel spills to local memory:\n{res}"
     ops = main_loop(subprocess.run([_cuobjdump(), "-sass", str(cubin)], capture_output=True, text=True,
                                    check=True).stdout)
-    total = sum(ops.values())
-    assert ops["HMMA"] == 48, f"k{kb}v{vb}: {ops['HMMA']} HMMA in the loop, expected 2 steps x 24: {ops}"
-    assert ops["LDS"] == 128, f"k{kb}v{vb}: one LDS per code pair expected (128 a tile): {ops}"
+    steps = ops["HMMA"] // 24  # 16-token steps in the loop body (24 HMMA each at head dim 128, one query n-tile)
+    assert steps >= 1 and ops["HMMA"] == 24 * steps, f"k{kb}v{vb}: {ops['HMMA']} HMMA in the loop: {ops}"
+    assert ops["LDS"] >= 64 * steps, f"k{kb}v{vb}: fewer LDS than code pairs (64 a step): {ops}"
     assert ops["LDL"] == ops["STL"] == 0, f"k{kb}v{vb}: local memory in the loop: {ops}"
-    assert total <= SASS_BUDGET[(kb, vb)], f"k{kb}v{vb}: {total} instructions a tile > {SASS_BUDGET[(kb, vb)]}: {ops}"
+    per_tile = sum(ops.values()) * 2 // steps
+    assert per_tile <= SASS_BUDGET[(kb, vb)], f"k{kb}v{vb}: {per_tile} instructions a tile > {SASS_BUDGET[(kb, vb)]}"
 
 
 @pytest.mark.parametrize("bits", [2, 3, 4, 5])

@@ -21,12 +21,12 @@ from .. import _common as C
 from . import jit
 
 NAME = "tq_decode_packed"
-WARPS = 4  # as the source's WARPS
+WARPS = 8  # as the source's WARPS
 HEAD_DIMS = (64, 128, 256)
 BITS = (2, 3, 4, 5)  # pair tables up to 4^5 entries
 MAX_ROWS = 16  # query heads per KV head x queries: two query n-tiles
 MIN_TOKENS_PER_SPLIT = 512
-CTAS_PER_SM = 3
+CTAS_PER_SM = 2
 ENV = "TQ_HF_CACHE_FAST_DECODE"  # "0" turns the kernel off
 
 _SOURCE: str | None = None
@@ -130,7 +130,17 @@ _MASK_DT = {torch.uint8: 0, torch.float16: 1, torch.bfloat16: 2, torch.float32: 
 
 
 TABLE_BYTES = 16 * 1024  # shared memory per pair table: each sits in its own 16 KB-aligned block (see the source)
-SMEM_BYTES = 3 * TABLE_BYTES  # dynamic shared memory a CTA takes: the tables, their alignment, the warps' partials
+
+
+def stages(head_dim: int) -> int:
+    """Tiles each warp keeps in its cp.async ring (two CTAs of 8 warps fit an SM's shared memory at head dim 128)."""
+    return 3 if head_dim <= 128 else 2
+
+
+def packed_smem(d: int, kb: int, vb: int, kn_f32: bool, vn_f32: bool) -> int:
+    """Dynamic shared memory of the packed kernel: the warps' tile rings, then two tables and their alignment."""
+    tile = -(-16 * (d * kb // 8 + d * vb // 8 + (4 if kn_f32 else 2) + (4 if vn_f32 else 2)) // 16) * 16
+    return WARPS * stages(d) * tile + 3 * TABLE_BYTES
 
 
 def _copies(bits: int) -> int:
@@ -158,7 +168,8 @@ def _norms_vec(*norms: torch.Tensor) -> bool:
 def defines(d: int, kb: int, vb: int, nq: int, mask_kind: int, mask_dt: int, kn_f32: bool, vn_f32: bool,
             static: bool, vec: int, nvec: bool) -> dict[str, int]:
     return dict(D=d, KB=kb, VB=vb, NQ=nq, MASK_KIND=mask_kind, MASK_DT=mask_dt, KN_F32=int(kn_f32),
-                VN_F32=int(vn_f32), KR=_copies(kb), VR=_copies(vb), STATIC=int(static), VEC=vec, NVEC=int(nvec), MIN_CTAS=1)
+                VN_F32=int(vn_f32), KR=_copies(kb), VR=_copies(vb), STATIC=int(static), VEC=vec, NVEC=int(nvec),
+                STAGES=stages(d))
 
 
 class PrepParams(ctypes.Structure):
@@ -219,7 +230,9 @@ def decode(query, kv, pi, scale_log2, kp, kn, vp, vn, rk, rv, sk, sv, mask_args,
     device = query.device
     try:
         prep = jit.kernel(source(), "tq_decode_prep", df, device)
-        packed = jit.kernel(source(), NAME, df, device, SMEM_BYTES)
+        packed = jit.kernel(source(), NAME, df, device, packed_smem(d, kv.k_codebook.bits, kv.v_codebook.bits,
+                                                                     kn.dtype == torch.float32,
+                                                                     vn.dtype == torch.float32))
         finish = jit.kernel(source(), "tq_decode_finish", df, device, finish_smem(d, rows))
     except jit.JitError as e:
         _disable(device.index if device.index is not None else torch.cuda.current_device(), str(e).splitlines()[0])

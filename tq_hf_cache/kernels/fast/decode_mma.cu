@@ -37,7 +37,10 @@ struct Params {
   int hkv, group, nq, rows, lq, sinks, tok_per_split, num_splits, mask_elt, slots;
 };
 
-#define WARPS 4
+#define WARPS 8
+#ifndef STAGES
+#define STAGES 3
+#endif
 #ifndef MIN_CTAS
 #define MIN_CTAS 1
 #endif
@@ -161,20 +164,29 @@ __device__ __forceinline__ float mask_value(const unsigned char* m, i64 off) {  
 #define LOGVR (VR == 32 ? 5 : VR == 16 ? 4 : VR == 8 ? 3 : VR == 4 ? 2 : VR == 2 ? 1 : 0)
 #define NMROWS (NQ == 1 ? 1 : 2)   // S rows a lane uses: g, and g + 8 when NQ == 2
 
-struct Tile {
-  int tb;                           // first token of the 16 rows loaded (<= t: the last tile of a row range)
-  u32 k[2][Span<KSPAN, KPT>::NW];   // tokens tb + g, tb + 8 + g
-  u32 v[4][Span<VSPAN, VPT>::NW];   // tokens tb + 2 l4, + 1, + 8, + 9
-  float kn[4], vn[4];
-#if MASK_KIND != 0
-  float mk[NMROWS][4];
-#endif
-};
 
-// Shared memory (dynamic, SMEM_BYTES): the pair tables during the loop, at a 16 KB-aligned shared address so that a
-// lookup's address is one OR of the code pair's bits into the lane's copy address; the warps' partials after it.
+// Shared memory (dynamic, STAGE_BYTES + 3 * TAB_ALIGN): each warp's ring of STAGES tiles (cp.async), then the pair
+// tables at a 16 KB-aligned shared address, so that a lookup's address is one OR of the code pair's bits into the
+// lane's copy address; after the loop, the warps' partials.
 #define TAB_ALIGN 16384
-#define SMEM_BYTES (3 * TAB_ALIGN)
+#define KNB (KN_F32 ? 4 : 2)
+#define VNB (VN_F32 ? 4 : 2)
+#define TILE_BYTES (((16 * (KPT + VPT + KNB + VNB)) + 15) / 16 * 16)
+#define STAGE_BYTES (WARPS * STAGES * TILE_BYTES)
+#define CHUNK ((VEC >= 16 && KPT % 16 == 0 && VPT % 16 == 0) ? 16 : (VEC >= 8 && KPT % 8 == 0 && VPT % 8 == 0) ? 8 : 4)
+
+template <int N>
+__device__ __forceinline__ void cp_async(void* dst, const void* src) {
+  const u32 d = static_cast<u32>(__cvta_generic_to_shared(dst));
+  if constexpr (N == 16) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(d), "l"(src));
+  } else {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], %2;" ::"r"(d), "l"(src), "n"(N));
+  }
+}
+__device__ __forceinline__ void cp_commit() { asm volatile("cp.async.commit_group;"); }
+template <int N>
+__device__ __forceinline__ void cp_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(N)); }
 
 __device__ __forceinline__ u32 shared_addr(const void* p) {
   u32 r;
@@ -213,7 +225,7 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, MIN_CTAS) tq_decode_pac
 
   // the pair tables of this KV head, KR / VR copies (copy c of entry e at word e * R + c), each in a 16 KB block
   const u32 sbase = shared_addr(smem);
-  const u32 pad = (TAB_ALIGN - (sbase & (TAB_ALIGN - 1))) & (TAB_ALIGN - 1);
+  const u32 pad = STAGE_BYTES + ((TAB_ALIGN - ((sbase + STAGE_BYTES) & (TAB_ALIGN - 1))) & (TAB_ALIGN - 1));
   {
     u32* ks = reinterpret_cast<u32*>(smem + pad);
     u32* vs = reinterpret_cast<u32*>(smem + pad + TAB_ALIGN);
@@ -274,32 +286,46 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, MIN_CTAS) tq_decode_pac
 #pragma unroll
   for (int i = 0; i < NMROWS; ++i) { m_i[i] = NEG_INF; l_i[i] = 0.0f; }
 
-  auto load_tile = [&](int t, Tile& T) {
+  // a tile: rows [tb, tb + 16) of the packed keys and values and their norms, copied whole into a stage
+  unsigned char* ring = smem + warp * STAGES * TILE_BYTES;
+  auto issue = [&](int t, int stage) {
     const int tb = min(t, last_tb);
-    T.tb = tb;
-    const unsigned char* kr = kbase + static_cast<i64>(tb + g) * KPT;
-    load_span<KSPAN, KPT>(kr, l4 * KSPAN, T.k[0]);
-    load_span<KSPAN, KPT>(kr + 8 * KPT, l4 * KSPAN, T.k[1]);
-    const int t0 = tb + 2 * l4;
-    const unsigned char* vr = vbase + static_cast<i64>(t0) * VPT;
-    load_span<VSPAN, VPT>(vr, g * VSPAN, T.v[0]);
-    load_span<VSPAN, VPT>(vr + VPT, g * VSPAN, T.v[1]);
-    load_span<VSPAN, VPT>(vr + 8 * VPT, g * VSPAN, T.v[2]);
-    load_span<VSPAN, VPT>(vr + 9 * VPT, g * VSPAN, T.v[3]);
-    load_norm_pair<KN_F32>(p.kn, knoff + t0, T.kn[0], T.kn[1]);
-    load_norm_pair<KN_F32>(p.kn, knoff + t0 + 8, T.kn[2], T.kn[3]);
-    load_norm_pair<VN_F32>(p.vn, vnoff + t0, T.vn[0], T.vn[1]);
-    load_norm_pair<VN_F32>(p.vn, vnoff + t0 + 8, T.vn[2], T.vn[3]);
-#if MASK_KIND != 0
+    unsigned char* st = ring + stage * TILE_BYTES;
+    const unsigned char* gk = kbase + static_cast<i64>(tb) * KPT;
+    const unsigned char* gv = vbase + static_cast<i64>(tb) * VPT;
 #pragma unroll
-    for (int i = 0; i < NMROWS; ++i)
+    for (int c = lane; c < 16 * KPT / CHUNK; c += 32) cp_async<CHUNK>(st + c * CHUNK, gk + c * CHUNK);
 #pragma unroll
-      for (int j = 0; j < 4; ++j)
-        T.mk[i][j] = mask_value(mrow[i], static_cast<i64>(t0 + (j & 1) + 8 * (j >> 1)) * p.smt);
-#endif
+    for (int c = lane; c < 16 * VPT / CHUNK; c += 32) cp_async<CHUNK>(st + 16 * KPT + c * CHUNK, gv + c * CHUNK);
+    if constexpr (NVEC) {  // norms: 4-byte pieces (tb is even)
+      const unsigned char* gkn = reinterpret_cast<const unsigned char*>(p.kn) + (knoff + tb) * KNB;
+      const unsigned char* gvn = reinterpret_cast<const unsigned char*>(p.vn) + (vnoff + tb) * VNB;
+      if (lane < 4 * KNB) cp_async<4>(st + 16 * (KPT + VPT) + 4 * lane, gkn + 4 * lane);
+      if (lane < 4 * VNB) cp_async<4>(st + 16 * (KPT + VPT + KNB) + 4 * lane, gvn + 4 * lane);
+    }
   };
 
-  auto compute = [&](int t, const Tile& T) {
+  auto compute = [&](int t, const unsigned char* st, const float (&mk)[NMROWS][4]) {
+    const int tb = min(t, last_tb);
+    const int t0 = tb + 2 * l4;
+    u32 kw[2][Span<KSPAN, KPT>::NW];
+    load_span<KSPAN, KPT>(st + g * KPT, l4 * KSPAN, kw[0]);
+    load_span<KSPAN, KPT>(st + (g + 8) * KPT, l4 * KSPAN, kw[1]);
+    float kn[4], vn[4];
+    if constexpr (NVEC) {
+      const unsigned char* sn = st + 16 * (KPT + VPT);
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const int row = 2 * l4 + (j & 1) + 8 * (j >> 1);
+        kn[j] = load_norm(sn, row, KN_F32);
+        vn[j] = load_norm(sn + 16 * KNB, row, VN_F32);
+      }
+    } else {
+      load_norm_pair<KN_F32>(p.kn, knoff + t0, kn[0], kn[1]);
+      load_norm_pair<KN_F32>(p.kn, knoff + t0 + 8, kn[2], kn[3]);
+      load_norm_pair<VN_F32>(p.vn, vnoff + t0, vn[0], vn[1]);
+      load_norm_pair<VN_F32>(p.vn, vnoff + t0 + 8, vn[2], vn[3]);
+    }
     // scores of rows tb .. tb + 15: two n-tiles of 8
     float s[2][4];
 #pragma unroll
@@ -307,17 +333,21 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, MIN_CTAS) tq_decode_pac
       s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.0f;
 #pragma unroll
       for (int ks = 0; ks < KS; ++ks) {
-        const u32 b0 = lds(pair_offset<KB, LOGKR>(T.k[n], 2 * ks, klane));
-        const u32 b1 = lds(pair_offset<KB, LOGKR>(T.k[n], 2 * ks + 1, klane));
+        const u32 b0 = lds(pair_offset<KB, LOGKR>(kw[n], 2 * ks, klane));
+        const u32 b1 = lds(pair_offset<KB, LOGKR>(kw[n], 2 * ks + 1, klane));
         mma(s[n], qa[ks][0], qa[ks][1], qa[ks][2], qa[ks][3], b0, b1);
       }
     }
+    u32 vw[4][Span<VSPAN, VPT>::NW];
+#pragma unroll
+    for (int j = 0; j < 4; ++j) load_span<VSPAN, VPT>(st + 16 * KPT + (2 * l4 + (j & 1) + 8 * (j >> 1)) * VPT,
+                                                      g * VSPAN, vw[j]);
     // this lane's tokens j: tb + 2 l4 + (j & 1) + 8 (j >> 1); row i's score is s[j >> 1][2 i + (j & 1)]
     const int lo = max(t, start);
     bool tok_ok[4];
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
-      const int tok = T.tb + 2 * l4 + (j & 1) + 8 * (j >> 1);
+      const int tok = t0 + (j & 1) + 8 * (j >> 1);
       tok_ok[j] = tok >= lo && tok < end;
     }
     float alpha[NMROWS];
@@ -328,9 +358,9 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, MIN_CTAS) tq_decode_pac
       float mx = NEG_INF;
 #pragma unroll
       for (int j = 0; j < 4; ++j) {
-        float v = s[j >> 1][2 * i + (j & 1)] * T.kn[j];
+        float v = s[j >> 1][2 * i + (j & 1)] * kn[j];
 #if MASK_KIND != 0
-        v += T.mk[i][j];
+        v += mk[i][j];
 #endif
         x[j] = (tok_ok[j] && rok[i]) ? v : NEG_INF;
         mx = fmaxf(mx, x[j]);
@@ -346,7 +376,7 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, MIN_CTAS) tq_decode_pac
       for (int j = 0; j < 4; ++j) {
         const float pj = ex2(x[j] - m_use);
         sum += pj;
-        pv[j] = x[j] == NEG_INF ? 0.0f : pj * T.vn[j];
+        pv[j] = x[j] == NEG_INF ? 0.0f : pj * vn[j];
       }
       l_i[i] = l_i[i] * alpha[i] + sum;
       pb[i][0] = pack_h2(pv[0], pv[1]);
@@ -373,7 +403,7 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, MIN_CTAS) tq_decode_pac
     for (int mt = 0; mt < KS; ++mt) {
       u32 L[4];
 #pragma unroll
-      for (int j = 0; j < 4; ++j) L[j] = lds(pair_offset<VB, LOGVR>(T.v[j], mt, vlane));
+      for (int j = 0; j < 4; ++j) L[j] = lds(pair_offset<VB, LOGVR>(vw[j], mt, vlane));
       const u32 a0 = prmt(L[0], L[1], 0x5410), a1 = prmt(L[0], L[1], 0x7632);
       const u32 a2 = prmt(L[2], L[3], 0x5410), a3 = prmt(L[2], L[3], 0x7632);
 #pragma unroll
@@ -381,21 +411,47 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, MIN_CTAS) tq_decode_pac
     }
   };
 
+  auto load_mask = [&](int t, float (&mk)[NMROWS][4]) {
+#if MASK_KIND != 0
+    const int t0 = min(t, last_tb) + 2 * l4;
+#pragma unroll
+    for (int i = 0; i < NMROWS; ++i)
+#pragma unroll
+      for (int j = 0; j < 4; ++j)
+        mk[i][j] = mask_value(mrow[i], static_cast<i64>(t0 + (j & 1) + 8 * (j >> 1)) * p.smt);
+#endif
+  };
+
   __syncthreads();
-  // tiles of 16 rows from a multiple of 16, warps interleaved; two buffers, so the next loads fly during the math
+  // tiles of 16 rows from a multiple of 16, warps interleaved; each warp keeps STAGES - 1 tiles in flight
   const int step = 16 * WARPS;
-  int t = (start & ~15) + 16 * warp;
-  Tile A, B;
-  if (t < end) load_tile(t, A);
-  while (t < end) {
-    if (t + step < end) load_tile(t + step, B);
-    compute(t, A);
-    t += step;
-    if (t >= end) break;
-    if (t + step < end) load_tile(t + step, A);
-    compute(t, B);
-    t += step;
+  const int t0 = (start & ~15) + 16 * warp;
+#pragma unroll
+  for (int s = 0; s < STAGES - 1; ++s) {
+    if (t0 + s * step < end) issue(t0 + s * step, s);
+    cp_commit();
   }
+  float mk[NMROWS][4], mk_next[NMROWS][4];
+  if (t0 < end) load_mask(t0, mk);
+  int stage = 0;
+  for (int t = t0; t < end; t += step) {
+    const int tn = t + (STAGES - 1) * step;
+    if (tn < end) issue(tn, stage == 0 ? STAGES - 1 : stage - 1);
+    cp_commit();
+    if (t + step < end) load_mask(t + step, mk_next);
+    cp_wait<STAGES - 1>();
+    __syncwarp();
+    compute(t, ring + stage * TILE_BYTES, mk);
+    __syncwarp();  // every lane is done with this stage before it is refilled
+#if MASK_KIND != 0
+#pragma unroll
+    for (int i = 0; i < NMROWS; ++i)
+#pragma unroll
+      for (int j = 0; j < 4; ++j) mk[i][j] = mk_next[i][j];
+#endif
+    stage = stage == STAGES - 1 ? 0 : stage + 1;
+  }
+  cp_wait<0>();
 
   // merge the warps' partials in shared memory (the tables are done with), then store the CTA's partial
 #pragma unroll
@@ -503,24 +559,31 @@ extern "C" __global__ void __launch_bounds__(FWARPS * 32) tq_decode_prep(const P
                                      static_cast<i64>(r % p.nq) * p.sqn + c) * p.scale_log2;
   }
   __syncthreads();
-  u16* out = p.out + static_cast<i64>(bh) * 16 * D;
-  for (int x = warp; x < D; x += FWARPS) {
-    float pr[DPL];
+  // thread (rg, x): rows rg, rg + GR, ... of column x; Pi's row x read once, 16 bytes at a time
+  constexpr int GR = FWARPS * 32 / D;
+  constexpr int RPG = (16 + GR - 1) / GR;
+  const int x = tid % D, rg = tid / D;
+  float y[RPG];
 #pragma unroll
-    for (int k = 0; k < DPL; ++k) pr[k] = p.pi[x * D + lane * DPL + k];
-    for (int r = 0; r < 16; ++r) {
-      float s = 0.0f;
+  for (int j = 0; j < RPG; ++j) y[j] = 0.0f;
+  const float4* pr = reinterpret_cast<const float4*>(p.pi + x * D);
+#pragma unroll 16
+  for (int c4 = 0; c4 < D / 4; ++c4) {
+    const float4 w = pr[c4];
+#pragma unroll
+    for (int j = 0; j < RPG; ++j) {
+      const int r = rg + j * GR;
       if (r < live) {
-#pragma unroll
-        for (int k = 0; k < DPL; ++k) s += pr[k] * qs[r][lane * DPL + k];
-#pragma unroll
-        for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
-      }
-      if (lane == 0) {
-        u32 h2 = pack_h2(s, 0.0f);
-        out[r * D + x] = static_cast<u16>(h2 & 0xffff);
+        const float* qr = qs[r] + 4 * c4;
+        y[j] += w.x * qr[0] + w.y * qr[1] + w.z * qr[2] + w.w * qr[3];
       }
     }
+  }
+  u16* out = p.out + static_cast<i64>(bh) * 16 * D;
+#pragma unroll
+  for (int j = 0; j < RPG; ++j) {
+    const int r = rg + j * GR;
+    if (r < 16) out[r * D + x] = static_cast<u16>(pack_h2(r < live ? y[j] : 0.0f, 0.0f) & 0xffff);
   }
 }
 
@@ -561,6 +624,8 @@ extern "C" __global__ void __launch_bounds__(FWARPS * 32) tq_decode_finish(const
     ls = min(ls, lq);
   }
   const int T = lq + lr;
+  for (int i = tid; i < D * D / 32; i += FWARPS * 32)  // Pi's 128-byte lines, read at the end: into L2 now
+    asm volatile("prefetch.global.L2 [%0];" ::"l"(p.pi + 32 * i));
   for (int e = tid; e < ROWS * D; e += FWARPS * 32) {
     const int r = e / D, c = e % D;
     qs[e] = r < live ? to_f32<Q_DT>(p.q, b * p.sqb + static_cast<i64>(h * p.group + r / p.nq) * p.sqh +
@@ -578,48 +643,81 @@ extern "C" __global__ void __launch_bounds__(FWARPS * 32) tq_decode_finish(const
     for (int k = 0; k < DPL; ++k) a[r][k] = 0.0f;
   }
   const int ne = ls + lr;
-  for (int e = warp; e < ne; e += FWARPS) {
-    const void *kb, *vb;
-    i64 ko, vo;
-    int pos;
-    if (e < ls) {
-      pos = e;
-      kb = p.sk; ko = b * p.sskb + h * p.sskh + static_cast<i64>(e) * D;
-      vb = p.sv; vo = b * p.ssvb + h * p.ssvh + static_cast<i64>(e) * D;
-    } else {
-      pos = lq + e - ls;
-      const int slot = STATIC ? pos % p.ring : pos - lq;
-      kb = p.rk; ko = b * p.srkb + h * p.srkh + static_cast<i64>(slot) * D;
-      vb = p.rv; vo = b * p.srvb + h * p.srvh + static_cast<i64>(slot) * D;
-    }
-    float kx[DPL], vx[DPL];
+  // TPI tokens per iteration (e = warp + FWARPS * (TPI * it + u)): their loads first, then one online-softmax
+  // update per row for all of them, so that neither the loads' latency nor the reductions' is paid per token
+  constexpr int TPI = 4;
+  for (int e0 = warp; e0 < ne; e0 += FWARPS * TPI) {
+    float kx[TPI][DPL], vx[TPI][DPL];
+    int pos[TPI];
+    bool ok[TPI];
 #pragma unroll
-    for (int k = 0; k < DPL; ++k) {
-      kx[k] = to_f32<X_DT>(kb, ko + lane * DPL + k);
-      vx[k] = to_f32<X_DT>(vb, vo + lane * DPL + k);
+    for (int u = 0; u < TPI; ++u) {
+      ok[u] = e0 + FWARPS * u < ne;
+      const int ee = ok[u] ? e0 + FWARPS * u : e0;
+      const void *kb, *vb;
+      i64 ko, vo;
+      if (ee < ls) {
+        pos[u] = ee;
+        kb = p.sk; ko = b * p.sskb + h * p.sskh + static_cast<i64>(ee) * D;
+        vb = p.sv; vo = b * p.ssvb + h * p.ssvh + static_cast<i64>(ee) * D;
+      } else {
+        pos[u] = lq + ee - ls;
+        const int slot = STATIC ? pos[u] % p.ring : pos[u] - lq;
+        kb = p.rk; ko = b * p.srkb + h * p.srkh + static_cast<i64>(slot) * D;
+        vb = p.rv; vo = b * p.srvb + h * p.srvh + static_cast<i64>(slot) * D;
+      }
+#pragma unroll
+      for (int k = 0; k < DPL; ++k) {
+        kx[u][k] = to_f32<X_DT>(kb, ko + lane * DPL + k);
+        vx[u][k] = to_f32<X_DT>(vb, vo + lane * DPL + k);
+      }
     }
 #pragma unroll
     for (int r = 0; r < ROWS; ++r) {
       if (r >= live) continue;
-      float s = 0.0f;
-#pragma unroll
-      for (int k = 0; k < DPL; ++k) s += qs[r * D + lane * DPL + k] * kx[k];
-#pragma unroll
-      for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
       const int hh = h * p.group + r / p.nq, qi = r % p.nq;
-#if MASK_KIND == 0
-      if (pos > T - p.nq + qi) s = NEG_INF;
-#else
-      s += mask_value(p.mask + (b * p.smb + hh * p.smh + static_cast<i64>(qi) * p.smi) * p.mask_elt,
-                      static_cast<i64>(pos) * p.smt);
-#endif
-      const float m_new = fmaxf(m_i[r], s);
-      const float m_use = m_new == NEG_INF ? 0.0f : m_new;
-      const float alpha = ex2(m_i[r] - m_use), pr = ex2(s - m_use);
-      m_i[r] = m_new;
-      l_i[r] = l_i[r] * alpha + pr;
+      float sc[TPI];
 #pragma unroll
-      for (int k = 0; k < DPL; ++k) a[r][k] = a[r][k] * alpha + pr * vx[k];
+      for (int u = 0; u < TPI; ++u) {
+        float v = 0.0f;
+#pragma unroll
+        for (int k = 0; k < DPL; ++k) v += qs[r * D + lane * DPL + k] * kx[u][k];
+        sc[u] = v;
+      }
+#pragma unroll
+      for (int o = 16; o > 0; o >>= 1)
+#pragma unroll
+        for (int u = 0; u < TPI; ++u) sc[u] += __shfl_xor_sync(0xffffffffu, sc[u], o);
+      float mx = NEG_INF;
+#pragma unroll
+      for (int u = 0; u < TPI; ++u) {
+#if MASK_KIND == 0
+        if (pos[u] > T - p.nq + qi) sc[u] = NEG_INF;
+#else
+        sc[u] += mask_value(p.mask + (b * p.smb + hh * p.smh + static_cast<i64>(qi) * p.smi) * p.mask_elt,
+                            static_cast<i64>(pos[u]) * p.smt);
+#endif
+        if (!ok[u]) sc[u] = NEG_INF;
+        mx = fmaxf(mx, sc[u]);
+      }
+      const float m_new = fmaxf(m_i[r], mx);
+      const float m_use = m_new == NEG_INF ? 0.0f : m_new;
+      const float alpha = ex2(m_i[r] - m_use);
+      m_i[r] = m_new;
+      float pr[TPI], sum = 0.0f;
+#pragma unroll
+      for (int u = 0; u < TPI; ++u) {
+        pr[u] = ex2(sc[u] - m_use);
+        sum += pr[u];
+      }
+      l_i[r] = l_i[r] * alpha + sum;
+#pragma unroll
+      for (int k = 0; k < DPL; ++k) {
+        float v = a[r][k] * alpha;
+#pragma unroll
+        for (int u = 0; u < TPI; ++u) v += pr[u] * vx[u][k];
+        a[r][k] = v;
+      }
     }
   }
 #pragma unroll
