@@ -13,6 +13,7 @@ from __future__ import annotations
 import ctypes
 import os
 import warnings
+import weakref
 from importlib import resources
 
 import torch
@@ -126,6 +127,18 @@ def pair_table(codebook, heads: int, device: torch.device) -> tuple[torch.Tensor
     return table, (table.stride(0) if codebook.per_head else 0)
 
 
+_PIT: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def _transposed(rotation, pi: torch.Tensor) -> torch.Tensor:
+    """Pi^T, contiguous, made once per rotation and device (the query rotation reads it column by column)."""
+    per = _PIT.setdefault(rotation, {})
+    t = per.get(pi.device)
+    if t is None:
+        t = per[pi.device] = pi.t().contiguous()
+    return t
+
+
 _MASK_DT = {torch.uint8: 0, torch.float16: 1, torch.bfloat16: 2, torch.float32: 3}
 
 
@@ -174,7 +187,7 @@ def defines(d: int, kb: int, vb: int, nq: int, mask_kind: int, mask_dt: int, kn_
 
 class PrepParams(ctypes.Structure):
     _fields_ = [("q", ctypes.c_void_p), ("sqb", ctypes.c_int64), ("sqh", ctypes.c_int64), ("sqn", ctypes.c_int64),
-                ("pi", ctypes.c_void_p), ("out", ctypes.c_void_p),
+                ("pit", ctypes.c_void_p), ("out", ctypes.c_void_p),
                 ("hkv", ctypes.c_int32), ("group", ctypes.c_int32), ("nq", ctypes.c_int32),
                 ("scale_log2", ctypes.c_float)]
 
@@ -242,7 +255,8 @@ def decode(query, kv, pi, scale_log2, kp, kn, vp, vn, rk, rv, sk, sv, mask_args,
     qrot = torch.empty(bh, MAX_ROWS, d, dtype=torch.float16, device=device)
     pi = pi.contiguous()
     prep.launch((bh, 1, 1), 32 * FINISH_WARPS, PrepParams(
-        query.data_ptr(), *query.stride()[:3], pi.data_ptr(), qrot.data_ptr(), hkv, group, n, scale_log2), stream)
+        query.data_ptr(), *query.stride()[:3], _transposed(kv.rotation, pi).data_ptr(), qrot.data_ptr(), hkv, group,
+        n, scale_log2), stream)
     (kt, kt_sh), (vt, vt_sh) = pair_table(kv.k_codebook, hkv, device), pair_table(kv.v_codebook, hkv, device)
     ln, fr = lens if lens is not None else (acc, acc)
     m_ptr = m_arg.data_ptr() if mask_kind else 0

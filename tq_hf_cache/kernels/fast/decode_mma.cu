@@ -541,7 +541,7 @@ __device__ __forceinline__ float to_f32(const void* p, i64 i) {
 
 struct PrepParams {
   const void* q; i64 sqb, sqh, sqn;   // (B, Hq, n, D), element strides, unit last stride
-  const float* pi;                    // (D, D) Pi
+  const float* pit;                   // (D, D) Pi^T
   u16* out;                           // (BH, 16, D) fp16
   int hkv, group, nq;
   float scale_log2;
@@ -559,24 +559,20 @@ extern "C" __global__ void __launch_bounds__(FWARPS * 32) tq_decode_prep(const P
                                      static_cast<i64>(r % p.nq) * p.sqn + c) * p.scale_log2;
   }
   __syncthreads();
-  // thread (rg, x): rows rg, rg + GR, ... of column x; Pi's row x read once, 16 bytes at a time
+  // thread (rg, x): rows rg, rg + GR, ... of column x; Pi^T's column x read once (coalesced across the threads)
   constexpr int GR = FWARPS * 32 / D;
   constexpr int RPG = (16 + GR - 1) / GR;
   const int x = tid % D, rg = tid / D;
   float y[RPG];
 #pragma unroll
   for (int j = 0; j < RPG; ++j) y[j] = 0.0f;
-  const float4* pr = reinterpret_cast<const float4*>(p.pi + x * D);
-#pragma unroll 16
-  for (int c4 = 0; c4 < D / 4; ++c4) {
-    const float4 w = pr[c4];
+#pragma unroll 32
+  for (int c = 0; c < D; ++c) {
+    const float w = p.pit[c * D + x];
 #pragma unroll
     for (int j = 0; j < RPG; ++j) {
       const int r = rg + j * GR;
-      if (r < live) {
-        const float* qr = qs[r] + 4 * c4;
-        y[j] += w.x * qr[0] + w.y * qr[1] + w.z * qr[2] + w.w * qr[3];
-      }
+      if (r < live) y[j] += w * qs[r][c];
     }
   }
   u16* out = p.out + static_cast<i64>(bh) * 16 * D;
