@@ -390,6 +390,11 @@ def prepare_fused(kv) -> None:
         parts = kv.key_split.parts[1:] if kv.key_split is not None else ()
         for codebook in (kv.k_codebook, kv.v_codebook, *(cb for _, cb in parts)):
             lookup_table(codebook, kv.k_packed.shape[1], dev)
+        if dev.type == "cuda" and kv.key_split is None:  # the explicit-layout kernel's pair tables and Pi^T
+            from .kernels import fast
+
+            if fast.machine_ok(dev):
+                fast.prepare(kv.rotation, kv.k_codebook, kv.v_codebook, kv.k_packed.shape[1], dev)
 
 
 def kernel_serves(query: torch.Tensor, kv) -> bool:
@@ -403,7 +408,7 @@ def kernel_serves(query: torch.Tensor, kv) -> bool:
     if kernels.decode_supports(d, kv.k_codebook.bits, kv.v_codebook.bits, n, hq // hkv):
         return split is None or kernels.split_supports(split.sizes, split.bits)
     return kernels.fast_serves(query.device, d, kv.k_codebook.bits, kv.v_codebook.bits, hq // hkv * n,
-                               split is not None, kv.k_packed.shape[2])
+                               split is not None, kv.k_packed.shape[2], static=kv.static)
 
 
 @torch.library.custom_op("tq_hf_cache::static_attention", mutates_args=("scratch", "counters"))

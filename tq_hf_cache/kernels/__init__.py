@@ -108,17 +108,26 @@ def decode_supports(head_dim: int, key_bits: int, value_bits: int, n_queries: in
     return key_bits in SUPPORTED_BITS and value_bits in SUPPORTED_BITS and group * n_queries <= DECODE_MAX_ROWS
 
 
+def _assume_constant(fn):
+    """Under torch.compile, the result is a constant of the trace (finding NVRTC through ctypes is not traceable)."""
+    import torch
+
+    return torch.compiler.assume_constant_result(fn)
+
+
+@_assume_constant
 def fast_serves(device, head_dim: int, key_bits: int, value_bits: int, rows: int, split_keys: bool,
-                slots: int) -> bool:
+                slots: int, static: bool = False) -> bool:
     """Whether the explicit-layout kernel (`fast`) takes this shape on this device (it also covers shapes the Triton
-    kernel does not, such as head dim 256 at 2 and 4 bits)."""
+    kernel does not, such as head dim 256 at 2 and 4 bits); for a static cache only where `fast.static_ok`."""
     import torch
 
     if torch.device(device).type != "cuda" or not _triton_ok():  # (the Triton kernel finishes what it starts)
         return False
     from . import fast
 
-    return fast.shape_ok(head_dim, key_bits, value_bits, rows, split_keys, slots) and fast.machine_ok(device)
+    return ((not static or fast.static_ok()) and fast.shape_ok(head_dim, key_bits, value_bits, rows, split_keys, slots)
+            and fast.machine_ok(device))
 
 
 WIDE_MIN_KEY_ROWS = 65536  # head dim 256: packed key rows (batch x KV heads x tokens) from which the kernel pays

@@ -805,7 +805,7 @@ def decode_attention(
         raise ValueError(f"query heads ({hq}) must be a multiple of KV heads ({hkv})")
     group = hq // hkv
     kcb, vcb = kv.k_codebook, kv.v_codebook
-    fast_ok = fast is not False and num_splits is None and _fast.shape_ok(
+    fast_ok = fast is not False and num_splits is None and (not kv.static or _fast.static_ok()) and _fast.shape_ok(
         d, kcb.bits, vcb.bits, group * n, kv.key_split is not None, kv.k_packed.shape[2]) and _fast.machine_ok(
         query.device)
     if not fast_ok and not supports(d, kcb.bits, vcb.bits, n, group):

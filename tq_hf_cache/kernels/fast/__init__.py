@@ -28,7 +28,7 @@ BITS = (2, 3, 4, 5)  # pair tables up to 4^5 entries
 MAX_ROWS = 16  # query heads per KV head x queries: two query n-tiles
 MIN_TOKENS_PER_SPLIT = 512
 CTAS_PER_SM = 2
-ENV = "TQ_HF_CACHE_FAST_DECODE"  # "0" turns the kernel off
+ENV = "TQ_HF_CACHE_FAST_DECODE"  # "0" turns the kernel off; "1" also turns it on for static caches (see `serves`)
 
 _SOURCE: str | None = None
 _BROKEN: dict[int, str] = {}  # device index -> why the kernel cannot run there (warned once)
@@ -69,6 +69,13 @@ def shape_ok(head_dim: int, key_bits: int, value_bits: int, rows: int, split_key
     most = MAX_ROWS if head_dim <= 128 else 8
     return (head_dim in HEAD_DIMS and key_bits in BITS and value_bits in BITS and rows <= most and not split_keys
             and slots >= 16)
+
+
+def static_ok() -> bool:
+    """Whether the kernel serves static caches (`TurboQuantStaticCache`: lengths on the device, a wrapping ring, CUDA
+    graphs): only when the environment asks ("1"). Its static mode and its launch inside torch.compile's graphs have not
+    been run on a GPU yet, so the Triton kernel keeps serving them by default."""
+    return os.environ.get(ENV) == "1"
 
 
 def machine_ok(device: torch.device) -> bool:
@@ -137,6 +144,16 @@ def _transposed(rotation, pi: torch.Tensor) -> torch.Tensor:
     if t is None:
         t = per[pi.device] = pi.t().contiguous()
     return t
+
+
+def prepare(rotation, k_codebook, v_codebook, heads: int, device: torch.device) -> None:
+    """Build what the kernels cache per codebook and rotation now (outside any CUDA graph: made while torch.compile's
+    cudagraph trees record, they would come from the graph's pool and outlive the recording)."""
+    for cb in (k_codebook, v_codebook):
+        if cb.bits in BITS:
+            pair_table(cb, heads, device)
+    pi = rotation.matrix
+    _transposed(rotation, pi if pi.device == device else pi.to(device))
 
 
 _MASK_DT = {torch.uint8: 0, torch.float16: 1, torch.bfloat16: 2, torch.float32: 3}
