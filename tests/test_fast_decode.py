@@ -287,3 +287,47 @@ def test_cache_dir_follows_the_environment(monkeypatch, tmp_path):
     monkeypatch.setenv("TQ_HF_CACHE_KERNEL_DIR", str(tmp_path))
     assert jit.cache_dir() == str(tmp_path)
     assert not glob.glob(str(tmp_path / "*"))
+
+
+@gpu
+@pytest.mark.parametrize("preset", ["k5v3", "k4v4"])
+def test_static_cache_through_the_fast_kernel_matches_the_triton_kernel_eager_and_compiled(preset, monkeypatch):
+    """TurboQuantStaticCache with TQ_HF_CACHE_FAST_DECODE=1 (device lengths, the wrapping ring, the fused chunk and the
+    steps): logits equal those of the Triton kernel on the same cache, eager and under torch.compile's CUDA graphs."""
+    import transformers
+
+    from tq_hf_cache import TurboQuantStaticCache
+    from tq_hf_cache._compat import IS_V5
+
+    from conftest import with_cache
+
+    if not IS_V5:
+        pytest.skip("TurboQuantStaticCache needs transformers >= 5")
+    cfg = transformers.LlamaConfig(num_hidden_layers=2, vocab_size=128, hidden_size=256, intermediate_size=256,
+                                   num_attention_heads=8, num_key_value_heads=2, head_dim=128,
+                                   max_position_embeddings=8192)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(cfg).eval().to("cuda", torch.bfloat16)
+    model.set_attn_implementation("turboquant")
+    ids = torch.randint(3, 128, (2, 3000), device="cuda", generator=torch.Generator("cuda").manual_seed(1))
+
+    def run(env, compiled):
+        monkeypatch.setenv(fast.ENV, env)
+        cache = TurboQuantStaticCache(config=cfg, max_cache_len=4096, tq_config=preset, residual_length=64)
+        step = torch.compile(model, mode="reduce-overhead", fullgraph=True) if compiled else model
+        out = []
+        with torch.no_grad():
+            model(ids[:, :2990], **with_cache(cache))
+            out.append(model(ids[:, 2990:], **with_cache(cache)).logits[:, -1])
+            for i in range(6):
+                pos = torch.tensor([ids.shape[1] + i], device="cuda")
+                tok = out[-1].argmax(-1, keepdim=True)
+                out.append(step(tok, **with_cache(cache), cache_position=pos,
+                                position_ids=pos[None].expand(2, 1)).logits[:, -1])
+        return torch.stack(out).float()
+
+    ref = run("0", False)
+    for compiled in (False, True):
+        got = run("1", compiled)
+        torch.testing.assert_close(got, ref, atol=3e-2, rtol=3e-2,
+                                   msg=lambda m: f"{preset}, compiled={compiled}: fast vs Triton: {m}")

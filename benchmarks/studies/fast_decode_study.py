@@ -2,8 +2,10 @@
 alone and cuDNN SDPA on bf16 K/V, Llama-3.1-8B shape (32 / 8 heads, head dim 128; --shape for others), one query.
 
 Each case checks the fast output against the Triton kernel's (relative error), then times the three as CUDA-graph
-replays (`do_bench_cudagraph` medians), repetitions interleaved. Usage:
+replays (`do_bench_cudagraph` medians), repetitions interleaved. Writes F (JSON) and F with .png (speed over SDPA).
+Usage:
     python benchmarks/studies/fast_decode_study.py [--presets k5v3,k4v4,k4v2] [--cases 1x4096,1x32768,...] --out F
+    python benchmarks/studies/fast_decode_study.py --replot F      (the PNG again from the JSON)
 """
 
 from __future__ import annotations
@@ -31,8 +33,13 @@ def main():
     ap.add_argument("--cases", default="1x4096,1x32768,1x131072,8x32768,8x131072")
     ap.add_argument("--shape", default="llama-3.1-8b")
     ap.add_argument("--reps", type=int, default=3)
-    ap.add_argument("--out", required=True)
+    ap.add_argument("--out")
+    ap.add_argument("--replot")
     a = ap.parse_args()
+    if a.replot:
+        with open(a.replot) as fh:
+            plot(json.load(fh), a.replot.rsplit(".", 1)[0] + ".png")
+        return
     ba.HQ, ba.HKV, ba.D = ba.SHAPES[a.shape]
     bw = ba.copy_bandwidth()
     rows = []
@@ -66,16 +73,44 @@ def main():
             med = {k: sorted(v)[len(v) // 2] for k, v in times.items()}
             row = dict(preset=preset, batch=b, context=t, err_vs_triton=err, ms=med, all_ms=times,
                        fast_vs_sdpa=med["sdpa"] / med["fast"], triton_vs_sdpa=med["sdpa"] / med["triton"],
-                       bytes=nbytes, fast_bw_frac=nbytes / (med["fast"] * 1e-3) / (bw / 2))
+                       bytes=nbytes, fast_bw_frac=nbytes / (med["fast"] * 1e-3) / bw)
             rows.append(row)
             print(f"{preset} {b}x{t}: sdpa {med['sdpa']:.4f} triton {med['triton']:.4f} fast {med['fast']:.4f} ms "
                   f"| fast {row['fast_vs_sdpa']:.2f}x sdpa, triton {row['triton_vs_sdpa']:.2f}x | "
                   f"bw {row['fast_bw_frac']:.0%} | err {err:.1e}", flush=True)
             del kv, ks, vs
             torch.cuda.empty_cache()
+    result = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, copy_bw=bw, shape=a.shape,
+                  when=time.strftime("%Y-%m-%d %H:%M"), rows=rows)
     with open(a.out, "w") as fh:
-        json.dump(dict(device=torch.cuda.get_device_name(), torch=torch.__version__, copy_bw=bw, shape=a.shape,
-                       when=time.strftime("%Y-%m-%d %H:%M"), rows=rows), fh, indent=1)
+        json.dump(result, fh, indent=1)
+    plot(result, a.out.rsplit(".", 1)[0] + ".png")
+
+
+def plot(result: dict, path: str) -> None:
+    """Speed over cuDNN SDPA per case: the fast kernel and the Triton kernel, one panel per preset."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    presets = list(dict.fromkeys(r["preset"] for r in result["rows"]))
+    fig, axes = plt.subplots(1, len(presets), figsize=(4.2 * len(presets), 3.6), sharey=True, squeeze=False)
+    for ax, preset in zip(axes[0], presets):
+        rows = [r for r in result["rows"] if r["preset"] == preset]
+        names = [f"{r['batch']}x{r['context'] // 1024}k" for r in rows]
+        x = range(len(rows))
+        ax.bar([i - 0.2 for i in x], [r["fast_vs_sdpa"] for r in rows], 0.4, label="fast kernel (CUDA)")
+        ax.bar([i + 0.2 for i in x], [r["triton_vs_sdpa"] for r in rows], 0.4, label="Triton kernel")
+        ax.axhline(1.0, color="k", lw=0.8)
+        ax.axhline(2.5, color="r", lw=0.8, ls="--", label="floor 2.5x")
+        ax.set_xticks(list(x), names)
+        ax.set_title(preset)
+    axes[0][0].set_ylabel("speed over cuDNN SDPA (bf16 K/V)")
+    axes[0][0].legend(fontsize=8)
+    fig.suptitle(f"decode attention, one layer ({result['shape']}, {result['device']})", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
 
 
 if __name__ == "__main__":
