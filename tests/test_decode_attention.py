@@ -335,7 +335,7 @@ def _left_padded_batch(seed, lengths=(37, 29, 41)):
 def count_paths(monkeypatch):
     """Counts fused attention calls and LazyKV fills (dense keys or values written for another consumer)."""
     calls = {"fused": 0, "filled": 0}
-    fused, fill = ops.decode_attention, packed_kv.fill_dense
+    fused, fill = ops.decode_attention, attention.fill_dense
 
     def counting_fused(*a, **k):
         calls["fused"] += 1
@@ -346,13 +346,13 @@ def count_paths(monkeypatch):
         return fill(*a, **k)
 
     monkeypatch.setattr(ops, "decode_attention", counting_fused)
-    monkeypatch.setattr(packed_kv, "fill_dense", counting_fill)
+    monkeypatch.setattr(attention, "fill_dense", counting_fill)
     return calls
 
 
 @pytest.mark.parametrize("preset,head_dim", [("k4v4", 64), ("k3v3", 64), ("k5v3", 256)])
 def test_turboquant_generate_matches_sdpa_on_the_same_cache(preset, head_dim, count_paths, monkeypatch):
-    monkeypatch.setattr(tq_hf_cache.kernels, "WIDE_MIN_KEY_ROWS", 0)  # head dim 256: the kernel at any length
+    monkeypatch.setattr(tq_hf_cache.kernels.support, "WIDE_MIN_KEY_ROWS", 0)  # head dim 256: the kernel at any length
     model = _llama(head_dim=head_dim)
     ids, mask = _left_padded_batch(fresh_seed())
     a, ca = _generate(model, "sdpa", ids, mask, preset=preset)

@@ -6,14 +6,14 @@ import pytest
 import torch
 
 from conftest import tiny_llama_config, with_cache
-from tq_hf_cache import TurboQuantCache, attention, ops, packed_kv
+from tq_hf_cache import TurboQuantCache, attention, ops
 
 
 @pytest.fixture
 def calls(monkeypatch):
     """Counts fused attention calls and dense fills of LazyKVs."""
     seen = {"fused": 0, "filled": 0}
-    fused, fill = ops.decode_attention, packed_kv.fill_dense
+    fused, fill = ops.decode_attention, attention.fill_dense
 
     def counting_fused(*a, **k):
         seen["fused"] += 1
@@ -24,7 +24,7 @@ def calls(monkeypatch):
         return fill(*a, **k)
 
     monkeypatch.setattr(ops, "decode_attention", counting_fused)
-    monkeypatch.setattr(packed_kv, "fill_dense", counting_fill)
+    monkeypatch.setattr(attention, "fill_dense", counting_fill)
     return seen
 
 

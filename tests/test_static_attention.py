@@ -12,7 +12,8 @@ import pytest  # noqa: E402
 
 from tq_hf_cache import ops, reference  # noqa: E402
 from tq_hf_cache.codebook import Codebook, theoretical_codebook  # noqa: E402
-from tq_hf_cache.packed_kv import PackedKV, ring_positions, static_parts, static_views  # noqa: E402
+from tq_hf_cache.packed_kv import PackedKV, static_parts, static_views  # noqa: E402
+from tq_hf_cache.reference import ring_positions  # noqa: E402
 from tq_hf_cache.rotation import make_rotation  # noqa: E402
 
 try:

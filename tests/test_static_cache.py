@@ -54,7 +54,7 @@ def greedy(model, cache, ids, new=NEW):
 @pytest.mark.parametrize("impl", ["sdpa", "turboquant"])
 @pytest.mark.parametrize("name", ["llama", "qwen3", "gemma3", "gemma3-256"])
 def test_eight_bit_static_cache_tracks_static_cache(name, impl, monkeypatch):
-    monkeypatch.setattr(kernels, "WIDE_MIN_KEY_ROWS", 0)  # head dim 256: the fused kernel at this small capacity too
+    monkeypatch.setattr(kernels.support, "WIDE_MIN_KEY_ROWS", 0)  # head dim 256: the fused kernel at this small capacity too
     cfg, model = build(name)
     model.set_attn_implementation(impl)
     ids = prompt(batch=2)

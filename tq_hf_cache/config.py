@@ -9,8 +9,40 @@ from typing import Any
 
 from ._io import write_text
 from .codebook import check_bits
-from .key_split import check_spec
 from .rotation import ROTATION_KINDS
+
+SPEC_KEYS = ("bits", "sizes", "order")  # a layer's key split (`key_split`): its fields
+MIN_PART = 3  # channels of a key-split part: `theoretical_codebook` needs 3 or more dimensions
+
+
+def check_spec(spec, layer: int) -> dict:
+    """A layer's split spec {"bits": [b0, b1, ...], "sizes": [n0, n1, ...], "order": [[channels] per KV head]},
+    checked: part p takes channels order[n0 + ... + n(p-1) : ... + np] of each head at b_p bits. Raises naming the
+    layer and the bad value; the head count and head dim are checked by `make_split`."""
+    if not isinstance(spec, dict) or set(spec) != set(SPEC_KEYS):
+        raise ValueError(f"key_split[{layer}] must be {{'bits': [...], 'sizes': [...], 'order': [[...], ...]}}, "
+                         f"got {spec!r}")
+    bits, sizes, order = spec["bits"], spec["sizes"], spec["order"]
+    if not isinstance(bits, (list, tuple)) or not isinstance(sizes, (list, tuple)) or not 2 <= len(bits) == len(sizes):
+        raise ValueError(f"key_split[{layer}] needs 'bits' and 'sizes' lists of one entry per part, at least 2 parts; "
+                         f"got bits={bits!r}, sizes={sizes!r}")
+    bits = [check_bits(b, f"key_split[{layer}] bits of part {p}") for p, b in enumerate(bits)]
+    for p, n in enumerate(sizes):
+        if isinstance(n, bool) or not isinstance(n, int) or n < MIN_PART:
+            raise ValueError(f"key_split[{layer}] part {p} holds {n!r} channels; a part must hold an integer >= "
+                             f"{MIN_PART} of them (each part is its own TurboQuant vector, whose codebook needs "
+                             f"{MIN_PART} or more dimensions) and the parts must sum to the head dim")
+    d = sum(sizes)
+    if not isinstance(order, (list, tuple)) or not order:
+        raise ValueError(f"key_split[{layer}]['order'] must be a non-empty list (one channel order per KV head), "
+                         f"got {order!r}")
+    for h, row in enumerate(order):
+        if not isinstance(row, (list, tuple)) or len(row) != d or sorted(row) != list(range(d)):
+            raise ValueError(f"key_split[{layer}] KV head {h}: the order must be a permutation of the channels "
+                             f"0..{d - 1} (sizes {list(sizes)} sum to {d}), got {row!r}")
+    return {"bits": bits, "sizes": list(sizes), "order": [list(row) for row in order]}
+
+
 
 # (key bits, value bits). Keys carry the quantization loss (benchmarks/results/archive/eval_findings.md: 4-bit values cost nothing
 # measurable, 4-bit keys cost most of k4v4's perplexity), so the default spends the 4 bits per coordinate of

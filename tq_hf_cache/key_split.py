@@ -22,12 +22,11 @@ from dataclasses import dataclass
 
 import torch
 
-from .codebook import Codebook, check_bits
+from .codebook import Codebook
+from .config import MIN_PART, SPEC_KEYS, TurboQuantConfig, check_spec  # noqa: F401  (the spec is config)
 from .packing import packed_bytes
 from .rotation import Rotation
 
-SPEC_KEYS = ("bits", "sizes", "order")
-MIN_PART = 3  # channels of a part: `theoretical_codebook` needs 3 or more dimensions
 
 
 @dataclass(eq=False)
@@ -78,34 +77,6 @@ class KeySplit:
         both = torch.cat(parts, dim=-1)
         idx = self.inverse.to(out.device)[None, :, None, :].expand(out.shape[0], -1, out.shape[2], -1)
         return out.copy_(both.gather(-1, idx))
-
-
-def check_spec(spec, layer: int) -> dict:
-    """A layer's split spec {"bits": [b0, b1, ...], "sizes": [n0, n1, ...], "order": [[channels] per KV head]},
-    checked: part p takes channels order[n0 + ... + n(p-1) : ... + np] of each head at b_p bits. Raises naming the
-    layer and the bad value; the head count and head dim are checked by `make_split`."""
-    if not isinstance(spec, dict) or set(spec) != set(SPEC_KEYS):
-        raise ValueError(f"key_split[{layer}] must be {{'bits': [...], 'sizes': [...], 'order': [[...], ...]}}, "
-                         f"got {spec!r}")
-    bits, sizes, order = spec["bits"], spec["sizes"], spec["order"]
-    if not isinstance(bits, (list, tuple)) or not isinstance(sizes, (list, tuple)) or not 2 <= len(bits) == len(sizes):
-        raise ValueError(f"key_split[{layer}] needs 'bits' and 'sizes' lists of one entry per part, at least 2 parts; "
-                         f"got bits={bits!r}, sizes={sizes!r}")
-    bits = [check_bits(b, f"key_split[{layer}] bits of part {p}") for p, b in enumerate(bits)]
-    for p, n in enumerate(sizes):
-        if isinstance(n, bool) or not isinstance(n, int) or n < MIN_PART:
-            raise ValueError(f"key_split[{layer}] part {p} holds {n!r} channels; a part must hold an integer >= "
-                             f"{MIN_PART} of them (each part is its own TurboQuant vector, whose codebook needs "
-                             f"{MIN_PART} or more dimensions) and the parts must sum to the head dim")
-    d = sum(sizes)
-    if not isinstance(order, (list, tuple)) or not order:
-        raise ValueError(f"key_split[{layer}]['order'] must be a non-empty list (one channel order per KV head), "
-                         f"got {order!r}")
-    for h, row in enumerate(order):
-        if not isinstance(row, (list, tuple)) or len(row) != d or sorted(row) != list(range(d)):
-            raise ValueError(f"key_split[{layer}] KV head {h}: the order must be a permutation of the channels "
-                             f"0..{d - 1} (sizes {list(sizes)} sum to {d}), got {row!r}")
-    return {"bits": bits, "sizes": list(sizes), "order": [list(row) for row in order]}
 
 
 def make_split(spec: dict, layer: int, heads: int, dim: int, rotation_for, codebook_for) -> KeySplit:
@@ -189,7 +160,6 @@ def calibrate_key_split(model, input_ids: torch.Tensor, sizes: list[int], deltas
     gives Gemma 3's k4v2 keys 64 channels at 6 bits, 64 at 4 and 128 at 3: 1024 bits, as 256 at 4.
     """
     from ._compat import layer_types_and_kwargs
-    from .config import TurboQuantConfig
 
     cfg = tq_config if tq_config is not None else TurboQuantConfig()
     sizes, deltas = list(sizes), list(deltas)

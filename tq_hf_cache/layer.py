@@ -27,7 +27,8 @@ from . import ops
 from ._compat import IS_V5
 from .codebook import Codebook, theoretical_codebook
 from .key_split import KeySplit, make_split
-from .packed_kv import MAX_FUSED_QUERIES, PackedKV, lazy_pair
+from .attention import lazy_pair
+from .packed_kv import MAX_FUSED_QUERIES, PackedKV
 from .packing import packed_bytes
 from .rope import KeyOffset, RopeAngles
 from .rotation import Rotation

@@ -1,5 +1,6 @@
-"""The seam between TurboQuant cache layers and attention: `PackedKV` (what a layer holds, as tensors) and
-`LazyKV` (what a dynamic layer's `update` returns for a decode step or a chunk over a packed history).
+"""What a TurboQuant cache layer holds, as tensors: `PackedKV` (and a static layer's `StaticKV`), the one object the
+kernels, the torch reference and the attention exchange. (`attention.LazyKV` is what a dynamic layer's `update`
+returns around it.)
 
 `PackedKV` is the one object the kernels, the torch reference and the attention function exchange. A layer's
 positions [0, length) are read as follows:
@@ -17,7 +18,6 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 import torch
-from torch.utils._pytree import tree_map_only
 
 from .codebook import Codebook
 from .key_split import KeySplit
@@ -183,129 +183,3 @@ def static_views(store: torch.Tensor, ring_k: torch.Tensor, capacity: int, sinks
 def packed_source(key: torch.Tensor) -> PackedKV | StaticKV | None:
     """What a TurboQuant layer's returned keys carry (`PackedKV`, or a static layer's `StaticKV`), else None."""
     return getattr(key, PACKED_ATTR, None)
-
-
-def ring_positions(length: torch.Tensor, exact_from: torch.Tensor, ring: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(a position for each ring slot, whether the slot is live), all on the device (no host sync).
-
-    Slot j holds the newest position p < length with p % ring == j; it is live when p >= exact_from. A slot with
-    no such p >= 0 gets position j (>= length: a future one). The positions are distinct (each is j modulo ring),
-    so a scatter of the ring by them never collides; a dead slot's position must be written with its own value.
-    """
-    j = torch.arange(ring, device=length.device)
-    last = length - 1
-    p = last - torch.remainder(last - j, ring)
-    return torch.where(p >= 0, p, j), p >= exact_from
-
-
-def overlay_exact(full: torch.Tensor, ring: torch.Tensor, sinks: torch.Tensor, length: torch.Tensor,
-                  exact_from: torch.Tensor) -> torch.Tensor:
-    """Write a static layer's exact copies (sinks, then the live ring slots) over `full` (B, H, capacity, D), in
-    place. Positions at or past `length` may receive stale values; attention masks them."""
-    s = sinks.shape[2]
-    if s:
-        full[:, :, :s].copy_(sinks)
-    pos, live = ring_positions(length, exact_from, ring.shape[2])
-    vals = torch.where(live[None, None, :, None], ring.to(full.dtype), full.index_select(2, pos))
-    full.index_copy_(2, pos, vals)
-    return full
-
-
-def fill_dense(out: torch.Tensor, kv: PackedKV, kind: str) -> torch.Tensor:
-    """Write a dynamic PackedKV's keys (kind "key") or values, dequantized, into out (B, H, length, D)."""
-    from . import ops
-
-    lq = kv.exact_from
-    if kind == "key":
-        packed, norms, cb, sinks, ring = kv.k_packed, kv.k_norms, kv.k_codebook, kv.sink_k, kv.ring_k
-    else:
-        packed, norms, cb, sinks, ring = kv.v_packed, kv.v_norms, kv.v_codebook, kv.sink_v, kv.ring_v
-    if lq:
-        if kind == "key" and kv.key_split is not None:
-            parts = [(p[:, :, :lq], n[:, :, :lq]) for p, n in kv.key_parts]
-            ops.dequantize_split_into(parts, kv.key_split, out[:, :, :lq])
-        else:
-            ops.dequantize_into(packed[:, :, :lq], norms[:, :, :lq], kv.rotation, cb, out[:, :, :lq])
-        if kind == "key" and kv.key_offset is not None:
-            kv.key_offset.add_to(out[:, :, :lq], 0)
-        if kv.sinks:
-            out[:, :, : kv.sinks].copy_(sinks[:, :, : kv.sinks])
-    out[:, :, lq : kv.length].copy_(ring[:, :, : kv.length - lq])
-    return out
-
-
-# metadata that reading does not need the data for: answered without filling a LazyKV
-_METADATA = frozenset({
-    "shape", "dtype", "device", "size", "dim", "ndim", "ndimension", "stride", "is_cuda", "requires_grad", "numel",
-    "element_size", "is_contiguous", "layout", "data_ptr", "__len__", "is_floating_point", "is_complex",
-    "storage_offset", "get_device", "is_meta", "is_sparse", "is_quantized", "is_nested", "grad_fn", "is_leaf",
-})
-
-
-class LazyKV(torch.Tensor):
-    """Dense keys or values of a dynamic layer that are written only when something reads them.
-
-    A dynamic layer's decode step (or long chunk over a packed history) returns a pair of these, carrying the
-    layer's `PackedKV` (attribute `turboquant_packed`). The turboquant attention reads the PackedKV and never
-    touches the data, so a decode step allocates nothing (a long chunk is filled by row groups, `fill_rows`). Any
-    `scaled_dot_product_attention` on a pair (transformers' "sdpa" attention) runs that same fused attention where it
-    serves the call (`attention.sdpa_on_packed`; off with `fused_sdpa=False`). Any
-    other consumer (eager, flex, user code) triggers the fill on its first torch operation: the pair takes its
-    views of the cache's shared workspace, the dequantized keys or values are written there, and the consumer gets
-    that plain dense tensor. So every attention implementation sees the
-    right keys and values at every step. Like any workspace view, a LazyKV is valid until the next layer's update.
-    Until filled, a LazyKV is a stride-0 view of one element: metadata reads (shape, dtype, device) need no data.
-    """
-
-    @classmethod
-    def __torch_function__(cls, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        name = getattr(func, "__name__", "")
-        if name == "__get__":  # a property such as .shape
-            name = getattr(getattr(func, "__self__", None), "__name__", name)
-        if func is torch.nn.functional.scaled_dot_product_attention:
-            from .attention import sdpa_on_packed
-
-            out = sdpa_on_packed(args, kwargs)
-            if out is not None:
-                return out
-        with torch._C.DisableTorchFunctionSubclass():
-            if name not in _METADATA:
-                args, kwargs = tree_map_only(LazyKV, LazyKV.dense, (args, kwargs))
-            return func(*args, **kwargs)
-
-    def dense(self) -> torch.Tensor:
-        """The filled plain tensor (allocated and filled once)."""
-        state = self.__dict__
-        if state["_dense"] is None:
-            pair = state["_pair"]
-            if pair["views"] is None:
-                pair["views"] = pair["alloc"](self.shape[0])
-            out = pair["views"][0 if state["_kind"] == "key" else 1]
-            with torch._C.DisableTorchFunctionSubclass():
-                state["_dense"] = fill_dense(out, state[PACKED_ATTR], state["_kind"])
-        return state["_dense"]
-
-
-def lazy_pair(kv: PackedKV, shape: tuple, dtype: torch.dtype, alloc, fused_sdpa: bool = True) -> tuple[LazyKV, LazyKV]:
-    """LazyKVs of kv's keys and values, of `shape` (B, H, length, D); `alloc(rows) -> (key buffer, value buffer)`
-    of shape (rows, H, length, D) gives their storage when they are filled (rows = B) or read by rows. fused_sdpa:
-    whether SDPA on the pair may run the fused attention over kv instead of filling them."""
-    placeholder = torch.empty(1, dtype=dtype, device=kv.k_packed.device).expand(*shape)
-    pair = {"alloc": alloc, "views": None, "fused_sdpa": fused_sdpa}
-    out = []
-    for kind in ("key", "value"):
-        t = placeholder.as_subclass(LazyKV)
-        t.__dict__.update({PACKED_ATTR: kv, "_kind": kind, "_pair": pair, "_dense": None})
-        out.append(t)
-    return out[0], out[1]
-
-
-def fill_rows(lazy: LazyKV, start: int, stop: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Dense keys and values of batch rows [start, stop) of a LazyKV pair (either member), written into the pair's
-    storage for that many rows: valid until its next use, so one row group is consumed before the next is filled."""
-    state = lazy.__dict__
-    kv = state[PACKED_ATTR].rows(start, stop)
-    k, v = state["_pair"]["alloc"](stop - start)
-    with torch._C.DisableTorchFunctionSubclass():
-        return fill_dense(k, kv, "key"), fill_dense(v, kv, "value")

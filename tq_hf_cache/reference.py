@@ -335,12 +335,37 @@ def static_append(
     exact_from.copy_(torch.maximum(exact_from, length - ring))
 
 
+def ring_positions(length: torch.Tensor, exact_from: torch.Tensor, ring: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(a position for each ring slot, whether the slot is live), all on the device (no host sync).
+
+    Slot j holds the newest position p < length with p % ring == j; it is live when p >= exact_from. A slot with
+    no such p >= 0 gets position j (>= length: a future one). The positions are distinct (each is j modulo ring),
+    so a scatter of the ring by them never collides; a dead slot's position must be written with its own value.
+    """
+    j = torch.arange(ring, device=length.device)
+    last = length - 1
+    p = last - torch.remainder(last - j, ring)
+    return torch.where(p >= 0, p, j), p >= exact_from
+
+
+def overlay_exact(full: torch.Tensor, ring: torch.Tensor, sinks: torch.Tensor, length: torch.Tensor,
+                  exact_from: torch.Tensor) -> torch.Tensor:
+    """Write a static layer's exact copies (sinks, then the live ring slots) over `full` (B, H, capacity, D), in
+    place. Positions at or past `length` may receive stale values; attention masks them."""
+    s = sinks.shape[2]
+    if s:
+        full[:, :, :s].copy_(sinks)
+    pos, live = ring_positions(length, exact_from, ring.shape[2])
+    vals = torch.where(live[None, None, :, None], ring.to(full.dtype), full.index_select(2, pos))
+    full.index_copy_(2, pos, vals)
+    return full
+
+
+
 def static_attention(query: torch.Tensor, kv, mask: torch.Tensor | None = None, scale: float | None = None) -> torch.Tensor:
     """Attention of query (B, Hq, n, D) over the positions a static layer holds (`PackedKV`), by definition:
     dequantize every slot, write the exact copies over theirs, attend to [0, length) (the n queries are the last
     n positions; a mask, over absolute positions, decides instead when given). Returns (B, n, Hq, D)."""
-    from .packed_kv import overlay_exact
-
     b, hq, n, d = query.shape
     cap = kv.capacity
     if kv.key_split is None:

@@ -44,7 +44,8 @@ from .codebook import theoretical_codebook
 from .kernels import DECODE_MAX_ROWS, decode_pays, decode_supports, fast_serves, split_supports
 from .key_split import make_split
 from .layer import _query_length
-from .packed_kv import MAX_FUSED_QUERIES, PACKED_ATTR, PackedKV, StaticKV, overlay_exact, static_parts
+from .packed_kv import MAX_FUSED_QUERIES, PACKED_ATTR, PackedKV, StaticKV, static_parts
+from .reference import overlay_exact
 from .packing import packed_bytes
 from .rope import RopeAngles, rope_angles
 

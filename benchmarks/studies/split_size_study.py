@@ -48,10 +48,10 @@ def main():
         lq = t - ba.RESIDUAL
         sdpa_ms, _ = ba.sdpa_time(b, t)
         ws_ms = ba.workspace_time(kv, b)
-        kernels.MIN_TOKENS_PER_SPLIT = default
+        kernels.support.MIN_TOKENS_PER_SPLIT = default
         _, want = ba.kernel_time(kv, b)
         for m in minimums:
-            kernels.MIN_TOKENS_PER_SPLIT = m
+            kernels.support.MIN_TOKENS_PER_SPLIT = m
             kbits, vbits, parts = ba.parse_preset(preset)
             per_sm = kernels.decode_plan(ba.D, kbits, vbits, parts is not None, b * ba.HKV * lq)[1]  # the launcher's
             splits = kernels.num_splits_for(b * ba.HKV, lq, ba.DEV, per_sm)
@@ -62,7 +62,7 @@ def main():
                    "max_abs_diff_vs_default": float((out.float() - want.float()).abs().max())}
             rows.append(row)
             print(row, flush=True)
-        kernels.MIN_TOKENS_PER_SPLIT = default
+        kernels.support.MIN_TOKENS_PER_SPLIT = default
         del kv
         torch.cuda.empty_cache()
     os.makedirs(a.out, exist_ok=True)

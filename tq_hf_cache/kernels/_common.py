@@ -25,7 +25,7 @@ try:  # triton >= 3.4 exposes its settings as knobs; the env var is what older o
 except AttributeError:  # pragma: no cover
     INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
-from . import SUPPORTED_BITS, SUPPORTED_DIMS, WIDE_DIM, WIDE_QUANTIZE_BITS, supports  # noqa: E402
+from .support import SUPPORTED_BITS, SUPPORTED_DIMS, WIDE_DIM, WIDE_QUANTIZE_BITS, supports  # noqa: E402
 
 X_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 NORM_DTYPES = (torch.float16, torch.bfloat16, torch.float32)

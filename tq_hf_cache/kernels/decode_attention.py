@@ -32,9 +32,9 @@ import torch
 import triton
 import triton.language as tl
 
-from . import decode_supports as supports
-from . import split_supports
-from . import decode_plan, num_splits_for
+from .support import decode_supports as supports
+from .support import split_supports
+from .support import decode_plan, num_splits_for
 from . import _common as C
 from . import fast as _fast
 

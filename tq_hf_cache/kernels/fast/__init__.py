@@ -108,7 +108,7 @@ def _disable(idx: int, why: str) -> None:
 def plan(batch_heads: int, packed_len: int, device: torch.device, max_splits: int | None = None) -> tuple[int, int]:
     """(num_splits, tokens per split): about CTAS_PER_SM CTAs per SM, at least MIN_TOKENS_PER_SPLIT tokens each (a
     multiple of 16 * WARPS), at most max_splits (what a caller's scratch holds)."""
-    from .. import sm_count
+    from ..support import sm_count
 
     want = max(1, CTAS_PER_SM * sm_count(device) // batch_heads)  # one wave: a partial second one doubles the time
     most = max(1, -(-max(packed_len, 1) // MIN_TOKENS_PER_SPLIT))
