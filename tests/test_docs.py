@@ -153,3 +153,14 @@ def test_the_citation_check_catches_a_missing_and_an_uncited_file():
     assert not _covers("benchmarks/results/archive", "benchmarks/results/archive/x.json")
     assert not _covers("benchmarks/results/bench_prefix_h100.json", "benchmarks/results/bench_prefix_h100.png")
     assert not glob.glob(os.path.join(ROOT, "benchmarks/results/no_such_result.json"))
+
+
+def test_every_study_is_cited_by_a_current_doc():
+    """A script under benchmarks/studies/ stays while docs/*.md or README.md cite it by its path (its conclusion is in
+    the docs); then it leaves (git keeps it), as the guide's "experiments leave when their conclusion is in the docs"."""
+    texts = "\n".join(_doc_texts(with_changelog=False).values())
+    studies = sorted(glob.glob(os.path.join(ROOT, "benchmarks", "studies", "*")))
+    uncited = [os.path.relpath(p, ROOT) for p in studies if os.path.isfile(p)
+               and os.path.relpath(p, ROOT).replace(os.sep, "/") not in texts]
+    assert not uncited, "studies no current doc cites (cite them where the docs rest on them, or delete them):\n" + \
+        "\n".join(uncited)
