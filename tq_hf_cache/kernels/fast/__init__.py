@@ -267,6 +267,18 @@ def decode(query, kv, pi, scale_log2, kp, kn, vp, vn, rk, rv, sk, sv, mask_args,
     except jit.JitError as e:
         _disable(device.index if device.index is not None else torch.cuda.current_device(), str(e).splitlines()[0])
         return False
+    with torch.cuda.device(device):  # the kernels belong to this device's context: make it current for the launches
+        _launch(prep, packed, finish, query, kv, pi, scale_log2, kp, kn, vp, vn, rk, rv, sk, sv, mask_kind, m_arg, ms,
+                acc, ml, lens, lq, lr, ring, num_splits, tok_per_split, rows, out)
+    return True
+
+
+def _launch(prep, packed, finish, query, kv, pi, scale_log2, kp, kn, vp, vn, rk, rv, sk, sv, mask_kind, m_arg, ms,
+            acc, ml, lens, lq, lr, ring, num_splits, tok_per_split, rows, out) -> None:
+    b, hq, n, d = query.shape
+    hkv = kp.shape[1]
+    group = hq // hkv
+    device = query.device
     stream = torch.cuda.current_stream(device).cuda_stream
     bh = b * hkv
     qrot = torch.empty(bh, MAX_ROWS, d, dtype=torch.float16, device=device)
@@ -293,4 +305,3 @@ def decode(query, kv, pi, scale_log2, kp, kn, vp, vn, rk, rv, sk, sv, mask_args,
         m_ptr, *m_strides, acc.data_ptr(), ml.data_ptr(),
         out.data_ptr(), *out.stride()[:3], ln.data_ptr(), fr.data_ptr(),
         hkv, group, n, lq, lr, kv.sinks, num_splits, ring, m_elt, 0, scale_log2), stream)
-    return True
