@@ -101,3 +101,24 @@ def tiny_gemma3_config(**overrides):
               num_key_value_heads=2, head_dim=64, sliding_window=48, max_position_embeddings=2048)
     kw.update(overrides)
     return transformers.Gemma3TextConfig(**kw)
+
+
+@pytest.fixture
+def count_paths(monkeypatch):
+    """Counts fused attention calls and LazyKV fills (dense keys or values written for another consumer)."""
+    from tq_hf_cache import attention, ops
+
+    calls = {"fused": 0, "filled": 0}
+    fused, fill = ops.decode_attention, attention.fill_dense
+
+    def counting_fused(*a, **k):
+        calls["fused"] += 1
+        return fused(*a, **k)
+
+    def counting_fill(*a, **k):
+        calls["filled"] += 1
+        return fill(*a, **k)
+
+    monkeypatch.setattr(ops, "decode_attention", counting_fused)
+    monkeypatch.setattr(attention, "fill_dense", counting_fill)
+    return calls

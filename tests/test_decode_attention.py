@@ -105,6 +105,16 @@ def padding_mask(b, hq_or_1, n, t, pads, kind, extra_hole=True):
     return torch.zeros(m.shape).masked_fill(~m, float("-inf")).to(DEVICE)
 
 
+def head_mask(b, hq, n, t, kind, seed):
+    """(B, Hq, n, T) random mask whose rows differ by query head (each row sees its own token); "bool" or
+    "additive"."""
+    g = torch.Generator().manual_seed(seed)
+    allowed = torch.rand(b, hq, n, t, generator=g) > 0.4
+    allowed[..., -1] = True
+    mask = allowed if kind == "bool" else torch.zeros(allowed.shape).masked_fill(~allowed, float("-inf"))
+    return mask.to(DEVICE)
+
+
 def rel_err(out, ref):
     return ((out.float().cpu() - ref).norm() / ref.norm()).item()
 
@@ -244,11 +254,7 @@ def test_kernel_mask_that_differs_by_head(kind):
     state, kf, vf = make_state(b, hkv, lq, lr, n, d, 4, 3, torch.float16, seed)
     q = make_query(b, hkv * group, n, d, torch.float16, seed)
     t = lq + lr + n
-    g = torch.Generator().manual_seed(seed)
-    allowed = torch.rand(b, hkv * group, n, t, generator=g) > 0.4
-    allowed[..., -1] = True  # every row sees its own token
-    mask = allowed if kind == "bool" else torch.zeros(allowed.shape).masked_fill(~allowed, float("-inf"))
-    mask = mask.to(DEVICE)
+    mask = head_mask(b, hkv * group, n, t, kind, seed)
     out = decode_attention(q, state, mask, None, num_splits=3)
     ref = _oracle(q, kf, vf, mask, None)
     assert rel_err(out, ref) < TOL[torch.float16], f"seed {seed}"
@@ -329,25 +335,6 @@ def _left_padded_batch(seed, lengths=(37, 29, 41)):
         ids[i, : t - n] = 0
         mask[i, : t - n] = 0
     return ids, mask
-
-
-@pytest.fixture
-def count_paths(monkeypatch):
-    """Counts fused attention calls and LazyKV fills (dense keys or values written for another consumer)."""
-    calls = {"fused": 0, "filled": 0}
-    fused, fill = ops.decode_attention, attention.fill_dense
-
-    def counting_fused(*a, **k):
-        calls["fused"] += 1
-        return fused(*a, **k)
-
-    def counting_fill(*a, **k):
-        calls["filled"] += 1
-        return fill(*a, **k)
-
-    monkeypatch.setattr(ops, "decode_attention", counting_fused)
-    monkeypatch.setattr(attention, "fill_dense", counting_fill)
-    return calls
 
 
 @pytest.mark.parametrize("preset,head_dim", [("k4v4", 64), ("k3v3", 64), ("k5v3", 256)])

@@ -22,7 +22,7 @@ from tq_hf_cache.codebook import Codebook
 from tq_hf_cache.kernels import fast
 from tq_hf_cache.kernels.fast import jit
 
-from test_decode_attention import TOL, fresh_seed, make_query, make_state, padding_mask, rel_err
+from test_decode_attention import TOL, fresh_seed, head_mask, make_query, make_state, padding_mask, rel_err
 
 CUDA = torch.cuda.is_available()
 gpu = pytest.mark.skipif(not CUDA, reason="needs CUDA")
@@ -201,11 +201,7 @@ def test_fast_kernel_mask_that_differs_by_head(kind, launches):
     state, kf, vf = make_state(b, hkv, lq, lr, n, d, 4, 3, torch.float16, seed)
     q = make_query(b, hkv * group, n, d, torch.float16, seed)
     t = lq + lr + n
-    g = torch.Generator().manual_seed(seed)
-    allowed = torch.rand(b, hkv * group, n, t, generator=g) > 0.4
-    allowed[..., -1] = True
-    mask = allowed if kind == "bool" else torch.zeros(allowed.shape).masked_fill(~allowed, float("-inf"))
-    mask = mask.to("cuda")
+    mask = head_mask(b, hkv * group, n, t, kind, seed)
     out = _decode(q, state, mask, None)
     assert launches == [True]
     ref = reference.attention(q.cpu(), kf, vf, mask=mask.cpu()).transpose(1, 2)

@@ -6,26 +6,7 @@ import pytest
 import torch
 
 from conftest import tiny_llama_config, with_cache
-from tq_hf_cache import TurboQuantCache, attention, ops
-
-
-@pytest.fixture
-def calls(monkeypatch):
-    """Counts fused attention calls and dense fills of LazyKVs."""
-    seen = {"fused": 0, "filled": 0}
-    fused, fill = ops.decode_attention, attention.fill_dense
-
-    def counting_fused(*a, **k):
-        seen["fused"] += 1
-        return fused(*a, **k)
-
-    def counting_fill(*a, **k):
-        seen["filled"] += 1
-        return fill(*a, **k)
-
-    monkeypatch.setattr(ops, "decode_attention", counting_fused)
-    monkeypatch.setattr(attention, "fill_dense", counting_fill)
-    return seen
+from tq_hf_cache import TurboQuantCache, attention
 
 
 def _model():
@@ -44,7 +25,7 @@ def _sdpa_packs_gqa() -> bool:
 
 
 @pytest.mark.parametrize("batch", [1, 2])
-def test_sdpa_decode_steps_read_the_packed_kv_and_match_the_dequantized_path(calls, batch):
+def test_sdpa_decode_steps_read_the_packed_kv_and_match_the_dequantized_path(count_paths, batch):
     """Under "sdpa" (no setting on the model) every decode step over a packed history takes the fused attention,
     nothing is dequantized into the workspace, and the scores are those of SDPA on the dequantized keys and values
     (fused_sdpa=False). A left-padded batch passes a mask; a single row none."""
@@ -64,14 +45,14 @@ def test_sdpa_decode_steps_read_the_packed_kv_and_match_the_dequantized_path(cal
                                          pad_token_id=0, min_new_tokens=6)
         layers = model.config.num_hidden_layers
         if fused and (batch == 1 or _sdpa_packs_gqa()):
-            assert calls == {"fused": layers * 5, "filled": 0}  # the 5 steps after the prefill, in every layer
+            assert count_paths == {"fused": layers * 5, "filled": 0}  # the 5 steps after the prefill, in every layer
             assert cache.nbytes()["workspace"] == 0
         elif fused:  # older sdpa repeats the KV heads under a mask: those steps fill the dense keys and values
-            assert calls == {"fused": 0, "filled": 2 * layers * 5}
-            calls["filled"] = 0
+            assert count_paths == {"fused": 0, "filled": 2 * layers * 5}
+            count_paths["filled"] = 0
         if fused:
             assert cache.quantized_tokens > 0
-    assert calls["filled"] == 2 * model.config.num_hidden_layers * 5  # fused_sdpa=False: SDPA read K and V densely
+    assert count_paths["filled"] == 2 * model.config.num_hidden_layers * 5  # fused_sdpa=False: SDPA read K, V densely
     assert torch.equal(outs[True].sequences, outs[False].sequences)
     for a, b in zip(outs[True].scores, outs[False].scores):  # min_new_tokens puts -inf on end-of-sequence
         torch.testing.assert_close(a, b, atol=1e-4, rtol=0)

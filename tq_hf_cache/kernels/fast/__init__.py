@@ -32,6 +32,7 @@ ENV = "TQ_HF_CACHE_FAST_DECODE"  # "0" turns the kernel off; "1" also turns it o
 
 _SOURCE: str | None = None
 _BROKEN: dict[int, str] = {}  # device index -> why the kernel cannot run there (warned once)
+_READY: set[int] = set()  # device indexes found able to run it
 
 
 def source() -> str:
@@ -83,6 +84,8 @@ def machine_ok(device: torch.device) -> bool:
     if device.type != "cuda" or os.environ.get(ENV, "1") == "0":
         return False
     idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx in _READY:  # (asked on every decode call: the device is checked once)
+        return True
     if idx in _BROKEN:
         return False
     why = None
@@ -96,10 +99,12 @@ def machine_ok(device: torch.device) -> bool:
     if why is not None:
         _disable(idx, why)
         return False
+    _READY.add(idx)
     return True
 
 
 def _disable(idx: int, why: str) -> None:
+    _READY.discard(idx)
     _BROKEN[idx] = why
     warnings.warn(f"tq_hf_cache: the fast decode kernel is off on cuda:{idx} ({why}); the Triton kernel serves "
                   f"instead", RuntimeWarning, stacklevel=3)

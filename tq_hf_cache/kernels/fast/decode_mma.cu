@@ -539,6 +539,38 @@ __device__ __forceinline__ float to_f32(const void* p, i64 i) {
   else return reinterpret_cast<const float*>(p)[i];
 }
 
+#define GROUPS (FWARPS * 32 / D)  // thread (rg, x) = (tid / D, tid % D): row group rg of column x
+#define ROWS_PER(NR) ((NR + GROUPS - 1) / GROUPS)
+
+// qs[r * D + c] = scale_log2 * q_r[c] for r < live (row r = query r % n of head h * G + r / n), 0 for live <= r < NR
+template <int NR, class P>
+__device__ __forceinline__ void load_query(const P& p, int b, int h, int live, float* qs) {
+  for (int e = threadIdx.x; e < NR * D; e += FWARPS * 32) {
+    const int r = e / D, c = e % D;
+    qs[e] = r < live ? to_f32<Q_DT>(p.q, b * p.sqb + static_cast<i64>(h * p.group + r / p.nq) * p.sqh +
+                                             static_cast<i64>(r % p.nq) * p.sqn + c) * p.scale_log2
+                     : 0.0f;
+  }
+}
+
+// y[j] = sum_c in[r][c] m[c][x] for row r = rg + j GROUPS < live of column x (both row-major, D wide): each thread
+// reads column x of m once, coalesced across the threads
+template <int NR>
+__device__ __forceinline__ void rows_times(const float* m, const float* in, int live, float (&y)[ROWS_PER(NR)]) {
+  const int x = threadIdx.x % D, rg = threadIdx.x / D;
+#pragma unroll
+  for (int j = 0; j < ROWS_PER(NR); ++j) y[j] = 0.0f;
+#pragma unroll 16
+  for (int c = 0; c < D; ++c) {
+    const float w = m[c * D + x];
+#pragma unroll
+    for (int j = 0; j < ROWS_PER(NR); ++j) {
+      const int r = rg + j * GROUPS;
+      if (r < live) y[j] += in[r * D + c] * w;
+    }
+  }
+}
+
 struct PrepParams {
   const void* q; i64 sqb, sqh, sqn;   // (B, Hq, n, D), element strides, unit last stride
   const float* pit;                   // (D, D) Pi^T
@@ -549,32 +581,17 @@ struct PrepParams {
 
 // out[bh, r] = fp16(scale_log2 * Pi q_r) for r < G * n (row r = query r % n of head h * G + r / n), zero for r < 16
 extern "C" __global__ void __launch_bounds__(FWARPS * 32) tq_decode_prep(const PrepParams p) {
-  __shared__ float qs[16][D];
+  __shared__ float qs[16 * D];
   const int bh = blockIdx.x, b = bh / p.hkv, h = bh % p.hkv;
-  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   const int live = p.group * p.nq;
-  for (int e = tid; e < live * D; e += FWARPS * 32) {
-    const int r = e / D, c = e % D;
-    qs[r][c] = to_f32<Q_DT>(p.q, b * p.sqb + static_cast<i64>(h * p.group + r / p.nq) * p.sqh +
-                                     static_cast<i64>(r % p.nq) * p.sqn + c) * p.scale_log2;
-  }
+  load_query<16>(p, b, h, live, qs);
   __syncthreads();
-  // thread (rg, x): rows rg, rg + GR, ... of column x; Pi^T's column x read once (coalesced across the threads)
-  constexpr int GR = FWARPS * 32 / D;
-  constexpr int RPG = (16 + GR - 1) / GR;
-  const int x = tid % D, rg = tid / D;
+  // Pi q: the rows times Pi^T
+  constexpr int GR = GROUPS;
+  constexpr int RPG = ROWS_PER(16);
+  const int x = threadIdx.x % D, rg = threadIdx.x / D;
   float y[RPG];
-#pragma unroll
-  for (int j = 0; j < RPG; ++j) y[j] = 0.0f;
-#pragma unroll 32
-  for (int c = 0; c < D; ++c) {
-    const float w = p.pit[c * D + x];
-#pragma unroll
-    for (int j = 0; j < RPG; ++j) {
-      const int r = rg + j * GR;
-      if (r < live) y[j] += w * qs[r][c];
-    }
-  }
+  rows_times<16>(p.pit, qs, live, y);
   u16* out = p.out + static_cast<i64>(bh) * 16 * D;
 #pragma unroll
   for (int j = 0; j < RPG; ++j) {
@@ -622,12 +639,7 @@ extern "C" __global__ void __launch_bounds__(FWARPS * 32) tq_decode_finish(const
   const int T = lq + lr;
   for (int i = tid; i < D * D / 32; i += FWARPS * 32)  // Pi's 128-byte lines, read at the end: into L2 now
     asm volatile("prefetch.global.L2 [%0];" ::"l"(p.pi + 32 * i));
-  for (int e = tid; e < ROWS * D; e += FWARPS * 32) {
-    const int r = e / D, c = e % D;
-    qs[e] = r < live ? to_f32<Q_DT>(p.q, b * p.sqb + static_cast<i64>(h * p.group + r / p.nq) * p.sqh +
-                                             static_cast<i64>(r % p.nq) * p.sqn + c) * p.scale_log2
-                     : 0.0f;
-  }
+  load_query<ROWS>(p, b, h, live, qs);
   __syncthreads();
 
   // exact copies: token e < ls is sink e; else position lq + (e - ls), at ring slot (pos % ring, static) or pos - lq
@@ -757,22 +769,12 @@ extern "C" __global__ void __launch_bounds__(FWARPS * 32) tq_decode_finish(const
   __syncthreads();
 
   // out[r, x] = (wp (ys Pi)[r, x] + sum_w ww acc_w[r, x]) / (wp Lp + sum_w ww l_w): thread (rg, x) takes rows
-  // rg, rg + GR, ... of column x, reading each entry of Pi's column once
-  constexpr int GR = FWARPS * 32 / D;
-  constexpr int RPG = (ROWS + GR - 1) / GR;
+  // rg, rg + GR, ... of column x
+  constexpr int GR = GROUPS;
+  constexpr int RPG = ROWS_PER(ROWS);
   const int x = tid % D, rg = tid / D;
   float y[RPG];
-#pragma unroll
-  for (int j = 0; j < RPG; ++j) y[j] = 0.0f;
-#pragma unroll 16
-  for (int c = 0; c < D; ++c) {
-    const float pc = p.pi[c * D + x];
-#pragma unroll
-    for (int j = 0; j < RPG; ++j) {
-      const int r = rg + j * GR;
-      if (r < live) y[j] += ys[r * D + c] * pc;
-    }
-  }
+  rows_times<ROWS>(p.pi, ys, live, y);
 #pragma unroll
   for (int j = 0; j < RPG; ++j) {
     const int r = rg + j * GR;
