@@ -37,6 +37,7 @@ from .support import split_supports
 from .support import decode_plan, num_splits_for
 from . import _common as C
 from . import fast as _fast
+from . import fast_serves
 
 if TYPE_CHECKING:
     from ..packed_kv import PackedKV
@@ -805,9 +806,8 @@ def decode_attention(
         raise ValueError(f"query heads ({hq}) must be a multiple of KV heads ({hkv})")
     group = hq // hkv
     kcb, vcb = kv.k_codebook, kv.v_codebook
-    fast_ok = fast is not False and num_splits is None and (not kv.static or _fast.static_ok()) and _fast.shape_ok(
-        d, kcb.bits, vcb.bits, group * n, kv.key_split is not None, kv.k_packed.shape[2]) and _fast.machine_ok(
-        query.device)
+    fast_ok = fast is not False and num_splits is None and fast_serves(
+        query.device, d, kcb.bits, vcb.bits, group * n, kv.key_split is not None, kv.k_packed.shape[2], kv.static)
     if not fast_ok and not supports(d, kcb.bits, vcb.bits, n, group):
         raise ValueError(f"decode_attention does not support head dim {d}, bits k{kcb.bits}v{vcb.bits}, {group}x{n} rows")
     if kv.static:
