@@ -279,6 +279,33 @@ def test_compile_errors_name_the_defines():
         jit.compile_cubin(fast.source() + "\n#error broken\n", fast.NAME, {"D": 7}, 90)
 
 
+@pytest.mark.skipif(not _nvrtc_ok(), reason="NVRTC missing")
+@pytest.mark.parametrize("damage", ["truncated", "flipped", "swapped"])
+def test_a_damaged_cached_kernel_is_compiled_again(damage, monkeypatch, tmp_path):
+    """The disk cache binds each cubin to its key: a half-written, corrupted or swapped file is refused (with a warning
+    naming it) and replaced by a fresh compile, never loaded."""
+    monkeypatch.setenv("TQ_HF_CACHE_KERNEL_DIR", str(tmp_path))
+    df = fast.defines(64, 4, 4, 1, 0, 0, False, False, False, 16, True)
+    first = jit.cubin(fast.source(), fast.NAME, df, 90)
+    (path,) = glob.glob(str(tmp_path / "*.cubin"))
+    raw = open(path, "rb").read()
+    assert raw.endswith(first)
+    assert jit.cubin(fast.source(), fast.NAME, df, 90) == first  # a sound entry is read back as is
+    if damage == "truncated":
+        bad = raw[:-100]
+    elif damage == "flipped":
+        bad = raw[:-1] + bytes([raw[-1] ^ 1])
+    else:  # another key's entry under this name
+        other = jit.cubin(fast.source(), fast.NAME, {**df, "VB": 3}, 90)
+        bad = next(open(p, "rb").read() for p in glob.glob(str(tmp_path / "*.cubin")) if p != path)
+        assert bad.endswith(other)
+    with open(path, "wb") as f:
+        f.write(bad)
+    with pytest.warns(RuntimeWarning, match="does not match its digest"):
+        again = jit.cubin(fast.source(), fast.NAME, df, 90)
+    assert again == first and open(path, "rb").read() == raw
+
+
 def test_cache_dir_follows_the_environment(monkeypatch, tmp_path):
     monkeypatch.setenv("TQ_HF_CACHE_KERNEL_DIR", str(tmp_path))
     assert jit.cache_dir() == str(tmp_path)

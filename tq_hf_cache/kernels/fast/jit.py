@@ -14,6 +14,7 @@ import hashlib
 import os
 import sys
 import threading
+import warnings
 
 from ..._io import write_bytes
 
@@ -99,24 +100,38 @@ def cache_dir() -> str:
                                                                       "kernels")
 
 
+CACHE_MAGIC = b"tq_hf_cache cubin 1\n"  # then the SHA-256 of the key and the cubin, then the cubin
+
+
+def _entry_digest(key: str, image: bytes) -> bytes:
+    return hashlib.sha256(key.encode() + image).digest()
+
+
 def cubin(source: str, name: str, defines: dict[str, int], arch: int) -> bytes:
-    """The cubin of (source, defines, arch), from the disk cache or compiled now and cached (atomically)."""
+    """The cubin of (source, defines, arch), from the disk cache or compiled now and cached (atomically). A cache
+    file binds its cubin to its key by a digest: a truncated, corrupted or swapped one is not used (it is compiled
+    again and replaced, with a warning naming the file)."""
     key = hashlib.sha256(repr((source, sorted(defines.items()), arch, nvrtc_version())).encode()).hexdigest()[:32]
     path = os.path.join(cache_dir(), f"{name}-sm{arch}-{key}.cubin")
     try:
         with open(path, "rb") as f:
-            data = f.read()
-        if data[:4] == b"\x7fELF":
-            return data
+            raw = f.read()
     except OSError:
-        pass
-    data = compile_cubin(source, name, defines, arch)
+        raw = None
+    if raw is not None:
+        head, digest, image = raw[: len(CACHE_MAGIC)], raw[len(CACHE_MAGIC): len(CACHE_MAGIC) + 32], \
+            raw[len(CACHE_MAGIC) + 32:]
+        if head == CACHE_MAGIC and digest == _entry_digest(key, image):
+            return image
+        warnings.warn(f"tq_hf_cache: the cached kernel {path} does not match its digest (truncated, corrupted or "
+                      "another file); compiling it again", RuntimeWarning, stacklevel=2)
+    image = compile_cubin(source, name, defines, arch)
     try:
         os.makedirs(cache_dir(), exist_ok=True)
-        write_bytes(path, data)
+        write_bytes(path, CACHE_MAGIC + _entry_digest(key, image) + image)
     except OSError:
         pass  # an unwritable cache costs a compile per process, nothing else
-    return data
+    return image
 
 
 # ------------------------------------------------------------------------------------------------ the driver
