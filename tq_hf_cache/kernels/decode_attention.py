@@ -860,7 +860,7 @@ def decode_attention(
                          f"{tuple(out.shape)} {out.dtype}")
     scale_log2 = (d**-0.5 if scale is None else float(scale)) * LOG2E
     if use_fast and _fast.decode(qv, kv, pi, scale_log2, kp, kn, vp, vn, rk, rv, sk, sv, (mask_kind, m_arg, ms), acc,
-                                 ml, lens, (lq, lr, ring), num_splits, tok_per_split, rows, out):
+                                 ml, counters, lens, (lq, lr, ring), num_splits, tok_per_split, rows, out):
         return out
     (kt, kt_sh), (vt, vt_sh) = lookup_table(kcb, hkv, query.device), lookup_table(vcb, hkv, query.device)
     kplanes, vplanes = planes(kcb.bits), planes(vcb.bits)

@@ -1,9 +1,9 @@
 """The explicit-layout decode kernels (`decode_mma.cu`, CUDA C++ compiled at first use by NVRTC: `jit`).
 
-Three launches: `tq_decode_prep` rotates and scales the query rows; `tq_decode_packed` computes the packed history's
-split-K partials on tensor cores, with the codes loaded straight into the MMA operand registers (see the source's
-header); `tq_decode_finish` attends to the exact copies (sinks, the ring), merges the partials, rotates the values
-back once and writes the output. The Triton kernel (`..decode_attention`) computes the same function and stays the
+Two launches: `tq_decode_prep` rotates and scales the query rows; `tq_decode` computes the packed history's split-K
+partials on tensor cores, with the codes loaded straight into the MMA operand registers (see the source's header),
+and the exact copies' (sinks, the ring) in parallel CTAs; the last CTA of a (batch, KV head) merges the partials,
+rotates the values back once and writes the output. The Triton kernel (`..decode_attention`) computes the same function and stays the
 oracle and the fallback: where these kernels cannot serve (no CUDA, a GPU older than sm_80, no NVRTC, a shape they
 do not take) it does everything, with one warning naming why when the reason is the machine rather than the shape.
 """
@@ -21,7 +21,7 @@ import torch
 from .. import _common as C
 from . import jit
 
-NAME = "tq_decode_packed"
+NAME = "tq_decode"
 WARPS = 8  # as the source's WARPS
 HEAD_DIMS = (64, 128, 256)
 BITS = (2, 3, 4, 5)  # pair tables up to 4^5 entries
@@ -60,6 +60,15 @@ class Params(ctypes.Structure):
         ("hkv", ctypes.c_int32), ("group", ctypes.c_int32), ("nq", ctypes.c_int32), ("rows", ctypes.c_int32),
         ("lq", ctypes.c_int32), ("sinks", ctypes.c_int32), ("tok_per_split", ctypes.c_int32),
         ("num_splits", ctypes.c_int32), ("mask_elt", ctypes.c_int32), ("slots", ctypes.c_int32),
+        ("qx", ctypes.c_void_p), ("sqb", ctypes.c_int64), ("sqh", ctypes.c_int64), ("sqn", ctypes.c_int64),
+        ("pi", ctypes.c_void_p),
+        ("sk", ctypes.c_void_p), ("sskb", ctypes.c_int64), ("sskh", ctypes.c_int64),
+        ("sv", ctypes.c_void_p), ("ssvb", ctypes.c_int64), ("ssvh", ctypes.c_int64),
+        ("rk", ctypes.c_void_p), ("srkb", ctypes.c_int64), ("srkh", ctypes.c_int64),
+        ("rv", ctypes.c_void_p), ("srvb", ctypes.c_int64), ("srvh", ctypes.c_int64),
+        ("out", ctypes.c_void_p), ("sob", ctypes.c_int64), ("son", ctypes.c_int64), ("soh", ctypes.c_int64),
+        ("counters", ctypes.c_void_p),
+        ("lr", ctypes.c_int32), ("ring", ctypes.c_int32), ("scale_log2", ctypes.c_float),
     ]
 
 
@@ -115,7 +124,10 @@ def plan(batch_heads: int, packed_len: int, device: torch.device, max_splits: in
     multiple of 16 * WARPS), at most max_splits (what a caller's scratch holds)."""
     from ..support import sm_count
 
-    want = max(1, CTAS_PER_SM * sm_count(device) // batch_heads)  # one wave: a partial second one doubles the time
+    slots = CTAS_PER_SM * sm_count(device)
+    want = max(1, slots // batch_heads)  # one wave: a partial second one doubles the time
+    if want >= 8:  # leave room for the exact copies' CTA of each (batch, KV head) where that costs little
+        want = (slots - batch_heads) // batch_heads
     most = max(1, -(-max(packed_len, 1) // MIN_TOKENS_PER_SPLIT))
     splits = min(want, most)
     if max_splits is not None:
@@ -214,36 +226,12 @@ class PrepParams(ctypes.Structure):
                 ("scale_log2", ctypes.c_float)]
 
 
-class FinishParams(ctypes.Structure):
-    _fields_ = [
-        ("q", ctypes.c_void_p), ("sqb", ctypes.c_int64), ("sqh", ctypes.c_int64), ("sqn", ctypes.c_int64),
-        ("pi", ctypes.c_void_p),
-        ("sk", ctypes.c_void_p), ("sskb", ctypes.c_int64), ("sskh", ctypes.c_int64),
-        ("sv", ctypes.c_void_p), ("ssvb", ctypes.c_int64), ("ssvh", ctypes.c_int64),
-        ("rk", ctypes.c_void_p), ("srkb", ctypes.c_int64), ("srkh", ctypes.c_int64),
-        ("rv", ctypes.c_void_p), ("srvb", ctypes.c_int64), ("srvh", ctypes.c_int64),
-        ("mask", ctypes.c_void_p), ("smb", ctypes.c_int64), ("smh", ctypes.c_int64), ("smi", ctypes.c_int64),
-        ("smt", ctypes.c_int64),
-        ("acc", ctypes.c_void_p), ("ml", ctypes.c_void_p),
-        ("out", ctypes.c_void_p), ("sob", ctypes.c_int64), ("son", ctypes.c_int64), ("soh", ctypes.c_int64),
-        ("len_ptr", ctypes.c_void_p), ("from_ptr", ctypes.c_void_p),
-        ("hkv", ctypes.c_int32), ("group", ctypes.c_int32), ("nq", ctypes.c_int32), ("lq", ctypes.c_int32),
-        ("lr", ctypes.c_int32), ("sinks", ctypes.c_int32), ("num_splits", ctypes.c_int32), ("ring", ctypes.c_int32),
-        ("mask_elt", ctypes.c_int32), ("pad", ctypes.c_int32),
-        ("scale_log2", ctypes.c_float),
-    ]
+def exact_smem(d: int, rows: int) -> int:
+    """Dynamic shared memory of the exact copies' CTA: the query and the warps' partials (the merge needs less)."""
+    return 4 * (d * rows * (WARPS + 1) + 2 * WARPS * rows)
 
 
-FINISH_WARPS = 8  # as the source's FWARPS
-_DT = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2}
-
-
-def finish_smem(d: int, rows: int) -> int:
-    """Dynamic shared memory of the finish kernel: the query, the warps' exact partials, the merged packed one."""
-    return 4 * (d * rows * (FINISH_WARPS + 2) + 2 * FINISH_WARPS * rows + 2 * rows)
-
-
-def decode(query, kv, pi, scale_log2, kp, kn, vp, vn, rk, rv, sk, sv, mask_args, acc, ml, lens, lengths,
+def decode(query, kv, pi, scale_log2, kp, kn, vp, vn, rk, rv, sk, sv, mask_args, acc, ml, counters, lens, lengths,
            num_splits: int, tok_per_split: int, rows: int, out) -> bool:
     """The whole decode attention of `..decode_attention.decode_attention` (its prepared arguments) into `out`.
     Returns False, having launched nothing, when the kernels cannot be used here (and turns them off on this
@@ -252,43 +240,40 @@ def decode(query, kv, pi, scale_log2, kp, kn, vp, vn, rk, rv, sk, sv, mask_args,
     hkv = kp.shape[1]
     group = hq // hkv
     mask_kind, m_arg, ms = mask_args
-    lq, lr, ring = lengths
     vec = _vec(kp, vp)
     if vec == 0 or query.dtype not in _DT or rk.dtype not in _DT or pi.dtype != torch.float32:
         return False
     kind = {0: 0, 1: 1, 2: 2, 3: 1, 4: 2}[mask_kind]
     mdt = _MASK_DT[m_arg.dtype] if mask_kind else 0
-    df = defines(d, kv.k_codebook.bits, kv.v_codebook.bits, 1 if group * n <= 8 else 2, kind, mdt,
-                 kn.dtype == torch.float32, vn.dtype == torch.float32, kv.static, vec,
+    kb, vb, kn32, vn32 = kv.k_codebook.bits, kv.v_codebook.bits, kn.dtype == torch.float32, vn.dtype == torch.float32
+    df = defines(d, kb, vb, 1 if group * n <= 8 else 2, kind, mdt, kn32, vn32, kv.static, vec,
                  _norms_vec(kn, vn) and kp.shape[2] % 2 == 0)
     df.update(Q_DT=_DT[query.dtype], X_DT=_DT[rk.dtype], O_DT=_DT[out.dtype], ROWS=rows)
     device = query.device
     try:
         prep = jit.kernel(source(), "tq_decode_prep", df, device)
-        packed = jit.kernel(source(), NAME, df, device, packed_smem(d, kv.k_codebook.bits, kv.v_codebook.bits,
-                                                                     kn.dtype == torch.float32,
-                                                                     vn.dtype == torch.float32))
-        finish = jit.kernel(source(), "tq_decode_finish", df, device, finish_smem(d, rows))
+        main = jit.kernel(source(), NAME, df, device, max(packed_smem(d, kb, vb, kn32, vn32), exact_smem(d, rows)))
     except jit.JitError as e:
         _disable(device.index if device.index is not None else torch.cuda.current_device(), str(e).splitlines()[0])
         return False
     with torch.cuda.device(device):  # the kernels belong to this device's context: make it current for the launches
-        _launch(prep, packed, finish, query, kv, pi, scale_log2, kp, kn, vp, vn, rk, rv, sk, sv, mask_kind, m_arg, ms,
-                acc, ml, lens, lq, lr, ring, num_splits, tok_per_split, rows, out)
+        _launch(prep, main, query, kv, pi, scale_log2, kp, kn, vp, vn, rk, rv, sk, sv, mask_kind, m_arg, ms, acc, ml,
+                counters, lens, lengths, num_splits, tok_per_split, rows, out)
     return True
 
 
-def _launch(prep, packed, finish, query, kv, pi, scale_log2, kp, kn, vp, vn, rk, rv, sk, sv, mask_kind, m_arg, ms,
-            acc, ml, lens, lq, lr, ring, num_splits, tok_per_split, rows, out) -> None:
+def _launch(prep, main, query, kv, pi, scale_log2, kp, kn, vp, vn, rk, rv, sk, sv, mask_kind, m_arg, ms, acc, ml,
+            counters, lens, lengths, num_splits, tok_per_split, rows, out) -> None:
     b, hq, n, d = query.shape
     hkv = kp.shape[1]
     group = hq // hkv
+    lq, lr, ring = lengths
     device = query.device
     stream = torch.cuda.current_stream(device).cuda_stream
     bh = b * hkv
     qrot = torch.empty(bh, MAX_ROWS, d, dtype=torch.float16, device=device)
     pi = pi.contiguous()
-    prep.launch((bh, 1, 1), 32 * FINISH_WARPS, PrepParams(
+    prep.launch((bh, d // 32, 1), 32 * WARPS, PrepParams(
         query.data_ptr(), *query.stride()[:3], _transposed(kv.rotation, pi).data_ptr(), qrot.data_ptr(), hkv, group,
         n, scale_log2), stream)
     (kt, kt_sh), (vt, vt_sh) = pair_table(kv.k_codebook, hkv, device), pair_table(kv.v_codebook, hkv, device)
@@ -296,17 +281,14 @@ def _launch(prep, packed, finish, query, kv, pi, scale_log2, kp, kn, vp, vn, rk,
     m_ptr = m_arg.data_ptr() if mask_kind else 0
     m_strides = tuple(ms) if mask_kind else (0, 0, 0, 0)
     m_elt = m_arg.element_size() if mask_kind else 1
-    packed.launch((num_splits, bh, 1), 32 * WARPS, Params(
+    main.launch((num_splits + 1, bh, 1), 32 * WARPS, Params(
         qrot.data_ptr(),
         kp.data_ptr(), kp.stride(0), kp.stride(1), kn.data_ptr(), kn.stride(0), kn.stride(1),
         vp.data_ptr(), vp.stride(0), vp.stride(1), vn.data_ptr(), vn.stride(0), vn.stride(1),
         kt.data_ptr(), kt_sh, vt.data_ptr(), vt_sh,
         m_ptr, *m_strides, acc.data_ptr(), ml.data_ptr(), ln.data_ptr(), fr.data_ptr(),
-        hkv, group, n, rows, lq, kv.sinks, tok_per_split, num_splits, m_elt, kp.shape[2]), stream)
-    finish.launch((bh, 1, 1), 32 * FINISH_WARPS, FinishParams(
+        hkv, group, n, rows, lq, kv.sinks, tok_per_split, num_splits, m_elt, kp.shape[2],
         query.data_ptr(), *query.stride()[:3], pi.data_ptr(),
         sk.data_ptr(), sk.stride(0), sk.stride(1), sv.data_ptr(), sv.stride(0), sv.stride(1),
         rk.data_ptr(), rk.stride(0), rk.stride(1), rv.data_ptr(), rv.stride(0), rv.stride(1),
-        m_ptr, *m_strides, acc.data_ptr(), ml.data_ptr(),
-        out.data_ptr(), *out.stride()[:3], ln.data_ptr(), fr.data_ptr(),
-        hkv, group, n, lq, lr, kv.sinks, num_splits, ring, m_elt, 0, scale_log2), stream)
+        out.data_ptr(), *out.stride()[:3], counters.data_ptr(), lr, ring, scale_log2), stream)

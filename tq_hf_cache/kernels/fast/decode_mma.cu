@@ -1,9 +1,12 @@
-// Decode attention over TurboQuant-packed keys and values on tensor cores (mma.sync m16n8k16, sm_80+, tuned for
-// sm_90): the packed history's split-K partials, in the format the Triton kernel's merge reads.
+// Decode attention over TurboQuant-packed keys and values (sm_80+, tuned for sm_90), in two launches:
+// `tq_decode_prep` rotates and scales the query; `tq_decode` computes, per (batch, KV head), the packed history's
+// split-K partials on tensor cores (mma.sync m16n8k16) and the exact copies' partial in parallel CTAs, and the last
+// CTA to finish merges them, rotates the values back once and writes the output.
 //
 // Compiled at first use by NVRTC (no headers) with -D: D, KB, VB (bits), NQ (query n-tiles: 8 * NQ >= G * n),
-// MASK_KIND (0 none, 1 bool / 2 additive per row, 3 bool / 4 additive shared by the rows), MASK_DT (0 u8, 1 f16,
-// 2 bf16, 3 f32), KN_F32, VN_F32 (norm dtypes), KR, VR (copies of each pair table), STATIC, VEC (widest load, bytes).
+// MASK_KIND (0 none, 1 bool / 2 additive per row), MASK_DT (0 u8, 1 f16, 2 bf16, 3 f32), KN_F32, VN_F32 (norm
+// dtypes), KR, VR (copies of each pair table), STATIC, VEC (widest load, bytes), NVEC (norms loaded in pairs),
+// STAGES, and those of the exact part below.
 //
 // Registers, not shared memory, carry the codes into the MMA operands, with no reshuffle:
 // - Scores S = Q K^T (M = 16 query rows, N = 8 tokens, K = 16 channels). Lane (g = lane / 4, l4 = lane % 4) holds,
@@ -32,17 +35,28 @@ struct Params {
   const u32* ktab; i64 ktab_sh;       // (heads', 4^KB) half2 pair tables, head stride in entries (0: shared)
   const u32* vtab; i64 vtab_sh;
   const unsigned char* mask; i64 smb, smh, smi, smt;  // element strides
-  float* acc; float* ml;              // partials: acc (slots, R, D) by planes, ml (slots, 2, R)
+  float* acc; float* ml;              // partials: acc (slots, R, D), ml (slots, 2, R); slot = bh (splits + 1) + s
   const i64* len_ptr; const i64* from_ptr;
   int hkv, group, nq, rows, lq, sinks, tok_per_split, num_splits, mask_elt, slots;
+  // the exact copies and the merge
+  const void* qx; i64 sqb, sqh, sqn;  // (B, Hq, n, D) the query as given, element strides
+  const float* pi;                    // (D, D) the rotation
+  const void* sk; i64 sskb, sskh;     // exact copies: sinks and ring, (B, Hkv, slots, D), token stride D
+  const void* sv; i64 ssvb, ssvh;
+  const void* rk; i64 srkb, srkh;
+  const void* rv; i64 srvb, srvh;
+  void* out; i64 sob, son, soh;       // (B, n, Hq, D)
+  int* counters;                      // (B Hkv) arrivals, zero between launches
+  int lr, ring;
+  float scale_log2;
 };
 
 #define WARPS 8
 #ifndef STAGES
 #define STAGES 3
 #endif
-#ifndef MIN_CTAS
-#define MIN_CTAS 1
+#ifndef MIN_CTAS  // two CTAs an SM where the registers allow (128 a thread)
+#define MIN_CTAS ((NQ == 1 && D <= 128) ? 2 : 1)
 #endif
 #define NEG_INF __int_as_float(0xff800000)
 #define LOG2E 1.4426950408889634f
@@ -215,10 +229,102 @@ __device__ __forceinline__ void load_norm_pair(const void* base, i64 i, float& a
   }
 }
 
-extern "C" __global__ void __launch_bounds__(WARPS * 32, MIN_CTAS) tq_decode_packed(const Params p) {
-  extern __shared__ __align__(16) unsigned char smem[];
-  const int split = blockIdx.x;
-  const int bh = blockIdx.y;
+// ------------------------------------------------------------------------------------------------------------------
+// The exact copies, the partials and the merge. More -D: Q_DT / X_DT / O_DT (0 f16, 1 bf16, 2 f32: the query, the
+// exact copies, the output), ROWS (stored partial rows, a power of two >= G * n).
+
+#ifndef ROWS
+#define ROWS 16
+#endif
+#ifndef Q_DT
+#define Q_DT 0
+#endif
+#ifndef X_DT
+#define X_DT 0
+#endif
+#ifndef O_DT
+#define O_DT 0
+#endif
+#define DPL (D / 32)  // channels per lane in the SIMT parts
+
+template <int DT>
+__device__ __forceinline__ float to_f32(const void* p, i64 i) {
+  if constexpr (DT == 0) return h2f(reinterpret_cast<const u16*>(p)[i]);
+  else if constexpr (DT == 1) return __uint_as_float(static_cast<u32>(reinterpret_cast<const u16*>(p)[i]) << 16);
+  else return reinterpret_cast<const float*>(p)[i];
+}
+
+#define GROUPS (WARPS * 32 / D)  // thread (rg, x) = (tid / D, tid % D): row group rg of column x
+#define ROWS_PER(NR) ((NR + GROUPS - 1) / GROUPS)
+
+// qs[r * D + c] = scale_log2 * q_r[c] for r < live (row r = query r % nq of head h * group + r / nq), 0 up to NR
+template <int NR>
+__device__ __forceinline__ void load_query(const void* q, i64 sqb, i64 sqh, i64 sqn, int group, int nq, float scale,
+                                           int b, int h, int live, float* qs) {
+  for (int e = threadIdx.x; e < NR * D; e += WARPS * 32) {
+    const int r = e / D, c = e % D;
+    qs[e] = r < live ? to_f32<Q_DT>(q, b * sqb + static_cast<i64>(h * group + r / nq) * sqh +
+                                           static_cast<i64>(r % nq) * sqn + c) * scale
+                     : 0.0f;
+  }
+}
+
+// y[j] = sum_c in[r][c] m[c][x] for row r = rg + j GROUPS < live of column x (both row-major, D wide): each thread
+// reads column x of m once, coalesced across the threads, 16 loads in flight
+template <int NR>
+__device__ __forceinline__ void rows_times(const float* m, const float* in, int live, float (&y)[ROWS_PER(NR)]) {
+  const int x = threadIdx.x % D, rg = threadIdx.x / D;
+#pragma unroll
+  for (int j = 0; j < ROWS_PER(NR); ++j) y[j] = 0.0f;
+  for (int c0 = 0; c0 < D; c0 += 16) {
+    float w[16];
+#pragma unroll
+    for (int c = 0; c < 16; ++c) w[c] = m[(c0 + c) * D + x];
+#pragma unroll
+    for (int c = 0; c < 16; ++c)
+#pragma unroll
+      for (int j = 0; j < ROWS_PER(NR); ++j) {
+        const int r = rg + j * GROUPS;
+        if (r < live) y[j] += in[r * D + c0 + c] * w[c];
+      }
+  }
+}
+
+// The CTA's partial from its warps' (max, sum, accumulator) in shared memory (RQ rows each): (M, l) to ml and the
+// accumulator rescaled to M to acc, at `slot`; rotated ones by planes (the channel order the merge reads)
+template <int RQ>
+__device__ __forceinline__ void store_partial(const float* wm, const float* wl, const float* wa, const Params& p,
+                                              i64 slot, int live, bool by_planes) {
+  const int R = p.rows;
+  for (int e = threadIdx.x; e < R * D; e += WARPS * 32) {
+    const int r = e / D, x = e % D;
+    float M = NEG_INF;
+    if (r < live) {
+#pragma unroll
+      for (int w = 0; w < WARPS; ++w) M = fmaxf(M, wm[w * RQ + r]);
+    }
+    const float Mu = M == NEG_INF ? 0.0f : M;
+    float l = 0.0f, a = 0.0f;
+    if (r < live) {
+#pragma unroll
+      for (int w = 0; w < WARPS; ++w) {
+        const float f = ex2(wm[w * RQ + r] - Mu);
+        l += f * wl[w * RQ + r];
+        a += f * wa[(w * RQ + r) * D + x];
+      }
+    }
+    const int col = by_planes ? (x % VPLANES) * (D / VPLANES) + x / VPLANES : x;
+    p.acc[(slot * R + r) * D + col] = a;
+    if (x == 0) {
+      p.ml[slot * 2 * R + r] = M;
+      p.ml[slot * 2 * R + R + r] = l;
+    }
+  }
+}
+
+// One split of the packed history: its tokens [split * tok_per_split, + tok_per_split) (the sinks excluded), the warps
+// interleaved by 16-token tiles; the CTA's partial goes to slot `split` in the rotated domain, by planes.
+__device__ __forceinline__ void packed_part(const Params& p, unsigned char* smem, int split, int bh) {
   const int b = bh / p.hkv, h = bh % p.hkv;
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   const int g = lane >> 2, l4 = lane & 3;
@@ -484,151 +590,19 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, MIN_CTAS) tq_decode_pac
       a[(q0 + 1) * D + c + 1] = acc[mt][n][3];
     }
   __syncthreads();
-  const int R = p.rows;
-  const i64 slot = static_cast<i64>(bh) * (p.num_splits + 1) + split;
-  for (int e = tid; e < R * D; e += WARPS * 32) {
-    const int r = e / D, x = e % D;
-    float M = NEG_INF;
-    if (r < live) {
-#pragma unroll
-      for (int w = 0; w < WARPS; ++w) M = fmaxf(M, wm[w * RQ + r]);
-    }
-    const float Mu = M == NEG_INF ? 0.0f : M;
-    float l = 0.0f, a = 0.0f;
-    if (r < live) {
-#pragma unroll
-      for (int w = 0; w < WARPS; ++w) {
-        const float f = ex2(wm[w * RQ + r] - Mu);
-        l += f * wl[w * RQ + r];
-        a += f * wa[(w * RQ + r) * D + x];
-      }
-    }
-    const int col = (x % VPLANES) * (D / VPLANES) + x / VPLANES;
-    p.acc[(slot * R + r) * D + col] = a;
-    if (x == 0) {
-      p.ml[slot * 2 * R + r] = M;
-      p.ml[slot * 2 * R + R + r] = l;
-    }
-  }
+  store_partial<RQ>(wm, wl, wa, p, static_cast<i64>(bh) * (p.num_splits + 1) + split, live, true);
 }
 
-// ------------------------------------------------------------------------------------------------------------------
-// Before and after the packed splits: the rotated query (prep), then the exact copies and the merge (finish).
-// More -D: Q_DT / X_DT / O_DT (0 f16, 1 bf16, 2 f32: the query, the exact copies, the output), ROWS (stored rows,
-// a power of two >= G * n), EXACT_WARPS.
-
-#ifndef ROWS
-#define ROWS 16
-#endif
-#ifndef Q_DT
-#define Q_DT 0
-#endif
-#ifndef X_DT
-#define X_DT 0
-#endif
-#ifndef O_DT
-#define O_DT 0
-#endif
-#define FWARPS 8
-#define DPL (D / 32)  // channels per lane in the SIMT parts
-
-template <int DT>
-__device__ __forceinline__ float to_f32(const void* p, i64 i) {
-  if constexpr (DT == 0) return h2f(reinterpret_cast<const u16*>(p)[i]);
-  else if constexpr (DT == 1) return __uint_as_float(static_cast<u32>(reinterpret_cast<const u16*>(p)[i]) << 16);
-  else return reinterpret_cast<const float*>(p)[i];
-}
-
-#define GROUPS (FWARPS * 32 / D)  // thread (rg, x) = (tid / D, tid % D): row group rg of column x
-#define ROWS_PER(NR) ((NR + GROUPS - 1) / GROUPS)
-
-// qs[r * D + c] = scale_log2 * q_r[c] for r < live (row r = query r % n of head h * G + r / n), 0 for live <= r < NR
-template <int NR, class P>
-__device__ __forceinline__ void load_query(const P& p, int b, int h, int live, float* qs) {
-  for (int e = threadIdx.x; e < NR * D; e += FWARPS * 32) {
-    const int r = e / D, c = e % D;
-    qs[e] = r < live ? to_f32<Q_DT>(p.q, b * p.sqb + static_cast<i64>(h * p.group + r / p.nq) * p.sqh +
-                                             static_cast<i64>(r % p.nq) * p.sqn + c) * p.scale_log2
-                     : 0.0f;
-  }
-}
-
-// y[j] = sum_c in[r][c] m[c][x] for row r = rg + j GROUPS < live of column x (both row-major, D wide): each thread
-// reads column x of m once, coalesced across the threads
-template <int NR>
-__device__ __forceinline__ void rows_times(const float* m, const float* in, int live, float (&y)[ROWS_PER(NR)]) {
-  const int x = threadIdx.x % D, rg = threadIdx.x / D;
-#pragma unroll
-  for (int j = 0; j < ROWS_PER(NR); ++j) y[j] = 0.0f;
-#pragma unroll 16
-  for (int c = 0; c < D; ++c) {
-    const float w = m[c * D + x];
-#pragma unroll
-    for (int j = 0; j < ROWS_PER(NR); ++j) {
-      const int r = rg + j * GROUPS;
-      if (r < live) y[j] += in[r * D + c] * w;
-    }
-  }
-}
-
-struct PrepParams {
-  const void* q; i64 sqb, sqh, sqn;   // (B, Hq, n, D), element strides, unit last stride
-  const float* pit;                   // (D, D) Pi^T
-  u16* out;                           // (BH, 16, D) fp16
-  int hkv, group, nq;
-  float scale_log2;
-};
-
-// out[bh, r] = fp16(scale_log2 * Pi q_r) for r < G * n (row r = query r % n of head h * G + r / n), zero for r < 16
-extern "C" __global__ void __launch_bounds__(FWARPS * 32) tq_decode_prep(const PrepParams p) {
-  __shared__ float qs[16 * D];
-  const int bh = blockIdx.x, b = bh / p.hkv, h = bh % p.hkv;
-  const int live = p.group * p.nq;
-  load_query<16>(p, b, h, live, qs);
-  __syncthreads();
-  // Pi q: the rows times Pi^T
-  constexpr int GR = GROUPS;
-  constexpr int RPG = ROWS_PER(16);
-  const int x = threadIdx.x % D, rg = threadIdx.x / D;
-  float y[RPG];
-  rows_times<16>(p.pit, qs, live, y);
-  u16* out = p.out + static_cast<i64>(bh) * 16 * D;
-#pragma unroll
-  for (int j = 0; j < RPG; ++j) {
-    const int r = rg + j * GR;
-    if (r < 16) out[r * D + x] = static_cast<u16>(pack_h2(r < live ? y[j] : 0.0f, 0.0f) & 0xffff);
-  }
-}
-
-struct FinishParams {
-  const void* q; i64 sqb, sqh, sqn;
-  const float* pi;
-  const void* sk; i64 sskb, sskh;     // exact copies: sinks and ring, (B, Hkv, slots, D), token stride D
-  const void* sv; i64 ssvb, ssvh;
-  const void* rk; i64 srkb, srkh;
-  const void* rv; i64 srvb, srvh;
-  const unsigned char* mask; i64 smb, smh, smi, smt;
-  const float* acc; const float* ml;  // the packed splits' partials
-  void* out; i64 sob, son, soh;       // (B, n, Hq, D)
-  const i64* len_ptr; const i64* from_ptr;
-  int hkv, group, nq, lq, lr, sinks, num_splits, ring, mask_elt, pad;
-  float scale_log2;
-};
-
-// One CTA per (batch, KV head): the exact copies (sinks, then the ring) by warps, an online softmax per warp; the
-// packed partials merged in the rotated domain and rotated back once (y Pi); both combined and written.
-extern "C" __global__ void __launch_bounds__(FWARPS * 32) tq_decode_finish(const FinishParams p) {
-  extern __shared__ __align__(16) unsigned char smem[];
-  float* qs = reinterpret_cast<float*>(smem);            // (ROWS, D) unrotated query, scaled for exp2
-  float* wacc = qs + ROWS * D;                           // (FWARPS, ROWS, D) the warps' exact partials
-  float* wm = wacc + FWARPS * ROWS * D;                  // (FWARPS, ROWS)
-  float* wl = wm + FWARPS * ROWS;                        // (FWARPS, ROWS)
-  float* ys = wl + FWARPS * ROWS;                        // (ROWS, D) merged packed partial, rotated
-  float* mp = ys + ROWS * D;                             // (ROWS) packed max; then (ROWS) packed sum
-  const int bh = blockIdx.x, b = bh / p.hkv, h = bh % p.hkv;
+// The exact copies (sinks, then the ring) with the unrotated query, by warps (an online softmax each, TPI tokens
+// per step: their loads first, then one update per row for all of them); the partial goes to slot num_splits.
+__device__ __forceinline__ void exact_part(const Params& p, unsigned char* smem, int bh) {
+  float* qs = reinterpret_cast<float*>(smem);  // (ROWS, D) the query, scaled for exp2
+  float* wacc = qs + ROWS * D;                 // (WARPS, ROWS, D) the warps' partials
+  float* wm = wacc + WARPS * ROWS * D;         // (WARPS, ROWS)
+  float* wl = wm + WARPS * ROWS;               // (WARPS, ROWS)
+  const int b = bh / p.hkv, h = bh % p.hkv;
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   const int live = p.group * p.nq;
-
   int lq = p.lq, lr = p.lr, ls = p.sinks;
   if (STATIC) {
     const int T = static_cast<int>(*p.len_ptr);
@@ -637,12 +611,12 @@ extern "C" __global__ void __launch_bounds__(FWARPS * 32) tq_decode_finish(const
     ls = min(ls, lq);
   }
   const int T = lq + lr;
-  for (int i = tid; i < D * D / 32; i += FWARPS * 32)  // Pi's 128-byte lines, read at the end: into L2 now
+  for (int i = tid; i < D * D / 32; i += WARPS * 32)  // Pi's 128-byte lines, read by the merge: into L2 now
     asm volatile("prefetch.global.L2 [%0];" ::"l"(p.pi + 32 * i));
-  load_query<ROWS>(p, b, h, live, qs);
+  load_query<ROWS>(p.qx, p.sqb, p.sqh, p.sqn, p.group, p.nq, p.scale_log2, b, h, live, qs);
   __syncthreads();
 
-  // exact copies: token e < ls is sink e; else position lq + (e - ls), at ring slot (pos % ring, static) or pos - lq
+  // token e < ls is sink e; else position lq + (e - ls), at ring slot (pos % ring, static) or pos - lq
   float m_i[ROWS], l_i[ROWS], a[ROWS][DPL];
 #pragma unroll
   for (int r = 0; r < ROWS; ++r) {
@@ -651,17 +625,15 @@ extern "C" __global__ void __launch_bounds__(FWARPS * 32) tq_decode_finish(const
     for (int k = 0; k < DPL; ++k) a[r][k] = 0.0f;
   }
   const int ne = ls + lr;
-  // TPI tokens per iteration (e = warp + FWARPS * (TPI * it + u)): their loads first, then one online-softmax
-  // update per row for all of them, so that neither the loads' latency nor the reductions' is paid per token
   constexpr int TPI = 4;
-  for (int e0 = warp; e0 < ne; e0 += FWARPS * TPI) {
+  for (int e0 = warp; e0 < ne; e0 += WARPS * TPI) {
     float kx[TPI][DPL], vx[TPI][DPL];
     int pos[TPI];
     bool ok[TPI];
 #pragma unroll
     for (int u = 0; u < TPI; ++u) {
-      ok[u] = e0 + FWARPS * u < ne;
-      const int ee = ok[u] ? e0 + FWARPS * u : e0;
+      ok[u] = e0 + WARPS * u < ne;
+      const int ee = ok[u] ? e0 + WARPS * u : e0;
       const void *kb, *vb;
       i64 ko, vo;
       if (ee < ls) {
@@ -734,19 +706,29 @@ extern "C" __global__ void __launch_bounds__(FWARPS * 32) tq_decode_finish(const
 #pragma unroll
     for (int k = 0; k < DPL; ++k) wacc[(warp * ROWS + r) * D + lane * DPL + k] = a[r][k];
   }
+  __syncthreads();
+  store_partial<ROWS>(wm, wl, wacc, p, static_cast<i64>(bh) * (p.num_splits + 1) + p.num_splits, live, false);
+}
 
-  // the packed partials: per row (a warp each) the largest max and the weighted sum of l, then the weighted sums of
-  // the accumulators (rotated, by planes) into ys
-  const i64 base = static_cast<i64>(bh) * (p.num_splits + 1);
-  for (int r = warp; r < ROWS; r += FWARPS) {
+// By the last CTA of a (batch, KV head) to store its partial: the packed partials merged in the rotated domain and
+// rotated back once (y Pi), then combined with the exact copies' partial and written. Partials are read from L2
+// (.cg): other CTAs wrote them.
+__device__ __forceinline__ void merge_last(const Params& p, unsigned char* smem, int bh) {
+  float* ys = reinterpret_cast<float*>(smem);  // (ROWS, D) the merged packed partial, rotated
+  float* mp = ys + ROWS * D;                   // (ROWS) its max, then (ROWS) its sum
+  const int b = bh / p.hkv, h = bh % p.hkv;
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  const int live = p.group * p.nq, R = p.rows, ns = p.num_splits;
+  const i64 base = static_cast<i64>(bh) * (ns + 1);
+  for (int r = warp; r < ROWS; r += WARPS) {
     float M = NEG_INF;
-    for (int s = lane; s < p.num_splits; s += 32) M = fmaxf(M, p.ml[(base + s) * 2 * ROWS + r]);
+    for (int s = lane; s < ns; s += 32) M = fmaxf(M, __ldcg(p.ml + (base + s) * 2 * R + r));
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) M = fmaxf(M, __shfl_xor_sync(0xffffffffu, M, o));
     const float Mu = M == NEG_INF ? 0.0f : M;
     float L = 0.0f;
-    for (int s = lane; s < p.num_splits; s += 32)
-      L += ex2(p.ml[(base + s) * 2 * ROWS + r] - Mu) * p.ml[(base + s) * 2 * ROWS + ROWS + r];
+    for (int s = lane; s < ns; s += 32)
+      L += ex2(__ldcg(p.ml + (base + s) * 2 * R + r) - Mu) * __ldcg(p.ml + (base + s) * 2 * R + R + r);
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) L += __shfl_xor_sync(0xffffffffu, L, o);
     if (lane == 0) {
@@ -755,43 +737,34 @@ extern "C" __global__ void __launch_bounds__(FWARPS * 32) tq_decode_finish(const
     }
   }
   __syncthreads();
-  for (int e = tid; e < ROWS * D; e += FWARPS * 32) {
+  for (int e = tid; e < ROWS * D; e += WARPS * 32) {
     const int r = e / D, col = e % D;
     if (r >= live) continue;
     const float Mu = mp[r] == NEG_INF ? 0.0f : mp[r];
     float y = 0.0f;
 #pragma unroll 8
-    for (int s = 0; s < p.num_splits; ++s)
-      y += ex2(p.ml[(base + s) * 2 * ROWS + r] - Mu) * p.acc[((base + s) * ROWS + r) * D + col];
+    for (int s = 0; s < ns; ++s)
+      y += ex2(__ldcg(p.ml + (base + s) * 2 * R + r) - Mu) * __ldcg(p.acc + ((base + s) * R + r) * D + col);
     const int x = (col % (D / VPLANES)) * VPLANES + col / (D / VPLANES);
     ys[r * D + x] = y;
   }
   __syncthreads();
 
-  // out[r, x] = (wp (ys Pi)[r, x] + sum_w ww acc_w[r, x]) / (wp Lp + sum_w ww l_w): thread (rg, x) takes rows
-  // rg, rg + GR, ... of column x
-  constexpr int GR = GROUPS;
-  constexpr int RPG = ROWS_PER(ROWS);
+  // out[r, x] = (wp (ys Pi)[r, x] + we acc_e[r, x]) / (wp Lp + we l_e)
   const int x = tid % D, rg = tid / D;
-  float y[RPG];
+  float y[ROWS_PER(ROWS)];
   rows_times<ROWS>(p.pi, ys, live, y);
+  const i64 ex = base + ns;
 #pragma unroll
-  for (int j = 0; j < RPG; ++j) {
-    const int r = rg + j * GR;
+  for (int j = 0; j < ROWS_PER(ROWS); ++j) {
+    const int r = rg + j * GROUPS;
     if (r >= live) continue;
-    float Me = NEG_INF;
-#pragma unroll
-    for (int w = 0; w < FWARPS; ++w) Me = fmaxf(Me, wm[w * ROWS + r]);
-    const float M = fmaxf(Me, mp[r]);
+    const float me = __ldcg(p.ml + ex * 2 * R + r), le = __ldcg(p.ml + ex * 2 * R + R + r);
+    const float M = fmaxf(me, mp[r]);
     const float Mu = M == NEG_INF ? 0.0f : M;
-    const float wp = ex2(mp[r] - Mu);
-    float num = wp == 0.0f ? 0.0f : wp * y[j], den = wp * mp[ROWS + r];
-#pragma unroll
-    for (int w = 0; w < FWARPS; ++w) {
-      const float ww = ex2(wm[w * ROWS + r] - Mu);
-      num += ww * wacc[(w * ROWS + r) * D + x];
-      den += ww * wl[w * ROWS + r];
-    }
+    const float wp = ex2(mp[r] - Mu), we = ex2(me - Mu);
+    const float num = (wp == 0.0f ? 0.0f : wp * y[j]) + we * __ldcg(p.acc + (ex * R + r) * D + x);
+    const float den = wp * mp[ROWS + r] + we * le;
     const float o = den > 0.0f ? num / den : (den == den ? 0.0f : den);
     const i64 oi = b * p.sob + static_cast<i64>(r % p.nq) * p.son + static_cast<i64>(h * p.group + r / p.nq) * p.soh + x;
     if constexpr (O_DT == 0) {
@@ -804,5 +777,71 @@ extern "C" __global__ void __launch_bounds__(FWARPS * 32) tq_decode_finish(const
     } else {
       reinterpret_cast<float*>(p.out)[oi] = o;
     }
+  }
+}
+
+// Grid (num_splits + 1, batch x KV heads): CTA 0 of a (batch, KV head) takes the exact copies, CTA s > 0 split s - 1
+// of the packed history; each stores its partial, and the last to do so merges them all (one counter per (batch,
+// KV head), left at zero for the next launch).
+extern "C" __global__ void __launch_bounds__(WARPS * 32, MIN_CTAS) tq_decode(const Params p) {
+  extern __shared__ __align__(16) unsigned char smem[];
+  __shared__ int last;
+  const int bh = blockIdx.y;
+  if (blockIdx.x == 0) exact_part(p, smem, bh);
+  else packed_part(p, smem, blockIdx.x - 1, bh);
+  __threadfence();  // this thread's partial, visible to the whole GPU before the counter moves
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    last = atomicAdd(p.counters + bh, 1) == p.num_splits;
+    if (last) atomicExch(p.counters + bh, 0);
+  }
+  __syncthreads();
+  if (!last) return;
+  __threadfence();
+  merge_last(p, smem, bh);
+}
+
+// ------------------------------------------------------------------------------------------------------------------
+// The rotated query: grid (batch x KV heads, D / 32); CTA (bh, cb) writes columns [32 cb, 32 cb + 32) of
+// out[bh, r] = fp16(scale_log2 Pi q_r), r < 16 (zero from G * n on). Warp w sums channels [w D / 8, (w + 1) D / 8)
+// (all its loads of Pi^T in flight at once), then the warps' sums are added.
+
+struct PrepParams {
+  const void* q; i64 sqb, sqh, sqn;   // (B, Hq, n, D), element strides, unit last stride
+  const float* pit;                   // (D, D) Pi^T
+  u16* out;                           // (BH, 16, D) fp16
+  int hkv, group, nq;
+  float scale_log2;
+};
+
+extern "C" __global__ void __launch_bounds__(WARPS * 32) tq_decode_prep(const PrepParams p) {
+  __shared__ float qs[16 * D];
+  __shared__ float part[WARPS][16][33];
+  const int bh = blockIdx.x, b = bh / p.hkv, h = bh % p.hkv;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int live = p.group * p.nq;
+  load_query<16>(p.q, p.sqb, p.sqh, p.sqn, p.group, p.nq, p.scale_log2, b, h, live, qs);
+  __syncthreads();
+  constexpr int CPW = D / WARPS;
+  const int x = 32 * blockIdx.y + lane, c0 = warp * CPW;
+  float w[CPW];
+#pragma unroll
+  for (int c = 0; c < CPW; ++c) w[c] = p.pit[(c0 + c) * D + x];
+  for (int r = 0; r < 16; ++r) {
+    float y = 0.0f;
+    if (r < live) {
+#pragma unroll
+      for (int c = 0; c < CPW; ++c) y += qs[r * D + c0 + c] * w[c];
+    }
+    part[warp][r][lane] = y;
+  }
+  __syncthreads();
+  u16* out = p.out + static_cast<i64>(bh) * 16 * D;
+  for (int e = threadIdx.x; e < 16 * 32; e += WARPS * 32) {
+    const int r = e >> 5, xl = e & 31;
+    float y = 0.0f;
+#pragma unroll
+    for (int ww = 0; ww < WARPS; ++ww) y += part[ww][r][xl];
+    out[r * D + 32 * blockIdx.y + xl] = static_cast<u16>(pack_h2(r < live ? y : 0.0f, 0.0f) & 0xffff);
   }
 }
