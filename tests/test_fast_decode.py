@@ -19,7 +19,7 @@ import torch
 
 from tq_hf_cache import reference
 from tq_hf_cache.codebook import Codebook
-from tq_hf_cache.kernels import fast
+from tq_hf_cache.kernels import fast, support
 from tq_hf_cache.kernels.fast import jit
 
 from test_decode_attention import TOL, fresh_seed, head_mask, make_query, make_state, padding_mask, rel_err
@@ -119,6 +119,40 @@ def test_shape_limits():
     assert not fast.shape_ok(128, 4, 4, 4, True, 4096)
     assert not fast.shape_ok(128, 4, 4, 4, False, 15)
     assert not fast.shape_ok(96, 4, 4, 4, False, 4096)
+
+
+def test_the_launcher_runs_without_a_gpu(monkeypatch):
+    """decode_attention's whole fast path on the CPU up to the launches (kernels stubbed): the prepared arguments,
+    the grids (the query rotation by 32-column blocks; the exact copies' CTA beside the packed splits), the shared
+    memory, and the by-value parameter blocks of the sizes the source declares."""
+    import contextlib
+    import ctypes
+
+    from tq_hf_cache.kernels import decode_attention as da
+
+    done = []
+
+    class Stub:
+        def __init__(self, name, smem):
+            self.name, self.smem = name, smem
+
+        def launch(self, grid, block, params, stream):
+            done.append((self.name, grid, block, self.smem, ctypes.sizeof(params)))
+
+    monkeypatch.setattr(jit, "kernel", lambda src, name, df, device, smem=0: Stub(name, smem))
+    monkeypatch.setattr(da, "fast_serves", lambda *a, **k: True)
+    monkeypatch.setattr(torch.cuda, "device", lambda d: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda d=None: type("S", (), {"cuda_stream": 0})())
+    monkeypatch.setattr(support, "sm_count", lambda d: 132)
+    for b, lq, kb, vb, d in ((1, 3000, 5, 3, 128), (3, 700, 4, 2, 64), (2, 900, 3, 3, 256)):
+        state, _, _ = make_state(b, 2, lq, 9, 1, d, kb, vb, torch.bfloat16, lq, device="cpu")
+        q = torch.randn(b, 8, 1, d, dtype=torch.bfloat16)
+        done.clear()
+        da.decode_attention(q, state)
+        splits, _ = fast.plan(b * 2, lq, torch.device("cpu"))
+        assert [x[:3] for x in done] == [("tq_decode_prep", (b * 2, d // 32, 1), 256),
+                                        (fast.NAME, (splits + 1, b * 2, 1), 256)], done
+        assert done[1][3] >= fast.exact_smem(d, 4) and done[1][4] == ctypes.sizeof(fast.Params), done
 
 
 # --------------------------------------------------------------------------------------------------- on a GPU

@@ -226,6 +226,9 @@ class PrepParams(ctypes.Structure):
                 ("scale_log2", ctypes.c_float)]
 
 
+_DT = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2}
+
+
 def exact_smem(d: int, rows: int) -> int:
     """Dynamic shared memory of the exact copies' CTA: the query and the warps' partials (the merge needs less)."""
     return 4 * (d * rows * (WARPS + 1) + 2 * WARPS * rows)
