@@ -350,7 +350,8 @@ def test_cache_dir_follows_the_environment(monkeypatch, tmp_path):
 @pytest.mark.parametrize("preset", ["k5v3", "k4v4"])
 def test_static_cache_through_the_fast_kernel_matches_the_triton_kernel_eager_and_compiled(preset, monkeypatch):
     """TurboQuantStaticCache with TQ_HF_CACHE_FAST_DECODE=1 (device lengths, the wrapping ring, the fused chunk and the
-    steps): logits equal those of the Triton kernel on the same cache, eager and under torch.compile's CUDA graphs."""
+    steps, teacher-forced): logits equal those of the Triton kernel on the same cache, eager and under
+    torch.compile's CUDA graphs."""
     import transformers
 
     from tq_hf_cache import TurboQuantStaticCache
@@ -366,7 +367,7 @@ def test_static_cache_through_the_fast_kernel_matches_the_triton_kernel_eager_an
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(cfg).eval().to("cuda", torch.bfloat16)
     model.set_attn_implementation("turboquant")
-    ids = torch.randint(3, 128, (2, 3000), device="cuda", generator=torch.Generator("cuda").manual_seed(1))
+    ids = torch.randint(3, 128, (2, 3006), device="cuda", generator=torch.Generator("cuda").manual_seed(1))
 
     def run(env, compiled):
         monkeypatch.setenv(fast.ENV, env)
@@ -375,11 +376,10 @@ def test_static_cache_through_the_fast_kernel_matches_the_triton_kernel_eager_an
         out = []
         with torch.no_grad():
             model(ids[:, :2990], **with_cache(cache))
-            out.append(model(ids[:, 2990:], **with_cache(cache)).logits[:, -1])
-            for i in range(6):
-                pos = torch.tensor([ids.shape[1] + i], device="cuda")
-                tok = out[-1].argmax(-1, keepdim=True)
-                out.append(step(tok, **with_cache(cache), cache_position=pos,
+            out.append(model(ids[:, 2990:3000], **with_cache(cache)).logits[:, -1])
+            for i in range(3000, 3006):
+                pos = torch.tensor([i], device="cuda")
+                out.append(step(ids[:, i:i + 1], **with_cache(cache), cache_position=pos,
                                 position_ids=pos[None].expand(2, 1)).logits[:, -1].clone())  # graphs reuse outputs
         return torch.stack(out).float()
 

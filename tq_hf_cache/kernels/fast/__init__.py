@@ -230,8 +230,10 @@ _DT = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2}
 
 
 def exact_smem(d: int, rows: int) -> int:
-    """Dynamic shared memory of the exact copies' CTA: the query and the warps' partials (the merge needs less)."""
-    return 4 * (d * rows * (WARPS + 1) + 2 * WARPS * rows)
+    """Dynamic shared memory of the exact copies' CTA (the query and the warps' partials) and of the merge (the
+    merged partial, the channel groups' parts of its rotation, the max and sum), whichever is larger."""
+    groups = WARPS * 32 // (d // 4)
+    return 4 * max(d * rows * (WARPS + 1) + 2 * WARPS * rows, rows * d * (1 + groups) + 2 * rows)
 
 
 def decode(query, kv, pi, scale_log2, kp, kn, vp, vn, rk, rv, sk, sv, mask_args, acc, ml, counters, lens, lengths,
@@ -244,7 +246,8 @@ def decode(query, kv, pi, scale_log2, kp, kn, vp, vn, rk, rv, sk, sv, mask_args,
     group = hq // hkv
     mask_kind, m_arg, ms = mask_args
     vec = _vec(kp, vp)
-    if vec == 0 or query.dtype not in _DT or rk.dtype not in _DT or pi.dtype != torch.float32:
+    if (vec == 0 or query.dtype not in _DT or rk.dtype not in _DT or pi.dtype != torch.float32
+            or acc.data_ptr() % 16 or pi.data_ptr() % 16):  # (the merge reads both four floats at a time)
         return False
     kind = {0: 0, 1: 1, 2: 2, 3: 1, 4: 2}[mask_kind]
     mdt = _MASK_DT[m_arg.dtype] if mask_kind else 0

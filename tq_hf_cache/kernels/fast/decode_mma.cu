@@ -254,9 +254,6 @@ __device__ __forceinline__ float to_f32(const void* p, i64 i) {
   else return reinterpret_cast<const float*>(p)[i];
 }
 
-#define GROUPS (WARPS * 32 / D)  // thread (rg, x) = (tid / D, tid % D): row group rg of column x
-#define ROWS_PER(NR) ((NR + GROUPS - 1) / GROUPS)
-
 // qs[r * D + c] = scale_log2 * q_r[c] for r < live (row r = query r % nq of head h * group + r / nq), 0 up to NR
 template <int NR>
 __device__ __forceinline__ void load_query(const void* q, i64 sqb, i64 sqh, i64 sqn, int group, int nq, float scale,
@@ -266,27 +263,6 @@ __device__ __forceinline__ void load_query(const void* q, i64 sqb, i64 sqh, i64 
     qs[e] = r < live ? to_f32<Q_DT>(q, b * sqb + static_cast<i64>(h * group + r / nq) * sqh +
                                            static_cast<i64>(r % nq) * sqn + c) * scale
                      : 0.0f;
-  }
-}
-
-// y[j] = sum_c in[r][c] m[c][x] for row r = rg + j GROUPS < live of column x (both row-major, D wide): each thread
-// reads column x of m once, coalesced across the threads, 16 loads in flight
-template <int NR>
-__device__ __forceinline__ void rows_times(const float* m, const float* in, int live, float (&y)[ROWS_PER(NR)]) {
-  const int x = threadIdx.x % D, rg = threadIdx.x / D;
-#pragma unroll
-  for (int j = 0; j < ROWS_PER(NR); ++j) y[j] = 0.0f;
-  for (int c0 = 0; c0 < D; c0 += 16) {
-    float w[16];
-#pragma unroll
-    for (int c = 0; c < 16; ++c) w[c] = m[(c0 + c) * D + x];
-#pragma unroll
-    for (int c = 0; c < 16; ++c)
-#pragma unroll
-      for (int j = 0; j < ROWS_PER(NR); ++j) {
-        const int r = rg + j * GROUPS;
-        if (r < live) y[j] += in[r * D + c0 + c] * w[c];
-      }
   }
 }
 
@@ -712,10 +688,15 @@ __device__ __forceinline__ void exact_part(const Params& p, unsigned char* smem,
 
 // By the last CTA of a (batch, KV head) to store its partial: the packed partials merged in the rotated domain and
 // rotated back once (y Pi), then combined with the exact copies' partial and written. Partials are read from L2
-// (.cg): other CTAs wrote them.
+// (.cg: other CTAs wrote them), four channels a load, and every loop keeps 8-16 loads in flight: this runs once per
+// call on one CTA, so its latency is the whole call's.
+#define NV (D / 4)                 // float4 columns of a row
+#define CG (WARPS * 32 / NV)       // channel groups of the rotation (thread (cg, xv) = (tid / NV, tid % NV))
+#define CPG (D / CG)               // channels a group sums
 __device__ __forceinline__ void merge_last(const Params& p, unsigned char* smem, int bh) {
   float* ys = reinterpret_cast<float*>(smem);  // (ROWS, D) the merged packed partial, rotated
-  float* mp = ys + ROWS * D;                   // (ROWS) its max, then (ROWS) its sum
+  float* red = ys + ROWS * D;                  // (CG, ROWS, D) the channel groups' parts of ys Pi
+  float* mp = red + CG * ROWS * D;             // (ROWS) the packed max, then (ROWS) the packed sum
   const int b = bh / p.hkv, h = bh % p.hkv;
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   const int live = p.group * p.nq, R = p.rows, ns = p.num_splits;
@@ -737,33 +718,63 @@ __device__ __forceinline__ void merge_last(const Params& p, unsigned char* smem,
     }
   }
   __syncthreads();
-  for (int e = tid; e < ROWS * D; e += WARPS * 32) {
-    const int r = e / D, col = e % D;
+  for (int it = tid; it < ROWS * NV; it += WARPS * 32) {
+    const int r = it / NV, cv = it % NV;
     if (r >= live) continue;
     const float Mu = mp[r] == NEG_INF ? 0.0f : mp[r];
-    float y = 0.0f;
-#pragma unroll 8
-    for (int s = 0; s < ns; ++s)
-      y += ex2(__ldcg(p.ml + (base + s) * 2 * R + r) - Mu) * __ldcg(p.acc + ((base + s) * R + r) * D + col);
-    const int x = (col % (D / VPLANES)) * VPLANES + col / (D / VPLANES);
-    ys[r * D + x] = y;
+    float y[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll 16
+    for (int s = 0; s < ns; ++s) {
+      const float w = ex2(__ldcg(p.ml + (base + s) * 2 * R + r) - Mu);
+      const float4 a = __ldcg(reinterpret_cast<const float4*>(p.acc + ((base + s) * R + r) * D) + cv);
+      y[0] += w * a.x; y[1] += w * a.y; y[2] += w * a.z; y[3] += w * a.w;
+    }
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      const int col = 4 * cv + k;
+      ys[r * D + (col % (D / VPLANES)) * VPLANES + col / (D / VPLANES)] = y[k];
+    }
+  }
+  __syncthreads();
+  {  // red[cg, r, 4 xv ..] = sum over the group's channels c of ys[r, c] Pi[c, 4 xv ..]
+    const int xv = tid % NV, cg = tid / NV;
+    constexpr int U = CPG < 8 ? CPG : 8;
+    float4 y[ROWS];
+#pragma unroll
+    for (int r = 0; r < ROWS; ++r) y[r] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    const float4* pi4 = reinterpret_cast<const float4*>(p.pi);
+    for (int c0 = cg * CPG; c0 < (cg + 1) * CPG; c0 += U) {
+      float4 w[U];
+#pragma unroll
+      for (int k = 0; k < U; ++k) w[k] = __ldg(pi4 + (c0 + k) * NV + xv);
+#pragma unroll
+      for (int k = 0; k < U; ++k)
+#pragma unroll
+        for (int r = 0; r < ROWS; ++r) {
+          if (r >= live) continue;
+          const float q = ys[r * D + c0 + k];
+          y[r].x += q * w[k].x; y[r].y += q * w[k].y; y[r].z += q * w[k].z; y[r].w += q * w[k].w;
+        }
+    }
+#pragma unroll
+    for (int r = 0; r < ROWS; ++r)
+      if (r < live) reinterpret_cast<float4*>(red + (cg * ROWS + r) * D)[xv] = y[r];
   }
   __syncthreads();
 
   // out[r, x] = (wp (ys Pi)[r, x] + we acc_e[r, x]) / (wp Lp + we l_e)
-  const int x = tid % D, rg = tid / D;
-  float y[ROWS_PER(ROWS)];
-  rows_times<ROWS>(p.pi, ys, live, y);
   const i64 ex = base + ns;
-#pragma unroll
-  for (int j = 0; j < ROWS_PER(ROWS); ++j) {
-    const int r = rg + j * GROUPS;
+  for (int e = tid; e < ROWS * D; e += WARPS * 32) {
+    const int r = e / D, x = e % D;
     if (r >= live) continue;
+    float y = 0.0f;
+#pragma unroll
+    for (int cg = 0; cg < CG; ++cg) y += red[(cg * ROWS + r) * D + x];
     const float me = __ldcg(p.ml + ex * 2 * R + r), le = __ldcg(p.ml + ex * 2 * R + R + r);
     const float M = fmaxf(me, mp[r]);
     const float Mu = M == NEG_INF ? 0.0f : M;
     const float wp = ex2(mp[r] - Mu), we = ex2(me - Mu);
-    const float num = (wp == 0.0f ? 0.0f : wp * y[j]) + we * __ldcg(p.acc + (ex * R + r) * D + x);
+    const float num = (wp == 0.0f ? 0.0f : wp * y) + we * __ldcg(p.acc + (ex * R + r) * D + x);
     const float den = wp * mp[ROWS + r] + we * le;
     const float o = den > 0.0f ? num / den : (den == den ? 0.0f : den);
     const i64 oi = b * p.sob + static_cast<i64>(r % p.nq) * p.son + static_cast<i64>(h * p.group + r / p.nq) * p.soh + x;
