@@ -121,6 +121,21 @@ def test_shape_limits():
     assert not fast.shape_ok(96, 4, 4, 4, False, 4096)
 
 
+def test_fast_serves_takes_symbolic_sizes_under_compile():
+    """Under torch.compile with dynamic shapes the query rows and packed slots are symbolic: the shape check becomes
+    guards and only the machine's answer is a traced constant (a symbolic argument to it failed to compile)."""
+    from tq_hf_cache.kernels import fast_serves
+
+    def f(x):
+        if fast_serves(x.device, 128, 4, 4, 4 * x.shape[1], False, x.shape[0], static=True):
+            return x + 1
+        return x * 2
+
+    step = torch.compile(f, dynamic=True, fullgraph=True, backend="eager")
+    for shape in ((20, 3), (33, 2)):
+        torch.testing.assert_close(step(torch.ones(shape)), torch.full(shape, 2.0))
+
+
 def test_the_launcher_runs_without_a_gpu(monkeypatch):
     """decode_attention's whole fast path on the CPU up to the launches (kernels stubbed): the prepared arguments,
     the grids (the query rotation by 32-column blocks; the exact copies' CTA beside the packed splits), the shared
