@@ -127,7 +127,7 @@ def test_fast_serves_takes_symbolic_sizes_under_compile():
     from tq_hf_cache.kernels import fast_serves
 
     def f(x):
-        if fast_serves(x.device, 128, 4, 4, 4 * x.shape[1], False, x.shape[0], static=True):
+        if fast_serves(x.device, 128, 4, 4, 4 * x.shape[1], False, x.shape[0]):
             return x + 1
         return x * 2
 
@@ -364,9 +364,9 @@ def test_cache_dir_follows_the_environment(monkeypatch, tmp_path):
 @gpu
 @pytest.mark.parametrize("preset", ["k5v3", "k4v4"])
 def test_static_cache_through_the_fast_kernel_matches_the_triton_kernel_eager_and_compiled(preset, monkeypatch):
-    """TurboQuantStaticCache with TQ_HF_CACHE_FAST_DECODE=1 (device lengths, the wrapping ring, the fused chunk and the
-    steps, teacher-forced): logits equal those of the Triton kernel on the same cache, eager and under
-    torch.compile's CUDA graphs."""
+    """TurboQuantStaticCache through the fast kernel (device lengths, the wrapping ring, the fused chunk and the
+    steps, teacher-forced): logits equal those of the Triton kernel (TQ_HF_CACHE_FAST_DECODE=0) on the same cache,
+    eager and under torch.compile's CUDA graphs."""
     import transformers
 
     from tq_hf_cache import TurboQuantStaticCache

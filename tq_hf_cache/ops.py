@@ -408,7 +408,7 @@ def kernel_serves(query: torch.Tensor, kv) -> bool:
     if kernels.decode_supports(d, kv.k_codebook.bits, kv.v_codebook.bits, n, hq // hkv):
         return split is None or kernels.split_supports(split.sizes, split.bits)
     return kernels.fast_serves(query.device, d, kv.k_codebook.bits, kv.v_codebook.bits, hq // hkv * n,
-                               split is not None, kv.k_packed.shape[2], static=kv.static)
+                               split is not None, kv.k_packed.shape[2])
 
 
 @torch.library.custom_op("tq_hf_cache::static_attention", mutates_args=("scratch", "counters"))

@@ -267,7 +267,7 @@ class TurboQuantStaticLayer(StaticLayer):
         if getattr(self._attn_config, "_attn_implementation", None) != NAME or n > MAX_FUSED_QUERIES:
             return False
         if fast_serves(torch.device(self.device), self.k_head_dim, self.key_bits, self.value_bits, self._group * n,
-                       split is not None, self.max_cache_len, static=True):
+                       split is not None, self.max_cache_len):
             return True
         return (
             decode_supports(self.k_head_dim, self.key_bits, self.value_bits, n, self._group)

@@ -22,24 +22,24 @@ def _assume_constant(fn):
 
 
 def fast_serves(device, head_dim: int, key_bits: int, value_bits: int, rows: int, split_keys: bool,
-                slots: int, static: bool = False) -> bool:
+                slots: int) -> bool:
     """Whether the explicit-layout kernel (`fast`) takes this shape on this device (it also covers shapes the Triton
-    kernel does not, such as head dim 256 at 2 and 4 bits); for a static cache only where `fast.static_ok`. Under
-    torch.compile the rows and slots may be symbolic (they become guards); the machine's answer is a constant."""
+    kernel does not, such as head dim 256 at 2 and 4 bits). Under torch.compile the rows and slots may be symbolic
+    (they become guards); the machine's answer is a constant of the trace."""
     from . import fast
 
-    return fast.shape_ok(head_dim, key_bits, value_bits, rows, split_keys, slots) and _fast_machine_ok(device, static)
+    return fast.shape_ok(head_dim, key_bits, value_bits, rows, split_keys, slots) and _fast_machine_ok(device)
 
 
 @_assume_constant
-def _fast_machine_ok(device, static: bool) -> bool:
+def _fast_machine_ok(device) -> bool:
     import torch
 
     if torch.device(device).type != "cuda" or not _triton_ok():  # (the Triton kernel finishes what it starts)
         return False
     from . import fast
 
-    return (not static or fast.static_ok()) and fast.machine_ok(device)
+    return fast.machine_ok(device)
 
 
 def quantize_into(x, rotation, codebook, packed_out, norms_out, **kw):

@@ -807,7 +807,7 @@ def decode_attention(
     group = hq // hkv
     kcb, vcb = kv.k_codebook, kv.v_codebook
     fast_ok = fast is not False and num_splits is None and fast_serves(
-        query.device, d, kcb.bits, vcb.bits, group * n, kv.key_split is not None, kv.k_packed.shape[2], kv.static)
+        query.device, d, kcb.bits, vcb.bits, group * n, kv.key_split is not None, kv.k_packed.shape[2])
     if not fast_ok and not supports(d, kcb.bits, vcb.bits, n, group):
         raise ValueError(f"decode_attention does not support head dim {d}, bits k{kcb.bits}v{vcb.bits}, {group}x{n} rows")
     if kv.static:

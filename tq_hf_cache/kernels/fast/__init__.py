@@ -28,7 +28,7 @@ BITS = (2, 3, 4, 5)  # pair tables up to 4^5 entries
 MAX_ROWS = 16  # query heads per KV head x queries: two query n-tiles
 MIN_TOKENS_PER_SPLIT = 512
 CTAS_PER_SM = 2
-ENV = "TQ_HF_CACHE_FAST_DECODE"  # "0" turns the kernel off; "1" also turns it on for static caches (see `serves`)
+ENV = "TQ_HF_CACHE_FAST_DECODE"  # "0" turns the kernel off (the Triton kernel serves)
 
 _SOURCE: str | None = None
 _BROKEN: dict[int, str] = {}  # device index -> why the kernel cannot run there (warned once)
@@ -79,13 +79,6 @@ def shape_ok(head_dim: int, key_bits: int, value_bits: int, rows: int, split_key
     most = MAX_ROWS if head_dim <= 128 else 8
     return (head_dim in HEAD_DIMS and key_bits in BITS and value_bits in BITS and rows <= most and not split_keys
             and slots >= 16)
-
-
-def static_ok() -> bool:
-    """Whether the kernel serves static caches (`TurboQuantStaticCache`: lengths on the device, a wrapping ring, CUDA
-    graphs): only when the environment asks ("1"). Its static mode and its launch inside torch.compile's graphs have not
-    been run on a GPU yet, so the Triton kernel keeps serving them by default."""
-    return os.environ.get(ENV) == "1"
 
 
 def machine_ok(device: torch.device) -> bool:
