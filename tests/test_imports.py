@@ -8,9 +8,6 @@ import tq_hf_cache
 
 PACKAGE = "tq_hf_cache"
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(tq_hf_cache.__file__)))
-# The one cycle left: TurboQuantConfig's save and load check the calibrated codebooks of a folder
-# (`CalibratedCodebooks`), and calibration builds on the config. A test failure names any other.
-KNOWN = [{"tq_hf_cache.calibration", "tq_hf_cache.config"}]
 
 
 def modules(root: str, package: str) -> dict[str, str]:
@@ -96,11 +93,10 @@ def cycles(graph: dict[str, set[str]]) -> list[set[str]]:
     return out
 
 
-def test_no_import_cycle_but_the_known_one():
+def test_no_import_cycle():
     found = cycles(import_graph(ROOT, PACKAGE))
-    new = [c for c in found if c not in KNOWN]
-    assert not new, "import cycles (function-level imports count):\n" + "\n".join(
-        " <-> ".join(sorted(c)) for c in new)
+    assert not found, "import cycles (function-level imports count):\n" + "\n".join(
+        " <-> ".join(sorted(c)) for c in found)
 
 
 def test_the_check_finds_a_cycle_through_a_function_level_import(tmp_path):

@@ -34,6 +34,8 @@ import torch
 from transformers import DynamicCache
 
 from .codebook import Codebook, check_bits, theoretical_codebook
+from . import codebooks_file
+from .codebooks_file import CODEBOOKS_FORMAT_VERSION, CODEBOOKS_NAME, KINDS  # noqa: F401  (imported from here too)
 from .config import (
     TURBOQUANT_CONFIG_NAME,
     TurboQuantConfig,
@@ -44,15 +46,9 @@ from .config import (
     read_turboquant_json,
 )
 from ._compat import cache_kwargs
-from ._io import safetensors_bytes, sha256_bytes, sha256_file, write_bytes
+from ._io import safetensors_bytes, sha256_bytes, write_bytes
 from .rotation import make_rotation
 
-CODEBOOKS_NAME = "turboquant_codebooks.safetensors"
-CODEBOOKS_FORMAT_VERSION = 1
-KINDS = ("key", "value")
-CHOICES = ("theoretical", "shared", "per_head")
-_INDEX_KEYS = ("file", "format_version", "bits", "entries", "info", "sha256")
-_ENTRY_KEYS = ("layer", "kind", "bits", "choice", "heldout_rel_mse")
 DEFAULT_BINS = 8192
 HOLDOUT_BLOCK = 32
 PER_HEAD_MIN_GAIN = 0.02
@@ -190,7 +186,7 @@ class CalibratedCodebooks:
 
     @property
     def bits(self) -> dict[str, list[int]]:
-        return {k: sorted({b for (_, kk, b) in self.entries if kk == k}) for k in KINDS}
+        return codebooks_file.entry_bits(self.entries)
 
     def summary(self) -> dict[str, Any]:
         """Mean held-out relative MSE per kind and bit width, and how many layers chose each variant."""
@@ -212,7 +208,7 @@ class CalibratedCodebooks:
         index and model facts (`_index_digest`), so a file of another calibration, or an edited one, is refused."""
         tensors = {}
         for (layer, kind, bits), cb in sorted(self.codebooks.items()):
-            tensors[_tensor_name(layer, kind, bits)] = cb.centroids.detach().float().cpu().contiguous()
+            tensors[codebooks_file.tensor_name(layer, kind, bits)] = cb.centroids.detach().float().cpu().contiguous()
         n_layers = self.model["num_hidden_layers"]
         tensors["rotation_seeds"] = torch.tensor([self.config.seed + i for i in range(n_layers)], dtype=torch.int64)
         index = {
@@ -227,7 +223,7 @@ class CalibratedCodebooks:
         model = model_facts(self.model)
         index = json.loads(json.dumps(index))  # the index as it will read back (tuples as lists, keys as strings)
         data = safetensors_bytes(tensors, metadata={"format_version": str(CODEBOOKS_FORMAT_VERSION),
-                                                    "index_sha256": _index_digest(model, index)})
+                                                    "index_sha256": codebooks_file.index_digest(model, index)})
         index["sha256"] = sha256_bytes(data)
         os.makedirs(save_directory, exist_ok=True)
         write_bytes(os.path.join(save_directory, CODEBOOKS_NAME), data)
@@ -241,177 +237,20 @@ class CalibratedCodebooks:
         digests existed carry neither and are read unbound."""
         doc = read_turboquant_json(directory)
         check_model_facts(doc, directory, config)
-        where = os.path.join(directory, TURBOQUANT_CONFIG_NAME)
-        model = doc.get("model")
-        if model is None:
-            raise ValueError(f"{where} has no 'model' section: codebooks need the model facts it was calibrated on")
-        index = doc.get("codebooks")
-        if index is None:
-            raise ValueError(f"{where} has no 'codebooks' section: this folder holds a config without calibrated codebooks")
-        if not isinstance(index, dict):
-            raise ValueError(f"{where}: the 'codebooks' section must be a JSON object, got {index!r}")
+        model, _ = codebooks_file.sections(doc, directory)
         tq = TurboQuantConfig.from_file_doc(doc, directory, check_digest=False)
-        unknown = sorted(set(index) - set(_INDEX_KEYS))
-        if unknown:
-            raise ValueError(f"{where}: codebooks holds unknown fields {unknown}; known fields are {list(_INDEX_KEYS)}")
-        if index.get("format_version") != CODEBOOKS_FORMAT_VERSION or isinstance(index.get("format_version"), bool):
-            raise ValueError(
-                f"{where}: codebooks.format_version {index.get('format_version')!r} is not supported; "
-                f"this tq_hf_cache reads version {CODEBOOKS_FORMAT_VERSION}"
-            )
-        file_name = index.get("file", CODEBOOKS_NAME)
-        if (
-            not isinstance(file_name, str) or file_name in ("", ".", "..") or any(c in file_name for c in "/\\")
-            or os.path.isabs(file_name)
-        ):
-            raise ValueError(
-                f"{where}: codebooks.file must name a file inside the folder (no path separators), got {file_name!r}"
-            )
-        if not isinstance(index.get("info", {}), dict):
-            raise ValueError(f"{where}: codebooks.info must be a JSON object, got {index['info']!r}")
-        digest = index.get("sha256")
-        if digest is not None and (not isinstance(digest, str) or len(digest) != 64
-                                   or any(c not in "0123456789abcdef" for c in digest)):
-            raise ValueError(f"{where}: codebooks.sha256 must be 64 lowercase hex digits, got {digest!r}")
-        path = os.path.join(directory, file_name)
-        tensors, meta = _load_tensors(path)
-        bound = meta.get("index_sha256")
-        n_layers, heads = model["num_hidden_layers"], model["num_key_value_heads"]
-
-        seeds = tensors.pop("rotation_seeds", None)
-        expected = torch.tensor([tq.seed + i for i in range(n_layers)], dtype=torch.int64)
-        if seeds is None:
-            raise ValueError(f"{path} is missing the tensor 'rotation_seeds'")
-        if seeds.dtype != torch.int64 or seeds.shape != expected.shape or not torch.equal(seeds, expected):
-            raise ValueError(
-                f"{path}: rotation_seeds {seeds.tolist()} ({seeds.dtype}) do not match seed={tq.seed} + layer index "
-                f"for {n_layers} layers of {where}: the files come from different calibrations"
-            )
-        out = cls(tq, dict(model), info=dict(index.get("info", {})))
-        raw_entries = index.get("entries")
-        if not isinstance(raw_entries, list):
-            raise ValueError(f"{where}: codebooks.entries must be a list, got {type(raw_entries).__name__}")
-        for n, e in enumerate(raw_entries):
-            field = f"codebooks.entries[{n}]"
-            if not isinstance(e, dict):
-                raise ValueError(f"{where}: {field} must be an object, got {e!r}")
-            layer, kind, bits, choice = e.get("layer"), e.get("kind"), e.get("bits"), e.get("choice")
-            if not set(_ENTRY_KEYS[:4]) <= set(e) <= set(_ENTRY_KEYS):
-                raise ValueError(f"{where}: {field} holds the fields {list(_ENTRY_KEYS[:4])} and optionally "
-                                 f"{_ENTRY_KEYS[4]!r}, got {e!r}")
-            mse = e.get("heldout_rel_mse", {c: None for c in CHOICES})
-            if not isinstance(mse, dict) or set(mse) != set(CHOICES) or not all(
-                    v is None or (isinstance(v, (int, float)) and not isinstance(v, bool)) for v in mse.values()):
-                raise ValueError(f"{where}: {field}.heldout_rel_mse must map each of {list(CHOICES)} to a number "
-                                 f"or null, got {mse!r}")
-            if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer < n_layers:
-                raise ValueError(f"{where}: {field}.layer must be an integer in [0, {n_layers}), got {layer!r}")
-            if kind not in KINDS:
-                raise ValueError(f"{where}: {field}.kind must be one of {KINDS}, got {kind!r}")
-            check_bits(bits, f"{where}: {field}.bits (layer {layer} {kind})")
-            if choice not in CHOICES:
-                raise ValueError(f"{where}: {field}.choice (layer {layer} {kind} {bits}-bit) must be theoretical/shared/per_head, got {choice!r}")
-            key = (layer, kind, bits)
-            if key in out.entries:
-                raise ValueError(f"{where}: duplicate entry for layer {layer} {kind} {bits}-bit")
-            out.entries[key] = {k: v for k, v in e.items() if k not in ("layer", "kind", "bits")}
-            name = _tensor_name(*key)
-            if choice == "theoretical":
-                if name in tensors:
-                    raise ValueError(f"{path}: tensor {name!r} is present but the entry in {where} says 'theoretical'")
-                continue
-            t = tensors.pop(name, None)
-            if t is None:
-                raise ValueError(f"{path} is missing the tensor {name!r} listed in {TURBOQUANT_CONFIG_NAME}")
-            want = (heads, 2**bits) if choice == "per_head" else (2**bits,)
-            if t.dtype != torch.float32:
-                raise ValueError(f"{path}: tensor {name!r} has dtype {t.dtype}, expected torch.float32")
-            if tuple(t.shape) != want:
-                raise ValueError(
-                    f"{path}: tensor {name!r} has shape {tuple(t.shape)}, expected {want} "
-                    f"({bits}-bit, {choice}, {heads} KV heads)"
-                )
-            if not torch.isfinite(t).all():
-                raise ValueError(f"{path}: tensor {name!r} contains NaN or inf")
-            if (t.diff(dim=-1) <= 0).any() or t.abs().max() > 1:
-                raise ValueError(f"{path}: tensor {name!r} must hold strictly ascending centroids in [-1, 1]")
-            out.codebooks[key] = Codebook.from_centroids(t, bits)
-        if tensors:
-            raise ValueError(f"{path} holds tensors not listed in {TURBOQUANT_CONFIG_NAME}: {sorted(tensors)}")
-        if "bits" in index and index["bits"] != out.bits:
-            raise ValueError(f"{where}: codebooks.bits {index['bits']!r} does not match its entries' bits {out.bits}")
-        if (bound is None) != (digest is None):
-            raise ValueError(f"{where} and {path} do not belong together: "
-                             + (f"{path} carries no index_sha256 but codebooks.sha256 is given" if bound is None
-                                else f"codebooks.sha256 is missing, but {path} is bound to its index"))
-        if digest is not None and sha256_file(path) != digest:
-            raise ValueError(
-                f"{path} is not the codebooks file {where} indexes (its SHA-256 differs from codebooks.sha256): it "
-                "was changed, or comes from another calibration; recalibrate, or restore both files together"
-            )
-        check_doc_digest(doc, where)
-        if bound is not None and bound != _index_digest(model, {k: v for k, v in index.items() if k != "sha256"}):
-            raise ValueError(
-                f"{where}: the 'codebooks' or 'model' section differs from the one {path} was saved with (edited "
-                "after saving?); recalibrate, or restore the saved file"
-            )
-        return out
+        entries, codebooks, info = codebooks_file.read(directory, doc, tq.seed)
+        return cls(tq, dict(model), codebooks, entries, info)
 
     def check_rotation(self, tq_config: TurboQuantConfig) -> None:
-        """Raise unless `tq_config` rotates as the calibration did: the rotation defines the coordinates the
-        centroids were fitted to."""
-        if tq_config.seed != self.config.seed or tq_config.rotation != self.config.rotation:
-            raise ValueError(
-                f"the codebooks were calibrated with seed={self.config.seed}, rotation={self.config.rotation!r} but the "
-                f"cache uses seed={tq_config.seed}, rotation={tq_config.rotation!r}; they must match (the rotation "
-                "defines the coordinates the centroids were fitted to): pass seed / rotation as calibrated, or "
-                "recalibrate"
-            )
+        """Raise unless `tq_config` rotates as the calibration did."""
+        codebooks_file.check_rotation(self.config.seed, self.config.rotation, tq_config)
 
     def check_covers(self, tq_config: TurboQuantConfig) -> None:
-        """Raise unless every quantized layer's (kind, bits) under `tq_config` has a calibrated entry."""
-        n = self.model["num_hidden_layers"]
+        """Raise unless `tq_config` rotates as calibrated and every quantized layer's (kind, bits) under it has a
+        calibrated entry."""
         self.check_rotation(tq_config)
-        for i in range(n):
-            kv = tq_config.bits_for_layer(i, n)
-            if kv is None:
-                continue
-            for kind, b in zip(KINDS, kv):
-                if (i, kind, b) not in self.entries:
-                    raise ValueError(
-                        f"layer {i} needs a {b}-bit {kind} codebook but the calibrated {kind} bits are "
-                        f"{self.bits[kind]}; recalibrate with these bits (tq-hf-cache calibrate --key-bits/--value-bits)"
-                    )
-
-
-def _tensor_name(layer: int, kind: str, bits: int) -> str:
-    return f"layers.{layer}.{kind}.{bits}bit.centroids"
-
-
-def _index_digest(model: dict, index: dict) -> str:
-    """SHA-256 of the model facts and the codebook index (without its own `sha256`), as canonical JSON."""
-    return sha256_bytes(json.dumps({"model": model, "codebooks": index}, sort_keys=True,
-                                   separators=(",", ":")).encode("utf-8"))
-
-
-def _load_tensors(path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-    from safetensors import safe_open
-
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"calibrated codebooks file {path!r} is missing (listed in {TURBOQUANT_CONFIG_NAME})")
-    try:
-        with safe_open(path, framework="pt") as f:
-            meta = f.metadata() or {}
-            if meta.get("format_version") != str(CODEBOOKS_FORMAT_VERSION):
-                raise ValueError(
-                    f"{path}: format_version {meta.get('format_version')!r} is not supported; expected "
-                    f"{str(CODEBOOKS_FORMAT_VERSION)!r}"
-                )
-            return {k: f.get_tensor(k) for k in f.keys()}, meta
-    except ValueError:
-        raise
-    except Exception as e:  # safetensors raises SafetensorsError (truncated header, bad offsets, ...)
-        raise ValueError(f"{path} is corrupt or truncated and cannot be read as safetensors: {e}") from None
+        codebooks_file.check_covers(self.entries, self.model["num_hidden_layers"], tq_config)
 
 
 # ---- calibration ---------------------------------------------------------------------------------------------
