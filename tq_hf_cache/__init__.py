@@ -5,7 +5,8 @@ from ._compat import cache_kwargs
 from .cache import TurboQuantCache
 from .codebook import Codebook, theoretical_codebook
 from .config import DEFAULT_PRESET, PRESETS, TurboQuantConfig
-from .layer import TurboQuantLayer, TurboQuantSlidingLayer
+from .layer import TurboQuantLayer
+from .sliding_layer import TurboQuantSlidingLayer
 from .rotation import Rotation, make_rotation
 from .static_cache import TurboQuantStaticCache, TurboQuantStaticLayer
 

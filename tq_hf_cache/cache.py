@@ -12,7 +12,9 @@ from . import _compat
 from .codebook import Codebook, theoretical_codebook
 from .config import TurboQuantConfig, model_facts
 from .crop import crop_layers
-from .layer import TurboQuantLayer, TurboQuantSlidingLayer, hybrid_classes
+from .hybrid_layer import hybrid_classes
+from .layer import TurboQuantLayer
+from .sliding_layer import TurboQuantSlidingLayer
 from .rope import rope_angles
 from .rotation import make_rotation
 from .workspace import Workspace

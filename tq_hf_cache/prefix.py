@@ -437,7 +437,7 @@ def _check_stored_length(layer, i: int, stored: int, info: dict, where: str, fie
 
 
 def _restore_tq_layer(layer, i: int, info: dict, facts: dict, get, where: str, device) -> None:
-    from .layer import PackedBuffer
+    from .packed_buffer import PackedBuffer
 
     if (layer.key_bits, layer.value_bits) != (info["key_bits"], info["value_bits"]):
         raise ValueError(f"{where}: layers[{i}] was saved at k{info['key_bits']}v{info['value_bits']}, this cache "

@@ -1,0 +1,125 @@
+"""How a `TurboQuantLayer` stores tokens (a part of it, by concern): the residual window, whose overflow is
+quantized once into the packed buffers; the exact copies of the sink tokens; the key centring's mean; the norms'
+dtype widened before a norm would overflow float16."""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+
+from . import ops
+
+FP16_MAX = 65504.0
+
+
+class LayerStore:
+    """The write path of `TurboQuantLayer` (state: see `TurboQuantLayer._clear`)."""
+
+    def _settle(self) -> None:
+        """Quantize what a decode step left beyond the residual window, and drop what left a sliding window: the
+        state a dense step's `_push` leaves."""
+        lr = self._rlen
+        drop = self._drop_old(lr)
+        if drop == 0 and lr <= self.residual_capacity:
+            return
+        self._store_window(self.res_k[:, :, drop:], self.res_v[:, :, drop:])
+
+    def _reserve_residual(self, tokens: int) -> None:
+        """Grow the residual buffers to hold `tokens`: doubling up to `residual_capacity`, then exactly what a
+        decode step that has not settled yet needs (at most MAX_FUSED_QUERIES more)."""
+        cap = self._rk.shape[2]
+        if tokens <= cap:
+            return
+        new_cap = max(tokens, min(2 * cap, self.residual_capacity))
+        rk = self._rk.new_empty(self.batch, self.heads, new_cap, self.head_dim)
+        rv = self._rv.new_empty(self.batch, self.heads, new_cap, self.head_dim)
+        rk[:, :, : self._rlen].copy_(self.res_k)
+        rv[:, :, : self._rlen].copy_(self.res_v)
+        self._rk, self._rv = rk, rv
+
+    def _push(self, key_states: torch.Tensor, value_states: torch.Tensor, fp=None) -> None:
+        """Append the new tokens to the residual window; quantize the oldest ones once it overflows. fp: the
+        caller's [residual | new] keys and values, when it already has them.
+
+        The cache keeps values, not autograd history: gradients reach only the tokens of the current call."""
+        key_states, value_states = key_states.detach(), value_states.detach()
+        n, lr = key_states.shape[2], self._rlen
+        drop = self._drop_old(lr + n)
+        if drop == 0 and lr + n <= self.residual_capacity:  # the common decode step: two small copies
+            self._reserve_residual(lr + n)
+            self._rk[:, :, lr : lr + n].copy_(key_states)
+            self._rv[:, :, lr : lr + n].copy_(value_states)
+            self._rlen = lr + n
+            return
+        if fp is None:
+            fp = self._with_residual(key_states, value_states)
+        self._store_window(fp[0][:, :, drop:].detach(), fp[1][:, :, drop:].detach())
+
+    def _store_window(self, fp_k: torch.Tensor, fp_v: torch.Tensor) -> None:
+        """Keep the newest `residual_length` of these full-precision tokens as the residual window and quantize
+        the older ones. The window moves to new buffers: the inputs may be views of the old ones, and so may the
+        unread LazyKVs of a decode step (transformers' offloading settles a layer before its attention runs)."""
+        overflow = fp_k.shape[2] - self.residual_length
+        if overflow > 0:
+            self._quantize_append(fp_k[:, :, :overflow], fp_v[:, :, :overflow], self.cumulative_length - fp_k.shape[2])
+            fp_k, fp_v = fp_k[:, :, overflow:], fp_v[:, :, overflow:]
+        keep = fp_k.shape[2]
+        cap = max(keep, self._rk.shape[2])
+        rk = fp_k.new_empty(self.batch, self.heads, cap, self.head_dim)
+        rv = fp_v.new_empty(self.batch, self.heads, cap, self.head_dim)
+        rk[:, :, :keep].copy_(fp_k)
+        rv[:, :, :keep].copy_(fp_v)
+        self._rk, self._rv, self._rlen = rk, rv, keep
+
+    def _drop_old(self, fp_tokens: int) -> int:
+        """Full-attention layers keep everything; sliding layers drop what left the window (see there)."""
+        return 0
+
+    def _quantize_append(self, k: torch.Tensor, v: torch.Tensor, pos0: int) -> None:
+        """Quantize k, v (absolute positions pos0, pos0 + 1, ...) into the packed buffers."""
+        n = k.shape[2]
+        kq = k
+        if self.rope is not None:  # pre-RoPE key centring: quantize k - R(t) mu
+            pos = torch.arange(pos0, pos0 + n, device=k.device)
+            if self._mu is None:
+                first = max(self.sink_tokens - pos0, 0)  # the sinks stay exact: they would pull the mean
+                first = first if first < n else 0
+                self._mu = self.rope.invert(k[:, :, first:], pos[first:]).mean(dim=2, keepdim=True)
+            kq = k.float() - self.rope.apply(self._mu, pos)
+        if self.norm_dtype == torch.float16:
+            self._widen_norms_if_needed(kq, v)
+        if self._slen < self.sink_tokens:
+            # the sequence's first tokens are being quantized: keep exact copies of them (attention sinks). While
+            # they sit in the residual window they are exact anyway, so a short prompt holds no second copy.
+            take = min(self.sink_tokens - self._slen, n)
+            self._sk = torch.cat([self._sk[:, :, : self._slen], k[:, :, :take]], dim=2)
+            self._sv = torch.cat([self._sv[:, :, : self._slen], v[:, :, :take]], dim=2)
+            self._slen += take
+        pk, nk = self.k_buf.append_slots(n)
+        pv, nv = self.v_buf.append_slots(n)
+        if self.key_split is not None:
+            ops.quantize_split_into(kq, self.key_split, [(pk, nk)] + [b.append_slots(n) for b in self.k_more])
+            ops.quantize_into(v, self.rotation, self.v_codebook, pv, nv)
+        elif kq is k:
+            ops.quantize_kv_into(k, v, self.rotation, self.k_codebook, self.v_codebook, pk, nk, pv, nv)
+        else:
+            ops.quantize_into(kq, self.rotation, self.k_codebook, pk, nk)
+            ops.quantize_into(v, self.rotation, self.v_codebook, pv, nv)
+
+    def _widen_norms_if_needed(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        """float16 norms end at 65504: before a finite norm above that is stored, switch this layer's norms to
+        float32 (the stored ones convert exactly), so that no norm is clamped. One device sync per quantize call."""
+        norms = torch.stack([k.float().norm(dim=-1).amax(), v.float().norm(dim=-1).amax()])
+        big = norms[torch.isfinite(norms)]
+        if big.numel() and float(big.max()) > FP16_MAX:
+            warnings.warn(
+                f"tq_hf_cache: layer {self.layer_idx} has a key/value norm of {float(big.max()):.4g}, above float16's "
+                f"range ({FP16_MAX:.0f}); its norms are stored in float32 from now on (2 more bytes per vector). "
+                "Set norm_dtype='float32' to choose this up front.",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+            self.norm_dtype = torch.float32
+            for buf in self._buffers():
+                buf.norms = buf.norms.float()
