@@ -56,6 +56,20 @@ def test_pipeline_chat_reuses_the_cache_across_turns(smollm2, monkeypatch, capsy
 
 
 @pytest.mark.model
+def test_prefix_store_chat_reuses_system_prompts_and_turns_exactly(smollm2, monkeypatch, capsys):
+    import re
+
+    import tq_hf_cache.models
+
+    monkeypatch.setattr(tq_hf_cache.models, "load_smollm2", lambda *a, **k: smollm2)
+    assert load_example("prefix_store_chat").main(["--users", "2", "--new-tokens", "4", "--context-chars", "1200"]) == 0
+    out = capsys.readouterr().out
+    reqs = [(int(a), int(b)) for a, b in re.findall(r"(\d+) prompt tokens, (\d+) reused", out)]
+    assert len(reqs) == 8 and all(0 < n < p for p, n in reqs)  # every request reuses a stored prefix
+    assert "gives the same answer as a fresh cache" in out
+
+
+@pytest.mark.model
 def test_calibrate_and_save(smollm2, monkeypatch, capsys, tmp_path):
     import tq_hf_cache.models
 

@@ -6,6 +6,7 @@ from .cache import TurboQuantCache
 from .codebook import Codebook, theoretical_codebook
 from .config import DEFAULT_PRESET, PRESETS, TurboQuantConfig
 from .layer import TurboQuantLayer
+from .prefix_store import PrefixStore
 from .sliding_layer import TurboQuantSlidingLayer
 from .rotation import Rotation, make_rotation
 from .static_cache import TurboQuantStaticCache, TurboQuantStaticLayer
@@ -15,6 +16,7 @@ __version__ = "0.1.0"
 __all__ = [
     "DEFAULT_PRESET",
     "PRESETS",
+    "PrefixStore",
     "Codebook",
     "Rotation",
     "TurboQuantCache",

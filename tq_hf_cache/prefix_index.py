@@ -128,13 +128,14 @@ class PrefixIndex:
 
     # ---- changes ----
 
-    def insert(self, keys: Sequence[str], page_bytes: int) -> list[Action]:
+    def insert(self, keys: Sequence[str], page_bytes: int | Sequence[int]) -> list[Action]:
         """Hold the pages of `keys` (a prefix's chain, from its first page): those held already count as used,
-        new ones enter tier 0 (each `page_bytes`), and the tiers are brought back under their capacities.
-        Returns the actions in the order the store must carry them out. Stops at the first page that fits
-        nowhere (it and the pages after it are skipped: a chain with a gap cannot be matched past it)."""
-        if isinstance(page_bytes, bool) or not isinstance(page_bytes, int) or page_bytes < 0:
-            raise ValueError(f"page_bytes must be an integer >= 0, got {page_bytes!r}")
+        new ones enter tier 0 (`page_bytes` each, or one size per key), and the tiers are brought back under their
+        capacities. Returns the actions in the order the store must carry them out. Stops at the first page that
+        fits nowhere (it and the pages after it are skipped: a chain with a gap cannot be matched past it)."""
+        sizes = [page_bytes] * len(keys) if isinstance(page_bytes, int) else list(page_bytes)
+        if len(sizes) != len(keys) or any(isinstance(b, bool) or not isinstance(b, int) or b < 0 for b in sizes):
+            raise ValueError(f"page_bytes must be an integer >= 0 or one per key ({len(keys)}), got {page_bytes!r}")
         with self._lock:
             actions: list[Action] = []
             parent = None
@@ -147,9 +148,9 @@ class PrefixIndex:
                     self._touch([key])
                     parent = key
                     continue
-                page = _Page(parent, 0, page_bytes, self._tick())
+                page = _Page(parent, 0, sizes[i], self._tick())
                 self._pages[key] = page
-                self._held[0] += page_bytes
+                self._held[0] += sizes[i]
                 if parent is not None:
                     self._pages[parent].children += 1
                 made = self._fit(0, protect=key)  # the new page may move down, never out

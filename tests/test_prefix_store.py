@@ -1,0 +1,150 @@
+"""PrefixStore: a restored prefix continues exactly as the cache that was inserted (logits bit for bit), pages are
+shared between prompts, move to disk and back, leave under their budgets, and a damaged page file is refused."""
+
+import copy
+import glob
+import threading
+
+import pytest
+import torch
+
+from tq_hf_cache import TurboQuantCache
+from tq_hf_cache.prefix_store import PrefixStore
+
+from conftest import tiny_llama_config, with_cache
+
+
+def model_and_config():
+    from transformers import LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = tiny_llama_config()
+    return LlamaForCausalLM(cfg).eval(), cfg
+
+
+def ids(n, seed=0):
+    return torch.randint(3, 128, (1, n), generator=torch.Generator().manual_seed(seed))
+
+
+def prefill(model, cfg, x, **kw):
+    cache = TurboQuantCache(config=cfg, **kw)
+    model(x, **with_cache(cache))
+    return cache
+
+
+def steps(model, cache, x, start):
+    return [model(x[:, i:i + 1], **with_cache(cache)).logits for i in range(start, x.shape[1])]
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("kw", [dict(residual_length=8), dict(residual_length=8, skip_layers=[1]),
+                                dict(residual_length=8, key_centering=True), dict(residual_length=0, sink_tokens=0)])
+def test_a_matched_prefix_continues_exactly_as_the_inserted_cache(kw):
+    model, cfg = model_and_config()
+    store = PrefixStore(config=cfg, page_tokens=8, **kw)
+    x = ids(60)
+    cache = prefill(model, cfg, x[:, :45], **kw)
+    assert store.insert(x[:, :45], cache) == (45 - kw["residual_length"]) // 8
+    got, n = store.match(x)
+    assert n == 45 and got.get_seq_length() == 45
+    want = steps(model, copy.deepcopy(cache), x, 45)
+    assert all(torch.equal(a, b) for a, b in zip(steps(model, got, x, 45), want))
+    empty, none = store.match(ids(60, seed=9))
+    assert none == 0 and empty.get_seq_length() == 0
+    _, n = store.match(x[:, :45])  # generate must compute the prompt's last token: at most all but it
+    assert n == 0
+
+
+@torch.no_grad()
+def test_prompts_share_pages_and_each_matches_its_own_endpoint():
+    model, cfg = model_and_config()
+    store = PrefixStore(config=cfg, page_tokens=8, residual_length=8)
+    system = ids(32)
+    a = torch.cat([system, ids(20, seed=1)], dim=1)
+    b = torch.cat([system, ids(17, seed=2)], dim=1)
+    ca, cb = prefill(model, cfg, a, residual_length=8), prefill(model, cfg, b, residual_length=8)
+    assert store.insert(a, ca) == 5  # (52 - 8) // 8 pages
+    assert store.insert(b, cb) == 1  # its first 4 pages are the system prompt's, held already
+    assert store.match(torch.cat([a, ids(3, seed=3)], dim=1))[1] == 52
+    got, n = store.match(torch.cat([b, ids(3, seed=4)], dim=1))
+    assert n == 49
+    x = torch.cat([b, ids(3, seed=4)], dim=1)
+    assert all(torch.equal(p, q) for p, q in zip(steps(model, got, x, 49), steps(model, copy.deepcopy(cb), x, 49)))
+    assert store.match(torch.cat([system, ids(9, seed=5)], dim=1))[1] == 0  # no endpoint inside the system prompt
+    stats = store.stats()
+    assert stats["hits"] == 2 and stats["tokens_reused"] > 0
+
+
+@torch.no_grad()
+def test_pages_move_to_disk_come_back_exact_and_a_changed_file_is_refused(tmp_path):
+    model, cfg = model_and_config()
+    store = PrefixStore(config=cfg, page_tokens=8, residual_length=8, cpu_bytes=4096, disk_dir=str(tmp_path),
+                        disk_bytes=1 << 30)
+    x = ids(70)
+    cache = prefill(model, cfg, x[:, :64], residual_length=8)
+    store.insert(x[:, :64], cache)
+    assert store.stats()["pages"][1] > 0 and glob.glob(str(tmp_path / "*.safetensors"))
+    got, n = store.match(x)
+    assert n == 64
+    assert all(torch.equal(a, b) for a, b in zip(steps(model, got, x, 64), steps(model, copy.deepcopy(cache), x, 64)))
+    path = sorted(glob.glob(str(tmp_path / "*.safetensors")))[0]
+    raw = bytearray(open(path, "rb").read())
+    raw[-1] ^= 1
+    open(path, "wb").write(bytes(raw))
+    with pytest.raises(ValueError, match="differs from the one this store wrote"):
+        store.match(x)
+
+
+@torch.no_grad()
+def test_least_recently_used_prefixes_leave_under_the_budget():
+    model, cfg = model_and_config()
+    x, y = ids(50), ids(50, seed=1)
+    cx, cy = prefill(model, cfg, x[:, :40], residual_length=8), prefill(model, cfg, y[:, :40], residual_length=8)
+    one = PrefixStore(config=cfg, page_tokens=8, residual_length=8)
+    one.insert(x[:, :40], cx)
+    budget = sum(one.stats()["bytes"])  # exactly one prefix
+    store = PrefixStore(config=cfg, page_tokens=8, residual_length=8, cpu_bytes=budget)
+    store.insert(x[:, :40], cx)
+    store.insert(y[:, :40], cy)
+    assert store.match(x)[1] == 0 and store.match(y)[1] == 40
+    assert sum(store.stats()["bytes"]) <= budget and store.stats()["dropped"] > 0
+
+
+def test_bad_input_is_refused_before_anything_is_stored():
+    model, cfg = model_and_config()
+    store = PrefixStore(config=cfg, page_tokens=8, residual_length=8)
+    cache = prefill(model, cfg, ids(20), residual_length=8)
+    with pytest.raises(ValueError, match="holds 20 tokens, input_ids 19"):
+        store.insert(ids(19), cache)
+    with pytest.raises(ValueError, match="one sequence"):
+        store.match(torch.zeros(2, 5, dtype=torch.long))
+    with pytest.raises(ValueError, match="gpu_bytes"):
+        PrefixStore(config=cfg, gpu_bytes=1 << 20)
+    assert store.stats()["pages"] == [0]
+    assert PrefixStore(config=cfg, tq_config="k4v2").namespace != store.namespace
+
+
+@torch.no_grad()
+def test_concurrent_requests():
+    model, cfg = model_and_config()
+    store = PrefixStore(config=cfg, page_tokens=8, residual_length=8, cpu_bytes=1 << 16)
+    prompts = [torch.cat([ids(16), ids(12 + i, seed=i + 1)], dim=1) for i in range(4)]
+    caches = [prefill(model, cfg, p, residual_length=8) for p in prompts]
+    errors = []
+
+    def worker(w):
+        try:
+            for i in range(8):
+                j = (w + i) % 4
+                store.insert(prompts[j], caches[j])
+                cache, n = store.match(torch.cat([prompts[j], ids(2, seed=99)], dim=1))
+                assert n in (0, prompts[j].shape[1]) and cache.get_seq_length() == n
+        except Exception as e:  # noqa: BLE001 (reported below)
+            errors.append(e)
+
+    threads = [threading.Thread(target=worker, args=(w,)) for w in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors

@@ -1,0 +1,288 @@
+"""`PrefixStore`: many requests share their prompts' quantized K/V, held in pages across tiers (CPU memory, the GPU,
+a disk folder) under byte budgets.
+
+What is stored for a cache of E tokens (`insert`):
+- pages: the packed codes and norms of every whole `page_tokens` page inside its quantized part, per layer, keyed by
+  `prefix_index.page_keys` (a chained hash of the tokens from the first one, bound to the model and config), shared
+  by every prompt that starts with those tokens;
+- a snapshot of the endpoint E: the packed tokens after the last whole page, the exact residual window, the exact
+  sink copies, a centred layer's key mean and the layers kept in full precision. A TurboQuantCache of E tokens holds
+  its newest tokens exact, so only an endpoint some cache reached can be restored exactly.
+
+`match(input_ids)` restores the longest stored endpoint that the prompt extends (at most all but its last token, which
+generate must compute): a TurboQuantCache identical to the inserting one (codes, exact tokens, lengths), and how many
+tokens it covers. Which pages live where is `prefix_index.PrefixIndex`'s business: least recently used pages move
+down a tier and leave from the last, snapshots first (they are leaves). Pages are copied into the restored cache, so
+the store never lends a live cache its memory. Thread-safe (one lock).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import threading
+from typing import Any
+
+import torch
+
+from . import _io
+from .config import model_facts
+from .prefix import _restore_layer, _save_layer, weights_digest
+from .prefix_index import PrefixIndex, page_keys
+
+__all__ = ["PrefixStore"]
+
+_ROOT = "root"
+
+
+class PrefixStore:
+    """Quantized prompt prefixes shared by requests, in pages across tiers.
+
+    Args:
+        config: the model's transformers config (the caches `match` builds are for it).
+        tq_config: the caches' TurboQuantConfig (a preset name, a config, or None for the default).
+        page_tokens: tokens per page (the granularity of sharing).
+        cpu_bytes: bytes of pages held in CPU memory.
+        gpu_bytes: bytes of pages held on `device` (a CUDA device; 0 for none), the first tier when given.
+        disk_dir, disk_bytes: a folder for pages that leave memory, and how many bytes it may hold.
+        model: the model itself, to bind the store to its weights (another checkpoint of the same shape never
+            matches); codebooks: calibrated codebooks the caches use; overrides: TurboQuantConfig fields, as
+            `TurboQuantCache` takes them.
+
+    Example:
+        >>> store = PrefixStore(config=model.config, cpu_bytes=2 << 30)           # doctest: +SKIP
+        >>> cache, n = store.match(input_ids)                                      # doctest: +SKIP
+        >>> out = model.generate(input_ids, past_key_values=cache)                 # doctest: +SKIP
+        >>> store.insert(input_ids, cache_that_prefilled_them)                     # doctest: +SKIP
+    """
+
+    def __init__(self, *, config, tq_config=None, page_tokens: int = 256, cpu_bytes: int = 1 << 30,
+                 gpu_bytes: int = 0, device=None, disk_dir: str | None = None, disk_bytes: int = 0, model=None,
+                 codebooks=None, **overrides):
+        from .cache import TurboQuantCache
+
+        self.config, self.codebooks = config, codebooks
+        # the caches' config, resolved (and a bad one refused) now; `overrides` as TurboQuantCache takes them
+        self.tq_config = TurboQuantCache(tq_config, config=config, codebooks=codebooks, **overrides).tq_config
+        self.device = torch.device(device) if device is not None else torch.device("cpu")
+        tiers, caps = [], []
+        if gpu_bytes:
+            if self.device.type != "cuda":
+                raise ValueError(f"gpu_bytes={gpu_bytes} needs a CUDA device, got device={self.device}")
+            tiers.append(self.device), caps.append(gpu_bytes)
+        tiers.append(torch.device("cpu")), caps.append(cpu_bytes)
+        if disk_dir is not None:
+            os.makedirs(disk_dir, exist_ok=True)
+            tiers.append("disk"), caps.append(disk_bytes)
+        self.tiers, self.disk_dir = tiers, disk_dir
+        self.page_tokens = page_tokens
+        self.index = PrefixIndex(caps, page_tokens=page_tokens)
+        ns = {"model": model_facts(config), "tq_config": self.tq_config.to_dict(),
+              "weights": None if model is None else weights_digest(model),
+              "codebooks": None if codebooks is None else repr(getattr(codebooks, "info", None))}
+        self.namespace = hashlib.sha256(json.dumps(ns, sort_keys=True, default=str).encode()).hexdigest()
+        self._held: dict[str, Any] = {}  # key -> page or snapshot payload: a dict of tensors, or a disk file's path
+        self._digests: dict[str, str] = {}  # key -> SHA-256 of its disk file
+        self._counts = {"lookups": 0, "hits": 0, "tokens_reused": 0}
+        self._ends: dict[str, dict[str, int]] = {}  # parent page key (or _ROOT) -> {snapshot key: its length}
+        self._lock = threading.Lock()
+
+    # ---- insert ----
+
+    def insert(self, input_ids, cache) -> int:
+        """Store what `cache` (a TurboQuantCache holding exactly `input_ids`, one sequence) holds: its whole pages
+        (those not held already) and a snapshot of its endpoint. Returns the pages newly stored."""
+        ids = _one_row(input_ids)
+        if cache.get_seq_length() != ids.numel():
+            raise ValueError(f"the cache holds {cache.get_seq_length()} tokens, input_ids {ids.numel()}: insert a "
+                             "cache that prefilled exactly these tokens")
+        for layer in cache.layers:
+            if getattr(layer, "is_initialized", False) and hasattr(layer, "_settle"):
+                layer._settle()  # what a decode step left beyond the residual window, as a dense step leaves it
+        tensors: dict[str, torch.Tensor] = {}
+        infos = [_save_layer(layer, i, tensors, 1) for i, layer in enumerate(cache.layers)]
+        quantized = [info["quantized"] for info in infos if info.get("kind") == "turboquant" and info["initialized"]]
+        P = self.page_tokens
+        m = (min(quantized) if quantized else 0) // P
+        keys = page_keys(ids[: m * P], P, self.namespace)
+        payloads = {k: _slice_pages(tensors, p * P, (p + 1) * P) for p, k in enumerate(keys)}
+        snap_key = self._snapshot_key(keys, ids[m * P:])
+        payloads[snap_key] = {"tensors": _slice_pages(tensors, m * P, None, rest=True), "infos": infos,
+                              "num_tokens": ids.numel()}
+        chain = keys + [snap_key]
+        with self._lock:
+            actions = self.index.insert(chain, [_nbytes(payloads[k]) for k in chain])
+            self._apply(actions, payloads)
+            if snap_key in self._held:
+                self._ends.setdefault(keys[-1] if keys else _ROOT, {})[snap_key] = ids.numel()
+            return sum(a.kind == "store" and a.key != snap_key for a in actions)
+
+    # ---- match ----
+
+    def match(self, input_ids):
+        """(cache, n): a TurboQuantCache holding the longest stored endpoint of `input_ids` (one sequence) that
+        leaves at least its last token to compute, and its length n; (an empty cache, 0) when none is stored."""
+        from .cache import TurboQuantCache
+
+        ids = _one_row(input_ids)
+        P = self.page_tokens
+        keys = page_keys(ids, P, self.namespace)
+        with self._lock:
+            n_pages = self.index.match(keys)
+            best = None
+            for m in range(n_pages, -1, -1):
+                for snap, length in self._ends.get(keys[m - 1] if m else _ROOT, {}).items():
+                    if length < ids.numel() and snap == self._snapshot_key(keys[:m], ids[m * P: length]):
+                        if snap in self._held and (best is None or length > best[2]):
+                            best = (m, snap, length)
+                if best is not None:
+                    break
+            self._counts["lookups"] += 1
+            if best is None:
+                return TurboQuantCache(self.tq_config, config=self.config, codebooks=self.codebooks), 0
+            m, snap, length = best
+            self._counts["hits"] += 1
+            self._counts["tokens_reused"] += length
+            self.index.match(keys[:m] + [snap])  # used now: the snapshot too
+            chain = keys[:m] + [snap]
+            self.index.pin(chain)
+            try:
+                payloads = [self._load(k) for k in chain]
+            finally:
+                self.index.unpin(chain)
+        return self._restore(payloads[:-1], payloads[-1]), length
+
+    def stats(self) -> dict:
+        """Lookups, hits (prefixes restored), tokens reused; pages and bytes per tier, pages stored, moved, dropped
+        (the index's counts); the tiers."""
+        with self._lock:
+            out = self.index.stats()
+            for k in ("pages_matched",):
+                out.pop(k, None)
+            out.update(self._counts)
+            out["tiers"] = [str(t) for t in self.tiers]
+            return out
+
+    # ---- internals ----
+
+    def _snapshot_key(self, keys: list[str], rest) -> str:
+        parent = keys[-1] if keys else self.namespace
+        data = torch.as_tensor(rest, dtype=torch.int64).numpy().astype("<i8").tobytes()
+        return hashlib.sha256(b"end:" + parent.encode() + data).hexdigest()
+
+    def _apply(self, actions, payloads: dict) -> None:
+        """Carry out the index's actions: store new pages, move pages down a tier, drop pages."""
+        for a in actions:
+            if a.kind == "store":
+                self._held[a.key] = self._put(a.key, payloads[a.key], a.to)
+            elif a.kind == "move":
+                self._held[a.key] = self._put(a.key, self._load(a.key), a.to)
+            elif a.kind == "drop":
+                self._forget(a.key)
+
+    def _put(self, key: str, payload: dict, tier: int):
+        where = self.tiers[tier]
+        if where != "disk":
+            return _to(payload, where)
+        flat, meta = _flatten(payload)
+        blob = _io.safetensors_bytes(flat, metadata={"meta": json.dumps(meta), "key": key})
+        path = os.path.join(self.disk_dir, f"{key}.safetensors")
+        _io.write_bytes(path, blob)
+        self._digests[key] = _io.sha256_bytes(blob)
+        return path
+
+    def _load(self, key: str) -> dict:
+        """A page's payload in memory (read back and checked when it is on disk)."""
+        from safetensors import safe_open
+        from safetensors.torch import load as st_load
+
+        held = self._held[key]
+        if not isinstance(held, str):
+            return held
+        with open(held, "rb") as f:
+            blob = f.read()
+        if _io.sha256_bytes(blob) != self._digests.get(key):
+            raise ValueError(f"{held}: the page file differs from the one this store wrote (changed or replaced)")
+        with safe_open(held, framework="pt") as f:
+            meta = f.metadata() or {}
+        return _unflatten(st_load(blob), json.loads(meta["meta"]))
+
+    def _forget(self, key: str) -> None:
+        held = self._held.pop(key, None)
+        self._digests.pop(key, None)
+        if isinstance(held, str) and os.path.exists(held):
+            os.remove(held)
+        for ends in self._ends.values():
+            ends.pop(key, None)
+
+    def _restore(self, pages: list[dict], snapshot: dict):
+        from .cache import TurboQuantCache
+
+        cache = TurboQuantCache(self.tq_config, config=self.config, codebooks=self.codebooks)
+        facts = model_facts(self.config)
+        doc = {"batch": 1, "num_tokens": snapshot["num_tokens"]}
+        tensors = {}
+        for name, tail in snapshot["tensors"].items():
+            parts = [p[name] for p in pages if name in p] + [tail]
+            tensors[name] = torch.cat([t.to(self.device) for t in parts], dim=2) if len(parts) > 1 else tail.to(self.device)
+
+        def get(name, shape, dtype, i):
+            t = tensors[name]
+            if tuple(t.shape) != tuple(shape) or t.dtype != dtype:
+                raise ValueError(f"the store's layer {i} tensor {name!r} is {tuple(t.shape)} {t.dtype}, expected "
+                                 f"{tuple(shape)} {dtype}")
+            return t
+
+        for i, (layer, info) in enumerate(zip(cache.layers, snapshot["infos"])):
+            _restore_layer(layer, i, info, doc, facts, get, "the prefix store", self.device)
+        return cache
+
+
+def _one_row(input_ids) -> torch.Tensor:
+    t = torch.as_tensor(input_ids).detach().cpu()
+    if t.dim() == 2 and t.shape[0] == 1:
+        t = t[0]
+    if t.dim() != 1:
+        raise ValueError(f"input_ids must be one sequence, (n,) or (1, n); got shape {tuple(t.shape)} (batches: "
+                         "one row at a time)")
+    return t.to(torch.int64)
+
+
+_PAGED = ("_packed", "_norms")
+
+
+def _slice_pages(tensors: dict, start: int, stop: int | None, rest: bool = False) -> dict:
+    """The tensors of positions [start, stop) of every layer's packed buffers (a page); with `rest`, also every
+    other stored tensor (the snapshot's exact parts) whole."""
+    out = {}
+    for name, t in tensors.items():
+        if name.endswith(_PAGED):
+            out[name] = t[:, :, start:stop].clone()
+        elif rest:
+            out[name] = t.clone()
+    return out
+
+
+def _nbytes(payload: dict) -> int:
+    """The bytes of a page's (or a snapshot's) tensors."""
+    tensors = payload["tensors"] if "tensors" in payload else payload
+    return sum(t.numel() * t.element_size() for t in tensors.values())
+
+
+def _to(payload: dict, device) -> dict:
+    if "tensors" in payload:
+        return {**payload, "tensors": _to(payload["tensors"], device)}
+    pin = device.type == "cpu" and torch.cuda.is_available()
+    return {k: (v.to(device).pin_memory() if pin else v.to(device)) for k, v in payload.items()}
+
+
+def _flatten(payload: dict) -> tuple[dict, dict]:
+    if "tensors" in payload:
+        return {k: v.contiguous().cpu() for k, v in payload["tensors"].items()}, {
+            k: v for k, v in payload.items() if k != "tensors"}
+    return {k: v.contiguous().cpu() for k, v in payload.items()}, {}
+
+
+def _unflatten(tensors: dict, meta: dict) -> dict:
+    return {**meta, "tensors": tensors} if meta else tensors
