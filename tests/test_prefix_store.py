@@ -148,3 +148,21 @@ def test_concurrent_requests():
     for t in threads:
         t.join()
     assert not errors, errors
+
+
+@torch.no_grad()
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_gpu_tier_in_front_restores_exactly_on_the_gpu(tmp_path):
+    model, cfg = model_and_config()
+    model = model.cuda()
+    store = PrefixStore(config=cfg, page_tokens=8, residual_length=8, device="cuda", gpu_bytes=16384,
+                        cpu_bytes=32768, disk_dir=str(tmp_path), disk_bytes=1 << 30)
+    x = ids(90).cuda()
+    cache = TurboQuantCache(config=cfg, residual_length=8)
+    model(x[:, :80], **with_cache(cache))
+    store.insert(x[:, :80], cache)
+    assert store.stats()["pages"][0] > 0 and store.stats()["pages"][1] + store.stats()["pages"][2] > 0
+    got, n = store.match(x)
+    assert n == 80 and got.layers[0].k_buf.packed.device.type == "cuda"
+    want = steps(model, copy.deepcopy(cache), x, 80)
+    assert all(torch.equal(a, b) for a, b in zip(steps(model, got, x, 80), want))
