@@ -22,6 +22,7 @@ import hashlib
 import json
 import os
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -147,8 +148,9 @@ class PrefixStore:
             self.index.match(keys[:m] + [snap])  # used now: the snapshot too
             chain = keys[:m] + [snap]
             self.index.pin(chain)
-            try:
-                payloads = [self._load(k) for k in chain]
+            try:  # disk pages are read and checked on threads (file reads and hashing release the GIL)
+                with ThreadPoolExecutor(max(1, min(16, os.cpu_count() or 1))) as pool:
+                    payloads = list(pool.map(self._load, chain))
             finally:
                 self.index.unpin(chain)
         return self._restore(payloads[:-1], payloads[-1]), length
@@ -223,9 +225,16 @@ class PrefixStore:
         facts = model_facts(self.config)
         doc = {"batch": 1, "num_tokens": snapshot["num_tokens"]}
         tensors = {}
-        for name, tail in snapshot["tensors"].items():
+        for name, tail in snapshot["tensors"].items():  # pages then the snapshot's part, along the tokens
             parts = [p[name] for p in pages if name in p] + [tail]
-            tensors[name] = torch.cat([t.to(self.device) for t in parts], dim=2) if len(parts) > 1 else tail.to(self.device)
+            shape = list(tail.shape)
+            shape[2] = sum(t.shape[2] for t in parts)
+            out = torch.empty(shape, dtype=tail.dtype, device=self.device)
+            at = 0
+            for t in parts:  # from pinned memory these copies run asynchronously
+                out[:, :, at: at + t.shape[2]].copy_(t, non_blocking=True)
+                at += t.shape[2]
+            tensors[name] = out
 
         def get(name, shape, dtype, i):
             t = tensors[name]
