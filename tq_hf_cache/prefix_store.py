@@ -226,15 +226,9 @@ class PrefixStore:
         doc = {"batch": 1, "num_tokens": snapshot["num_tokens"]}
         tensors = {}
         for name, tail in snapshot["tensors"].items():  # pages then the snapshot's part, along the tokens
-            parts = [p[name] for p in pages if name in p] + [tail]
-            shape = list(tail.shape)
-            shape[2] = sum(t.shape[2] for t in parts)
-            out = torch.empty(shape, dtype=tail.dtype, device=self.device)
-            at = 0
-            for t in parts:  # from pinned memory these copies run asynchronously
-                out[:, :, at: at + t.shape[2]].copy_(t, non_blocking=True)
-                at += t.shape[2]
-            tensors[name] = out
+            parts = [p[name].to(self.device, non_blocking=True) for p in pages if name in p]  # async from pinned
+            tail = tail.to(self.device, non_blocking=True)
+            tensors[name] = torch.cat(parts + [tail], dim=2) if parts else tail  # one kernel: not a copy per page
 
         def get(name, shape, dtype, i):
             t = tensors[name]
