@@ -1,0 +1,42 @@
+"""PrefixStore restore time per tier for one prefix of the Llama-3.1-8B shape (32 layers, 8 KV heads, head dim 128,
+k5v3, random K/V filled through the cache's own update), on a GPU: a store with a GPU tier, one with CPU memory only
+(pinned), one with everything on disk; insert once, then `match` three times (restore medians). Writes
+$OUT/prefix_store_restore_h100.json.
+
+    python benchmarks/studies/prefix_store_restore.py [tokens]
+"""
+import time, json, os, sys, tempfile, statistics, torch
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
+from transformers import LlamaConfig
+from tq_hf_cache import TurboQuantCache
+from tq_hf_cache.prefix_store import PrefixStore
+cfg = LlamaConfig(num_hidden_layers=32, hidden_size=4096, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+                  intermediate_size=14336, vocab_size=128256, max_position_embeddings=131072)
+T = int(sys.argv[1]) if len(sys.argv) > 1 else 32768
+g = torch.Generator("cuda").manual_seed(0)
+cache = TurboQuantCache(config=cfg)
+for i in range(32):
+    k = torch.randn(1, 8, T, 128, device="cuda", dtype=torch.bfloat16, generator=g)
+    cache.update(k, torch.randn_like(k), i)
+ids = torch.randint(0, 128256, (T,))
+res = {"tokens": T, "device": torch.cuda.get_device_name(0)}
+d = tempfile.mkdtemp()
+stores = {"gpu": dict(device="cuda", gpu_bytes=8 << 30, cpu_bytes=1 << 30),
+          "cpu": dict(device="cuda", cpu_bytes=8 << 30),
+          "disk": dict(device="cuda", cpu_bytes=0, disk_dir=d, disk_bytes=64 << 30)}
+q = torch.cat([ids, torch.tensor([5])])
+for name, kw in stores.items():
+    store = PrefixStore(config=cfg, page_tokens=256, **kw)
+    t = time.perf_counter(); store.insert(ids, cache); torch.cuda.synchronize(); ins = time.perf_counter() - t
+    times = []
+    for _ in range(3):
+        torch.cuda.synchronize(); t = time.perf_counter()
+        c, n = store.match(q); torch.cuda.synchronize(); times.append(time.perf_counter() - t)
+        assert n == T
+    st = store.stats()
+    res[name] = {"insert_s": round(ins, 3), "restore_s": [round(x, 3) for x in times],
+                 "restore_median_s": round(statistics.median(times), 3), "bytes": st["bytes"], "pages": st["pages"]}
+    print(name, res[name], flush=True)
+    del store, c
+res["packed_bytes"] = cache.nbytes()
+json.dump(res, open(os.path.join(os.environ.get("OUT", "/tmp"), "prefix_store_restore_h100.json"), "w"), indent=1)
