@@ -116,6 +116,10 @@ def test_bad_input_is_refused_before_anything_is_stored():
     cache = prefill(model, cfg, ids(20), residual_length=8)
     with pytest.raises(ValueError, match="holds 20 tokens, input_ids 19"):
         store.insert(ids(19), cache)
+    from transformers import DynamicCache
+
+    with pytest.raises(TypeError, match="takes a TurboQuantCache.*DynamicCache"):
+        store.insert(ids(20), DynamicCache(config=cfg))
     with pytest.raises(ValueError, match="one sequence"):
         store.match(torch.zeros(2, 5, dtype=torch.long))
     with pytest.raises(ValueError, match="gpu_bytes"):

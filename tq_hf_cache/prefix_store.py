@@ -94,6 +94,10 @@ class PrefixStore:
     def insert(self, input_ids, cache) -> int:
         """Store what `cache` (a TurboQuantCache holding exactly `input_ids`, one sequence) holds: its whole pages
         (those not held already) and a snapshot of its endpoint. Returns the pages newly stored."""
+        from .cache import TurboQuantCache
+
+        if not isinstance(cache, TurboQuantCache):
+            raise TypeError(f"insert takes a TurboQuantCache (the caches match restores), got {type(cache).__name__}")
         ids = _one_row(input_ids)
         if cache.get_seq_length() != ids.numel():
             raise ValueError(f"the cache holds {cache.get_seq_length()} tokens, input_ids {ids.numel()}: insert a "
