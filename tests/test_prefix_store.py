@@ -56,6 +56,25 @@ def test_a_matched_prefix_continues_exactly_as_the_inserted_cache(kw):
 
 
 @torch.no_grad()
+def test_sliding_window_layers_restore_exactly_past_their_window():
+    import transformers
+
+    from conftest import tiny_gemma3_config
+
+    torch.manual_seed(0)
+    cfg = tiny_gemma3_config(num_hidden_layers=4, sliding_window=12, head_dim=16,
+                             layer_types=["sliding_attention", "full_attention"] * 2)
+    model = transformers.Gemma3ForCausalLM(cfg).eval()
+    store = PrefixStore(config=cfg, page_tokens=8, residual_length=4)
+    x = ids(70)
+    cache = prefill(model, cfg, x[:, :60], residual_length=4)
+    assert store.insert(x[:, :60], cache) == (60 - 4) // 8  # the full-attention layers' pages
+    got, n = store.match(x)
+    assert n == 60
+    assert all(torch.equal(a, b) for a, b in zip(steps(model, got, x, 60), steps(model, copy.deepcopy(cache), x, 60)))
+
+
+@torch.no_grad()
 def test_prompts_share_pages_and_each_matches_its_own_endpoint():
     model, cfg = model_and_config()
     store = PrefixStore(config=cfg, page_tokens=8, residual_length=8)

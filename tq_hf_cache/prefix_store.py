@@ -107,13 +107,17 @@ class PrefixStore:
                 layer._settle()  # what a decode step left beyond the residual window, as a dense step leaves it
         tensors: dict[str, torch.Tensor] = {}
         infos = [_save_layer(layer, i, tensors, 1) for i, layer in enumerate(cache.layers)]
-        quantized = [info["quantized"] for info in infos if info.get("kind") == "turboquant" and info["initialized"]]
+        # pages: the full-attention TurboQuant layers' packed tokens, which are the sequence's first ones (a sliding
+        # layer's packed buffers begin wherever its window does: they go whole into the snapshot)
+        paged = tuple(f"layers.{i}." for i, info in enumerate(infos)
+                      if info.get("class") == "TurboQuantLayer" and info["initialized"])
+        quantized = [infos[i]["quantized"] for i, info in enumerate(infos) if f"layers.{i}." in paged]
         P = self.page_tokens
         m = (min(quantized) if quantized else 0) // P
         keys = page_keys(ids[: m * P], P, self.namespace)
-        payloads = {k: _slice_pages(tensors, p * P, (p + 1) * P) for p, k in enumerate(keys)}
+        payloads = {k: _slice_pages(tensors, paged, p * P, (p + 1) * P) for p, k in enumerate(keys)}
         snap_key = self._snapshot_key(keys, ids[m * P:])
-        payloads[snap_key] = {"tensors": _slice_pages(tensors, m * P, None, rest=True), "infos": infos,
+        payloads[snap_key] = {"tensors": _slice_pages(tensors, paged, m * P, None, rest=True), "infos": infos,
                               "num_tokens": ids.numel()}
         chain = keys + [snap_key]
         with self._lock:
@@ -259,12 +263,12 @@ def _one_row(input_ids) -> torch.Tensor:
 _PAGED = ("_packed", "_norms")
 
 
-def _slice_pages(tensors: dict, start: int, stop: int | None, rest: bool = False) -> dict:
-    """The tensors of positions [start, stop) of every layer's packed buffers (a page); with `rest`, also every
-    other stored tensor (the snapshot's exact parts) whole."""
+def _slice_pages(tensors: dict, paged: tuple, start: int, stop: int | None, rest: bool = False) -> dict:
+    """Positions [start, stop) of the packed buffers of the layers named in `paged` (a page); with `rest`, also
+    every other stored tensor whole (the snapshot's parts)."""
     out = {}
     for name, t in tensors.items():
-        if name.endswith(_PAGED):
+        if name.endswith(_PAGED) and name.startswith(paged):
             out[name] = t[:, :, start:stop].clone()
         elif rest:
             out[name] = t.clone()
