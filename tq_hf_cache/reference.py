@@ -110,7 +110,9 @@ def centroids(packed: torch.Tensor, codebook: Codebook, dim: int, row_major: boo
 def _rows_by_row(packed: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
     """Table rows of packed (..., nbytes) as (..., rows per group, groups): row i of every group, then row i + 1."""
     lead, w, groups = packed.shape[:-1], _ROW_COORDS[bits], dim // 8
-    word = packed.new_zeros(*lead, groups, 8)  # int64 words: the shifts then write the gather's index dtype directly
+    # int64 words (the shifts then write the gather's index dtype directly); bytes past a group's `bits` stay
+    # unset: no row reaches them (8 // w rows of bits * w bits each end at bit 8 * bits)
+    word = packed.new_empty(*lead, groups, 8)
     word[..., :bits] = packed.reshape(*lead, groups, bits)
     word = word.view(torch.int64).squeeze(-1)
     rows = torch.empty(*lead, 8 // w, groups, dtype=torch.int64, device=packed.device)  # the gather's index dtype
