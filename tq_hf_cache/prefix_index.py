@@ -27,6 +27,11 @@ import torch
 __all__ = ["page_keys", "PrefixIndex", "Action"]
 
 
+def token_bytes(token_ids) -> bytes:
+    """Token ids as the int64 little-endian bytes the keys hash."""
+    return torch.as_tensor(token_ids, dtype=torch.int64).detach().cpu().contiguous().numpy().astype("<i8").tobytes()
+
+
 def page_keys(token_ids, page_tokens: int, namespace: str) -> list[str]:
     """The chained keys of the whole pages of a 1-D sequence of token ids: key_i = SHA-256(key_(i-1) + the int64
     little-endian bytes of page i), key_(-1) = SHA-256(namespace). A partial last page has no key."""
@@ -35,7 +40,7 @@ def page_keys(token_ids, page_tokens: int, namespace: str) -> list[str]:
     t = torch.as_tensor(token_ids, dtype=torch.int64).detach().cpu()
     if t.dim() != 1:
         raise ValueError(f"token_ids must be one sequence (1-D), got shape {tuple(t.shape)}")
-    data = t.contiguous().numpy().astype("<i8").tobytes()
+    data = token_bytes(t)
     key = hashlib.sha256(namespace.encode("utf-8")).digest()
     keys = []
     step = 8 * page_tokens

@@ -30,7 +30,7 @@ import torch
 from . import _io
 from .config import model_facts
 from .prefix import _restore_layer, _save_layer, weights_digest
-from .prefix_index import PrefixIndex, page_keys
+from .prefix_index import PrefixIndex, page_keys, token_bytes
 
 __all__ = ["PrefixStore"]
 
@@ -84,7 +84,7 @@ class PrefixStore:
               "codebooks": None if codebooks is None else repr(getattr(codebooks, "info", None))}
         self.namespace = hashlib.sha256(json.dumps(ns, sort_keys=True, default=str).encode()).hexdigest()
         self._held: dict[str, Any] = {}  # key -> page or snapshot payload: a dict of tensors, or a disk file's path
-        self._digests: dict[str, str] = {}  # key -> SHA-256 of its disk file
+        self._on_disk: dict[str, tuple[str, dict]] = {}  # key -> (SHA-256 of its file, the payload's non-tensor part)
         self._counts = {"lookups": 0, "hits": 0, "tokens_reused": 0}
         self._ends: dict[str, dict[str, int]] = {}  # parent page key (or _ROOT) -> {snapshot key: its length}
         self._lock = threading.Lock()
@@ -168,8 +168,7 @@ class PrefixStore:
         (the index's counts); the tiers."""
         with self._lock:
             out = self.index.stats()
-            for k in ("pages_matched",):
-                out.pop(k, None)
+            out.pop("pages_matched")  # the index's own lookups: the store's count restored prefixes instead
             out.update(self._counts)
             out["tiers"] = [str(t) for t in self.tiers]
             return out
@@ -178,8 +177,7 @@ class PrefixStore:
 
     def _snapshot_key(self, keys: list[str], rest) -> str:
         parent = keys[-1] if keys else self.namespace
-        data = torch.as_tensor(rest, dtype=torch.int64).numpy().astype("<i8").tobytes()
-        return hashlib.sha256(b"end:" + parent.encode() + data).hexdigest()
+        return hashlib.sha256(b"end:" + parent.encode() + token_bytes(rest)).hexdigest()
 
     def _apply(self, actions, payloads: dict) -> None:
         """Carry out the index's actions: store new pages, move pages down a tier, drop pages."""
@@ -196,31 +194,26 @@ class PrefixStore:
         if where != "disk":
             return _to(payload, where)
         flat, meta = _flatten(payload)
-        blob = _io.safetensors_bytes(flat, metadata={"meta": json.dumps(meta), "key": key})
+        blob = _io.safetensors_bytes(flat, metadata={"key": key})
         path = os.path.join(self.disk_dir, f"{key}.safetensors")
         _io.write_bytes(path, blob)
-        self._digests[key] = _io.sha256_bytes(blob)
+        self._on_disk[key] = (_io.sha256_bytes(blob), meta)
         return path
 
     def _load(self, key: str) -> dict:
-        """A page's payload in memory (read back and checked when it is on disk)."""
-        from safetensors import safe_open
-        from safetensors.torch import load as st_load
-
+        """A page's payload in memory (read once, checked and parsed when it is on disk)."""
         held = self._held[key]
         if not isinstance(held, str):
             return held
-        with open(held, "rb") as f:
-            blob = f.read()
-        if _io.sha256_bytes(blob) != self._digests.get(key):
+        data = _io.map_file(held)  # as prefix.py reads its tensors: one mapping, hashed, then parsed
+        digest, meta = self._on_disk[key]
+        if _io.sha256_bytes(data) != digest:
             raise ValueError(f"{held}: the page file differs from the one this store wrote (changed or replaced)")
-        with safe_open(held, framework="pt") as f:
-            meta = f.metadata() or {}
-        return _unflatten(st_load(blob), json.loads(meta["meta"]))
+        return _unflatten(_io.parse_safetensors(data, held), meta)
 
     def _forget(self, key: str) -> None:
         held = self._held.pop(key, None)
-        self._digests.pop(key, None)
+        self._on_disk.pop(key, None)
         if isinstance(held, str) and os.path.exists(held):
             os.remove(held)
         for ends in self._ends.values():
