@@ -17,6 +17,17 @@ kernels' device time). Peak memory over the model across prefill and decode. A l
 Usage: python benchmarks/bench_decode.py [--contexts 4096,32768,131072] [--batches 1,8]
        [--generate_contexts 4096] [--out DIR]
 Writes DIR/bench_decode.json, bench_decode.png (the rows) and bench_decode_generate.png (the generate() check).
+
+Tensor parallel (`--tp`): the compiled static caches (rows static_compiled and tq_static_compiled, interleaved as
+`tq_hf_cache.bench.decode_bench` does) on a checkpoint loaded with `tp_plan="auto"` over the ranks of torchrun, or
+on one GPU when the world size is 1; each rank holds its share of the KV heads. Rank 0 writes
+DIR/bench_decode_tp{world size}.json (cache MiB of every rank); --plot_tp merges such files (any world sizes,
+any contexts) into DIR/bench_decode_tp.json and its PNG:
+
+    python benchmarks/bench_decode.py --save_random /tmp/llama8b            # random bf16 weights, 16 GB
+    torchrun --nproc-per-node 1 benchmarks/bench_decode.py --tp --model /tmp/llama8b --contexts 32768,131072
+    torchrun --nproc-per-node 2 benchmarks/bench_decode.py --tp --model /tmp/llama8b --contexts 32768,131072
+    python benchmarks/bench_decode.py --plot_tp DIR/bench_decode_tp1.json,DIR/bench_decode_tp2.json
 """
 
 from __future__ import annotations
@@ -51,14 +62,126 @@ p.add_argument("--generate_contexts", default="4096", help="prompt lengths of th
 p.add_argument("--generate_reps", type=int, default=4, help="turns of the generate() check (both caches each turn)")
 p.add_argument("--budget_s", type=float, default=560)
 p.add_argument("--out", default=os.environ.get("OUT", "/tmp"))
+p.add_argument("--tp", action="store_true", help="tensor parallel mode (under torchrun): needs --model")
+p.add_argument("--model", help="--tp: the checkpoint folder (see --save_random)")
+p.add_argument("--repeats", type=int, default=3, help="--tp: interleaved repetitions per row")
+p.add_argument("--plot_tp", help="only merge these bench_decode_tp*.json (comma-separated) into one JSON and a PNG")
+p.add_argument("--save_random", metavar="DIR", help="only save a random bf16 Llama-3.1-8B-shaped checkpoint (--layers)")
 a = p.parse_args()
 T0 = time.time()
-DEV = torch.device("cuda")
+DEV = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")  # CPU: --tp's plumbing over gloo
 
 
 def log(*x):
     print(f"[{time.time() - T0:6.1f}s]", *x, flush=True)
 
+
+def save_random(folder: str) -> None:
+    torch.manual_seed(0)
+    with torch.device(DEV):
+        model = transformers.LlamaForCausalLM(bench.llama_8b_config(a.layers)).to(torch.bfloat16)
+    model.save_pretrained(folder)
+    log(f"saved a random {a.layers}-layer Llama-3.1-8B-shaped checkpoint to {folder}")
+
+
+def plot_tp(runs: list[dict], path: str) -> None:
+    """ms per token of each compiled static cache, one bar per world size, grouped by context."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    runs = sorted(runs, key=lambda r: r["env"]["world_size"])
+    ctxs = sorted({r["context"] for run in runs for r in run["rows"]})
+    bars = [(run["env"]["world_size"], row) for row in ("static_compiled", "tq_static_compiled") for run in runs]
+    fig, ax = plt.subplots(figsize=(2 + 2.2 * len(ctxs), 4))
+    width = 0.8 / len(bars)
+    for i, (ws, row) in enumerate(bars):
+        run = next(r for r in runs if r["env"]["world_size"] == ws)
+        ys = [next((r["wall_ms"] for r in run["rows"] if r["row"] == row and r["context"] == c), 0) for c in ctxs]
+        name = "StaticCache" if row == "static_compiled" else f"TurboQuantStaticCache {tq_hf_cache.DEFAULT_PRESET}"
+        ax.bar([x + i * width for x in range(len(ctxs))], ys, width, label=f"{name}, {ws} GPU{'s' * (ws > 1)}")
+    ax.set_xticks([x + 0.4 - width / 2 for x in range(len(ctxs))], [f"1 x {c // 1024}k" for c in ctxs])
+    ax.set_ylabel("ms per token (compiled step, median)")
+    ax.set_title(f"{runs[-1]['env']['device']}: tensor parallel, Llama-3.1-8B shape, {runs[-1]['env']['layers']} layers")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def run_tp() -> None:
+    """The --tp mode: every rank runs the same interleaved rows (their collectives pair up); rank 0 writes."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    if DEV.type == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    if world > 1:
+        model = transformers.AutoModelForCausalLM.from_pretrained(a.model, dtype=torch.bfloat16, tp_plan="auto")
+    else:
+        model = transformers.AutoModelForCausalLM.from_pretrained(a.model, dtype=torch.bfloat16).to(DEV)
+    model.eval()
+    rows = a.rows if a.rows != ",".join(bench.GPU_ROWS) else "static_compiled,tq_static_compiled"
+    contexts = [int(x) for x in a.contexts.split(",")]
+    out = bench.decode_bench(model, rows.split(","), contexts, batch=1, steps=a.steps, warmup=a.warmup,
+                             repeats=a.repeats, chunk=a.chunk, preset=tq_hf_cache.DEFAULT_PRESET,
+                             progress=rank == 0, agree=False,
+                             on_row=lambda r: log(f"rank {rank}", r) if rank == 0 else None)
+    mine = [r.get("cache_MiB") for r in out]
+    every = [None] * world
+    if world > 1:
+        torch.distributed.all_gather_object(every, mine)
+    else:
+        every = [mine]
+    for i, r in enumerate(out):
+        r["cache_MiB_per_rank"] = [e[i] for e in every]
+    if rank == 0:
+        res = {"env": {"device": torch.cuda.get_device_name() if DEV.type == "cuda" else "cpu", "world_size": world, "torch": torch.__version__,
+                       "transformers": transformers.__version__, "layers": model.config.num_hidden_layers,
+                       "kv_heads": model.config.num_key_value_heads, "chunk": a.chunk,
+                       "preset": tq_hf_cache.DEFAULT_PRESET, "steps": a.steps, "repeats": a.repeats},
+               "rows": out}
+        path = os.path.join(a.out, f"bench_decode_tp{world}.json")
+        with open(path, "w") as f:
+            json.dump(res, f, indent=1)
+        log("wrote", path)
+
+
+def merge_tp(paths: list[str]) -> None:
+    """One run per world size (rows of the same world size from several files joined), then the plot."""
+    runs: dict[int, dict] = {}
+    for path in paths:
+        with open(path) as f:
+            run = json.load(f)
+        ws = run["env"]["world_size"]
+        if ws in runs:
+            if runs[ws]["env"] != run["env"]:
+                raise SystemExit(f"{path}: its env {run['env']} differs from another world-size-{ws} file's")
+            runs[ws]["rows"] += run["rows"]
+        else:
+            runs[ws] = run
+    merged = {"runs": [runs[ws] for ws in sorted(runs)], "files": [os.path.basename(x) for x in paths]}
+    with open(os.path.join(a.out, "bench_decode_tp.json"), "w") as f:
+        json.dump(merged, f, indent=1)
+    plot_tp(merged["runs"], os.path.join(a.out, "bench_decode_tp.png"))
+    log("wrote", os.path.join(a.out, "bench_decode_tp.json"), "and .png")
+
+
+if a.save_random:
+    save_random(a.save_random)
+    sys.exit(0)
+if a.plot_tp:
+    merge_tp(a.plot_tp.split(","))
+    sys.exit(0)
+if a.tp:
+    if not a.model:
+        p.error("--tp needs --model DIR (a checkpoint; --save_random DIR makes one)")
+    try:
+        run_tp()
+    finally:
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+    sys.exit(0)
 
 cfg = bench.llama_8b_config(a.layers)
 torch.manual_seed(0)

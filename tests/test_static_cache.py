@@ -288,3 +288,37 @@ def test_an_eager_prefill_attends_over_the_positions_held(skip, monkeypatch):
     want = [min(s + 16, PROMPT) for s in range(0, PROMPT, 16)] + list(range(PROMPT + 1, ids.shape[1] + 1))
     assert seen == [n for n in want for _ in range(2 - len(skip))], seen
     torch.testing.assert_close(held, capacity, rtol=1e-5, atol=1e-5, msg="logits, held positions vs max_cache_len")
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "turboquant"])
+def test_chunked_prefill_logits_equal_dynamic_cache_at_every_chunk(attn):
+    """The prefill path, chunk by chunk (odd chunk sizes, a chunk wider than the fused attention takes): with nothing
+    quantized (exact windows longer than the prompt) TurboQuantCache gives DynamicCache's logits bit for bit at every
+    chunk and the steps after it; TurboQuantStaticCache gives them to rounding (its keys come from a slice of its
+    buffers and its mask is always explicit: another SDPA path, as transformers' StaticCache's own)."""
+    from transformers import DynamicCache
+
+    from tq_hf_cache import TurboQuantCache
+
+    cfg, model = build("llama")
+    ids = prompt(batch=2, length=PROMPT + 3)
+    cuts = [0, 7, 8, 8 + MAX_FUSED_QUERIES + 5, PROMPT]
+
+    def run(cache, impl):
+        model.set_attn_implementation(impl)
+        with torch.no_grad():
+            out = [model(ids[:, a:b], **with_cache(cache)).logits for a, b in zip(cuts, cuts[1:])]
+            out += [model(ids[:, t: t + 1], **with_cache(cache)).logits for t in range(PROMPT, ids.shape[1])]
+        return out
+
+    want = run(DynamicCache(config=cfg), "sdpa")
+    for cache in (TurboQuantCache(config=cfg, residual_length=1000),
+                  TurboQuantStaticCache(config=cfg, max_cache_len=CAP, residual_length=CAP)):
+        got = run(cache, attn)
+        exact = isinstance(cache, TurboQuantCache)
+        for i, (g, w) in enumerate(zip(got, want)):
+            what = f"{type(cache).__name__} ({attn}): logits of call {i} against DynamicCache's"
+            if exact:
+                assert torch.equal(g, w), what
+            else:
+                torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5, msg=lambda m: f"{what}: {m}")

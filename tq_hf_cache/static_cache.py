@@ -311,6 +311,8 @@ class TurboQuantStaticLayer(StaticLayer):
         stop = held = self.max_cache_len
         if held_only(self._attn_config, n):
             held = int(p.length)  # after the append; the ring's dead slots and the sinks need room too
+            if held == n:  # every position held is one of this step's tokens (a first prefill chunk)
+                return key_states, value_states
             stop = min(self.max_cache_len, max(held, self.ring_size, p.sinks))
         pos = p.length - n + torch.arange(n, device=self.device)  # this step's, after the append
         if p.key_split is None:
