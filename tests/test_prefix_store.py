@@ -56,6 +56,31 @@ def test_a_matched_prefix_continues_exactly_as_the_inserted_cache(kw):
 
 
 @torch.no_grad()
+@pytest.mark.parametrize("centred", [False, True])
+def test_batches_insert_each_row_and_match_where_every_row_has_an_endpoint(centred):
+    """A batch cache stores each row on its own (pages shared where the rows' tokens agree, and with centred keys
+    their key means too: each row's mean comes from its own first quantized block); a batch matches at the longest
+    length every row has an endpoint at, and continues exactly as the batch cache that was inserted."""
+    model, cfg = model_and_config()
+    kw = dict(residual_length=8, key_centering=centred)
+    store = PrefixStore(config=cfg, page_tokens=8, **kw)
+    system = ids(24)
+    x = torch.cat([torch.cat([system, ids(36, seed=s)], dim=1) for s in (1, 2)])  # (2, 60): one system prompt
+    cache = prefill(model, cfg, x[:, :45], **kw)
+    pages = (45 - 8) // 8
+    shared = 0 if centred else 24 // 8  # the system prompt's pages, stored once where they are the same
+    assert store.insert(x[:, :45], cache) == 2 * pages - shared
+    got, n = store.match(x)
+    assert n == 45 and got.get_seq_length() == 45 and got.layers[0].batch == 2
+    assert all(torch.equal(a, b) for a, b in zip(steps(model, got, x, 45), steps(model, copy.deepcopy(cache), x, 45)))
+    one, n1 = store.match(x[1:])  # a row alone finds its own endpoint
+    assert n1 == 45 and one.layers[0].batch == 1
+    other = torch.cat([x[:1], torch.cat([system, ids(36, seed=7)], dim=1)])  # row 1 has no endpoint: no match
+    assert store.match(other)[1] == 0
+    assert store.stats()["hits"] == 3
+
+
+@torch.no_grad()
 def test_sliding_window_layers_restore_exactly_past_their_window():
     import transformers
 
@@ -139,8 +164,10 @@ def test_bad_input_is_refused_before_anything_is_stored():
 
     with pytest.raises(TypeError, match="takes a TurboQuantCache.*DynamicCache"):
         store.insert(ids(20), DynamicCache(config=cfg))
-    with pytest.raises(ValueError, match="one sequence"):
-        store.match(torch.zeros(2, 5, dtype=torch.long))
+    with pytest.raises(ValueError, match=r"\(n,\) or \(batch, n\)"):
+        store.match(torch.zeros(2, 5, 1, dtype=torch.long))
+    with pytest.raises(ValueError, match="holds batch 1 but token_ids has batch 2"):
+        store.insert(torch.cat([ids(20), ids(20, seed=1)]), cache)
     with pytest.raises(ValueError, match="gpu_bytes"):
         PrefixStore(config=cfg, gpu_bytes=1 << 20)
     assert store.stats()["pages"] == [0]

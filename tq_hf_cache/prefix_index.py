@@ -104,12 +104,15 @@ class PrefixIndex:
 
     # ---- queries ----
 
-    def match(self, keys: Sequence[str]) -> int:
-        """How many leading pages of `keys` are held (in any tier); they count as used now."""
+    def match(self, keys: Sequence[str], touch: bool = True) -> int:
+        """How many leading pages of `keys` are held (in any tier); they count as used now (with `touch`; without,
+        nothing changes, the counts included)."""
         with self._lock:
             n = 0
             while n < len(keys) and keys[n] in self._pages:
                 n += 1
+            if not touch:
+                return n
             self._touch(keys[:n])
             self._stats["lookups"] += 1
             self._stats["hits"] += n > 0

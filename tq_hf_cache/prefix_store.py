@@ -86,27 +86,34 @@ class PrefixStore:
         self._held: dict[str, Any] = {}  # key -> page or snapshot payload: a dict of tensors, or a disk file's path
         self._on_disk: dict[str, tuple[str, dict]] = {}  # key -> (SHA-256 of its file, the payload's non-tensor part)
         self._counts = {"lookups": 0, "hits": 0, "tokens_reused": 0}
-        self._ends: dict[str, dict[str, int]] = {}  # parent page key (or _ROOT) -> {snapshot key: its length}
+        # the tokens' parent page key (or _ROOT) -> {snapshot key: (its length, its key means' digest)}
+        self._ends: dict[str, dict[str, tuple[int, str | None]]] = {}
         self._lock = threading.Lock()
 
     # ---- insert ----
 
     def insert(self, input_ids, cache) -> int:
-        """Store what `cache` (a TurboQuantCache holding exactly `input_ids`, one sequence) holds: its whole pages
-        (those not held already) and a snapshot of its endpoint. Returns the pages newly stored."""
+        """Store what `cache` (a TurboQuantCache holding exactly `input_ids`: (n,) or (batch, n), each row stored on
+        its own, padding included) holds: its whole pages (those not held already) and a snapshot of each row's
+        endpoint. Returns the pages newly stored."""
         from .cache import TurboQuantCache
 
         if not isinstance(cache, TurboQuantCache):
             raise TypeError(f"insert takes a TurboQuantCache (the caches match restores), got {type(cache).__name__}")
-        ids = _one_row(input_ids)
-        if cache.get_seq_length() != ids.numel():
-            raise ValueError(f"the cache holds {cache.get_seq_length()} tokens, input_ids {ids.numel()}: insert a "
+        rows = _rows(input_ids)
+        if cache.get_seq_length() != rows.shape[1]:
+            raise ValueError(f"the cache holds {cache.get_seq_length()} tokens, input_ids {rows.shape[1]}: insert a "
                              "cache that prefilled exactly these tokens")
         for layer in cache.layers:
             if getattr(layer, "is_initialized", False) and hasattr(layer, "_settle"):
                 layer._settle()  # what a decode step left beyond the residual window, as a dense step leaves it
         tensors: dict[str, torch.Tensor] = {}
-        infos = [_save_layer(layer, i, tensors, 1) for i, layer in enumerate(cache.layers)]
+        infos = [_save_layer(layer, i, tensors, rows.shape[0]) for i, layer in enumerate(cache.layers)]
+        infos = [{**info, "batch": 1} if "batch" in info else info for info in infos]
+        return sum(self._insert_row(ids, {k: v[r: r + 1] for k, v in tensors.items()}, infos)
+                   for r, ids in enumerate(rows))
+
+    def _insert_row(self, ids: torch.Tensor, tensors: dict, infos: list[dict]) -> int:
         # pages: the full-attention TurboQuant layers' packed tokens, which are the sequence's first ones (a sliding
         # layer's packed buffers begin wherever its window does: they go whole into the snapshot)
         paged = tuple(f"layers.{i}." for i, info in enumerate(infos)
@@ -114,9 +121,11 @@ class PrefixStore:
         quantized = [infos[i]["quantized"] for i, info in enumerate(infos) if f"layers.{i}." in paged]
         P = self.page_tokens
         m = (min(quantized) if quantized else 0) // P
-        keys = page_keys(ids[: m * P], P, self.namespace)
+        tkeys = page_keys(ids[: m * P], P, self.namespace)
+        mu = _means_digest(tensors)
+        keys = _bind(tkeys, mu)
         payloads = {k: _slice_pages(tensors, paged, p * P, (p + 1) * P) for p, k in enumerate(keys)}
-        snap_key = self._snapshot_key(keys, ids[m * P:])
+        snap_key = self._snapshot_key(keys, ids[m * P:], mu)
         payloads[snap_key] = {"tensors": _slice_pages(tensors, paged, m * P, None, rest=True), "infos": infos,
                               "num_tokens": ids.numel()}
         chain = keys + [snap_key]
@@ -124,44 +133,52 @@ class PrefixStore:
             actions = self.index.insert(chain, [_nbytes(payloads[k]) for k in chain])
             self._apply(actions, payloads)
             if snap_key in self._held:
-                self._ends.setdefault(keys[-1] if keys else _ROOT, {})[snap_key] = ids.numel()
+                self._ends.setdefault(tkeys[-1] if tkeys else _ROOT, {})[snap_key] = (ids.numel(), mu)
             return sum(a.kind == "store" and a.key != snap_key for a in actions)
 
     # ---- match ----
 
     def match(self, input_ids):
-        """(cache, n): a TurboQuantCache holding the longest stored endpoint of `input_ids` (one sequence) that
-        leaves at least its last token to compute, and its length n; (an empty cache, 0) when none is stored."""
+        """(cache, n): a TurboQuantCache holding the longest stored endpoint of `input_ids` that leaves at least its
+        last token to compute, and its length n; (an empty cache, 0) when none is stored. For a batch (batch, len),
+        each row matches on its own and n is the longest length at which every row has a stored endpoint."""
         from .cache import TurboQuantCache
 
-        ids = _one_row(input_ids)
+        rows = _rows(input_ids)
         P = self.page_tokens
-        keys = page_keys(ids, P, self.namespace)
         with self._lock:
-            n_pages = self.index.match(keys)
-            best = None
-            for m in range(n_pages, -1, -1):
-                for snap, length in self._ends.get(keys[m - 1] if m else _ROOT, {}).items():
-                    if length < ids.numel() and snap == self._snapshot_key(keys[:m], ids[m * P: length]):
-                        if snap in self._held and (best is None or length > best[2]):
-                            best = (m, snap, length)
-                if best is not None:
-                    break
-            self._counts["lookups"] += 1
-            if best is None:
+            found = [self._endpoints(ids, page_keys(ids, P, self.namespace)) for ids in rows]
+            common = set.intersection(*(set(f) for f in found))
+            self._counts["lookups"] += len(rows)
+            if not common:
                 return TurboQuantCache(self.tq_config, config=self.config, codebooks=self.codebooks), 0
-            m, snap, length = best
-            self._counts["hits"] += 1
-            self._counts["tokens_reused"] += length
-            self.index.match(keys[:m] + [snap])  # used now: the snapshot too
-            chain = keys[:m] + [snap]
-            self.index.pin(chain)
+            length = max(common)
+            chains = [f[length] for f in found]
+            self._counts["hits"] += len(rows)
+            self._counts["tokens_reused"] += length * len(rows)
+            for chain in chains:
+                self.index.match(chain)  # used now: pages and snapshot move to the front of their tiers
+                self.index.pin(chain)
             try:  # disk pages are read and checked on threads (file reads and hashing release the GIL)
                 with ThreadPoolExecutor(max(1, min(16, os.cpu_count() or 1))) as pool:
-                    payloads = list(pool.map(self._load, chain))
+                    payloads = [list(pool.map(self._load, chain)) for chain in chains]
             finally:
-                self.index.unpin(chain)
-        return self._restore(payloads[:-1], payloads[-1]), length
+                for chain in chains:
+                    self.index.unpin(chain)
+        return self._restore(payloads), length
+
+    def _endpoints(self, ids: torch.Tensor, tkeys: list[str]) -> dict[int, list[str]]:
+        """{length: chain (page keys, then the snapshot's)} of every held endpoint that `ids` extends past."""
+        P = self.page_tokens
+        out = {}
+        for m in range(len(tkeys), -1, -1):
+            for snap, (length, mu) in self._ends.get(tkeys[m - 1] if m else _ROOT, {}).items():
+                if length >= ids.numel() or length in out or snap not in self._held:
+                    continue
+                keys = _bind(tkeys[:m], mu)
+                if self.index.match(keys, touch=False) == m and snap == self._snapshot_key(keys, ids[m * P: length], mu):
+                    out[length] = keys + [snap]
+        return out
 
     def stats(self) -> dict:
         """Lookups, hits (prefixes restored), tokens reused; pages and bytes per tier, pages stored, moved, dropped
@@ -175,8 +192,8 @@ class PrefixStore:
 
     # ---- internals ----
 
-    def _snapshot_key(self, keys: list[str], rest) -> str:
-        parent = keys[-1] if keys else self.namespace
+    def _snapshot_key(self, keys: list[str], rest, mu: str | None) -> str:
+        parent = keys[-1] if keys else self.namespace + (mu or "")
         return hashlib.sha256(b"end:" + parent.encode() + token_bytes(rest)).hexdigest()
 
     def _apply(self, actions, payloads: dict) -> None:
@@ -219,17 +236,24 @@ class PrefixStore:
         for ends in self._ends.values():
             ends.pop(key, None)
 
-    def _restore(self, pages: list[dict], snapshot: dict):
+    def _restore(self, rows: list[list[dict]]):
+        """A cache of the rows' chains (each: pages, then the snapshot), stacked along the batch."""
         from .cache import TurboQuantCache
 
+        snaps = [chain[-1] for chain in rows]
+        if any(s["infos"] != snaps[0]["infos"] for s in snaps[1:]):
+            raise ValueError("the rows' snapshots describe different layers: they cannot share one cache")
         cache = TurboQuantCache(self.tq_config, config=self.config, codebooks=self.codebooks)
         facts = model_facts(self.config)
-        doc = {"batch": 1, "num_tokens": snapshot["num_tokens"]}
+        doc = {"batch": len(rows), "num_tokens": snaps[0]["num_tokens"]}
         tensors = {}
-        for name, tail in snapshot["tensors"].items():  # pages then the snapshot's part, along the tokens
-            parts = [p[name].to(self.device, non_blocking=True) for p in pages if name in p]  # async from pinned
-            tail = tail.to(self.device, non_blocking=True)
-            tensors[name] = torch.cat(parts + [tail], dim=2) if parts else tail  # one kernel: not a copy per page
+        for name in snaps[0]["tensors"]:  # per row: pages then the snapshot's part, along the tokens
+            per_row = []
+            for chain in rows:
+                parts = [p[name].to(self.device, non_blocking=True) for p in chain[:-1] if name in p]  # from pinned
+                tail = chain[-1]["tensors"][name].to(self.device, non_blocking=True)
+                per_row.append(torch.cat(parts + [tail], dim=2) if parts else tail)  # one kernel, not one per page
+            tensors[name] = torch.cat(per_row, dim=0) if len(per_row) > 1 else per_row[0]
 
         def get(name, shape, dtype, i):
             t = tensors[name]
@@ -238,22 +262,40 @@ class PrefixStore:
                                  f"{tuple(shape)} {dtype}")
             return t
 
-        for i, (layer, info) in enumerate(zip(cache.layers, snapshot["infos"])):
+        for i, (layer, info) in enumerate(zip(cache.layers, snaps[0]["infos"])):
+            info = {**info, "batch": len(rows)} if "batch" in info else info
             _restore_layer(layer, i, info, doc, facts, get, "the prefix store", self.device)
         return cache
 
 
-def _one_row(input_ids) -> torch.Tensor:
+def _rows(input_ids) -> torch.Tensor:
+    """(batch, n) int64 token ids on the CPU, from (n,) or (batch, n)."""
     t = torch.as_tensor(input_ids).detach().cpu()
-    if t.dim() == 2 and t.shape[0] == 1:
-        t = t[0]
-    if t.dim() != 1:
-        raise ValueError(f"input_ids must be one sequence, (n,) or (1, n); got shape {tuple(t.shape)} (batches: "
-                         "one row at a time)")
+    if t.dim() == 1:
+        t = t[None]
+    if t.dim() != 2 or t.shape[0] == 0:
+        raise ValueError(f"input_ids must be (n,) or (batch, n) token ids; got shape {tuple(t.shape)}")
     return t.to(torch.int64)
 
 
 _PAGED = ("_packed", "_norms")
+
+
+def _means_digest(tensors: dict) -> str | None:
+    """SHA-256 of a row's key means (centred layers), None without: a centred layer's codes depend on its mean, which
+    the tokens of the cache's first quantized block set, so pages are shared only between caches of equal means."""
+    names = sorted(n for n in tensors if n.endswith(".key_mean"))
+    if not names:
+        return None
+    h = hashlib.sha256()
+    for n in names:
+        h.update(n.encode() + tensors[n].detach().contiguous().cpu().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def _bind(keys: list[str], mu: str | None) -> list[str]:
+    """The page keys of tokens' keys under key means `mu` (the keys themselves without)."""
+    return keys if mu is None else [hashlib.sha256((k + mu).encode()).hexdigest() for k in keys]
 
 
 def _slice_pages(tensors: dict, paged: tuple, start: int, stop: int | None, rest: bool = False) -> dict:
