@@ -46,6 +46,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import transformers  # noqa: E402
 
 import tq_hf_cache  # noqa: E402
+import tq_hf_cache.distributed  # noqa: E402
 from tq_hf_cache import TurboQuantStaticCache, bench, cache_kwargs  # noqa: E402
 
 p = argparse.ArgumentParser()
@@ -179,8 +180,7 @@ if a.tp:
     try:
         run_tp()
     finally:
-        if torch.distributed.is_initialized():
-            torch.distributed.destroy_process_group()
+        tq_hf_cache.distributed.shutdown()  # the compiled steps' CUDA graphs first: they hold NCCL communicators
     sys.exit(0)
 
 cfg = bench.llama_8b_config(a.layers)

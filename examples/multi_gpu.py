@@ -26,6 +26,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import torch  # noqa: E402
 import transformers  # noqa: E402
 
+import tq_hf_cache.distributed  # noqa: E402
 from tq_hf_cache import TurboQuantCache, cache_kwargs  # noqa: E402
 from tq_hf_cache._compat import IS_V5  # noqa: E402
 
@@ -182,16 +183,9 @@ def main(argv=None) -> int:
     return 0 if ok else 1
 
 
-def finish() -> None:
-    """Tear down the process group that tensor parallelism opened: left to the interpreter's exit, its threads can
-    abort a rank (SIGABRT, "terminate called without an active exception") after the work is done."""
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()
-
-
 if __name__ == "__main__":
     try:
         code = main()
-    finally:
-        finish()
+    finally:  # tensor parallel: free the compiled steps' CUDA graphs, then the process group (else no rank exits)
+        tq_hf_cache.distributed.shutdown()
     sys.exit(code)

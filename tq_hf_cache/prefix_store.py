@@ -46,10 +46,13 @@ class PrefixStore:
         page_tokens: tokens per page (the granularity of sharing).
         cpu_bytes: bytes of pages held in CPU memory.
         gpu_bytes: bytes of pages held on `device` (a CUDA device; 0 for none), the first tier when given.
-        disk_dir, disk_bytes: a folder for pages that leave memory, and how many bytes it may hold.
+        device: where restored caches live (and the GPU tier's pages).
+        disk_dir: a folder for pages that leave memory (None: no disk tier).
+        disk_bytes: bytes of pages the disk tier may hold.
         model: the model itself, to bind the store to its weights (another checkpoint of the same shape never
-            matches); codebooks: calibrated codebooks the caches use; overrides: TurboQuantConfig fields, as
-            `TurboQuantCache` takes them.
+            matches).
+        codebooks: calibrated codebooks the caches use.
+        **overrides: TurboQuantConfig fields, as `TurboQuantCache` takes them.
 
     Example:
         >>> store = PrefixStore(config=model.config, cpu_bytes=2 << 30)           # doctest: +SKIP

@@ -117,7 +117,7 @@ def main():
                     del cache
             except Exception as e:  # noqa: BLE001
                 r["error"] = f"{type(e).__name__}: {str(e)[:300]}"
-            print(json.dumps({k: v for k, v in r.items() if not k.endswith("chunks_s")}), flush=True)
+            print(json.dumps({k: v for k, v in r.items() if not k.endswith(("chunks_s", "_profile"))}), flush=True)
             res["rows"].append(r)
             with open(os.path.join(OUT, OUT_NAME), "w") as f:
                 json.dump(res, f, indent=1)
