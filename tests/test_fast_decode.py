@@ -71,7 +71,7 @@ def main_loop(sass: str, function: str = fast.NAME) -> collections.Counter:
 @pytest.mark.skipif(not _nvrtc_ok() or _cuobjdump() is None, reason="NVRTC or cuobjdump missing")
 @pytest.mark.parametrize("kb,vb", sorted(SASS_BUDGET))
 def test_sm90_main_loop_within_its_instruction_budget(kb, vb, tmp_path):
-    df = fast.defines(128, kb, vb, 1, 0, 0, False, False, False, 16, True)
+    df = fast.defines(128, kb, vb, 1, 0, 0, False, False, False, 16, True, pdl=True)
     cubin = tmp_path / "k.cubin"
     cubin.write_bytes(jit.compile_cubin(fast.source(), fast.NAME, df, 90))
     res = subprocess.run([_cuobjdump(), "-res-usage", str(cubin)], capture_output=True, text=True, check=True).stdout
@@ -151,15 +151,16 @@ def test_the_launcher_runs_without_a_gpu(monkeypatch):
         def __init__(self, name, smem):
             self.name, self.smem = name, smem
 
-        def launch(self, grid, block, params, stream):
-            done.append((self.name, grid, block, self.smem, ctypes.sizeof(params)))
+        def launch(self, grid, block, params, stream, overlap=False):
+            done.append((self.name, grid, block, self.smem, ctypes.sizeof(params), overlap))
 
     monkeypatch.setattr(jit, "kernel", lambda src, name, df, device, smem=0: Stub(name, smem))
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d=None: (9, 0))
     monkeypatch.setattr(da, "fast_serves", lambda *a, **k: True)
     monkeypatch.setattr(torch.cuda, "device", lambda d: contextlib.nullcontext())
     monkeypatch.setattr(torch.cuda, "current_stream", lambda d=None: type("S", (), {"cuda_stream": 0})())
     monkeypatch.setattr(support, "sm_count", lambda d: 132)
-    for b, lq, kb, vb, d in ((1, 3000, 5, 3, 128), (3, 700, 4, 2, 64), (2, 900, 3, 3, 256)):
+    for b, lq, kb, vb, d in ((1, 3000, 5, 3, 128), (3, 700, 4, 2, 64), (2, 900, 3, 3, 256), (40, 300, 4, 4, 128)):
         state, _, _ = make_state(b, 2, lq, 9, 1, d, kb, vb, torch.bfloat16, lq, device="cpu")
         q = torch.randn(b, 8, 1, d, dtype=torch.bfloat16)
         done.clear()
@@ -168,6 +169,11 @@ def test_the_launcher_runs_without_a_gpu(monkeypatch):
         assert [x[:3] for x in done] == [("tq_decode_prep", (b * 2, d // 32, 1), 256),
                                         (fast.NAME, (splits + 1, b * 2, 1), 256)], done
         assert done[1][3] >= fast.exact_smem(d, 4) and done[1][4] == ctypes.sizeof(fast.Params), done
+        overlaps = 2 * b * 2 * (d // 32) <= 132  # the rotation's CTAs on at most half the SMs
+        assert [x[5] for x in done] == [False, overlaps], "the main kernel alone overlaps the one before it"
+    # cuLaunchKernelEx's structures as cuda.h lays them out on 64-bit hosts
+    assert ctypes.sizeof(jit._Attr) == 72 and jit._Attr.value.offset == 8
+    assert ctypes.sizeof(jit._Config) == 56 and jit._Config.stream.offset == 32 and jit._Config.num_attrs.offset == 48
 
 
 # --------------------------------------------------------------------------------------------------- on a GPU

@@ -52,6 +52,15 @@ struct Params {
 };
 
 #define WARPS 8
+// PDL (sm_90): `tq_decode` is launched to overlap `tq_decode_prep`; it waits for it (and so for every kernel before)
+// before it reads the query or the cache, after loading what no kernel of the step writes (the pair tables).
+#if defined(PDL) && PDL
+#define GRID_WAIT() asm volatile("griddepcontrol.wait;" ::: "memory")
+#define GRID_LAUNCH_DEPENDENTS() asm volatile("griddepcontrol.launch_dependents;" ::: "memory")
+#else
+#define GRID_WAIT()
+#define GRID_LAUNCH_DEPENDENTS()
+#endif
 #ifndef STAGES
 #define STAGES 3
 #endif
@@ -316,6 +325,7 @@ __device__ __forceinline__ void packed_part(const Params& p, unsigned char* smem
     const u32* vt = p.vtab + h * p.vtab_sh;
     for (int i = tid; i < VENT * VR; i += WARPS * 32) vs[i] = vt[i >> LOGVR];
   }
+  GRID_WAIT();
 
   int lq = p.lq;
   if (STATIC) lq = static_cast<int>(*p.from_ptr);
@@ -579,6 +589,9 @@ __device__ __forceinline__ void exact_part(const Params& p, unsigned char* smem,
   const int b = bh / p.hkv, h = bh % p.hkv;
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   const int live = p.group * p.nq;
+  for (int i = tid; i < D * D / 32; i += WARPS * 32)  // Pi's 128-byte lines, read by the merge: into L2 now
+    asm volatile("prefetch.global.L2 [%0];" ::"l"(p.pi + 32 * i));
+  GRID_WAIT();
   int lq = p.lq, lr = p.lr, ls = p.sinks;
   if (STATIC) {
     const int T = static_cast<int>(*p.len_ptr);
@@ -587,8 +600,6 @@ __device__ __forceinline__ void exact_part(const Params& p, unsigned char* smem,
     ls = min(ls, lq);
   }
   const int T = lq + lr;
-  for (int i = tid; i < D * D / 32; i += WARPS * 32)  // Pi's 128-byte lines, read by the merge: into L2 now
-    asm volatile("prefetch.global.L2 [%0];" ::"l"(p.pi + 32 * i));
   load_query<ROWS>(p.qx, p.sqb, p.sqh, p.sqn, p.group, p.nq, p.scale_log2, b, h, live, qs);
   __syncthreads();
 
@@ -831,6 +842,7 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32) tq_decode_prep(const Pr
   const int bh = blockIdx.x, b = bh / p.hkv, h = bh % p.hkv;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int live = p.group * p.nq;
+  GRID_LAUNCH_DEPENDENTS();
   load_query<16>(p.q, p.sqb, p.sqh, p.sqn, p.group, p.nq, p.scale_log2, b, h, live, qs);
   __syncthreads();
   constexpr int CPW = D / WARPS;
