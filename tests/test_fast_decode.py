@@ -156,6 +156,7 @@ def test_the_launcher_runs_without_a_gpu(monkeypatch):
 
     monkeypatch.setattr(jit, "kernel", lambda src, name, df, device, smem=0: Stub(name, smem))
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d=None: (9, 0))
+    monkeypatch.setattr(jit, "can_overlap", lambda: True)
     monkeypatch.setattr(da, "fast_serves", lambda *a, **k: True)
     monkeypatch.setattr(torch.cuda, "device", lambda d: contextlib.nullcontext())
     monkeypatch.setattr(torch.cuda, "current_stream", lambda d=None: type("S", (), {"cuda_stream": 0})())

@@ -81,6 +81,24 @@ def test_batches_insert_each_row_and_match_where_every_row_has_an_endpoint(centr
 
 
 @torch.no_grad()
+def test_a_batch_whose_rows_end_in_different_layouts_does_not_match_there():
+    """Two endpoints of one length can hold their tokens differently (a prefill leaves residual_length exact, decode
+    steps after it more): one batch cache cannot hold both, so the batch matches where every row has one layout,
+    here nowhere, and nothing is counted as reused."""
+    model, cfg = model_and_config()
+    store = PrefixStore(config=cfg, page_tokens=8, residual_length=8)
+    a, b = ids(60, seed=1), ids(60, seed=2)
+    store.insert(a[:, :45], prefill(model, cfg, a[:, :45], residual_length=8))
+    cache = prefill(model, cfg, b[:, :40], residual_length=8)
+    steps(model, cache, b[:, :45], 40)  # five decode steps: the residual window holds 13 until it settles
+    store.insert(b[:, :45], cache)
+    assert store.match(a)[1] == 45 and store.match(b)[1] == 45
+    got, n = store.match(torch.cat([a, b]))
+    assert n == 0 and got.get_seq_length() == 0
+    assert store.stats()["hits"] == 2 and store.stats()["tokens_reused"] == 90
+
+
+@torch.no_grad()
 def test_sliding_window_layers_restore_exactly_past_their_window():
     import transformers
 

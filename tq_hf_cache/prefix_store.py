@@ -89,8 +89,9 @@ class PrefixStore:
         self._held: dict[str, Any] = {}  # key -> page or snapshot payload: a dict of tensors, or a disk file's path
         self._on_disk: dict[str, tuple[str, dict]] = {}  # key -> (SHA-256 of its file, the payload's non-tensor part)
         self._counts = {"lookups": 0, "hits": 0, "tokens_reused": 0}
-        # the tokens' parent page key (or _ROOT) -> {snapshot key: (its length, its key means' digest)}
-        self._ends: dict[str, dict[str, tuple[int, str | None]]] = {}
+        # the tokens' parent page key (or _ROOT) -> {snapshot key: (its length, its key means' digest, its layout)}
+        self._ends: dict[str, dict[str, tuple[int, str | None, str]]] = {}
+        self._parent_of: dict[str, str] = {}  # snapshot key -> its key in _ends
         self._lock = threading.Lock()
 
     # ---- insert ----
@@ -136,7 +137,10 @@ class PrefixStore:
             actions = self.index.insert(chain, [_nbytes(payloads[k]) for k in chain])
             self._apply(actions, payloads)
             if snap_key in self._held:
-                self._ends.setdefault(tkeys[-1] if tkeys else _ROOT, {})[snap_key] = (ids.numel(), mu)
+                parent = tkeys[-1] if tkeys else _ROOT
+                layout = hashlib.sha256(json.dumps(infos, sort_keys=True, default=str).encode()).hexdigest()
+                self._ends.setdefault(parent, {})[snap_key] = (ids.numel(), mu, layout)
+                self._parent_of[snap_key] = parent
             return sum(a.kind == "store" and a.key != snap_key for a in actions)
 
     # ---- match ----
@@ -144,43 +148,51 @@ class PrefixStore:
     def match(self, input_ids):
         """(cache, n): a TurboQuantCache holding the longest stored endpoint of `input_ids` that leaves at least its
         last token to compute, and its length n; (an empty cache, 0) when none is stored. For a batch (batch, len),
-        each row matches on its own and n is the longest length at which every row has a stored endpoint."""
+        each row matches on its own and n is the longest length at which every row has a stored endpoint of one
+        layout (how many tokens each layer holds packed and exact: one cache holds them alike)."""
         from .cache import TurboQuantCache
 
         rows = _rows(input_ids)
         P = self.page_tokens
         with self._lock:
-            found = [self._endpoints(ids, page_keys(ids, P, self.namespace)) for ids in rows]
-            common = set.intersection(*(set(f) for f in found))
             self._counts["lookups"] += len(rows)
-            if not common:
+            found = [self._endpoints(ids, page_keys(ids, P, self.namespace)) for ids in rows]
+            chains, length = None, 0
+            for n in sorted(set.intersection(*(set(f) for f in found)), reverse=True):
+                layouts = set.intersection(*(set(f[n]) for f in found))
+                if layouts:
+                    layout = min(layouts)
+                    chains, length = [f[n][layout] for f in found], n
+                    break
+            if chains is None:
                 return TurboQuantCache(self.tq_config, config=self.config, codebooks=self.codebooks), 0
-            length = max(common)
-            chains = [f[length] for f in found]
-            self._counts["hits"] += len(rows)
-            self._counts["tokens_reused"] += length * len(rows)
-            for chain in chains:
-                self.index.match(chain)  # used now: pages and snapshot move to the front of their tiers
-                self.index.pin(chain)
+            keys = list(dict.fromkeys(k for chain in chains for k in chain))  # rows share pages: each loaded once
+            self.index.match(keys)  # used now: pages and snapshots move to the front of their tiers
+            self.index.pin(keys)
             try:  # disk pages are read and checked on threads (file reads and hashing release the GIL)
                 with ThreadPoolExecutor(max(1, min(16, os.cpu_count() or 1))) as pool:
-                    payloads = [list(pool.map(self._load, chain)) for chain in chains]
+                    loaded = dict(zip(keys, pool.map(self._load, keys)))
             finally:
-                for chain in chains:
-                    self.index.unpin(chain)
-        return self._restore(payloads), length
+                self.index.unpin(keys)
+            self._counts["hits"] += len(rows)
+            self._counts["tokens_reused"] += length * len(rows)
+        return self._restore([[loaded[k] for k in chain] for chain in chains]), length
 
-    def _endpoints(self, ids: torch.Tensor, tkeys: list[str]) -> dict[int, list[str]]:
-        """{length: chain (page keys, then the snapshot's)} of every held endpoint that `ids` extends past."""
+    def _endpoints(self, ids: torch.Tensor, tkeys: list[str]) -> dict[int, dict[str, list[str]]]:
+        """{length: {layout: chain (page keys, then the snapshot's)}} of every held endpoint that `ids` extends
+        past."""
         P = self.page_tokens
-        out = {}
+        out: dict[int, dict[str, list[str]]] = {}
+        bound: dict[tuple[int, str | None], list[str]] = {}
         for m in range(len(tkeys), -1, -1):
-            for snap, (length, mu) in self._ends.get(tkeys[m - 1] if m else _ROOT, {}).items():
-                if length >= ids.numel() or length in out or snap not in self._held:
+            for snap, (length, mu, layout) in self._ends.get(tkeys[m - 1] if m else _ROOT, {}).items():
+                if length >= ids.numel() or layout in out.get(length, {}) or snap not in self._held:
                     continue
-                keys = _bind(tkeys[:m], mu)
+                keys = bound.get((m, mu))
+                if keys is None:
+                    keys = bound[(m, mu)] = _bind(tkeys[:m], mu)
                 if self.index.match(keys, touch=False) == m and snap == self._snapshot_key(keys, ids[m * P: length], mu):
-                    out[length] = keys + [snap]
+                    out.setdefault(length, {})[layout] = keys + [snap]
         return out
 
     def stats(self) -> dict:
@@ -236,8 +248,12 @@ class PrefixStore:
         self._on_disk.pop(key, None)
         if isinstance(held, str) and os.path.exists(held):
             os.remove(held)
-        for ends in self._ends.values():
+        parent = self._parent_of.pop(key, None)
+        if parent is not None:
+            ends = self._ends.get(parent, {})
             ends.pop(key, None)
+            if not ends:
+                self._ends.pop(parent, None)
 
     def _restore(self, rows: list[list[dict]]):
         """A cache of the rows' chains (each: pages, then the snapshot), stacked along the batch."""

@@ -221,7 +221,7 @@ def overlap(device: torch.device, prep_ctas: int) -> bool:
     from ..support import sm_count
 
     return (torch.cuda.get_device_capability(device)[0] >= 9 and os.environ.get("TQ_HF_CACHE_OVERLAP", "1") != "0"
-            and 2 * prep_ctas <= sm_count(device))
+            and 2 * prep_ctas <= sm_count(device) and jit.can_overlap())
 
 
 class PrepParams(ctypes.Structure):
@@ -285,10 +285,10 @@ def _launch(prep, main, query, kv, pi, scale_log2, kp, kn, vp, vn, rk, rv, sk, s
     bh = b * hkv
     qrot = torch.empty(bh, MAX_ROWS, d, dtype=torch.float16, device=device)
     pi = pi.contiguous()
+    (kt, kt_sh), (vt, vt_sh) = pair_table(kv.k_codebook, hkv, device), pair_table(kv.v_codebook, hkv, device)
     prep.launch((bh, d // 32, 1), 32 * WARPS, PrepParams(
         query.data_ptr(), *query.stride()[:3], _transposed(kv.rotation, pi).data_ptr(), qrot.data_ptr(), hkv, group,
         n, scale_log2), stream)
-    (kt, kt_sh), (vt, vt_sh) = pair_table(kv.k_codebook, hkv, device), pair_table(kv.v_codebook, hkv, device)
     ln, fr = lens if lens is not None else (acc, acc)
     m_ptr = m_arg.data_ptr() if mask_kind else 0
     m_strides = tuple(ms) if mask_kind else (0, 0, 0, 0)
