@@ -322,3 +322,45 @@ def test_chunked_prefill_logits_equal_dynamic_cache_at_every_chunk(attn):
                 assert torch.equal(g, w), what
             else:
                 torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5, msg=lambda m: f"{what}: {m}")
+
+
+def test_an_eager_chunk_reads_the_device_length_once_per_forward(monkeypatch):
+    """A read of a device tensor's value stops the host until the GPU has caught up; an eager prefill chunk reads
+    the static layers' length once (for the mask) and every layer takes it from there, not once or twice a layer.
+    Direct updates without a mask still read their own length, and the logits stay those of the per-layer reads."""
+    import traceback
+
+    cfg, model = build("llama")
+    ids = prompt(length=PROMPT)
+    model.set_attn_implementation("sdpa")
+
+    def run(count: bool, skip=()):
+        cache = TurboQuantStaticCache(config=cfg, max_cache_len=CAP, skip_layers=list(skip), **EIGHT_BIT)
+        reads = []
+        real = torch.Tensor.__int__
+
+        def probe(self):
+            if traceback.extract_stack(limit=2)[0].filename.endswith("static_cache.py"):  # its own reads
+                reads.append(1)
+            return real(self)
+
+        with torch.no_grad():
+            model(ids[:, :16], **with_cache(cache))
+            if count:
+                monkeypatch.setattr(torch.Tensor, "__int__", probe)
+            out = model(ids[:, 16:], **with_cache(cache)).logits
+            monkeypatch.setattr(torch.Tensor, "__int__", real)
+        return out, len(reads), cache
+
+    for skip in ((), (0,)):
+        want, _, _ = run(False, skip)
+        got, reads, cache = run(True, skip)
+        assert cfg.num_hidden_layers > 1 and reads == 1, f"{reads} device reads in one forward (skip {skip})"
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+    # updates without a mask (no note): each layer reads its own length, and slices by it
+    layer = cache.layers[1]
+    k = torch.randn(1, cfg.num_key_value_heads, 3, cfg.head_dim)
+    keys, _ = layer.update(k, k.clone())
+    assert keys.shape[2] == PROMPT + 3
+    keys, _ = layer.update(k, k.clone())
+    assert keys.shape[2] == PROMPT + 6

@@ -56,6 +56,20 @@ class _Shared:
     def __init__(self):
         self.scratch: torch.Tensor | None = None
         self.counters: torch.Tensor | None = None
+        self._held: int | None = None  # positions every full-attention layer holds before this eager forward
+        self._taken: set[int] = set()
+
+    def note_held(self, held: int) -> None:
+        """The length the mask read (before the forward's updates): the layers take it instead of each reading
+        the device's copy again, which would stop the host until the GPU caught up, twice a layer."""
+        self._held, self._taken = held, set()
+
+    def take_held(self, layer_idx: int) -> int | None:
+        """That length, once per layer after each note (None: read the device's copy)."""
+        if self._held is None or layer_idx in self._taken:
+            return None
+        self._taken.add(layer_idx)
+        return self._held
 
     def ensure(self, numel: int, counters: int, device: torch.device) -> None:
         if self.scratch is None or self.scratch.numel() < numel or self.scratch.device != device:
@@ -82,26 +96,38 @@ def held_only(attn_config, n: int) -> bool:
 
 
 def mask_sizes(layer, query_length) -> tuple[int, int]:
-    """(kv_length, kv_offset) of a full-attention layer of the cache (see `held_only`)."""
+    """(kv_length, kv_offset) of a full-attention layer of the cache (see `held_only`). An eager step's mask reads
+    the length held once, before the layers' updates, and leaves it for them (`_Shared.note_held`)."""
     n = _query_length(query_length)
     if not held_only(layer._attn_config, n):
         return layer.max_cache_len, 0
-    return (int(layer.get_seq_length()) if layer.is_initialized else 0) + n, 0
+    held = int(layer.get_seq_length()) if layer.is_initialized else 0
+    layer._shared.note_held(held)
+    return held + n, 0
+
+
+def _held_before(layer) -> int:
+    """Positions a full-attention layer holds before an eager update: what the step's mask read, else its own."""
+    if not layer.is_initialized:
+        return 0
+    held = layer._shared.take_held(layer.layer_idx)
+    return int(layer.get_seq_length()) if held is None else held
 
 
 class ExactStaticLayer(StaticLayer):
     """A full-attention layer the config keeps in full precision: transformers' `StaticLayer`, whose eager steps
     attend over the positions held, as the quantized layers' do (`held_only`)."""
 
-    def __init__(self, max_cache_len: int, attn_config):
+    def __init__(self, max_cache_len: int, attn_config, layer_idx: int, shared: _Shared):
         super().__init__(max_cache_len=max_cache_len)
-        self._attn_config = attn_config
+        self._attn_config, self.layer_idx, self._shared = attn_config, layer_idx, shared
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        n = key_states.shape[2]
+        if not held_only(self._attn_config, n):
+            return super().update(key_states, value_states, *args, **kwargs)
+        held = _held_before(self) + n
         k, v = super().update(key_states, value_states, *args, **kwargs)
-        if not held_only(self._attn_config, key_states.shape[2]):
-            return k, v
-        held = int(self.get_seq_length())
         return k[:, :, :held], v[:, :, :held]
 
     def get_mask_sizes(self, query_length, *args, **kwargs) -> tuple[int, int]:
@@ -168,7 +194,7 @@ class TurboQuantStaticLayer(StaticLayer):
         if not self.is_initialized and self._codebook_check is not None:
             self._codebook_check(self.layer_idx, h, d)
         if self.is_initialized and not torch.compiler.is_compiling():  # eager only: a compiled step cannot sync
-            held = int(self.cumulative_length)
+            held = self._before = _held_before(self)
             if held + n > self.max_cache_len:
                 raise ValueError(
                     f"layer {self.layer_idx}: {n} new tokens after {held} exceed max_cache_len={self.max_cache_len}"
@@ -277,6 +303,7 @@ class TurboQuantStaticLayer(StaticLayer):
         )
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        self._before = 0
         self._check(key_states, value_states)
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
@@ -310,7 +337,7 @@ class TurboQuantStaticLayer(StaticLayer):
         p, name = self.packed, ops.dtype_name(self.dtype)
         stop = held = self.max_cache_len
         if held_only(self._attn_config, n):
-            held = int(p.length)  # after the append; the ring's dead slots and the sinks need room too
+            held = self._before + n  # after the append; the ring's dead slots and the sinks need room too
             if held == n:  # every position held is one of this step's tokens (a first prefill chunk)
                 return key_states, value_states
             stop = min(self.max_cache_len, max(held, self.ring_size, p.sinks))
@@ -478,7 +505,7 @@ class TurboQuantStaticCache(Cache):
             elif bits is None:
                 if idx in cfg.key_split:
                     raise ValueError(f"key_split names layer {idx}, which the config keeps in full precision")
-                layers.append(ExactStaticLayer(max_cache_len, text))
+                layers.append(ExactStaticLayer(max_cache_len, text, idx, shared))
             else:
                 layers.append(TurboQuantStaticLayer(
                     max_cache_len=max_cache_len, key_bits=bits[0], value_bits=bits[1],
