@@ -161,6 +161,9 @@ def merge_tp(paths: list[str]) -> None:
             runs[ws]["rows"] += run["rows"]
         else:
             runs[ws] = run
+        seen = [(r["row"], r["context"]) for r in runs[ws]["rows"]]
+        if len(seen) != len(set(seen)):
+            raise SystemExit(f"{path}: a row and context measured twice for world size {ws}: {sorted(seen)}")
     merged = {"runs": [runs[ws] for ws in sorted(runs)], "files": [os.path.basename(x) for x in paths]}
     with open(os.path.join(a.out, "bench_decode_tp.json"), "w") as f:
         json.dump(merged, f, indent=1)

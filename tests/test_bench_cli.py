@@ -171,3 +171,42 @@ def test_eval_checks_its_output_paths_before_any_work(args, message, tmp_path, c
     err = capsys.readouterr().err
     assert rc == 2 and message.format(**subs) in err and "Traceback" not in err, err
     assert not [p for p in tmp_path.rglob("*") if p.name.endswith(".tmp")]
+
+
+def test_bench_decode_tp_mode_over_two_ranks_and_its_merge(tmp_path):
+    """benchmarks/bench_decode.py --tp on CPU over 2 gloo ranks (rows that run there): each rank holds half the KV
+    heads, rank 0 writes both ranks' bytes, the ranks exit, and --plot_tp merges world sizes into one JSON and a PNG
+    (refusing a row measured twice)."""
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.join(os.path.dirname(__file__), os.pardir)
+    cfg = transformers.LlamaConfig(vocab_size=128, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, head_dim=32)
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(cfg).save_pretrained(tmp_path / "m")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
+    script = os.path.join(root, "benchmarks", "bench_decode.py")
+    args = ["--tp", "--model", str(tmp_path / "m"), "--rows", "dynamic,tq_fused", "--contexts", "200", "--steps", "3",
+            "--warmup", "1", "--chunk", "64"]
+    for n in (1, 2):
+        out = tmp_path / f"w{n}"
+        out.mkdir()
+        run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(n), script, *args,
+                              "--out", str(out)], env=env, capture_output=True, text=True, timeout=300)
+        assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    two = json.loads((tmp_path / "w2" / "bench_decode_tp2.json").read_text())
+    one = json.loads((tmp_path / "w1" / "bench_decode_tp1.json").read_text())
+    assert two["env"]["world_size"] == 2 and [r["row"] for r in two["rows"]] == ["dynamic", "tq_fused"]
+    for r1, r2 in zip(one["rows"], two["rows"]):
+        assert len(r2["cache_MiB_per_rank"]) == 2 and r2["cache_MiB_per_rank"][0] == r2["cache_MiB_per_rank"][1]
+        assert r2["cache_MiB_per_rank"][0] < r1["cache_MiB_per_rank"][0]  # half the heads on each rank
+    files = f"{tmp_path / 'w1' / 'bench_decode_tp1.json'},{tmp_path / 'w2' / 'bench_decode_tp2.json'}"
+    subprocess.run([sys.executable, script, "--plot_tp", files, "--out", str(tmp_path)], check=True, env=env,
+                   capture_output=True, timeout=120)
+    merged = json.loads((tmp_path / "bench_decode_tp.json").read_text())
+    assert [r["env"]["world_size"] for r in merged["runs"]] == [1, 2] and (tmp_path / "bench_decode_tp.png").exists()
+    twice = subprocess.run([sys.executable, script, "--plot_tp", f"{files},{tmp_path / 'w2' / 'bench_decode_tp2.json'}",
+                            "--out", str(tmp_path)], env=env, capture_output=True, text=True, timeout=120)
+    assert twice.returncode != 0 and "measured twice" in twice.stderr
