@@ -234,3 +234,38 @@ def test_a_gpu_tier_in_front_restores_exactly_on_the_gpu(tmp_path):
     assert n == 80 and got.layers[0].k_buf.packed.device.type == "cuda"
     want = steps(model, copy.deepcopy(cache), x, 80)
     assert all(torch.equal(a, b) for a, b in zip(steps(model, got, x, 80), want))
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("kw", [dict(residual_length=8), dict(residual_length=8, key_centering=True)])
+def test_a_static_store_restores_static_caches_exactly(kw):
+    """A store of max_cache_len holds TurboQuantStaticCaches: every position's codes are paged (a static layer has
+    them all), the ring, sinks, lengths and key mean go in the snapshot, and a matched cache (one row or a batch)
+    continues bit for bit as the inserted one; the other kind of cache, or a model with a layer the static store
+    cannot page, is refused by name."""
+    from transformers import DynamicCache
+
+    from tq_hf_cache import TurboQuantStaticCache
+
+    model, cfg = model_and_config()
+    store = PrefixStore(config=cfg, page_tokens=8, max_cache_len=80, **kw)
+    x = torch.cat([ids(60, seed=1), ids(60, seed=2)])
+    cache = TurboQuantStaticCache(cfg, max_cache_len=80, **kw)
+    model(x[:, :20], **with_cache(cache))
+    model(x[:, 20:45], **with_cache(cache))
+    assert store.insert(x[:, :45], cache) == 2 * (45 // 8)
+    got, n = store.match(x)
+    assert isinstance(got, TurboQuantStaticCache) and n == 45 and int(got.get_seq_length()) == 45
+    want = steps(model, copy.deepcopy(cache), x, 45)
+    assert all(torch.equal(a, b) for a, b in zip(steps(model, got, x, 45), want))
+    one, n1 = store.match(x[1:])
+    assert n1 == 45  # row 1 alone: its codes as the batch held them (the forward's rounding differs by batch size)
+    torch.testing.assert_close(steps(model, one, x[1:], 45)[-1], want[-1][1:], rtol=1e-4, atol=1e-4)
+    with pytest.raises(TypeError, match="TurboQuantStaticCaches of max_cache_len=80.*TurboQuantCache"):
+        store.insert(x[:, :45], prefill(model, cfg, x[:, :45], **kw))
+    with pytest.raises(TypeError, match="of max_cache_len=80.*of 96"):
+        store.insert(x[:, :5], TurboQuantStaticCache(cfg, max_cache_len=96, **kw))
+    with pytest.raises(ValueError, match="every layer is a quantized full-attention layer"):
+        PrefixStore(config=cfg, max_cache_len=80, skip_layers=[0], **kw)
+    with pytest.raises(TypeError, match="takes TurboQuantCaches"):
+        PrefixStore(config=cfg, **kw).insert(x[:, :45], DynamicCache(config=cfg))

@@ -52,6 +52,8 @@ class PrefixStore:
         model: the model itself, to bind the store to its weights (another checkpoint of the same shape never
             matches).
         codebooks: calibrated codebooks the caches use.
+        max_cache_len: set, the store holds `TurboQuantStaticCache`s of this capacity (full-attention models, every
+            layer quantized): `insert` takes them and `match` restores one; None: `TurboQuantCache`s.
         **overrides: TurboQuantConfig fields, as `TurboQuantCache` takes them.
 
     Example:
@@ -63,12 +65,14 @@ class PrefixStore:
 
     def __init__(self, *, config, tq_config=None, page_tokens: int = 256, cpu_bytes: int = 1 << 30,
                  gpu_bytes: int = 0, device=None, disk_dir: str | None = None, disk_bytes: int = 0, model=None,
-                 codebooks=None, **overrides):
+                 codebooks=None, max_cache_len: int | None = None, **overrides):
         from .cache import TurboQuantCache
 
-        self.config, self.codebooks = config, codebooks
+        self.config, self.codebooks, self.max_cache_len = config, codebooks, max_cache_len
         # the caches' config, resolved (and a bad one refused) now; `overrides` as TurboQuantCache takes them
         self.tq_config = TurboQuantCache(tq_config, config=config, codebooks=codebooks, **overrides).tq_config
+        if max_cache_len is not None:
+            _check_static(self._new_cache())
         self.device = torch.device(device) if device is not None else torch.device("cpu")
         tiers, caps = [], []
         if gpu_bytes:
@@ -82,7 +86,7 @@ class PrefixStore:
         self.tiers, self.disk_dir = tiers, disk_dir
         self.page_tokens = page_tokens
         self.index = PrefixIndex(caps, page_tokens=page_tokens)
-        ns = {"model": model_facts(config), "tq_config": self.tq_config.to_dict(),
+        ns = {"model": model_facts(config), "tq_config": self.tq_config.to_dict(), "static": max_cache_len,
               "weights": None if model is None else weights_digest(model),
               "codebooks": None if codebooks is None else repr(getattr(codebooks, "info", None))}
         self.namespace = hashlib.sha256(json.dumps(ns, sort_keys=True, default=str).encode()).hexdigest()
@@ -101,30 +105,38 @@ class PrefixStore:
         its own, padding included) holds: its whole pages (those not held already) and a snapshot of each row's
         endpoint. Returns the pages newly stored."""
         from .cache import TurboQuantCache
+        from .static_cache import TurboQuantStaticCache
 
-        if not isinstance(cache, TurboQuantCache):
-            raise TypeError(f"insert takes a TurboQuantCache (the caches match restores), got {type(cache).__name__}")
+        want = TurboQuantCache if self.max_cache_len is None else TurboQuantStaticCache
+        if not isinstance(cache, want) or getattr(cache, "capacity", None) != self.max_cache_len:
+            raise TypeError(f"this store takes {want.__name__}s" + (f" of max_cache_len={self.max_cache_len}"
+                            if self.max_cache_len else "") + f" (the caches match restores), got "
+                            f"{type(cache).__name__}" + (f" of {cache.capacity}" if hasattr(cache, "capacity") else ""))
         rows = _rows(input_ids)
-        if cache.get_seq_length() != rows.shape[1]:
-            raise ValueError(f"the cache holds {cache.get_seq_length()} tokens, input_ids {rows.shape[1]}: insert a "
-                             "cache that prefilled exactly these tokens")
-        for layer in cache.layers:
-            if getattr(layer, "is_initialized", False) and hasattr(layer, "_settle"):
-                layer._settle()  # what a decode step left beyond the residual window, as a dense step leaves it
-        tensors: dict[str, torch.Tensor] = {}
-        infos = [_save_layer(layer, i, tensors, rows.shape[0]) for i, layer in enumerate(cache.layers)]
-        infos = [{**info, "batch": 1} if "batch" in info else info for info in infos]
-        return sum(self._insert_row(ids, {k: v[r: r + 1] for k, v in tensors.items()}, infos)
+        if int(cache.get_seq_length()) != rows.shape[1]:
+            raise ValueError(f"the cache holds {int(cache.get_seq_length())} tokens, input_ids {rows.shape[1]}: "
+                             "insert a cache that prefilled exactly these tokens")
+        if self.max_cache_len is not None:
+            tensors, infos, paged = _static_state(cache, rows.shape[0])
+            quantized = [rows.shape[1]]  # a static layer holds the codes of every position
+        else:
+            for layer in cache.layers:
+                if getattr(layer, "is_initialized", False) and hasattr(layer, "_settle"):
+                    layer._settle()  # what a decode step left beyond the residual window, as a dense step leaves it
+            tensors = {}
+            infos = [_save_layer(layer, i, tensors, rows.shape[0]) for i, layer in enumerate(cache.layers)]
+            infos = [{**info, "batch": 1} if "batch" in info else info for info in infos]
+            # pages: the full-attention TurboQuant layers' packed tokens, which are the sequence's first ones (a
+            # sliding layer's packed buffers begin wherever its window does: they go whole into the snapshot)
+            tq = [i for i, info in enumerate(infos) if info.get("class") == "TurboQuantLayer" and info["initialized"]]
+            paged = {n for n in tensors if n.endswith(_PAGED) and n.startswith(tuple(f"layers.{i}." for i in tq))}
+            quantized = [infos[i]["quantized"] for i in tq]
+        m = (min(quantized) if quantized else 0) // self.page_tokens
+        return sum(self._insert_row(ids, {k: v[r: r + 1] for k, v in tensors.items()}, infos, paged, m)
                    for r, ids in enumerate(rows))
 
-    def _insert_row(self, ids: torch.Tensor, tensors: dict, infos: list[dict]) -> int:
-        # pages: the full-attention TurboQuant layers' packed tokens, which are the sequence's first ones (a sliding
-        # layer's packed buffers begin wherever its window does: they go whole into the snapshot)
-        paged = tuple(f"layers.{i}." for i, info in enumerate(infos)
-                      if info.get("class") == "TurboQuantLayer" and info["initialized"])
-        quantized = [infos[i]["quantized"] for i, info in enumerate(infos) if f"layers.{i}." in paged]
+    def _insert_row(self, ids: torch.Tensor, tensors: dict, infos: list[dict], paged: set, m: int) -> int:
         P = self.page_tokens
-        m = (min(quantized) if quantized else 0) // P
         tkeys = page_keys(ids[: m * P], P, self.namespace)
         mu = _means_digest(tensors)
         keys = _bind(tkeys, mu)
@@ -146,12 +158,11 @@ class PrefixStore:
     # ---- match ----
 
     def match(self, input_ids):
-        """(cache, n): a TurboQuantCache holding the longest stored endpoint of `input_ids` that leaves at least its
-        last token to compute, and its length n; (an empty cache, 0) when none is stored. For a batch (batch, len),
-        each row matches on its own and n is the longest length at which every row has a stored endpoint of one
-        layout (how many tokens each layer holds packed and exact: one cache holds them alike)."""
-        from .cache import TurboQuantCache
-
+        """(cache, n): a TurboQuantCache (a TurboQuantStaticCache for a store of `max_cache_len`) holding the longest
+        stored endpoint of `input_ids` that leaves at least its last token to compute, and its length n; (an empty
+        cache, 0) when none is stored. For a batch (batch, len), each row matches on its own and n is the longest
+        length at which every row has a stored endpoint of one layout (how many tokens each layer holds packed and
+        exact: one cache holds them alike)."""
         rows = _rows(input_ids)
         P = self.page_tokens
         with self._lock:
@@ -165,7 +176,7 @@ class PrefixStore:
                     chains, length = [f[n][layout] for f in found], n
                     break
             if chains is None:
-                return TurboQuantCache(self.tq_config, config=self.config, codebooks=self.codebooks), 0
+                return self._new_cache(), 0
             keys = list(dict.fromkeys(k for chain in chains for k in chain))  # rows share pages: each loaded once
             self.index.match(keys)  # used now: pages and snapshots move to the front of their tiers
             self.index.pin(keys)
@@ -255,14 +266,20 @@ class PrefixStore:
             if not ends:
                 self._ends.pop(parent, None)
 
+    def _new_cache(self):
+        from .cache import TurboQuantCache
+        from .static_cache import TurboQuantStaticCache
+
+        if self.max_cache_len is None:
+            return TurboQuantCache(self.tq_config, config=self.config, codebooks=self.codebooks)
+        return TurboQuantStaticCache(self.config, self.max_cache_len, tq_config=self.tq_config, codebooks=self.codebooks)
+
     def _restore(self, rows: list[list[dict]]):
         """A cache of the rows' chains (each: pages, then the snapshot), stacked along the batch."""
-        from .cache import TurboQuantCache
-
         snaps = [chain[-1] for chain in rows]
         if any(s["infos"] != snaps[0]["infos"] for s in snaps[1:]):
             raise ValueError("the rows' snapshots describe different layers: they cannot share one cache")
-        cache = TurboQuantCache(self.tq_config, config=self.config, codebooks=self.codebooks)
+        cache = self._new_cache()
         facts = model_facts(self.config)
         doc = {"batch": len(rows), "num_tokens": snaps[0]["num_tokens"]}
         tensors = {}
@@ -273,6 +290,9 @@ class PrefixStore:
                 tail = chain[-1]["tensors"][name].to(self.device, non_blocking=True)
                 per_row.append(torch.cat(parts + [tail], dim=2) if parts else tail)  # one kernel, not one per page
             tensors[name] = torch.cat(per_row, dim=0) if len(per_row) > 1 else per_row[0]
+        if self.max_cache_len is not None:
+            _restore_static(cache, snaps[0]["infos"], tensors, len(rows), self.device)
+            return cache
 
         def get(name, shape, dtype, i):
             t = tensors[name]
@@ -300,6 +320,74 @@ def _rows(input_ids) -> torch.Tensor:
 _PAGED = ("_packed", "_norms")
 
 
+_STATIC_PAGED = ("k_packed", "k_norms", "v_packed", "v_norms")  # a static layer's parts with a row per position
+
+
+def _check_static(cache) -> None:
+    from .static_cache import TurboQuantStaticLayer
+
+    other = [(i, type(layer).__name__) for i, layer in enumerate(cache.layers)
+             if not isinstance(layer, TurboQuantStaticLayer)]
+    if other:
+        raise ValueError(f"a PrefixStore of static caches takes models whose every layer is a quantized full-attention "
+                         f"layer; layers {other[:4]} are not (use the store without max_cache_len)")
+
+
+def _static_state(cache, batch: int) -> tuple[dict, list[dict], set]:
+    """(tensors, infos, paged names) of a TurboQuantStaticCache: every layer's state (`TurboQuantStaticLayer.state`),
+    the lengths in the infos."""
+    _check_static(cache)
+    tensors, infos, paged = {}, [], set()
+    for i, layer in enumerate(cache.layers):
+        if not layer.is_initialized:
+            infos.append({"class": "TurboQuantStaticLayer", "initialized": False})
+            continue
+        if layer.batch_size != batch:
+            raise ValueError(f"layer {i} holds batch {layer.batch_size} but token_ids has batch {batch}")
+        state = layer.state()
+        length, exact_from = (int(x) for x in state.pop("lengths"))
+        for name, t in state.items():
+            tensors[f"layers.{i}.{name}"] = t[:, :, :length] if name.startswith(_STATIC_PAGED) else t
+            if name.startswith(_STATIC_PAGED):
+                paged.add(f"layers.{i}.{name}")
+        rotation, kcb, vcb = layer._quantizers
+        h = hashlib.sha256()
+        parts = [rotation.matrix, kcb.centroids, vcb.centroids]
+        if layer.key_split is not None:
+            parts += [layer.key_split.order] + [t for r, cb in layer.key_split.parts for t in (r.matrix, cb.centroids)]
+        for t in parts:
+            h.update(t.detach().float().cpu().contiguous().numpy().tobytes())
+        infos.append({"class": "TurboQuantStaticLayer", "initialized": True, "dtype": str(layer.dtype),
+                      "heads": layer.num_heads, "head_dim": layer.k_head_dim, "length": length,
+                      "exact_from": exact_from, "digest": h.hexdigest()})
+    return tensors, infos, paged
+
+
+def _restore_static(cache, infos: list[dict], tensors: dict, batch: int, device) -> None:
+    """Write a snapshot's tensors into a fresh TurboQuantStaticCache's layers (each initialized to the stored shape)."""
+    for i, (layer, info) in enumerate(zip(cache.layers, infos)):
+        if not info["initialized"]:
+            continue
+        dtype = getattr(torch, info["dtype"].removeprefix("torch."))
+        x = torch.zeros(batch, info["heads"], 1, info["head_dim"], dtype=dtype, device=device)
+        layer.lazy_initialization(x, x)
+        state = layer.state()
+        old = state.pop("lengths")
+        rotation, kcb, vcb = layer._quantizers
+        for name, view in state.items():
+            t = tensors[f"layers.{i}.{name}"]
+            dst = view[:, :, : info["length"]] if name.startswith(_STATIC_PAGED) else view
+            if tuple(dst.shape) != tuple(t.shape) or dst.dtype != t.dtype:
+                raise ValueError(f"the store's layer {i} tensor {name!r} is {tuple(t.shape)} {t.dtype}, this cache's "
+                                 f"{tuple(dst.shape)} {dst.dtype}")
+            dst.copy_(t)
+        old.copy_(torch.tensor([info["length"], info["exact_from"]], dtype=torch.int64))
+        layer._mu_pending = False  # the key mean, when there is one, came with the state
+    digests = _static_state(cache, batch)[1]
+    if [d.get("digest") for d in digests] != [d.get("digest") for d in infos]:
+        raise ValueError("the store's static layers were quantized with other rotations or codebooks than this cache's")
+
+
 def _means_digest(tensors: dict) -> str | None:
     """SHA-256 of a row's key means (centred layers), None without: a centred layer's codes depend on its mean, which
     the tokens of the cache's first quantized block set, so pages are shared only between caches of equal means."""
@@ -317,12 +405,12 @@ def _bind(keys: list[str], mu: str | None) -> list[str]:
     return keys if mu is None else [hashlib.sha256((k + mu).encode()).hexdigest() for k in keys]
 
 
-def _slice_pages(tensors: dict, paged: tuple, start: int, stop: int | None, rest: bool = False) -> dict:
-    """Positions [start, stop) of the packed buffers of the layers named in `paged` (a page); with `rest`, also
-    every other stored tensor whole (the snapshot's parts)."""
+def _slice_pages(tensors: dict, paged: set, start: int, stop: int | None, rest: bool = False) -> dict:
+    """Positions [start, stop) (axis 2) of the tensors named in `paged` (a page); with `rest`, also every other
+    stored tensor whole (the snapshot's parts)."""
     out = {}
     for name, t in tensors.items():
-        if name.endswith(_PAGED) and name.startswith(paged):
+        if name in paged:
             out[name] = t[:, :, start:stop].clone()
         elif rest:
             out[name] = t.clone()

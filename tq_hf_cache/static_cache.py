@@ -44,7 +44,7 @@ from .codebook import theoretical_codebook
 from .kernels import DECODE_MAX_ROWS, decode_pays, decode_supports, fast_serves, split_supports
 from .key_split import make_split
 from .layer import _query_length
-from .packed_kv import MAX_FUSED_QUERIES, PACKED_ATTR, PackedKV, StaticKV, static_parts
+from .packed_kv import MAX_FUSED_QUERIES, PACKED_ATTR, PackedKV, StaticKV, static_parts, static_views
 from .reference import overlay_exact
 from .packing import packed_bytes
 from .rope import RopeAngles, rope_angles
@@ -266,6 +266,20 @@ class TurboQuantStaticLayer(StaticLayer):
         memo[id(self)] = new
         new.__setstate__({k: copy.deepcopy(v, memo) for k, v in self.__dict__.items()})
         return new
+
+    def state(self) -> dict[str, torch.Tensor]:
+        """Views of everything the layer holds, by name: its buffer's parts (`packed_kv.static_parts`: the codes and
+        norms "k_packed", "k_norms", ... have one row per position on axis 2; the sinks, lengths and key mean) and
+        the rings ("ring_k", "ring_v"). Writing into them writes the layer."""
+        s = getattr(self.keys, PACKED_ATTR)
+        d = self.k_head_dim
+        kbytes, more = packed_bytes(d, self.key_bits), ()
+        if self.key_split is not None:
+            kbytes, *more = self.key_split.part_bytes
+        views = static_views(s.store, self.keys, s.capacity, s.sinks, self.norm_dtype, kbytes,
+                             packed_bytes(d, self.value_bits), tuple(more), self.rope is not None)
+        views.pop("length"), views.pop("exact_from")
+        return {**views, "ring_k": self.keys, "ring_v": self.values}
 
     @property
     def packed(self) -> PackedKV:
