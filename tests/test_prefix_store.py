@@ -180,7 +180,7 @@ def test_bad_input_is_refused_before_anything_is_stored():
         store.insert(ids(19), cache)
     from transformers import DynamicCache
 
-    with pytest.raises(TypeError, match="takes a TurboQuantCache.*DynamicCache"):
+    with pytest.raises(TypeError, match="takes TurboQuantCaches.*got DynamicCache"):
         store.insert(ids(20), DynamicCache(config=cfg))
     with pytest.raises(ValueError, match=r"\(n,\) or \(batch, n\)"):
         store.match(torch.zeros(2, 5, 1, dtype=torch.long))
