@@ -266,8 +266,8 @@ def test_an_eager_prefill_attends_over_the_positions_held(skip, monkeypatch):
     seen = []
     real_full = TurboQuantStaticLayer._full
 
-    def recording(self, k, v):
-        out = real_full(self, k, v)
+    def recording(self, k, v, *rest):
+        out = real_full(self, k, v, *rest)
         seen.append(out[0].shape[2])
         return out
 

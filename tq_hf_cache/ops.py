@@ -135,9 +135,26 @@ class _Ids:
         self.kind = kind
         self._ids: dict = {}  # key -> id
         self._refs: dict[int, list[tuple]] = {}  # id -> weak references of each holder's objects
+        self._dead: list[tuple] = []  # (key, id, weak reference) of holders gone since the last sweep
         self._next = 0
 
+    def _sweep(self) -> None:
+        """Forget the holders that died, the entry with its last holder, and an identity key with its object. Run
+        from `id_for` and `len`, never from a weakref callback: a callback can fire while torch.compile traces
+        `get`, and the lists it reads must not change under it (dynamo guards on them)."""
+        while self._dead:
+            key, oid, ref = self._dead.pop()
+            held = self._refs.get(oid)
+            if held is None:
+                continue
+            held[:] = [refs for refs in held if not any(r is ref for r in refs)]
+            if not held:
+                del self._refs[oid]
+                if key[0] == "identity":
+                    self._ids.pop(key, None)
+
     def id_for(self, key, *objects) -> int:
+        self._sweep()
         oid = self._ids.get(key)
         if oid is None:
             oid = self._ids[key] = self._next
@@ -158,22 +175,15 @@ class _Ids:
         )
 
     def __len__(self) -> int:
+        self._sweep()
         return len(self._refs)
 
 
 def _drop(ids: _Ids, key, oid: int):
-    """The weakref callback of one holder's objects: forget that holder, the entry with its last holder, and an
-    identity key with its object."""
+    """The weakref callback of one holder's objects: note it for the next sweep (`_Ids._sweep`)."""
 
     def callback(ref):
-        held = ids._refs.get(oid)
-        if held is None:
-            return
-        held[:] = [refs for refs in held if not any(r is ref for r in refs)]
-        if not held:
-            del ids._refs[oid]
-            if key[0] == "identity":
-                ids._ids.pop(key, None)
+        ids._dead.append((key, oid, ref))
 
     return callback
 

@@ -177,7 +177,9 @@ class TurboQuantStaticLayer(StaticLayer):
     def ring_size(self) -> int:
         return min(self.residual_length + MAX_FUSED_QUERIES, self.max_cache_len)
 
-    def _check(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+    def _check(self, key_states: torch.Tensor, value_states: torch.Tensor) -> int | None:
+        """Refuse states that do not fit; returns the positions held before them (eager steps of an initialized
+        layer; None otherwise)."""
         if key_states.shape != value_states.shape or key_states.dim() != 4:
             raise ValueError(
                 f"layer {self.layer_idx}: key states {tuple(key_states.shape)} and value states "
@@ -194,13 +196,15 @@ class TurboQuantStaticLayer(StaticLayer):
         if not self.is_initialized and self._codebook_check is not None:
             self._codebook_check(self.layer_idx, h, d)
         if self.is_initialized and not torch.compiler.is_compiling():  # eager only: a compiled step cannot sync
-            held = self._before = _held_before(self)
+            held = _held_before(self)
             if held + n > self.max_cache_len:
                 raise ValueError(
                     f"layer {self.layer_idx}: {n} new tokens after {held} exceed max_cache_len={self.max_cache_len}"
                 )
-        elif n > self.max_cache_len:
+            return held
+        if n > self.max_cache_len:
             raise ValueError(f"layer {self.layer_idx}: {n} tokens exceed max_cache_len={self.max_cache_len}")
+        return None if self.is_initialized else 0
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         b, h, _, d = key_states.shape
@@ -317,8 +321,7 @@ class TurboQuantStaticLayer(StaticLayer):
         )
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        self._before = 0
-        self._check(key_states, value_states)
+        before = self._check(key_states, value_states)
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         s = getattr(self.keys, PACKED_ATTR)  # the attention's path to it: one source for torch.compile to guard
@@ -329,7 +332,7 @@ class TurboQuantStaticLayer(StaticLayer):
                           s.k_quantizer, s.v_quantizer, s.key_split, s.key_rope)
         if self._fused(n):
             return self.keys, self.values
-        return self._full(key_states, value_states)
+        return self._full(key_states, value_states, before)
 
     def _set_key_mean(self, key_states: torch.Tensor) -> None:
         """A centred layer's mu: the pre-RoPE mean of the first update's keys past the sinks (eager, at length 0:
@@ -343,7 +346,7 @@ class TurboQuantStaticLayer(StaticLayer):
         mu = self.rope.invert(key_states[:, :, first:], pos[first:]).mean(dim=2, keepdim=True)
         self.packed.key_offset.mu.copy_(mu)
 
-    def _full(self, key_states, value_states):
+    def _full(self, key_states, value_states, before: int | None = None):
         """Keys and values of every position a step attends to: dequantized, the exact copies and this step's
         tokens over them. All `max_cache_len` positions in a compiled step; in an eager one (`held_only`) only the
         positions held, as `get_mask_sizes` says, so a long prefill costs what a dynamic cache's does."""
@@ -351,7 +354,8 @@ class TurboQuantStaticLayer(StaticLayer):
         p, name = self.packed, ops.dtype_name(self.dtype)
         stop = held = self.max_cache_len
         if held_only(self._attn_config, n):
-            held = self._before + n  # after the append; the ring's dead slots and the sinks need room too
+            # after the append (`before`: what the step's update found held, read once per forward for the mask)
+            held = int(p.length) if before is None else before + n  # the ring's dead slots, sinks need room too
             if held == n:  # every position held is one of this step's tokens (a first prefill chunk)
                 return key_states, value_states
             stop = min(self.max_cache_len, max(held, self.ring_size, p.sinks))
