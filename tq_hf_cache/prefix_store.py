@@ -286,9 +286,12 @@ class PrefixStore:
         for name in snaps[0]["tensors"]:  # per row: pages then the snapshot's part, along the tokens
             per_row = []
             for chain in rows:
-                parts = [p[name].to(self.device, non_blocking=True) for p in chain[:-1] if name in p]  # from pinned
-                tail = chain[-1]["tensors"][name].to(self.device, non_blocking=True)
-                per_row.append(torch.cat(parts + [tail], dim=2) if parts else tail)  # one kernel, not one per page
+                parts = [p[name] for p in chain[:-1] if name in p] + [chain[-1]["tensors"][name]]
+                if all(t.device.type == "cpu" and not t.is_pinned() for t in parts):
+                    # pages read from disk (or a CPU-only machine): joined here, then one copy, not one a page
+                    per_row.append(torch.cat(parts, dim=2).to(self.device))
+                else:  # pinned or device pages: each copied asynchronously, joined by one kernel there
+                    per_row.append(torch.cat([t.to(self.device, non_blocking=True) for t in parts], dim=2))
             tensors[name] = torch.cat(per_row, dim=0) if len(per_row) > 1 else per_row[0]
         if self.max_cache_len is not None:
             _restore_static(cache, snaps[0]["infos"], tensors, len(rows), self.device)
