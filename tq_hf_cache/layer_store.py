@@ -109,12 +109,14 @@ class LayerStore:
 
     def _widen_norms_if_needed(self, k: torch.Tensor, v: torch.Tensor) -> None:
         """float16 norms end at 65504: before a finite norm above that is stored, switch this layer's norms to
-        float32 (the stored ones convert exactly), so that no norm is clamped. One device sync per quantize call."""
-        norms = torch.stack([k.float().norm(dim=-1).amax(), v.float().norm(dim=-1).amax()])
-        big = norms[torch.isfinite(norms)]
-        if big.numel() and float(big.max()) > FP16_MAX:
+        float32 (the stored ones convert exactly), so that no norm is clamped. One read back to the host per quantize
+        call."""
+        # one read back to the host (a boolean index would add a second: its size), no float32 copy of k and v
+        norms = [torch.linalg.vector_norm(x, dim=-1, dtype=torch.float32) for x in (k, v)]
+        biggest = float(torch.stack([torch.where(torch.isfinite(n), n, 0.0).amax() for n in norms]).amax())
+        if biggest > FP16_MAX:
             warnings.warn(
-                f"tq_hf_cache: layer {self.layer_idx} has a key/value norm of {float(big.max()):.4g}, above float16's "
+                f"tq_hf_cache: layer {self.layer_idx} has a key/value norm of {biggest:.4g}, above float16's "
                 f"range ({FP16_MAX:.0f}); its norms are stored in float32 from now on (2 more bytes per vector). "
                 "Set norm_dtype='float32' to choose this up front.",
                 RuntimeWarning,
