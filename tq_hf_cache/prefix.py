@@ -77,17 +77,22 @@ def weights_digest(model) -> str:
     return h.hexdigest()
 
 
-def _layer_digest(layer) -> str:
-    """What the stored codes mean: the rotation and both codebooks of a TurboQuant layer, and with split keys each
-    part's rotation, codebook and channels."""
+def quantizer_digest(rotation, k_codebook, v_codebook, key_split=None) -> str:
+    """What stored codes mean: the rotation and both codebooks, and with split keys each part's rotation, codebook
+    and channels."""
     h = hashlib.sha256()
-    ts = [layer.rotation.matrix, layer.k_codebook.centroids, layer.v_codebook.centroids]
-    if layer.key_split is not None:
-        ts.append(layer.key_split.order)
-        ts += [t for rot, cb in layer.key_split.parts for t in (rot.matrix, cb.centroids)]
+    ts = [rotation.matrix, k_codebook.centroids, v_codebook.centroids]
+    if key_split is not None:
+        ts.append(key_split.order)
+        ts += [t for rot, cb in key_split.parts for t in (rot.matrix, cb.centroids)]
     for t in ts:
         h.update(t.detach().float().cpu().contiguous().numpy().tobytes())
     return h.hexdigest()
+
+
+def _layer_digest(layer) -> str:
+    """`quantizer_digest` of a TurboQuant layer."""
+    return quantizer_digest(layer.rotation, layer.k_codebook, layer.v_codebook, layer.key_split)
 
 
 def _packed_buffers(layer) -> list[tuple[str, Any]]:

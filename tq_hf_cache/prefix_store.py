@@ -29,7 +29,7 @@ import torch
 
 from . import _io
 from .config import model_facts
-from .prefix import _restore_layer, _save_layer, weights_digest
+from .prefix import _restore_layer, _save_layer, quantizer_digest, weights_digest
 from .prefix_index import PrefixIndex, page_keys, token_bytes
 
 __all__ = ["PrefixStore"]
@@ -353,16 +353,9 @@ def _static_state(cache, batch: int) -> tuple[dict, list[dict], set]:
             tensors[f"layers.{i}.{name}"] = t[:, :, :length] if name.startswith(_STATIC_PAGED) else t
             if name.startswith(_STATIC_PAGED):
                 paged.add(f"layers.{i}.{name}")
-        rotation, kcb, vcb = layer._quantizers
-        h = hashlib.sha256()
-        parts = [rotation.matrix, kcb.centroids, vcb.centroids]
-        if layer.key_split is not None:
-            parts += [layer.key_split.order] + [t for r, cb in layer.key_split.parts for t in (r.matrix, cb.centroids)]
-        for t in parts:
-            h.update(t.detach().float().cpu().contiguous().numpy().tobytes())
         infos.append({"class": "TurboQuantStaticLayer", "initialized": True, "dtype": str(layer.dtype),
                       "heads": layer.num_heads, "head_dim": layer.k_head_dim, "length": length,
-                      "exact_from": exact_from, "digest": h.hexdigest()})
+                      "exact_from": exact_from, "digest": quantizer_digest(*layer._quantizers, layer.key_split)})
     return tensors, infos, paged
 
 
@@ -374,9 +367,11 @@ def _restore_static(cache, infos: list[dict], tensors: dict, batch: int, device)
         dtype = getattr(torch, info["dtype"].removeprefix("torch."))
         x = torch.zeros(batch, info["heads"], 1, info["head_dim"], dtype=dtype, device=device)
         layer.lazy_initialization(x, x)
+        if quantizer_digest(*layer._quantizers, layer.key_split) != info["digest"]:
+            raise ValueError(f"the store's static layer {i} was quantized with other rotations or codebooks than this "
+                             "cache's")
         state = layer.state()
         old = state.pop("lengths")
-        rotation, kcb, vcb = layer._quantizers
         for name, view in state.items():
             t = tensors[f"layers.{i}.{name}"]
             dst = view[:, :, : info["length"]] if name.startswith(_STATIC_PAGED) else view
@@ -386,9 +381,6 @@ def _restore_static(cache, infos: list[dict], tensors: dict, batch: int, device)
             dst.copy_(t)
         old.copy_(torch.tensor([info["length"], info["exact_from"]], dtype=torch.int64))
         layer._mu_pending = False  # the key mean, when there is one, came with the state
-    digests = _static_state(cache, batch)[1]
-    if [d.get("digest") for d in digests] != [d.get("digest") for d in infos]:
-        raise ValueError("the store's static layers were quantized with other rotations or codebooks than this cache's")
 
 
 def _means_digest(tensors: dict) -> str | None:

@@ -218,13 +218,12 @@ class TurboQuantStaticLayer(StaticLayer):
         self.key_split = None
         if self.rope is not None:  # its angles on the device: a captured step must not copy from the host
             self.rope = RopeAngles(self.rope.theta.to(dev), self.rope.scale)
-        key_bytes, more = packed_bytes(d, self.key_bits), ()
         if self.key_split_spec is not None:  # the parts' codebooks are the theoretical ones of their dims
             self.key_split = make_split(self.key_split_spec, self.layer_idx, h, d, self._rotation_for,
                                         theoretical_codebook).to(dev)
-            key_bytes, *more = self.key_split.part_bytes
+        key_bytes, more = self._key_bytes()
         _, nbytes = static_parts(b, h, cap, d, key_bytes, packed_bytes(d, self.value_bits), sinks, self.norm_dtype,
-                                 self.dtype, tuple(more), self.rope is not None)
+                                 self.dtype, more, self.rope is not None)
         store = torch.zeros(nbytes, dtype=torch.uint8, device=dev)  # packed K/V, norms, sinks, lengths
         self.keys = torch.zeros(b, h, self.ring_size, d, dtype=self.dtype, device=dev)  # the ring
         self.values = torch.zeros(b, h, self.ring_size, d, dtype=self.dtype, device=dev)
@@ -271,17 +270,21 @@ class TurboQuantStaticLayer(StaticLayer):
         new.__setstate__({k: copy.deepcopy(v, memo) for k, v in self.__dict__.items()})
         return new
 
+    def _key_bytes(self) -> tuple[int, tuple[int, ...]]:
+        """Bytes a position takes in the packed keys, and in each further part of split keys."""
+        if self.key_split is None:
+            return packed_bytes(self.k_head_dim, self.key_bits), ()
+        first, *more = self.key_split.part_bytes
+        return first, tuple(more)
+
     def state(self) -> dict[str, torch.Tensor]:
         """Views of everything the layer holds, by name: its buffer's parts (`packed_kv.static_parts`: the codes and
         norms "k_packed", "k_norms", ... have one row per position on axis 2; the sinks, lengths and key mean) and
         the rings ("ring_k", "ring_v"). Writing into them writes the layer."""
         s = getattr(self.keys, PACKED_ATTR)
-        d = self.k_head_dim
-        kbytes, more = packed_bytes(d, self.key_bits), ()
-        if self.key_split is not None:
-            kbytes, *more = self.key_split.part_bytes
-        views = static_views(s.store, self.keys, s.capacity, s.sinks, self.norm_dtype, kbytes,
-                             packed_bytes(d, self.value_bits), tuple(more), self.rope is not None)
+        key_bytes, more = self._key_bytes()
+        views = static_views(s.store, self.keys, s.capacity, s.sinks, self.norm_dtype, key_bytes,
+                             packed_bytes(self.k_head_dim, self.value_bits), more, self.rope is not None)
         views.pop("length"), views.pop("exact_from")
         return {**views, "ring_k": self.keys, "ring_v": self.values}
 

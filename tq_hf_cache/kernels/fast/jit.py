@@ -9,6 +9,7 @@ source, defines, target and NVRTC version, so an edited source never meets a sta
 from __future__ import annotations
 
 import ctypes
+import functools
 import glob
 import hashlib
 import os
@@ -175,18 +176,15 @@ class _Config(ctypes.Structure):  # CUlaunchConfig
 
 
 CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION = 6
-_DRIVER: list[int] = []
 
 
+@functools.cache
 def can_overlap() -> bool:
     """Whether the driver launches with programmatic stream serialization, in CUDA graphs too (CUDA 12.3 and newer:
     cuLaunchKernelEx, and graph capture of programmatic dependencies)."""
-    if not _DRIVER:
-        v = ctypes.c_int(0)
-        lib = cuda()
-        ok = hasattr(lib, "cuLaunchKernelEx") and lib.cuDriverGetVersion(ctypes.byref(v)) == 0
-        _DRIVER.append(v.value if ok else 0)
-    return _DRIVER[0] >= 12030
+    v = ctypes.c_int(0)
+    lib = cuda()
+    return hasattr(lib, "cuLaunchKernelEx") and lib.cuDriverGetVersion(ctypes.byref(v)) == 0 and v.value >= 12030
 
 
 class Kernel:
