@@ -169,23 +169,51 @@ def prepare(rotation, k_codebook, v_codebook, heads: int, device: torch.device) 
 _MASK_DT = {torch.uint8: 0, torch.float16: 1, torch.bfloat16: 2, torch.float32: 3}
 
 
-TABLE_BYTES = 16 * 1024  # shared memory per pair table: each sits in its own 16 KB-aligned block (see the source)
+def stages(head_dim: int) -> tuple[int, ...]:
+    """Ring depths (tiles each warp keeps in flight) worth trying at this head dim, deepest first."""
+    return (3, 2) if head_dim <= 128 else (2,)
 
 
-def stages(head_dim: int) -> int:
-    """Tiles each warp keeps in its cp.async ring (two CTAs of 8 warps fit an SM's shared memory at head dim 128)."""
-    return 3 if head_dim <= 128 else 2
+def ctas_per_sm(head_dim: int, nq: int) -> int:
+    """CTAs an SM runs at once (as the source's MIN_CTAS: two where 128 registers a thread suffice)."""
+    return 2 if nq == 1 and head_dim <= 128 else 1
 
 
-def packed_smem(d: int, kb: int, vb: int, kn_f32: bool, vn_f32: bool) -> int:
-    """Dynamic shared memory of the packed kernel: the warps' tile rings, then two tables and their alignment."""
-    tile = -(-16 * (d * kb // 8 + d * vb // 8 + (4 if kn_f32 else 2) + (4 if vn_f32 else 2)) // 16) * 16
-    return WARPS * stages(d) * tile + 3 * TABLE_BYTES
+# Shared memory per SM (KB) by compute capability (CUDA programming guide); others: 100
+_SMEM_KB = {(8, 0): 164, (8, 7): 164, (9, 0): 228, (10, 0): 228, (10, 3): 228}
+# Expected shared-memory wavefronts of one warp-wide lookup of random entries in a table held in R interleaved copies
+# (copy c of entry e at word e R + c: the 32 / R lanes of a copy share 32 / R banks; simulated)
+_WAVEFRONTS = {1: 3.53, 2: 3.44, 4: 3.29, 8: 2.95, 16: 2.0, 32: 1.0}
 
 
-def _copies(bits: int) -> int:
-    """Copies of a pair table in shared memory (one per lane at most: conflict-free at 32), within TABLE_BYTES."""
-    return max(1, min(32, TABLE_BYTES // (4 * 4**bits)))
+def tile_bytes(d: int, kb: int, vb: int, kn_f32: bool, vn_f32: bool) -> int:
+    return -(-16 * (d * kb // 8 + d * vb // 8 + (4 if kn_f32 else 2) + (4 if vn_f32 else 2)) // 16) * 16
+
+
+def layout(d: int, kb: int, vb: int, kn_f32: bool, vn_f32: bool, nq: int,
+           capability: tuple[int, int]) -> tuple[int, int, int]:
+    """(STAGES, KR, VR): the ring depth and the copies of each pair table that fit the shared memory of
+    `ctas_per_sm` CTAs with the fewest expected lookup wavefronts (the loop is bound by the shared-memory pipe: its
+    time follows them), the deeper ring on a tie."""
+    per_cta = _SMEM_KB.get(tuple(capability), 100) * 1024 // ctas_per_sm(d, nq) - 1088  # (1 KB reserved, statics)
+    best = None
+    for st in stages(d):
+        room = per_cta - WARPS * st * tile_bytes(d, kb, vb, kn_f32, vn_f32)
+        for kr in _WAVEFRONTS:
+            for vr in _WAVEFRONTS:
+                if 4 * (4**kb * kr + 4**vb * vr) <= room:
+                    key = (_WAVEFRONTS[kr] + _WAVEFRONTS[vr], -st)
+                    if best is None or key < best[0]:
+                        best = (key, (st, kr, vr))
+    return best[1] if best is not None else (2, 1, 1)
+
+
+def packed_smem(df: dict[str, int]) -> int:
+    """Dynamic shared memory of the packed kernel of these defines: the warps' tile rings, then the two tables; after
+    the loop, the warps' partials (max, sum and accumulator of 8 NQ rows each)."""
+    tile = tile_bytes(df["D"], df["KB"], df["VB"], bool(df["KN_F32"]), bool(df["VN_F32"]))
+    loop = WARPS * df["STAGES"] * tile + 4 * (4 ** df["KB"] * df["KR"] + 4 ** df["VB"] * df["VR"])
+    return max(loop, 4 * WARPS * 8 * df["NQ"] * (df["D"] + 2))
 
 
 def _aligned(v: int, *tensors: torch.Tensor) -> bool:
@@ -206,10 +234,12 @@ def _norms_vec(*norms: torch.Tensor) -> bool:
 
 
 def defines(d: int, kb: int, vb: int, nq: int, mask_kind: int, mask_dt: int, kn_f32: bool, vn_f32: bool,
-            static: bool, vec: int, nvec: bool, pdl: bool = False) -> dict[str, int]:
+            static: bool, vec: int, nvec: bool, pdl: bool = False,
+            capability: tuple[int, int] = (9, 0)) -> dict[str, int]:
+    st, kr, vr = layout(d, kb, vb, kn_f32, vn_f32, nq, capability)
     return dict(D=d, KB=kb, VB=vb, NQ=nq, MASK_KIND=mask_kind, MASK_DT=mask_dt, KN_F32=int(kn_f32),
-                VN_F32=int(vn_f32), KR=_copies(kb), VR=_copies(vb), STATIC=int(static), VEC=vec, NVEC=int(nvec),
-                STAGES=stages(d), PDL=int(pdl))
+                VN_F32=int(vn_f32), KR=kr, VR=vr, STATIC=int(static), VEC=vec, NVEC=int(nvec), STAGES=st,
+                PDL=int(pdl))
 
 
 def overlap(device: torch.device, prep_ctas: int) -> bool:
@@ -259,12 +289,12 @@ def decode(query, kv, pi, scale_log2, kp, kn, vp, vn, rk, rv, sk, sv, mask_args,
     kb, vb, kn32, vn32 = kv.k_codebook.bits, kv.v_codebook.bits, kn.dtype == torch.float32, vn.dtype == torch.float32
     pdl = overlap(query.device, b * hkv * (d // 32))
     df = defines(d, kb, vb, 1 if group * n <= 8 else 2, kind, mdt, kn32, vn32, kv.static, vec,
-                 _norms_vec(kn, vn) and kp.shape[2] % 2 == 0, pdl)
+                 _norms_vec(kn, vn) and kp.shape[2] % 2 == 0, pdl, torch.cuda.get_device_capability(query.device))
     df.update(Q_DT=_DT[query.dtype], X_DT=_DT[rk.dtype], O_DT=_DT[out.dtype], ROWS=rows)
     device = query.device
     try:
         prep = jit.kernel(source(), "tq_decode_prep", df, device)
-        main = jit.kernel(source(), NAME, df, device, max(packed_smem(d, kb, vb, kn32, vn32), exact_smem(d, rows)))
+        main = jit.kernel(source(), NAME, df, device, max(packed_smem(df), exact_smem(d, rows)))
     except jit.JitError as e:
         _disable(device.index if device.index is not None else torch.cuda.current_device(), str(e).splitlines()[0])
         return False

@@ -188,10 +188,11 @@ __device__ __forceinline__ float mask_value(const unsigned char* m, i64 off) {  
 #define NMROWS (NQ == 1 ? 1 : 2)   // S rows a lane uses: g, and g + 8 when NQ == 2
 
 
-// Shared memory (dynamic, STAGE_BYTES + 3 * TAB_ALIGN): each warp's ring of STAGES tiles (cp.async), then the pair
-// tables at a 16 KB-aligned shared address, so that a lookup's address is one OR of the code pair's bits into the
-// lane's copy address; after the loop, the warps' partials.
-#define TAB_ALIGN 16384
+// Shared memory (dynamic, STAGE_BYTES + KTAB_BYTES + VTAB_BYTES): each warp's ring of STAGES tiles (cp.async), then
+// the two pair tables; a lookup's address is the table's (warp-uniform) base plus one LOP3 of the code pair's bits and
+// the lane's copy; after the loop, the warps' partials.
+#define KTAB_BYTES (4 * KENT * KR)
+#define VTAB_BYTES (4 * VENT * VR)
 #define KNB (KN_F32 ? 4 : 2)
 #define VNB (VN_F32 ? 4 : 2)
 #define TILE_BYTES (((16 * (KPT + VPT + KNB + VNB)) + 15) / 16 * 16)
@@ -201,6 +202,14 @@ __device__ __forceinline__ float mask_value(const unsigned char* m, i64 off) {  
 template <int N>
 __device__ __forceinline__ void cp_async(void* dst, const void* src) {
   const u32 d = static_cast<u32>(__cvta_generic_to_shared(dst));
+  if constexpr (N == 16) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(d), "l"(src));
+  } else {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], %2;" ::"r"(d), "l"(src), "n"(N));
+  }
+}
+template <int N>
+__device__ __forceinline__ void cp_async_s(u32 d, const void* src) {  // d: a shared address
   if constexpr (N == 16) {
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(d), "l"(src));
   } else {
@@ -223,6 +232,17 @@ __device__ __forceinline__ u32 lds(u32 addr) {
 }
 
 template <bool F32>
+__device__ __forceinline__ void load_pair(const unsigned char* base, int i, float& a, float& b) {  // elements i, i + 1
+  if constexpr (F32) {
+    const float2 v = *reinterpret_cast<const float2*>(base + 4 * i);
+    a = v.x; b = v.y;
+  } else {
+    const u32 v = *reinterpret_cast<const u32*>(base + 2 * i);
+    a = h2f(static_cast<u16>(v & 0xffff)); b = h2f(static_cast<u16>(v >> 16));
+  }
+}
+
+template <bool F32>
 __device__ __forceinline__ void load_norm_pair(const void* base, i64 i, float& a, float& b) {
   if constexpr (NVEC) {
     if constexpr (F32) {
@@ -235,6 +255,19 @@ __device__ __forceinline__ void load_norm_pair(const void* base, i64 i, float& a
   } else {
     a = load_norm(base, i, F32);
     b = load_norm(base, i + 1, F32);
+  }
+}
+
+// R copies of each of N table entries (copy c of entry e at word e R + c), 16 bytes a store where R >= 4
+template <int N, int R, int LOGR>
+__device__ __forceinline__ void fill_table(u32* dst, const u32* src, int tid) {
+  if constexpr (R >= 4) {
+    for (int i = tid; i < N * R / 4; i += WARPS * 32) {
+      const u32 v = src[(4 * i) >> LOGR];
+      reinterpret_cast<uint4*>(dst)[i] = make_uint4(v, v, v, v);
+    }
+  } else {
+    for (int i = tid; i < N * R; i += WARPS * 32) dst[i] = src[i >> LOGR];
   }
 }
 
@@ -314,16 +347,13 @@ __device__ __forceinline__ void packed_part(const Params& p, unsigned char* smem
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   const int g = lane >> 2, l4 = lane & 3;
 
-  // the pair tables of this KV head, KR / VR copies (copy c of entry e at word e * R + c), each in a 16 KB block
-  const u32 sbase = shared_addr(smem);
-  const u32 pad = STAGE_BYTES + ((TAB_ALIGN - ((sbase + STAGE_BYTES) & (TAB_ALIGN - 1))) & (TAB_ALIGN - 1));
+  // the pair tables of this KV head, KR / VR copies (copy c of entry e at word e * R + c)
+  const u32 ktb = shared_addr(smem) + STAGE_BYTES, vtb = ktb + KTAB_BYTES;
   {
-    u32* ks = reinterpret_cast<u32*>(smem + pad);
-    u32* vs = reinterpret_cast<u32*>(smem + pad + TAB_ALIGN);
-    const u32* kt = p.ktab + h * p.ktab_sh;
-    for (int i = tid; i < KENT * KR; i += WARPS * 32) ks[i] = kt[i >> LOGKR];
-    const u32* vt = p.vtab + h * p.vtab_sh;
-    for (int i = tid; i < VENT * VR; i += WARPS * 32) vs[i] = vt[i >> LOGVR];
+    u32* ks = reinterpret_cast<u32*>(smem + STAGE_BYTES);
+    u32* vs = reinterpret_cast<u32*>(smem + STAGE_BYTES + KTAB_BYTES);
+    fill_table<KENT, KR, LOGKR>(ks, p.ktab + h * p.ktab_sh, tid);
+    fill_table<VENT, VR, LOGVR>(vs, p.vtab + h * p.vtab_sh, tid);
   }
   GRID_WAIT();
 
@@ -366,8 +396,8 @@ __device__ __forceinline__ void packed_part(const Params& p, unsigned char* smem
   }
 
   // this lane's copy of each table, as a shared address: a code pair's bits OR into it
-  const u32 klane = (sbase + pad) | (static_cast<u32>(lane & (KR - 1)) << 2);
-  const u32 vlane = (sbase + pad + TAB_ALIGN) | (static_cast<u32>(lane & (VR - 1)) << 2);
+  const u32 klane = static_cast<u32>(lane & (KR - 1)) << 2;
+  const u32 vlane = static_cast<u32>(lane & (VR - 1)) << 2;
 
   float acc[KS][NQ][4];
 #pragma unroll
@@ -378,22 +408,30 @@ __device__ __forceinline__ void packed_part(const Params& p, unsigned char* smem
 #pragma unroll
   for (int i = 0; i < NMROWS; ++i) { m_i[i] = NEG_INF; l_i[i] = 0.0f; }
 
-  // a tile: rows [tb, tb + 16) of the packed keys and values and their norms, copied whole into a stage
+  // a tile: rows [tb, tb + 16) of the packed keys and values and their norms, copied whole into a stage; each lane's
+  // sources and destination are set once, a tile adds its offset
   unsigned char* ring = smem + warp * STAGES * TILE_BYTES;
+  const u32 dst0 = shared_addr(ring) + lane * CHUNK;
+  const u32 ndst0 = shared_addr(ring) + 16 * (KPT + VPT) + 4 * lane;
+  const unsigned char* gk0 = kbase + lane * CHUNK;
+  const unsigned char* gv0 = vbase + lane * CHUNK;
+  const unsigned char* gkn0 = reinterpret_cast<const unsigned char*>(p.kn) + knoff * KNB + 4 * lane;
+  const unsigned char* gvn0 = reinterpret_cast<const unsigned char*>(p.vn) + vnoff * VNB + 4 * lane;
   auto issue = [&](int t, int stage) {
-    const int tb = min(t, last_tb);
-    unsigned char* st = ring + stage * TILE_BYTES;
-    const unsigned char* gk = kbase + static_cast<i64>(tb) * KPT;
-    const unsigned char* gv = vbase + static_cast<i64>(tb) * VPT;
+    const i64 tb = min(t, last_tb);
+    const u32 st = dst0 + stage * TILE_BYTES;
+    const unsigned char* gk = gk0 + tb * KPT;
+    const unsigned char* gv = gv0 + tb * VPT;
 #pragma unroll
-    for (int c = lane; c < 16 * KPT / CHUNK; c += 32) cp_async<CHUNK>(st + c * CHUNK, gk + c * CHUNK);
+    for (int c = 0; c < (16 * KPT / CHUNK + 31) / 32; ++c)
+      if (lane + 32 * c < 16 * KPT / CHUNK) cp_async_s<CHUNK>(st + 32 * c * CHUNK, gk + 32 * c * CHUNK);
 #pragma unroll
-    for (int c = lane; c < 16 * VPT / CHUNK; c += 32) cp_async<CHUNK>(st + 16 * KPT + c * CHUNK, gv + c * CHUNK);
+    for (int c = 0; c < (16 * VPT / CHUNK + 31) / 32; ++c)
+      if (lane + 32 * c < 16 * VPT / CHUNK) cp_async_s<CHUNK>(st + 16 * KPT + 32 * c * CHUNK, gv + 32 * c * CHUNK);
     if constexpr (NVEC) {  // norms: 4-byte pieces (tb is even)
-      const unsigned char* gkn = reinterpret_cast<const unsigned char*>(p.kn) + (knoff + tb) * KNB;
-      const unsigned char* gvn = reinterpret_cast<const unsigned char*>(p.vn) + (vnoff + tb) * VNB;
-      if (lane < 4 * KNB) cp_async<4>(st + 16 * (KPT + VPT) + 4 * lane, gkn + 4 * lane);
-      if (lane < 4 * VNB) cp_async<4>(st + 16 * (KPT + VPT + KNB) + 4 * lane, gvn + 4 * lane);
+      const u32 nst = ndst0 + stage * TILE_BYTES;
+      if (lane < 4 * KNB) cp_async_s<4>(nst, gkn0 + tb * KNB);
+      if (lane < 4 * VNB) cp_async_s<4>(nst + 16 * KNB, gvn0 + tb * VNB);
     }
   };
 
@@ -407,10 +445,9 @@ __device__ __forceinline__ void packed_part(const Params& p, unsigned char* smem
     if constexpr (NVEC) {
       const unsigned char* sn = st + 16 * (KPT + VPT);
 #pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        const int row = 2 * l4 + (j & 1) + 8 * (j >> 1);
-        kn[j] = load_norm(sn, row, KN_F32);
-        vn[j] = load_norm(sn + 16 * KNB, row, VN_F32);
+      for (int h2 = 0; h2 < 2; ++h2) {  // rows 2 l4 + 8 h2 and the next one: one load each
+        load_pair<KN_F32>(sn, 2 * l4 + 8 * h2, kn[2 * h2], kn[2 * h2 + 1]);
+        load_pair<VN_F32>(sn + 16 * KNB, 2 * l4 + 8 * h2, vn[2 * h2], vn[2 * h2 + 1]);
       }
     } else {
       load_norm_pair<KN_F32>(p.kn, knoff + t0, kn[0], kn[1]);
@@ -425,8 +462,8 @@ __device__ __forceinline__ void packed_part(const Params& p, unsigned char* smem
       s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.0f;
 #pragma unroll
       for (int ks = 0; ks < KS; ++ks) {
-        const u32 b0 = lds(pair_offset<KB, LOGKR>(kw[n], 2 * ks, klane));
-        const u32 b1 = lds(pair_offset<KB, LOGKR>(kw[n], 2 * ks + 1, klane));
+        const u32 b0 = lds(ktb + pair_offset<KB, LOGKR>(kw[n], 2 * ks, klane));
+        const u32 b1 = lds(ktb + pair_offset<KB, LOGKR>(kw[n], 2 * ks + 1, klane));
         mma(s[n], qa[ks][0], qa[ks][1], qa[ks][2], qa[ks][3], b0, b1);
       }
     }
@@ -438,10 +475,8 @@ __device__ __forceinline__ void packed_part(const Params& p, unsigned char* smem
     const int lo = max(t, start);
     bool tok_ok[4];
 #pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      const int tok = t0 + (j & 1) + 8 * (j >> 1);
-      tok_ok[j] = tok >= lo && tok < end;
-    }
+    for (int j = 0; j < 4; ++j)  // lo <= tok < end, one unsigned compare
+      tok_ok[j] = static_cast<u32>(t0 + (j & 1) + 8 * (j >> 1) - lo) < static_cast<u32>(end - lo);
     float alpha[NMROWS];
     u32 pb[NMROWS][2];
 #pragma unroll
@@ -495,7 +530,7 @@ __device__ __forceinline__ void packed_part(const Params& p, unsigned char* smem
     for (int mt = 0; mt < KS; ++mt) {
       u32 L[4];
 #pragma unroll
-      for (int j = 0; j < 4; ++j) L[j] = lds(pair_offset<VB, LOGVR>(vw[j], mt, vlane));
+      for (int j = 0; j < 4; ++j) L[j] = lds(vtb + pair_offset<VB, LOGVR>(vw[j], mt, vlane));
       const u32 a0 = prmt(L[0], L[1], 0x5410), a1 = prmt(L[0], L[1], 0x7632);
       const u32 a2 = prmt(L[2], L[3], 0x5410), a3 = prmt(L[2], L[3], 0x7632);
 #pragma unroll
