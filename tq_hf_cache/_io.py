@@ -105,8 +105,9 @@ _SAFETENSORS_DTYPES = {"BOOL": "bool", "U8": "uint8", "I8": "int8", "I16": "int1
 
 
 def parse_safetensors(data, where: str, device=None) -> dict:
-    """The tensors of a safetensors file's bytes (`map_file`), each copied once: to `device`, or into its own CPU
-    memory. A malformed file is a ValueError naming `where` and what is wrong."""
+    """The tensors of a safetensors file's bytes (`map_file`), copied once: the data region in one copy (to `device`,
+    or into CPU memory of its own), the tensors views of it (a tensor whose offset does not suit its dtype gets a
+    copy of its own). A malformed file is a ValueError naming `where` and what is wrong."""
     import json
 
     import torch
@@ -124,6 +125,7 @@ def parse_safetensors(data, where: str, device=None) -> dict:
     if not isinstance(header, dict):
         raise ValueError(f"{where}: the safetensors header is not a JSON object")
     base, size, out = 8 + n, len(view) - 8 - n, {}
+    region = None
     for name, entry in header.items():
         if name == "__metadata__":
             continue
@@ -142,9 +144,17 @@ def parse_safetensors(data, where: str, device=None) -> dict:
         if not ok:
             raise ValueError(f"{where}: the safetensors entry of tensor {name!r} is malformed: {entry!r}")
         nbytes = offsets[1] - offsets[0]
-        raw = (torch.frombuffer(data, dtype=torch.uint8, count=nbytes, offset=base + offsets[0]) if nbytes
-               else torch.empty(0, dtype=torch.uint8))
-        raw = raw.to(device) if device is not None else raw.clone()
+        if nbytes == 0:
+            out[name] = torch.empty(shape, dtype=dtype, device=device)
+            continue
+        if offsets[0] % dtype.itemsize:  # (views need aligned offsets)
+            raw = torch.frombuffer(data, dtype=torch.uint8, count=nbytes, offset=base + offsets[0])
+            raw = raw.to(device) if device is not None else raw.clone()
+        else:
+            if region is None:  # every tensor is checked against `size` above: one copy of the whole region
+                region = torch.frombuffer(data, dtype=torch.uint8, count=size, offset=base)
+                region = region.to(device) if device is not None else region.clone()
+            raw = region[offsets[0]: offsets[1]]
         out[name] = raw.view(dtype).view(shape)
     return out
 
