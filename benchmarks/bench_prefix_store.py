@@ -13,6 +13,13 @@ the store's hit rate and tokens reused, and the bytes a stored token takes in `s
 prompts alone, inserted once into each). Writes bench_prefix_store.json and .png into --out.
 
     python benchmarks/bench_prefix_store.py --out benchmarks/results        # embedded SmolLM2, CPU
+    python benchmarks/bench_prefix_store.py --model llama-3.1-8b --users 16 --prompts 4 --prompt-tokens 2048 \
+        --doc-tokens 8192,16384 --turns 2 --out DIR                           # random bf16 weights, one GPU
+
+With --model llama-3.1-8b the model has the Llama-3.1-8B shape and random bf16 weights (nothing is downloaded), the
+prompts are random token ids (system prompts of --prompt-tokens, documents of the --doc-tokens lengths in turn,
+16-token questions) and the first generated token is the answer carried into the next turn; the stores keep their
+pages in GPU memory, then pinned CPU memory.
 """
 
 from __future__ import annotations
@@ -35,7 +42,8 @@ from tq_hf_cache import TurboQuantCache, cache_kwargs  # noqa: E402
 from tq_hf_cache.prefix_store import PrefixStore  # noqa: E402
 from tq_hf_cache.texts import package_text  # noqa: E402
 
-QUESTIONS = ["What is this document about?", "Name one term it defines.", "Summarize it in five words."]
+QUESTIONS = ["What is this document about?", "Name one term it defines.", "Summarize it in five words.",
+             "Which part matters most?"]
 
 
 def template(tok, system: str, turns: list[tuple[str, str | None]]) -> torch.Tensor:
@@ -45,6 +53,51 @@ def template(tok, system: str, turns: list[tuple[str, str | None]]) -> torch.Ten
         if answer is not None:
             msgs.append({"role": "assistant", "content": answer})
     return tok.apply_chat_template(msgs, add_generation_prompt=True, return_tensors="pt", return_dict=True)["input_ids"]
+
+
+def random_llama(a):
+    """The Llama-3.1-8B shape with random bf16 weights on the GPU, and the workload's prompts as random token ids:
+    (model, prompt_of(user, turn, history) -> (ids, turns), the system prompts' ids, a label)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                      num_attention_heads=32, num_key_value_heads=8, head_dim=128, max_position_embeddings=1 << 17,
+                      rope_theta=500000.0)
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = LlamaForCausalLM(cfg).to(torch.bfloat16).eval()
+    model.set_attn_implementation("turboquant")  # the caches' own attention; DynamicCache falls back to sdpa
+    g = torch.Generator().manual_seed(1)
+    ids = lambda n: torch.randint(0, cfg.vocab_size, (n,), generator=g)  # noqa: E731
+    systems = [ids(a.prompt_tokens) for _ in range(a.prompts)]
+    lengths = [int(x) for x in a.doc_tokens.split(",")]
+    docs = [ids(lengths[u % len(lengths)]) for u in range(a.users)]
+    questions = [ids(16) for _ in range(len(QUESTIONS))]
+
+    def prompt_of(u, turn, history):
+        turns = history + [(torch.cat([docs[u], questions[0]]) if turn == 0 else questions[turn], None)]
+        parts = [systems[u % a.prompts]]
+        for q, answer in turns:
+            parts.append(q)
+            if answer is not None:
+                parts.append(torch.tensor([answer]))
+        return torch.cat(parts)[None].to("cuda"), turns
+
+    label = f"Llama-3.1-8B shape, random bf16 weights ({torch.cuda.get_device_name()})"
+    return model, prompt_of, [x[None].to("cuda") for x in systems], label
+
+
+def replay(model, cache, ids, ops) -> int:
+    """The first token of `ids` from a new cache that runs `ops` (forwards over token ranges, generate steps): the
+    computations a store's restored cache holds, in its chunks."""
+    token = None
+    for op in ops:
+        if op[0] == "model":
+            with torch.no_grad():
+                model(ids[:, op[1]:op[2]], **cache_kwargs(model, cache))
+        else:
+            token = first_token(model, cache, ids[:, :op[1]])
+    return token
 
 
 def first_token(model, cache, ids) -> int:
@@ -62,22 +115,38 @@ def main(argv=None) -> int:
     p.add_argument("--doc-chars", type=int, default=1200)
     p.add_argument("--turns", type=int, default=3, choices=range(1, len(QUESTIONS) + 1))
     p.add_argument("--page-tokens", type=int, default=64)
+    p.add_argument("--model", default="smollm2", choices=["smollm2", "llama-3.1-8b"])
+    p.add_argument("--prompt-tokens", type=int, default=2048, help="with --model llama-3.1-8b")
+    p.add_argument("--doc-tokens", default="8192,16384", help="with --model llama-3.1-8b: lengths, in turn per user")
+    p.add_argument("--gpu-bytes", type=int, default=16 << 30, help="with --model llama-3.1-8b: the stores' GPU tier")
     p.add_argument("--out", default=".")
     a = p.parse_args(argv)
 
-    from tq_hf_cache.models import load_smollm2
+    gpu = a.model != "smollm2"
+    if gpu:
+        model, prompt_of, system_ids, label = random_llama(a)
+        dev = model.device
+        tiers = dict(gpu_bytes=a.gpu_bytes, cpu_bytes=1 << 36, device=dev)
+    else:
+        from tq_hf_cache.models import load_smollm2
 
-    model, tok = load_smollm2()
+        model, tok = load_smollm2()
+        systems = [f"You answer from the manual below.\n\n{package_text(a.prompt_chars, start=200 * s)}"
+                   for s in range(a.prompts)]
+        docs = [package_text(a.doc_chars, start=600 + 20 * u) for u in range(a.users)]
+        system_ids = [tok.apply_chat_template([{"role": "system", "content": s}], return_tensors="pt",
+                                              return_dict=True)["input_ids"] for s in systems]
+
+        def prompt_of(u, turn, history):
+            turns = history + [(f"{docs[u]}\n\n{QUESTIONS[turn]}" if turn == 0 else QUESTIONS[turn], None)]
+            return template(tok, systems[u % a.prompts], turns), turns
+
+        label, tiers = "SmolLM2-135M-Instruct (fp32, CPU)", dict(cpu_bytes=1 << 33)
     cfg = model.config
-    systems = [f"You answer from the manual below.\n\n{package_text(a.prompt_chars, start=200 * s)}"
-               for s in range(a.prompts)]
-    docs = [package_text(a.doc_chars, start=600 + 20 * u) for u in range(a.users)]
-    system_ids = [tok.apply_chat_template([{"role": "system", "content": s}], return_tensors="pt",
-                                          return_dict=True)["input_ids"] for s in systems]
     all_layers = list(range(cfg.num_hidden_layers))
-    stores = {"store": PrefixStore(config=cfg, page_tokens=a.page_tokens, cpu_bytes=1 << 33, model=model),
-              "store_fp": PrefixStore(config=cfg, page_tokens=a.page_tokens, cpu_bytes=1 << 33, model=model,
-                                      skip_layers=all_layers)}
+    stores = {"store": PrefixStore(config=cfg, page_tokens=a.page_tokens, model=model, **tiers),
+              "store_fp": PrefixStore(config=cfg, page_tokens=a.page_tokens, model=model, skip_layers=all_layers,
+                                      **tiers)}
     base = {}
     for name, store in stores.items():
         kw = {"skip_layers": all_layers} if name == "store_fp" else {}
@@ -97,13 +166,19 @@ def main(argv=None) -> int:
 
     ttft = {m: [] for m in ("none", "deepcopy", "store", "store_fp")}
     agree = {m: 0 for m in ttft}
+    insert_s = {m: [] for m in stores}
+    # exactness: each store request's first token against a new cache that ran the same computations in the same
+    # chunks (its restored snapshot's history, then this request's): ("model", a, b) a forward over tokens [a, b),
+    # ("gen", b) generate's step on tokens [:b]; per user, the history of its last snapshot
+    same = {m: 0 for m in stores}
+    snap = {m: {} for m in stores}
+    sys_ops = [[("model", 0, int(x.shape[1]))] for x in system_ids]
     history: dict[int, list] = {u: [] for u in range(a.users)}
     for turn in range(a.turns):
         for u in range(a.users):
             s = u % a.prompts
-            turns = history[u] + [(f"{docs[u]}\n\n{QUESTIONS[turn]}" if turn == 0 else QUESTIONS[turn], None)]
-            ids = template(tok, systems[s], turns)
-            got = {}
+            ids, turns = prompt_of(u, turn, history[u])
+            got, ops = {}, {}
             for mode in ttft:  # the modes in turns, request by request: drift on the host hits them alike
                 t = time.perf_counter()
                 if mode == "none":
@@ -116,23 +191,45 @@ def main(argv=None) -> int:
                     with torch.no_grad():
                         if ids.shape[1] - 1 > n:
                             model(ids[:, n:-1], **cache_kwargs(model, cache))
-                    store.insert(ids[:, :-1], cache)
                     got[mode] = first_token(model, cache, ids)
+                    if gpu:
+                        torch.cuda.synchronize()
+                    ttft[mode].append(time.perf_counter() - t)
+                    t = time.perf_counter()
+                    store.insert(ids, cache)  # after the answer's first token: it does not delay it
+                    if gpu:
+                        torch.cuda.synchronize()  # (its page copies: not into the next mode's time)
+                    insert_s[mode].append(time.perf_counter() - t)
+                    prev = snap[mode].get(u)
+                    before = prev[1] if prev is not None and prev[0] == n else sys_ops[s] if n == sys_ops[s][0][2] \
+                        else None
+                    L = int(ids.shape[1])
+                    ops[mode] = None if before is None else (
+                        before + ([("model", n, L - 1)] if L - 1 > n else []) + [("gen", L)])
+                    snap[mode][u] = (L, ops[mode])
+                    continue
+                if gpu:
+                    torch.cuda.synchronize()
                 ttft[mode].append(time.perf_counter() - t)
             for mode in ttft:
                 agree[mode] += got[mode] == got["none"]
-            answer = tok.decode([got["none"]], skip_special_tokens=True)
+            for mode in stores:
+                if ops[mode] is not None:
+                    kw = {"skip_layers": all_layers} if mode == "store_fp" else {}
+                    same[mode] += got[mode] == replay(model, TurboQuantCache(config=cfg, **kw), ids, ops[mode])
+            answer = got["none"] if gpu else tok.decode([got["none"]], skip_special_tokens=True)
             history[u] = turns[:-1] + [(turns[-1][0], answer)]
 
     def pct(v, q):
         v = sorted(v)
         return v[min(len(v) - 1, int(q * len(v)))]
 
-    res = {"model": "SmolLM2-135M-Instruct (fp32, CPU)", "threads": torch.get_num_threads(), "users": a.users,
+    res = {"model": label, "threads": torch.get_num_threads(), "users": a.users,
            "prompts": a.prompts, "turns": a.turns, "page_tokens": a.page_tokens, "requests": a.users * a.turns,
            "ttft_s": {m: {"median": round(statistics.median(v), 4), "p90": round(pct(v, 0.9), 4),
                           "all": [round(x, 4) for x in v]} for m, v in ttft.items()},
-           "first_token_same_as_none": agree, "stores": {}}
+           "first_token_same_as_none": agree, "first_token_same_as_the_same_chunks": same,
+           "insert_s_median": {m: round(statistics.median(v), 4) for m, v in insert_s.items()}, "stores": {}}
     for name, store in stores.items():
         st = store.stats()
         held = sum(st["bytes"])

@@ -31,11 +31,12 @@ gpu = pytest.mark.skipif(not CUDA, reason="needs CUDA")
 # sm_90 by NVRTC 12.9. What a 16-token step costs: per code pair a shift and a LOP3 (the pair's bits and the lane's
 # table copy; the table base rides in the LDS) and an LDS (64); the codes and norms read from the warp's cp.async ring
 # (16-29 LDS); a PRMT per value register (32); 24 HMMA; 32 FMUL of the rescale, which runs only when a running max
-# moves; about 20 instructions to issue the next tile's copies. The loop is bound by instruction issue and the ALU
-# pipe (ncu at 1 x 128k: ALU 52 % of cycles, issue slots 50 %, shared-memory wavefronts not the limit): the counts
-# are the cost model. The issue's aim, 2 thread-instructions per K/V element (512 a tile at head dim 128), is not
-# met (840-894 today: the shift per code pair, the codes' trip through shared memory and the softmax's per-step
-# cost); each budget is today's count + 5 %.
+# moves; about 20 instructions to issue the next tile's copies. ncu at 1 x 128k: ALU pipe 52 % of cycles, issue
+# slots 50 %; cutting 6 % of the count gained 6-9 %, cutting 8-15 % more (byte-addressed 4-bit tables) gained 0-4 %:
+# past this point a warp's dependent chain per tile, not the count, sets the time (docs/performance.md). The issue's
+# aim, 2 thread-instructions per K/V element (512 a tile at head dim 128), is not met (840-894 today: the shift per
+# code pair, the codes' trip through shared memory and the softmax's per-step cost); each budget is today's count
+# + 5 %.
 SASS_BUDGET = {(5, 3): 938, (4, 4): 884, (4, 2): 882, (2, 2): 882, (3, 3): 930}
 
 

@@ -39,11 +39,14 @@ def test_parse_safetensors_reads_what_safetensors_wrote(tmp_path):
     for k, v in tensors.items():
         assert got[k].dtype == v.dtype and got[k].shape == v.shape, f"{k} (seed {seed})"
         torch.testing.assert_close(got[k], v, rtol=0, atol=0, msg=f"tensor {k} (seed {seed})")
-    got["a"].fill_(7)  # the tensors share one copied region: writing one leaves the others (and the file) alone
+    got["a"].fill_(7)  # each tensor is a copy of its own: writing one leaves the others (and the file) alone
     for k, v in tensors.items():
         if k != "a":
             torch.testing.assert_close(got[k], v, rtol=0, atol=0, msg=f"tensor {k} after a write to 'a' (seed {seed})")
     assert _io.parse_safetensors(_io.map_file(str(path)), str(path))["a"].equal(tensors["a"]), f"seed {seed}"
+    views = _io.parse_safetensors(_io.map_file(str(path)), str(path), copy=False)  # what PrefixStore.match reads
+    for k, v in tensors.items():
+        torch.testing.assert_close(views[k], v, rtol=0, atol=0, msg=f"view of tensor {k} (seed {seed})")
 
 
 @pytest.mark.parametrize("mutate, message", [

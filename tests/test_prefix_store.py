@@ -148,7 +148,19 @@ def test_pages_move_to_disk_come_back_exact_and_a_changed_file_is_refused(tmp_pa
     assert store.stats()["pages"][1] > 0 and glob.glob(str(tmp_path / "*.safetensors"))
     got, n = store.match(x)
     assert n == 64
+    # the restored cache owns its tensors (disk pages are read as views of their files, then copied out): files
+    # overwritten in place after the match do not reach it
+    kept = copy.deepcopy(got)
+    for path in glob.glob(str(tmp_path / "*.safetensors")):
+        with open(path, "r+b") as f:
+            size = f.seek(0, 2)
+            f.seek(0)
+            f.write(bytes(size))
     assert all(torch.equal(a, b) for a, b in zip(steps(model, got, x, 64), steps(model, copy.deepcopy(cache), x, 64)))
+    assert all(torch.equal(a, b) for a, b in zip(steps(model, kept, x, 64), steps(model, copy.deepcopy(cache), x, 64)))
+    store = PrefixStore(config=cfg, page_tokens=8, residual_length=8, cpu_bytes=4096, disk_dir=str(tmp_path),
+                        disk_bytes=1 << 30)
+    store.insert(x[:, :64], cache)
     path = sorted(glob.glob(str(tmp_path / "*.safetensors")))[0]
     raw = bytearray(open(path, "rb").read())
     raw[-1] ^= 1

@@ -104,10 +104,10 @@ _SAFETENSORS_DTYPES = {"BOOL": "bool", "U8": "uint8", "I8": "int8", "I16": "int1
                        "F16": "float16", "BF16": "bfloat16", "F32": "float32", "F64": "float64"}
 
 
-def parse_safetensors(data, where: str, device=None) -> dict:
-    """The tensors of a safetensors file's bytes (`map_file`), copied once: the data region in one copy (to `device`,
-    or into CPU memory of its own), the tensors views of it (a tensor whose offset does not suit its dtype gets a
-    copy of its own). A malformed file is a ValueError naming `where` and what is wrong."""
+def parse_safetensors(data, where: str, device=None, copy: bool = True) -> dict:
+    """The tensors of a safetensors file's bytes (`map_file`), each copied once: to `device`, or into its own CPU
+    memory. `copy=False` (CPU only): views of `data` itself (a copy where a tensor's offset does not suit its dtype),
+    for a caller that copies them out at once. A malformed file is a ValueError naming `where` and what is wrong."""
     import json
 
     import torch
@@ -125,7 +125,6 @@ def parse_safetensors(data, where: str, device=None) -> dict:
     if not isinstance(header, dict):
         raise ValueError(f"{where}: the safetensors header is not a JSON object")
     base, size, out = 8 + n, len(view) - 8 - n, {}
-    region = None
     for name, entry in header.items():
         if name == "__metadata__":
             continue
@@ -144,17 +143,12 @@ def parse_safetensors(data, where: str, device=None) -> dict:
         if not ok:
             raise ValueError(f"{where}: the safetensors entry of tensor {name!r} is malformed: {entry!r}")
         nbytes = offsets[1] - offsets[0]
-        if nbytes == 0:
-            out[name] = torch.empty(shape, dtype=dtype, device=device)
-            continue
-        if offsets[0] % dtype.itemsize:  # (views need aligned offsets)
-            raw = torch.frombuffer(data, dtype=torch.uint8, count=nbytes, offset=base + offsets[0])
-            raw = raw.to(device) if device is not None else raw.clone()
-        else:
-            if region is None:  # every tensor is checked against `size` above: one copy of the whole region
-                region = torch.frombuffer(data, dtype=torch.uint8, count=size, offset=base)
-                region = region.to(device) if device is not None else region.clone()
-            raw = region[offsets[0]: offsets[1]]
+        raw = (torch.frombuffer(data, dtype=torch.uint8, count=nbytes, offset=base + offsets[0]) if nbytes
+               else torch.empty(0, dtype=torch.uint8))
+        if device is not None:
+            raw = raw.to(device)
+        elif copy or (base + offsets[0]) % dtype.itemsize:  # (a view of the file needs an aligned offset)
+            raw = raw.clone()
         out[name] = raw.view(dtype).view(shape)
     return out
 

@@ -182,7 +182,7 @@ class PrefixStore:
             self.index.pin(keys)
             try:  # disk pages are read and checked on threads (file reads and hashing release the GIL)
                 with ThreadPoolExecutor(max(1, min(16, os.cpu_count() or 1))) as pool:
-                    loaded = dict(zip(keys, pool.map(self._load, keys)))
+                    loaded = dict(zip(keys, pool.map(lambda k: self._load(k, copy=False), keys)))
             finally:
                 self.index.unpin(keys)
             self._counts["hits"] += len(rows)
@@ -243,8 +243,9 @@ class PrefixStore:
         self._on_disk[key] = (_io.sha256_bytes(blob), meta)
         return path
 
-    def _load(self, key: str) -> dict:
-        """A page's payload in memory (read once, checked and parsed when it is on disk)."""
+    def _load(self, key: str, copy: bool = True) -> dict:
+        """A page's payload in memory (read once, checked and parsed when it is on disk); `copy=False`: a disk
+        page's tensors are views of its file's mapping, for `_restore`, which copies them out once, joined."""
         held = self._held[key]
         if not isinstance(held, str):
             return held
@@ -252,7 +253,7 @@ class PrefixStore:
         digest, meta = self._on_disk[key]
         if _io.sha256_bytes(data) != digest:
             raise ValueError(f"{held}: the page file differs from the one this store wrote (changed or replaced)")
-        return _unflatten(_io.parse_safetensors(data, held), meta)
+        return _unflatten(_io.parse_safetensors(data, held, copy=copy), meta)
 
     def _forget(self, key: str) -> None:
         held = self._held.pop(key, None)

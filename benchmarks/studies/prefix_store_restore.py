@@ -8,7 +8,7 @@ $OUT/prefix_store_restore_h100.json.
 
     python benchmarks/studies/prefix_store_restore.py [tokens]
 """
-import hashlib, time, json, os, sys, tempfile, statistics, torch
+import functools, hashlib, time, json, os, sys, tempfile, statistics, torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
 from transformers import LlamaConfig
 from tq_hf_cache import TurboQuantCache, cache_kwargs
@@ -51,7 +51,7 @@ for name, kw in stores.items():
         phases["read_and_hash_16_threads_s"] = time.perf_counter() - t
         t = time.perf_counter()
         with ThreadPoolExecutor(16) as pool:
-            loaded = list(pool.map(store._load, list(store._held)))
+            loaded = list(pool.map(functools.partial(store._load, copy=False), list(store._held)))  # as match
         phases["load_pages_16_threads_s"] = time.perf_counter() - t
         flat = [x for page in loaded for x in page.get("tensors", page).values() if torch.is_tensor(x)]
         t = time.perf_counter()

@@ -11,6 +11,7 @@ do not take) it does everything, with one warning naming why when the reason is 
 from __future__ import annotations
 
 import ctypes
+import functools
 import os
 import warnings
 import weakref
@@ -190,6 +191,7 @@ def tile_bytes(d: int, kb: int, vb: int, kn_f32: bool, vn_f32: bool) -> int:
     return -(-16 * (d * kb // 8 + d * vb // 8 + (4 if kn_f32 else 2) + (4 if vn_f32 else 2)) // 16) * 16
 
 
+@functools.cache  # (asked on every decode call)
 def layout(d: int, kb: int, vb: int, kn_f32: bool, vn_f32: bool, nq: int,
            capability: tuple[int, int]) -> tuple[int, int, int]:
     """(STAGES, KR, VR): the ring depth and the copies of each pair table that fit the shared memory of

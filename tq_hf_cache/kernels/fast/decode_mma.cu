@@ -395,7 +395,7 @@ __device__ __forceinline__ void packed_part(const Params& p, unsigned char* smem
                         static_cast<i64>(rr % p.nq) * p.smi) * p.mask_elt;
   }
 
-  // this lane's copy of each table, as a shared address: a code pair's bits OR into it
+  // this lane's copy of each table, as a byte offset in it: a code pair's bits OR into it, the table's base is added
   const u32 klane = static_cast<u32>(lane & (KR - 1)) << 2;
   const u32 vlane = static_cast<u32>(lane & (VR - 1)) << 2;
 
