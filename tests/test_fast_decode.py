@@ -217,6 +217,7 @@ GPU_CASES = [
     (4, 4, 256, 4, 2, 1500, 3, torch.float16, "bool", 2, True),
     (3, 2, 256, 8, 1, 700, 0, torch.bfloat16, "additive", 0, False),
     (5, 5, 128, 16, 1, 999, 4, torch.float16, None, 0, False),
+    (5, 5, 128, 4, 1, 1500, 6, torch.bfloat16, None, 2, False),  # fewer than 4 table copies: the scalar table fill
     (4, 3, 64, 5, 3, 16, 2, torch.float16, None, 0, False),
     (4, 4, 128, 4, 1, 17, 2, torch.bfloat16, "bool", 17, False),  # every packed token a sink but 0
 ]
