@@ -58,11 +58,11 @@ def template(tok, system: str, turns: list[tuple[str, str | None]]) -> torch.Ten
 def random_llama(a):
     """The Llama-3.1-8B shape with random bf16 weights on the GPU, and the workload's prompts as random token ids:
     (model, prompt_of(user, turn, history) -> (ids, turns), the system prompts' ids, a label)."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaForCausalLM
 
-    cfg = LlamaConfig(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
-                      num_attention_heads=32, num_key_value_heads=8, head_dim=128, max_position_embeddings=1 << 17,
-                      rope_theta=500000.0)
+    from tq_hf_cache.bench import llama_8b_config
+
+    cfg = llama_8b_config(32, max_position_embeddings=1 << 17)
     torch.manual_seed(0)
     with torch.device("cuda"):
         model = LlamaForCausalLM(cfg).to(torch.bfloat16).eval()

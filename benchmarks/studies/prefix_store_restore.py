@@ -10,18 +10,17 @@ $OUT/prefix_store_restore_h100.json.
 """
 import functools, hashlib, time, json, os, sys, tempfile, statistics, torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
-from transformers import LlamaConfig
 from tq_hf_cache import TurboQuantCache, cache_kwargs
+from tq_hf_cache.bench import llama_8b_config
 from tq_hf_cache.prefix_store import PrefixStore
-cfg = LlamaConfig(num_hidden_layers=32, hidden_size=4096, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
-                  intermediate_size=14336, vocab_size=128256, max_position_embeddings=131072)
+cfg = llama_8b_config(32, max_position_embeddings=131072)
 T = int(sys.argv[1]) if len(sys.argv) > 1 else 32768
 g = torch.Generator("cuda").manual_seed(0)
 cache = TurboQuantCache(config=cfg)
 for i in range(32):
     k = torch.randn(1, 8, T, 128, device="cuda", dtype=torch.bfloat16, generator=g)
     cache.update(k, torch.randn_like(k), i)
-ids = torch.randint(0, 128256, (T,))
+ids = torch.randint(0, cfg.vocab_size, (T,))
 res = {"tokens": T, "device": torch.cuda.get_device_name(0)}
 d = tempfile.mkdtemp()
 stores = {"gpu": dict(device="cuda", gpu_bytes=8 << 30, cpu_bytes=1 << 30),
@@ -79,7 +78,7 @@ model.set_attn_implementation("turboquant")  # the cache's own attention: the fa
 
 def prefill(n):
     c = TurboQuantCache(config=cfg)
-    x = torch.randint(0, 128256, (1, n), device="cuda")
+    x = torch.randint(0, cfg.vocab_size, (1, n), device="cuda")
     torch.cuda.synchronize()
     t = time.perf_counter()
     with torch.no_grad():
