@@ -132,10 +132,12 @@ class PrefixStore:
             paged = {n for n in tensors if n.endswith(_PAGED) and n.startswith(tuple(f"layers.{i}." for i in tq))}
             quantized = [infos[i]["quantized"] for i in tq]
         m = (min(quantized) if quantized else 0) // self.page_tokens
-        return sum(self._insert_row(ids, {k: v[r: r + 1] for k, v in tensors.items()}, infos, paged, m)
+        layout = hashlib.sha256(json.dumps(infos, sort_keys=True, default=str).encode()).hexdigest()  # the rows'
+        return sum(self._insert_row(ids, {k: v[r: r + 1] for k, v in tensors.items()}, infos, layout, paged, m)
                    for r, ids in enumerate(rows))
 
-    def _insert_row(self, ids: torch.Tensor, tensors: dict, infos: list[dict], paged: set, m: int) -> int:
+    def _insert_row(self, ids: torch.Tensor, tensors: dict, infos: list[dict], layout: str, paged: set,
+                    m: int) -> int:
         P = self.page_tokens
         tkeys = page_keys(ids[: m * P], P, self.namespace)
         mu = _means_digest(tensors)
@@ -150,7 +152,6 @@ class PrefixStore:
             self._apply(actions, payloads)
             if snap_key in self._held:
                 parent = tkeys[-1] if tkeys else _ROOT
-                layout = hashlib.sha256(json.dumps(infos, sort_keys=True, default=str).encode()).hexdigest()
                 self._ends.setdefault(parent, {})[snap_key] = (ids.numel(), mu, layout)
                 self._parent_of[snap_key] = parent
             return sum(a.kind == "store" and a.key != snap_key for a in actions)

@@ -200,16 +200,7 @@ __device__ __forceinline__ float mask_value(const unsigned char* m, i64 off) {  
 #define CHUNK ((VEC >= 16 && KPT % 16 == 0 && VPT % 16 == 0) ? 16 : (VEC >= 8 && KPT % 8 == 0 && VPT % 8 == 0) ? 8 : 4)
 
 template <int N>
-__device__ __forceinline__ void cp_async(void* dst, const void* src) {
-  const u32 d = static_cast<u32>(__cvta_generic_to_shared(dst));
-  if constexpr (N == 16) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(d), "l"(src));
-  } else {
-    asm volatile("cp.async.ca.shared.global [%0], [%1], %2;" ::"r"(d), "l"(src), "n"(N));
-  }
-}
-template <int N>
-__device__ __forceinline__ void cp_async_s(u32 d, const void* src) {  // d: a shared address
+__device__ __forceinline__ void cp_async(u32 d, const void* src) {  // d: a shared address
   if constexpr (N == 16) {
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(d), "l"(src));
   } else {
@@ -242,21 +233,6 @@ __device__ __forceinline__ void load_pair(const unsigned char* base, int i, floa
   }
 }
 
-template <bool F32>
-__device__ __forceinline__ void load_norm_pair(const void* base, i64 i, float& a, float& b) {
-  if constexpr (NVEC) {
-    if constexpr (F32) {
-      const float2 v = *reinterpret_cast<const float2*>(reinterpret_cast<const float*>(base) + i);
-      a = v.x; b = v.y;
-    } else {
-      const u32 v = *reinterpret_cast<const u32*>(reinterpret_cast<const u16*>(base) + i);
-      a = h2f(static_cast<u16>(v & 0xffff)); b = h2f(static_cast<u16>(v >> 16));
-    }
-  } else {
-    a = load_norm(base, i, F32);
-    b = load_norm(base, i + 1, F32);
-  }
-}
 
 // R copies of each of N table entries (copy c of entry e at word e R + c), 16 bytes a store where R >= 4
 template <int N, int R, int LOGR>
@@ -424,14 +400,14 @@ __device__ __forceinline__ void packed_part(const Params& p, unsigned char* smem
     const unsigned char* gv = gv0 + tb * VPT;
 #pragma unroll
     for (int c = 0; c < (16 * KPT / CHUNK + 31) / 32; ++c)
-      if (lane + 32 * c < 16 * KPT / CHUNK) cp_async_s<CHUNK>(st + 32 * c * CHUNK, gk + 32 * c * CHUNK);
+      if (lane + 32 * c < 16 * KPT / CHUNK) cp_async<CHUNK>(st + 32 * c * CHUNK, gk + 32 * c * CHUNK);
 #pragma unroll
     for (int c = 0; c < (16 * VPT / CHUNK + 31) / 32; ++c)
-      if (lane + 32 * c < 16 * VPT / CHUNK) cp_async_s<CHUNK>(st + 16 * KPT + 32 * c * CHUNK, gv + 32 * c * CHUNK);
+      if (lane + 32 * c < 16 * VPT / CHUNK) cp_async<CHUNK>(st + 16 * KPT + 32 * c * CHUNK, gv + 32 * c * CHUNK);
     if constexpr (NVEC) {  // norms: 4-byte pieces (tb is even)
       const u32 nst = ndst0 + stage * TILE_BYTES;
-      if (lane < 4 * KNB) cp_async_s<4>(nst, gkn0 + tb * KNB);
-      if (lane < 4 * VNB) cp_async_s<4>(nst + 16 * KNB, gvn0 + tb * VNB);
+      if (lane < 4 * KNB) cp_async<4>(nst, gkn0 + tb * KNB);
+      if (lane < 4 * VNB) cp_async<4>(nst + 16 * KNB, gvn0 + tb * VNB);
     }
   };
 
@@ -450,10 +426,12 @@ __device__ __forceinline__ void packed_part(const Params& p, unsigned char* smem
         load_pair<VN_F32>(sn + 16 * KNB, 2 * l4 + 8 * h2, vn[2 * h2], vn[2 * h2 + 1]);
       }
     } else {
-      load_norm_pair<KN_F32>(p.kn, knoff + t0, kn[0], kn[1]);
-      load_norm_pair<KN_F32>(p.kn, knoff + t0 + 8, kn[2], kn[3]);
-      load_norm_pair<VN_F32>(p.vn, vnoff + t0, vn[0], vn[1]);
-      load_norm_pair<VN_F32>(p.vn, vnoff + t0 + 8, vn[2], vn[3]);
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {  // norms not in pairs (not in the ring): one load each, from global memory
+        const i64 i = t0 + (j & 1) + 8 * (j >> 1);
+        kn[j] = load_norm(p.kn, knoff + i, KN_F32);
+        vn[j] = load_norm(p.vn, vnoff + i, VN_F32);
+      }
     }
     // scores of rows tb .. tb + 15: two n-tiles of 8
     float s[2][4];
