@@ -78,10 +78,7 @@ def log(*x):
 
 
 def save_random(folder: str) -> None:
-    torch.manual_seed(0)
-    with torch.device(DEV):
-        model = transformers.LlamaForCausalLM(bench.llama_8b_config(a.layers)).to(torch.bfloat16)
-    model.save_pretrained(folder)
+    bench.random_llama_8b(a.layers, DEV).save_pretrained(folder)
     log(f"saved a random {a.layers}-layer Llama-3.1-8B-shaped checkpoint to {folder}")
 
 

@@ -58,14 +58,10 @@ def template(tok, system: str, turns: list[tuple[str, str | None]]) -> torch.Ten
 def random_llama(a):
     """The Llama-3.1-8B shape with random bf16 weights on the GPU, and the workload's prompts as random token ids:
     (model, prompt_of(user, turn, history) -> (ids, turns), the system prompts' ids, a label)."""
-    from transformers import LlamaForCausalLM
+    from tq_hf_cache.bench import random_llama_8b
 
-    from tq_hf_cache.bench import llama_8b_config
-
-    cfg = llama_8b_config(32, max_position_embeddings=1 << 17)
-    torch.manual_seed(0)
-    with torch.device("cuda"):
-        model = LlamaForCausalLM(cfg).to(torch.bfloat16).eval()
+    model = random_llama_8b(32, "cuda", max_position_embeddings=1 << 17).eval()
+    cfg = model.config
     model.set_attn_implementation("turboquant")  # the caches' own attention; DynamicCache falls back to sdpa
     g = torch.Generator().manual_seed(1)
     ids = lambda n: torch.randint(0, cfg.vocab_size, (n,), generator=g)  # noqa: E731

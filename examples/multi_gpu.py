@@ -33,12 +33,10 @@ from tq_hf_cache._compat import IS_V5  # noqa: E402
 
 def save_random(folder: str, layers: int, dtype: torch.dtype) -> None:
     """A Llama-3.1-8B-shaped checkpoint with random weights (16 GB in bf16 at 32 layers)."""
-    from tq_hf_cache.bench import llama_8b_config
+    from tq_hf_cache.bench import random_llama_8b
 
-    cfg = llama_8b_config(layers, max_position_embeddings=16384)
-    torch.manual_seed(0)
-    with torch.device("cuda" if torch.cuda.is_available() else "cpu"):  # random init of 8B weights: minutes on a CPU
-        model = transformers.LlamaForCausalLM(cfg).to(dtype)
+    model = random_llama_8b(layers, "cuda" if torch.cuda.is_available() else "cpu", dtype,
+                            max_position_embeddings=16384)
     sharpen(model)
     model.save_pretrained(folder)
     print(f"saved a random {layers}-layer Llama-3.1-8B-shaped model to {folder}")
