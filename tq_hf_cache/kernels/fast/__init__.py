@@ -1,9 +1,9 @@
-"""The explicit-layout decode kernels (`decode_mma.cu`, CUDA C++ compiled at first use by NVRTC: `jit`).
+"""The explicit-layout decode kernel (`decode_mma.cu`, CUDA C++ compiled at first use by NVRTC: `jit`).
 
-Two launches: `tq_decode_prep` rotates and scales the query rows; `tq_decode` computes the packed history's split-K
-partials on tensor cores, with the codes loaded straight into the MMA operand registers (see the source's header),
-and the exact copies' (sinks, the ring) in parallel CTAs; the last CTA of a (batch, KV head) merges the partials,
-rotates the values back once and writes the output. The Triton kernel (`..decode_attention`) computes the same function and stays the
+One launch: `tq_decode` computes the packed history's split-K partials on tensor cores, each CTA rotating the query
+itself and loading the codes straight into the MMA operand registers (see the source's header), and the exact
+copies' (sinks, the ring) in parallel CTAs; the last CTA of a (batch, KV head) merges the partials, rotates the values
+back once and writes the output. The Triton kernel (`..decode_attention`) computes the same function and stays the
 oracle and the fallback: where these kernels cannot serve (no CUDA, a GPU older than sm_80, no NVRTC, a shape they
 do not take) it does everything, with one warning naming why when the reason is the machine rather than the shape.
 """
@@ -47,7 +47,6 @@ class Params(ctypes.Structure):
     """The kernel's one by-value argument: the layout of `struct Params` in decode_mma.cu."""
 
     _fields_ = [
-        ("q", ctypes.c_void_p),
         ("kp", ctypes.c_void_p), ("skpb", ctypes.c_int64), ("skph", ctypes.c_int64),
         ("kn", ctypes.c_void_p), ("sknb", ctypes.c_int64), ("sknh", ctypes.c_int64),
         ("vp", ctypes.c_void_p), ("svpb", ctypes.c_int64), ("svph", ctypes.c_int64),
@@ -70,6 +69,7 @@ class Params(ctypes.Structure):
         ("out", ctypes.c_void_p), ("sob", ctypes.c_int64), ("son", ctypes.c_int64), ("soh", ctypes.c_int64),
         ("counters", ctypes.c_void_p),
         ("lr", ctypes.c_int32), ("ring", ctypes.c_int32), ("scale_log2", ctypes.c_float),
+        ("pif", ctypes.c_void_p),
     ]
 
 
@@ -145,15 +145,30 @@ def pair_table(codebook, heads: int, device: torch.device) -> tuple[torch.Tensor
     return table, (table.stride(0) if codebook.per_head else 0)
 
 
-_PIT: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+_PIF: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
-def _transposed(rotation, pi: torch.Tensor) -> torch.Tensor:
-    """Pi^T, contiguous, made once per rotation and device (the query rotation reads it column by column)."""
-    per = _PIT.setdefault(rotation, {})
+def pi_fragments(pi: torch.Tensor) -> torch.Tensor:
+    """Pi as fp16 pairs in the B fragment order of the kernel's query rotation (`QueryRot`): int32
+    (D / 8, 32, D / 16, 2), entry [nt, lane, kk, j] = (Pi[x, c], Pi[x, c + 1]) for output channel
+    x = (g // 2) D / 4 + 2 nt + g % 2 and input channel c = 16 kk + 2 l4 + 8 j (g, l4 = lane // 4, lane % 4): the
+    channel order that puts output n-tiles 2s, 2s + 1 in the score MMA's A registers of k-step s."""
+    d = pi.shape[0]
+    lane = torch.arange(32, device=pi.device)
+    g, l4 = lane // 4, lane % 4
+    x = (g // 2) * (d // 4) + 2 * torch.arange(d // 8, device=pi.device)[:, None] + g % 2  # (NT, 32)
+    c = (16 * torch.arange(d // 16, device=pi.device)[None, :, None, None] + 2 * l4[:, None, None, None]
+         + 8 * torch.arange(2, device=pi.device)[None, None, :, None] + torch.arange(2, device=pi.device))  # (32, KS, 2, 2)
+    f = pi.float()[x[:, :, None, None, None], c[None]].to(torch.float16)  # (NT, 32, KS, 2, 2)
+    return f.contiguous().view(torch.int32).squeeze(-1).contiguous()
+
+
+def _fragments(rotation, pi: torch.Tensor) -> torch.Tensor:
+    """`pi_fragments`, made once per rotation and device."""
+    per = _PIF.setdefault(rotation, {})
     t = per.get(pi.device)
     if t is None:
-        t = per[pi.device] = pi.t().contiguous()
+        t = per[pi.device] = pi_fragments(pi)
     return t
 
 
@@ -164,7 +179,7 @@ def prepare(rotation, k_codebook, v_codebook, heads: int, device: torch.device) 
         if cb.bits in BITS:
             pair_table(cb, heads, device)
     pi = rotation.matrix
-    _transposed(rotation, pi if pi.device == device else pi.to(device))
+    _fragments(rotation, pi if pi.device == device else pi.to(device))
 
 
 _MASK_DT = {torch.uint8: 0, torch.float16: 1, torch.bfloat16: 2, torch.float32: 3}
@@ -205,7 +220,7 @@ def layout(d: int, kb: int, vb: int, kn_f32: bool, vn_f32: bool, nq: int,
     per_cta = _SMEM_KB.get(tuple(capability), 100) * 1024 // ctas_per_sm(d, nq) - 1088  # (1 KB reserved, statics)
     best = None
     for st in stages(d):
-        room = per_cta - WARPS * st * tile_bytes(d, kb, vb, kn_f32, vn_f32)
+        room = per_cta - WARPS * st * tile_bytes(d, kb, vb, kn_f32, vn_f32) - query_bytes(d)
         for kr in _WAVEFRONTS:
             for vr in _WAVEFRONTS:
                 if table_bytes(kb, vb, kr, vr) <= room:
@@ -215,11 +230,16 @@ def layout(d: int, kb: int, vb: int, kn_f32: bool, vn_f32: bool, nq: int,
     return best[1] if best is not None else (2, 1, 1)
 
 
+def query_bytes(d: int) -> int:
+    """Shared memory of the rotated query's A fragments (D / 16 k-steps x 32 lanes x 16 bytes)."""
+    return 32 * d
+
+
 def packed_smem(df: dict[str, int]) -> int:
-    """Dynamic shared memory of the packed kernel of these defines: the warps' tile rings, then the two tables; after
-    the loop, the warps' partials (max, sum and accumulator of 8 NQ rows each)."""
+    """Dynamic shared memory of the packed kernel of these defines: the warps' tile rings, the two tables, the query's
+    fragments; after the loop, the warps' partials (max, sum and accumulator of 8 NQ rows each)."""
     tile = tile_bytes(df["D"], df["KB"], df["VB"], bool(df["KN_F32"]), bool(df["VN_F32"]))
-    loop = WARPS * df["STAGES"] * tile + table_bytes(df["KB"], df["VB"], df["KR"], df["VR"])
+    loop = WARPS * df["STAGES"] * tile + table_bytes(df["KB"], df["VB"], df["KR"], df["VR"]) + query_bytes(df["D"])
     return max(loop, 4 * WARPS * 8 * df["NQ"] * (df["D"] + 2))
 
 
@@ -241,31 +261,10 @@ def _norms_vec(*norms: torch.Tensor) -> bool:
 
 
 def defines(d: int, kb: int, vb: int, nq: int, mask_kind: int, mask_dt: int, kn_f32: bool, vn_f32: bool,
-            static: bool, vec: int, nvec: bool, pdl: bool = False,
-            capability: tuple[int, int] = (9, 0)) -> dict[str, int]:
+            static: bool, vec: int, nvec: bool, capability: tuple[int, int] = (9, 0)) -> dict[str, int]:
     st, kr, vr = layout(d, kb, vb, kn_f32, vn_f32, nq, capability)
     return dict(D=d, KB=kb, VB=vb, NQ=nq, MASK_KIND=mask_kind, MASK_DT=mask_dt, KN_F32=int(kn_f32),
-                VN_F32=int(vn_f32), KR=kr, VR=vr, STATIC=int(static), VEC=vec, NVEC=int(nvec), STAGES=st,
-                PDL=int(pdl))
-
-
-def overlap(device: torch.device, prep_ctas: int) -> bool:
-    """Whether `tq_decode` starts while `tq_decode_prep` runs (programmatic dependent launch: sm_90 and newer;
-    TQ_HF_CACHE_OVERLAP=0 turns it off): where the query rotation's CTAs take at most half the SMs. Measured on the
-    H100 (CUDA graphs, per layer): 22.7 / 38.7 / 87.7 us against 23.8 / 42.1 / 90.0 without at 1 x 4k / 32k / 128k
-    (32 rotation CTAs); at 8 x 32k (256 of them, beside which early main-kernel CTAs find half an SM) 178 against
-    165."""
-    from ..support import sm_count
-
-    return (torch.cuda.get_device_capability(device)[0] >= 9 and os.environ.get("TQ_HF_CACHE_OVERLAP", "1") != "0"
-            and 2 * prep_ctas <= sm_count(device) and jit.can_overlap())
-
-
-class PrepParams(ctypes.Structure):
-    _fields_ = [("q", ctypes.c_void_p), ("sqb", ctypes.c_int64), ("sqh", ctypes.c_int64), ("sqn", ctypes.c_int64),
-                ("pit", ctypes.c_void_p), ("out", ctypes.c_void_p),
-                ("hkv", ctypes.c_int32), ("group", ctypes.c_int32), ("nq", ctypes.c_int32),
-                ("scale_log2", ctypes.c_float)]
+                VN_F32=int(vn_f32), KR=kr, VR=vr, STATIC=int(static), VEC=vec, NVEC=int(nvec), STAGES=st)
 
 
 _DT = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2}
@@ -294,25 +293,23 @@ def decode(query, kv, pi, scale_log2, kp, kn, vp, vn, rk, rv, sk, sv, mask_args,
     kind = {0: 0, 1: 1, 2: 2, 3: 1, 4: 2}[mask_kind]
     mdt = _MASK_DT[m_arg.dtype] if mask_kind else 0
     kb, vb, kn32, vn32 = kv.k_codebook.bits, kv.v_codebook.bits, kn.dtype == torch.float32, vn.dtype == torch.float32
-    pdl = overlap(query.device, b * hkv * (d // 32))
     df = defines(d, kb, vb, 1 if group * n <= 8 else 2, kind, mdt, kn32, vn32, kv.static, vec,
-                 _norms_vec(kn, vn) and kp.shape[2] % 2 == 0, pdl, torch.cuda.get_device_capability(query.device))
+                 _norms_vec(kn, vn) and kp.shape[2] % 2 == 0, torch.cuda.get_device_capability(query.device))
     df.update(Q_DT=_DT[query.dtype], X_DT=_DT[rk.dtype], O_DT=_DT[out.dtype], ROWS=rows)
     device = query.device
     try:
-        prep = jit.kernel(source(), "tq_decode_prep", df, device)
         main = jit.kernel(source(), NAME, df, device, max(packed_smem(df), exact_smem(d, rows)))
     except jit.JitError as e:
         _disable(device.index if device.index is not None else torch.cuda.current_device(), str(e).splitlines()[0])
         return False
     with torch.cuda.device(device):  # the kernels belong to this device's context: make it current for the launches
-        _launch(prep, main, query, kv, pi, scale_log2, kp, kn, vp, vn, rk, rv, sk, sv, mask_kind, m_arg, ms, acc, ml,
-                counters, lens, lengths, num_splits, tok_per_split, rows, out, pdl)
+        _launch(main, query, kv, pi, scale_log2, kp, kn, vp, vn, rk, rv, sk, sv, mask_kind, m_arg, ms, acc, ml,
+                counters, lens, lengths, num_splits, tok_per_split, rows, out)
     return True
 
 
-def _launch(prep, main, query, kv, pi, scale_log2, kp, kn, vp, vn, rk, rv, sk, sv, mask_kind, m_arg, ms, acc, ml,
-            counters, lens, lengths, num_splits, tok_per_split, rows, out, pdl) -> None:
+def _launch(main, query, kv, pi, scale_log2, kp, kn, vp, vn, rk, rv, sk, sv, mask_kind, m_arg, ms, acc, ml,
+            counters, lens, lengths, num_splits, tok_per_split, rows, out) -> None:
     b, hq, n, d = query.shape
     hkv = kp.shape[1]
     group = hq // hkv
@@ -320,18 +317,14 @@ def _launch(prep, main, query, kv, pi, scale_log2, kp, kn, vp, vn, rk, rv, sk, s
     device = query.device
     stream = torch.cuda.current_stream(device).cuda_stream
     bh = b * hkv
-    qrot = torch.empty(bh, MAX_ROWS, d, dtype=torch.float16, device=device)
     pi = pi.contiguous()
     (kt, kt_sh), (vt, vt_sh) = pair_table(kv.k_codebook, hkv, device), pair_table(kv.v_codebook, hkv, device)
-    prep.launch((bh, d // 32, 1), 32 * WARPS, PrepParams(
-        query.data_ptr(), *query.stride()[:3], _transposed(kv.rotation, pi).data_ptr(), qrot.data_ptr(), hkv, group,
-        n, scale_log2), stream)
+    pif = _fragments(kv.rotation, pi)
     ln, fr = lens if lens is not None else (acc, acc)
     m_ptr = m_arg.data_ptr() if mask_kind else 0
     m_strides = tuple(ms) if mask_kind else (0, 0, 0, 0)
     m_elt = m_arg.element_size() if mask_kind else 1
     main.launch((num_splits + 1, bh, 1), 32 * WARPS, Params(
-        qrot.data_ptr(),
         kp.data_ptr(), kp.stride(0), kp.stride(1), kn.data_ptr(), kn.stride(0), kn.stride(1),
         vp.data_ptr(), vp.stride(0), vp.stride(1), vn.data_ptr(), vn.stride(0), vn.stride(1),
         kt.data_ptr(), kt_sh, vt.data_ptr(), vt_sh,
@@ -340,4 +333,4 @@ def _launch(prep, main, query, kv, pi, scale_log2, kp, kn, vp, vn, rk, rv, sk, s
         query.data_ptr(), *query.stride()[:3], pi.data_ptr(),
         sk.data_ptr(), sk.stride(0), sk.stride(1), sv.data_ptr(), sv.stride(0), sv.stride(1),
         rk.data_ptr(), rk.stride(0), rk.stride(1), rv.data_ptr(), rv.stride(0), rv.stride(1),
-        out.data_ptr(), *out.stride()[:3], counters.data_ptr(), lr, ring, scale_log2), stream, overlap=pdl)
+        out.data_ptr(), *out.stride()[:3], counters.data_ptr(), lr, ring, scale_log2, pif.data_ptr()), stream)

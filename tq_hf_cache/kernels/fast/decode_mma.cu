@@ -1,7 +1,7 @@
-// Decode attention over TurboQuant-packed keys and values (sm_80+, tuned for sm_90), in two launches:
-// `tq_decode_prep` rotates and scales the query; `tq_decode` computes, per (batch, KV head), the packed history's
-// split-K partials on tensor cores (mma.sync m16n8k16) and the exact copies' partial in parallel CTAs, and the last
-// CTA to finish merges them, rotates the values back once and writes the output.
+// Decode attention over TurboQuant-packed keys and values (sm_80+, tuned for sm_90), in one launch: `tq_decode`
+// computes, per (batch, KV head), the packed history's split-K partials on tensor cores (mma.sync m16n8k16), each CTA
+// rotating the query itself (`QueryRot`: one round trip, overlapped with its table fill), and the exact copies'
+// partial in parallel CTAs; the last CTA to finish merges them, rotates the values back once and writes the output.
 //
 // Compiled at first use by NVRTC (no headers) with -D: D, KB, VB (bits), NQ (query n-tiles: 8 * NQ >= G * n),
 // MASK_KIND (0 none, 1 bool / 2 additive per row), MASK_DT (0 u8, 1 f16, 2 bf16, 3 f32), KN_F32, VN_F32 (norm
@@ -27,7 +27,6 @@ typedef unsigned short u16;
 typedef long long i64;
 
 struct Params {
-  const u16* q;                       // (BH, 16, D) fp16: rotated, scaled query rows (row g * n + i), zero padded
   const unsigned char* kp; i64 skpb, skph;
   const void* kn; i64 sknb, sknh;
   const unsigned char* vp; i64 svpb, svph;
@@ -49,18 +48,10 @@ struct Params {
   int* counters;                      // (B Hkv) arrivals, zero between launches
   int lr, ring;
   float scale_log2;
+  const uint4* pif;                   // (D / 8, 32, D / 16, 2) half2: Pi in the rotation MMA's B fragment order
 };
 
 #define WARPS 8
-// PDL (sm_90): `tq_decode` is launched to overlap `tq_decode_prep`; it waits for it (and so for every kernel before)
-// before it reads the query or the cache, after loading what no kernel of the step writes (the pair tables).
-#if defined(PDL) && PDL
-#define GRID_WAIT() asm volatile("griddepcontrol.wait;" ::: "memory")
-#define GRID_LAUNCH_DEPENDENTS() asm volatile("griddepcontrol.launch_dependents;" ::: "memory")
-#else
-#define GRID_WAIT()
-#define GRID_LAUNCH_DEPENDENTS()
-#endif
 #ifndef STAGES
 #define STAGES 3
 #endif
@@ -149,6 +140,14 @@ __device__ __forceinline__ void load_span(const unsigned char* row, int start, u
   }
 }
 
+// (a & b) | c in one LOP3 (left to itself, ptxas splits it in two in some builds of this kernel: 73 more a tile)
+template <u32 B>
+__device__ __forceinline__ u32 lop3_and_or(u32 a, u32 c) {
+  u32 r;
+  asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(r) : "r"(a), "n"(B), "r"(c));
+  return r;
+}
+
 // Byte offset in a pair table (copies interleaved: entry e, copy c at word e * R + c) of code pair p (2 * B bits at
 // bit 2 * B * p of w), for the lane whose copy offset (bytes) is `lanebits`.
 template <int B, int LOGR, int NW>
@@ -163,7 +162,7 @@ __device__ __forceinline__ u32 pair_offset(const u32 (&w)[NW], int p, u32 lanebi
   } else {
     x = shf_r(w[wi], w[wi + 1], off - SH);
   }
-  return (x & (((1u << B2) - 1) << SH)) | lanebits;
+  return lop3_and_or<((1u << B2) - 1) << SH>(x, lanebits);
 }
 
 __device__ __forceinline__ float load_norm(const void* p, i64 i, bool f32) {
@@ -316,6 +315,80 @@ __device__ __forceinline__ void store_partial(const float* wm, const float* wl, 
   }
 }
 
+// The query rows rotated and scaled (scale_log2 Pi q, fp16) on tensor cores, written as the score MMA's A fragments
+// (fragment order: k-step s, lane, 4 words) in shared memory. Rows: A[r][c] = scale_log2 q_r[c] (row r = query r % n
+// of head h G + r / n; zero from G n on); B = Pi^T, from `pif`, whose columns are ordered so that output n-tiles 2s
+// and 2s + 1 land in the lanes and registers of the score MMA's k-step s. Warp w computes k-steps w, w + 8, ...
+// The operands of its first k-step are loaded before the tables are filled, so that both round trips overlap.
+struct QueryRot {
+  u32 a[KS][4];          // A registers of rotation k-step kk: rows g, g + 8; channels 16 kk + 2 l4 + {0, 1}, + {8, 9}
+  uint4 u[KS / 2], v[KS / 2];  // B registers of n-tiles 2s, 2s + 1 (s = warp), two k-steps a load
+};
+
+__device__ __forceinline__ const uint4* rotation_b(const Params& p, int s, int lane) {
+  return p.pif + (static_cast<i64>(2 * s) * 32 + lane) * (KS / 2);
+}
+
+__device__ __forceinline__ void rotation_load(const Params& p, int bh, int warp, int lane, QueryRot& r) {
+  const int b = bh / p.hkv, h = bh % p.hkv, g = lane >> 2, l4 = lane & 3;
+  const int live = p.group * p.nq;
+  i64 rowoff[2];
+  bool rok[2];
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    const int row = g + 8 * i;
+    rok[i] = row < live;
+    const int rr = rok[i] ? row : 0;
+    rowoff[i] = b * p.sqb + static_cast<i64>(h * p.group + rr / p.nq) * p.sqh + static_cast<i64>(rr % p.nq) * p.sqn;
+  }
+#pragma unroll
+  for (int kk = 0; kk < KS; ++kk)
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const int i = j & 1, c = 16 * kk + 2 * l4 + 8 * (j >> 1);
+      const float x0 = rok[i] ? to_f32<Q_DT>(p.qx, rowoff[i] + c) : 0.0f;
+      const float x1 = rok[i] ? to_f32<Q_DT>(p.qx, rowoff[i] + c + 1) : 0.0f;
+      r.a[kk][j] = pack_h2(x0 * p.scale_log2, x1 * p.scale_log2);
+    }
+  if (warp < KS) {
+    const uint4* b0 = rotation_b(p, warp, lane);
+#pragma unroll
+    for (int k2 = 0; k2 < KS / 2; ++k2) {
+      r.u[k2] = __ldg(b0 + k2);
+      r.v[k2] = __ldg(b0 + 32 * (KS / 2) + k2);
+    }
+  }
+}
+
+__device__ __forceinline__ void rotation_step(const QueryRot& r, const uint4 (&u)[KS / 2], const uint4 (&v)[KS / 2],
+                                              u32 addr) {
+  float c0[4] = {0.0f, 0.0f, 0.0f, 0.0f}, c1[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+  for (int k2 = 0; k2 < KS / 2; ++k2) {
+    mma(c0, r.a[2 * k2][0], r.a[2 * k2][1], r.a[2 * k2][2], r.a[2 * k2][3], u[k2].x, u[k2].y);
+    mma(c0, r.a[2 * k2 + 1][0], r.a[2 * k2 + 1][1], r.a[2 * k2 + 1][2], r.a[2 * k2 + 1][3], u[k2].z, u[k2].w);
+    mma(c1, r.a[2 * k2][0], r.a[2 * k2][1], r.a[2 * k2][2], r.a[2 * k2][3], v[k2].x, v[k2].y);
+    mma(c1, r.a[2 * k2 + 1][0], r.a[2 * k2 + 1][1], r.a[2 * k2 + 1][2], r.a[2 * k2 + 1][3], v[k2].z, v[k2].w);
+  }
+  asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};" ::"r"(addr), "r"(pack_h2(c0[0], c0[1])),
+               "r"(pack_h2(c0[2], c0[3])), "r"(pack_h2(c1[0], c1[1])), "r"(pack_h2(c1[2], c1[3])) : "memory");
+}
+
+__device__ __forceinline__ void rotation_store(const Params& p, const QueryRot& r, u32 qsm, int warp, int lane) {
+  if (warp < KS) rotation_step(r, r.u, r.v, qsm + (warp * 32 + lane) * 16);
+#pragma unroll
+  for (int s = warp + WARPS; s < KS; s += WARPS) {  // head dim 256: the warp's second k-step
+    uint4 u[KS / 2], v[KS / 2];
+    const uint4* b0 = rotation_b(p, s, lane);
+#pragma unroll
+    for (int k2 = 0; k2 < KS / 2; ++k2) {
+      u[k2] = __ldg(b0 + k2);
+      v[k2] = __ldg(b0 + 32 * (KS / 2) + k2);
+    }
+    rotation_step(r, u, v, qsm + (s * 32 + lane) * 16);
+  }
+}
+
 // One split of the packed history: its tokens [split * tok_per_split, + tok_per_split) (the sinks excluded), the warps
 // interleaved by 16-token tiles; the CTA's partial goes to slot `split` in the rotated domain, by planes.
 __device__ __forceinline__ void packed_part(const Params& p, unsigned char* smem, int split, int bh) {
@@ -323,6 +396,9 @@ __device__ __forceinline__ void packed_part(const Params& p, unsigned char* smem
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   const int g = lane >> 2, l4 = lane & 3;
 
+  QueryRot qr;
+  rotation_load(p, bh, warp, lane, qr);
+  const int lq = STATIC ? static_cast<int>(*p.from_ptr) : p.lq;
   // the pair tables of this KV head, KR / VR copies (copy c of entry e at word e * R + c)
   const u32 ktb = shared_addr(smem) + STAGE_BYTES, vtb = ktb + KTAB_BYTES;
   {
@@ -331,10 +407,7 @@ __device__ __forceinline__ void packed_part(const Params& p, unsigned char* smem
     fill_table<KENT, KR, LOGKR>(ks, p.ktab + h * p.ktab_sh, tid);
     fill_table<VENT, VR, LOGVR>(vs, p.vtab + h * p.vtab_sh, tid);
   }
-  GRID_WAIT();
 
-  int lq = p.lq;
-  if (STATIC) lq = static_cast<int>(*p.from_ptr);
   const int ls = min(p.sinks, lq);
   const int start = max(split * p.tok_per_split, ls);
   const int end = min(split * p.tok_per_split + p.tok_per_split, lq);
@@ -342,19 +415,9 @@ __device__ __forceinline__ void packed_part(const Params& p, unsigned char* smem
   // the last 16-row tile inside the buffer (slots >= 16; even with NVEC, as the launcher checks: norm pairs)
   const int last_tb = p.slots - 16;
 
-  // Q's A registers: rows g, g + 8; k-step s: channels l4 D/4 + 4s + {0, 1} (a0, a1) and + {2, 3} (a2, a3)
-  u32 qa[KS][4];
-  {
-    const u32* q = reinterpret_cast<const u32*>(p.q + static_cast<i64>(bh) * 16 * D);
-#pragma unroll
-    for (int s = 0; s < KS; ++s) {
-      const int c = l4 * (D / 4) + 4 * s;
-      qa[s][0] = q[(g * D + c) / 2];
-      qa[s][1] = q[((g + 8) * D + c) / 2];
-      qa[s][2] = q[(g * D + c + 2) / 2];
-      qa[s][3] = q[((g + 8) * D + c + 2) / 2];
-    }
-  }
+  // Q's A registers of k-step s (rows g, g + 8; channels l4 D/4 + 4s + {0, 1} (a0, a1) and + {2, 3} (a2, a3)) in
+  // shared memory after the tables, in fragment order (k-step, lane: 4 words): one LDS.128 each in the loop
+  const u32 qsm = shared_addr(smem) + STAGE_BYTES + KTAB_BYTES + VTAB_BYTES;
 
   const unsigned char* kbase = p.kp + b * p.skpb + h * p.skph;
   const unsigned char* vbase = p.vp + b * p.svpb + h * p.svph;
@@ -434,15 +497,17 @@ __device__ __forceinline__ void packed_part(const Params& p, unsigned char* smem
       }
     }
     // scores of rows tb .. tb + 15: two n-tiles of 8
-    float s[2][4];
+    float s[2][4] = {{0.0f, 0.0f, 0.0f, 0.0f}, {0.0f, 0.0f, 0.0f, 0.0f}};
 #pragma unroll
-    for (int n = 0; n < 2; ++n) {
-      s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.0f;
+    for (int ks = 0; ks < KS; ++ks) {
+      u32 a0, a1, a2, a3;
+      asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];" : "=r"(a0), "=r"(a1), "=r"(a2), "=r"(a3)
+                   : "r"(qsm + (ks * 32 + lane) * 16));
 #pragma unroll
-      for (int ks = 0; ks < KS; ++ks) {
+      for (int n = 0; n < 2; ++n) {
         const u32 b0 = lds(ktb + pair_offset<KB, LOGKR>(kw[n], 2 * ks, klane));
         const u32 b1 = lds(ktb + pair_offset<KB, LOGKR>(kw[n], 2 * ks + 1, klane));
-        mma(s[n], qa[ks][0], qa[ks][1], qa[ks][2], qa[ks][3], b0, b1);
+        mma(s[n], a0, a1, a2, a3, b0, b1);
       }
     }
     u32 vw[4][Span<VSPAN, VPT>::NW];
@@ -527,7 +592,6 @@ __device__ __forceinline__ void packed_part(const Params& p, unsigned char* smem
 #endif
   };
 
-  __syncthreads();
   // tiles of 16 rows from a multiple of 16, warps interleaved; each warp keeps STAGES - 1 tiles in flight
   const int step = 16 * WARPS;
   const int t0 = (start & ~15) + 16 * warp;
@@ -536,6 +600,8 @@ __device__ __forceinline__ void packed_part(const Params& p, unsigned char* smem
     if (t0 + s * step < end) issue(t0 + s * step, s);
     cp_commit();
   }
+  rotation_store(p, qr, qsm, warp, lane);
+  __syncthreads();  // the tables and the query fragments written
   float mk[NMROWS][4], mk_next[NMROWS][4];
   if (t0 < end) load_mask(t0, mk);
   int stage = 0;
@@ -604,7 +670,6 @@ __device__ __forceinline__ void exact_part(const Params& p, unsigned char* smem,
   const int live = p.group * p.nq;
   for (int i = tid; i < D * D / 32; i += WARPS * 32)  // Pi's 128-byte lines, read by the merge: into L2 now
     asm volatile("prefetch.global.L2 [%0];" ::"l"(p.pi + 32 * i));
-  GRID_WAIT();
   int lq = p.lq, lr = p.lr, ls = p.sinks;
   if (STATIC) {
     const int T = static_cast<int>(*p.len_ptr);
@@ -711,12 +776,15 @@ __device__ __forceinline__ void exact_part(const Params& p, unsigned char* smem,
 }
 
 // By the last CTA of a (batch, KV head) to store its partial: the packed partials merged in the rotated domain and
-// rotated back once (y Pi), then combined with the exact copies' partial and written. Partials are read from L2
-// (.cg: other CTAs wrote them), four channels a load, and every loop keeps 8-16 loads in flight: this runs once per
-// call on one CTA, so its latency is the whole call's.
+// rotated back once (y Pi), then combined with the exact copies' partial and written. This runs once per call on one
+// CTA, so its latency is the whole call's: every load that does not depend on the packed partials (this thread's
+// rows of Pi, the exact partial) is issued first, the maxima and sums take one pass, and the partials are read from
+// L2 (.cg: other CTAs wrote them) four channels a load, 16 loads in flight.
 #define NV (D / 4)                 // float4 columns of a row
 #define CG (WARPS * 32 / NV)       // channel groups of the rotation (thread (cg, xv) = (tid / NV, tid % NV))
 #define CPG (D / CG)               // channels a group sums
+#define PRE (CPG < 16 ? CPG : 16)  // rows of Pi a thread loads before the partials
+#define EPT ((ROWS * D + WARPS * 32 - 1) / (WARPS * 32))  // output elements a thread writes
 __device__ __forceinline__ void merge_last(const Params& p, unsigned char* smem, int bh) {
   float* ys = reinterpret_cast<float*>(smem);  // (ROWS, D) the merged packed partial, rotated
   float* red = ys + ROWS * D;                  // (CG, ROWS, D) the channel groups' parts of ys Pi
@@ -724,20 +792,38 @@ __device__ __forceinline__ void merge_last(const Params& p, unsigned char* smem,
   const int b = bh / p.hkv, h = bh % p.hkv;
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   const int live = p.group * p.nq, R = p.rows, ns = p.num_splits;
-  const i64 base = static_cast<i64>(bh) * (ns + 1);
-  for (int r = warp; r < ROWS; r += WARPS) {
-    float M = NEG_INF;
-    for (int s = lane; s < ns; s += 32) M = fmaxf(M, __ldcg(p.ml + (base + s) * 2 * R + r));
+  const i64 base = static_cast<i64>(bh) * (ns + 1), ex = base + ns;
+  const int xv = tid % NV, cg = tid / NV;
+  const float4* pi4 = reinterpret_cast<const float4*>(p.pi);
+  float4 w0[PRE];
 #pragma unroll
-    for (int o = 16; o > 0; o >>= 1) M = fmaxf(M, __shfl_xor_sync(0xffffffffu, M, o));
-    const float Mu = M == NEG_INF ? 0.0f : M;
-    float L = 0.0f;
-    for (int s = lane; s < ns; s += 32)
-      L += ex2(__ldcg(p.ml + (base + s) * 2 * R + r) - Mu) * __ldcg(p.ml + (base + s) * 2 * R + R + r);
+  for (int k = 0; k < PRE; ++k) w0[k] = __ldg(pi4 + (cg * CPG + k) * NV + xv);
+  float xa[EPT], xm[EPT], xl[EPT];
+#pragma unroll
+  for (int i = 0; i < EPT; ++i) {
+    const int e = tid + i * WARPS * 32, r = e / D;
+    const bool ok = e < ROWS * D && r < live;
+    xa[i] = ok ? __ldcg(p.acc + (ex * R + r) * D + e % D) : 0.0f;
+    xm[i] = ok ? __ldcg(p.ml + ex * 2 * R + r) : NEG_INF;
+    xl[i] = ok ? __ldcg(p.ml + ex * 2 * R + R + r) : 0.0f;
+  }
+  for (int r = warp; r < ROWS; r += WARPS) {  // per lane over its splits, then across the warp
+    float M = NEG_INF, L = 0.0f;
+    for (int s = lane; s < ns; s += 32) {
+      const float m = __ldcg(p.ml + (base + s) * 2 * R + r), l = __ldcg(p.ml + (base + s) * 2 * R + R + r);
+      const float Mn = fmaxf(M, m), Mu = Mn == NEG_INF ? 0.0f : Mn;
+      L = L * ex2(M - Mu) + ex2(m - Mu) * l;
+      M = Mn;
+    }
+    float Mw = M;
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) Mw = fmaxf(Mw, __shfl_xor_sync(0xffffffffu, Mw, o));
+    const float Mu = Mw == NEG_INF ? 0.0f : Mw;
+    L *= ex2(M - Mu);
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) L += __shfl_xor_sync(0xffffffffu, L, o);
     if (lane == 0) {
-      mp[r] = M;
+      mp[r] = Mw;
       mp[ROWS + r] = L;
     }
   }
@@ -761,22 +847,20 @@ __device__ __forceinline__ void merge_last(const Params& p, unsigned char* smem,
   }
   __syncthreads();
   {  // red[cg, r, 4 xv ..] = sum over the group's channels c of ys[r, c] Pi[c, 4 xv ..]
-    const int xv = tid % NV, cg = tid / NV;
-    constexpr int U = CPG < 8 ? CPG : 8;
     float4 y[ROWS];
 #pragma unroll
     for (int r = 0; r < ROWS; ++r) y[r] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-    const float4* pi4 = reinterpret_cast<const float4*>(p.pi);
-    for (int c0 = cg * CPG; c0 < (cg + 1) * CPG; c0 += U) {
-      float4 w[U];
 #pragma unroll
-      for (int k = 0; k < U; ++k) w[k] = __ldg(pi4 + (c0 + k) * NV + xv);
+    for (int c0 = 0; c0 < CPG; c0 += PRE) {
+      float4 w[PRE];
 #pragma unroll
-      for (int k = 0; k < U; ++k)
+      for (int k = 0; k < PRE; ++k) w[k] = c0 == 0 ? w0[k] : __ldg(pi4 + (cg * CPG + c0 + k) * NV + xv);
+#pragma unroll
+      for (int k = 0; k < PRE; ++k)
 #pragma unroll
         for (int r = 0; r < ROWS; ++r) {
           if (r >= live) continue;
-          const float q = ys[r * D + c0 + k];
+          const float q = ys[r * D + cg * CPG + c0 + k];
           y[r].x += q * w[k].x; y[r].y += q * w[k].y; y[r].z += q * w[k].z; y[r].w += q * w[k].w;
         }
     }
@@ -787,19 +871,18 @@ __device__ __forceinline__ void merge_last(const Params& p, unsigned char* smem,
   __syncthreads();
 
   // out[r, x] = (wp (ys Pi)[r, x] + we acc_e[r, x]) / (wp Lp + we l_e)
-  const i64 ex = base + ns;
-  for (int e = tid; e < ROWS * D; e += WARPS * 32) {
-    const int r = e / D, x = e % D;
-    if (r >= live) continue;
+#pragma unroll
+  for (int i = 0; i < EPT; ++i) {
+    const int e = tid + i * WARPS * 32, r = e / D, x = e % D;
+    if (e >= ROWS * D || r >= live) continue;
     float y = 0.0f;
 #pragma unroll
     for (int cg = 0; cg < CG; ++cg) y += red[(cg * ROWS + r) * D + x];
-    const float me = __ldcg(p.ml + ex * 2 * R + r), le = __ldcg(p.ml + ex * 2 * R + R + r);
-    const float M = fmaxf(me, mp[r]);
+    const float M = fmaxf(xm[i], mp[r]);
     const float Mu = M == NEG_INF ? 0.0f : M;
-    const float wp = ex2(mp[r] - Mu), we = ex2(me - Mu);
-    const float num = (wp == 0.0f ? 0.0f : wp * y) + we * __ldcg(p.acc + (ex * R + r) * D + x);
-    const float den = wp * mp[ROWS + r] + we * le;
+    const float wp = ex2(mp[r] - Mu), we = ex2(xm[i] - Mu);
+    const float num = (wp == 0.0f ? 0.0f : wp * y) + we * xa[i];
+    const float den = wp * mp[ROWS + r] + we * xl[i];
     const float o = den > 0.0f ? num / den : (den == den ? 0.0f : den);
     const i64 oi = b * p.sob + static_cast<i64>(r % p.nq) * p.son + static_cast<i64>(h * p.group + r / p.nq) * p.soh + x;
     if constexpr (O_DT == 0) {
@@ -824,9 +907,9 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, MIN_CTAS) tq_decode(con
   const int bh = blockIdx.y;
   if (blockIdx.x == 0) exact_part(p, smem, bh);
   else packed_part(p, smem, blockIdx.x - 1, bh);
-  __threadfence();  // this thread's partial, visible to the whole GPU before the counter moves
-  __syncthreads();
+  __syncthreads();  // the CTA's partial stored; one fence makes it visible to the whole GPU before the counter moves
   if (threadIdx.x == 0) {
+    __threadfence();
     last = atomicAdd(p.counters + bh, 1) == p.num_splits;
     if (last) atomicExch(p.counters + bh, 0);
   }
@@ -834,50 +917,4 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, MIN_CTAS) tq_decode(con
   if (!last) return;
   __threadfence();
   merge_last(p, smem, bh);
-}
-
-// ------------------------------------------------------------------------------------------------------------------
-// The rotated query: grid (batch x KV heads, D / 32); CTA (bh, cb) writes columns [32 cb, 32 cb + 32) of
-// out[bh, r] = fp16(scale_log2 Pi q_r), r < 16 (zero from G * n on). Warp w sums channels [w D / 8, (w + 1) D / 8)
-// (all its loads of Pi^T in flight at once), then the warps' sums are added.
-
-struct PrepParams {
-  const void* q; i64 sqb, sqh, sqn;   // (B, Hq, n, D), element strides, unit last stride
-  const float* pit;                   // (D, D) Pi^T
-  u16* out;                           // (BH, 16, D) fp16
-  int hkv, group, nq;
-  float scale_log2;
-};
-
-extern "C" __global__ void __launch_bounds__(WARPS * 32) tq_decode_prep(const PrepParams p) {
-  __shared__ float qs[16 * D];
-  __shared__ float part[WARPS][16][33];
-  const int bh = blockIdx.x, b = bh / p.hkv, h = bh % p.hkv;
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const int live = p.group * p.nq;
-  GRID_LAUNCH_DEPENDENTS();
-  load_query<16>(p.q, p.sqb, p.sqh, p.sqn, p.group, p.nq, p.scale_log2, b, h, live, qs);
-  __syncthreads();
-  constexpr int CPW = D / WARPS;
-  const int x = 32 * blockIdx.y + lane, c0 = warp * CPW;
-  float w[CPW];
-#pragma unroll
-  for (int c = 0; c < CPW; ++c) w[c] = p.pit[(c0 + c) * D + x];
-  for (int r = 0; r < 16; ++r) {
-    float y = 0.0f;
-    if (r < live) {
-#pragma unroll
-      for (int c = 0; c < CPW; ++c) y += qs[r * D + c0 + c] * w[c];
-    }
-    part[warp][r][lane] = y;
-  }
-  __syncthreads();
-  u16* out = p.out + static_cast<i64>(bh) * 16 * D;
-  for (int e = threadIdx.x; e < 16 * 32; e += WARPS * 32) {
-    const int r = e >> 5, xl = e & 31;
-    float y = 0.0f;
-#pragma unroll
-    for (int ww = 0; ww < WARPS; ++ww) y += part[ww][r][xl];
-    out[r * D + 32 * blockIdx.y + xl] = static_cast<u16>(pack_h2(r < live ? y : 0.0f, 0.0f) & 0xffff);
-  }
 }

@@ -9,7 +9,6 @@ source, defines, target and NVRTC version, so an edited source never meets a sta
 from __future__ import annotations
 
 import ctypes
-import functools
 import glob
 import hashlib
 import os
@@ -160,33 +159,6 @@ def _check(code: int, what: str) -> None:
 CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES = 8
 
 
-class _AttrValue(ctypes.Union):
-    _fields_ = [("pad", ctypes.c_char * 64), ("i", ctypes.c_int)]
-
-
-class _Attr(ctypes.Structure):  # CUlaunchAttribute
-    _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_char * 4), ("value", _AttrValue)]
-
-
-class _Config(ctypes.Structure):  # CUlaunchConfig
-    _fields_ = [("grid_x", ctypes.c_uint), ("grid_y", ctypes.c_uint), ("grid_z", ctypes.c_uint),
-                ("block_x", ctypes.c_uint), ("block_y", ctypes.c_uint), ("block_z", ctypes.c_uint),
-                ("smem", ctypes.c_uint), ("stream", ctypes.c_void_p), ("attrs", ctypes.POINTER(_Attr)),
-                ("num_attrs", ctypes.c_uint)]
-
-
-CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION = 6
-
-
-@functools.cache
-def can_overlap() -> bool:
-    """Whether the driver launches with programmatic stream serialization, in CUDA graphs too (CUDA 12.3 and newer:
-    cuLaunchKernelEx, and graph capture of programmatic dependencies)."""
-    v = ctypes.c_int(0)
-    lib = cuda()
-    return hasattr(lib, "cuLaunchKernelEx") and lib.cuDriverGetVersion(ctypes.byref(v)) == 0 and v.value >= 12030
-
-
 class Kernel:
     """One kernel function of a loaded module, launched with `smem` bytes of dynamic shared memory."""
 
@@ -198,17 +170,8 @@ class Kernel:
             _check(cuda().cuFuncSetAttribute(self.func, CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem),
                    "cuFuncSetAttribute")
 
-    def launch(self, grid: tuple[int, int, int], block: int, params: ctypes.Structure, stream: int,
-               overlap: bool = False) -> None:
-        """With `overlap`, a programmatic dependent launch (sm_90): the kernel may start while the one before it in
-        the stream runs, and must wait for it (griddepcontrol.wait) before it reads what that one wrote."""
+    def launch(self, grid: tuple[int, int, int], block: int, params: ctypes.Structure, stream: int) -> None:
         args = (ctypes.c_void_p * 1)(ctypes.addressof(params))
-        if overlap:
-            attr = _Attr(id=CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION, value=_AttrValue(i=1))
-            cfg = _Config(grid[0], grid[1], grid[2], block, 1, 1, self.smem, ctypes.c_void_p(stream),
-                          ctypes.pointer(attr), 1)
-            _check(cuda().cuLaunchKernelEx(ctypes.byref(cfg), self.func, args, None), "cuLaunchKernelEx")
-            return
         _check(cuda().cuLaunchKernel(self.func, grid[0], grid[1], grid[2], block, 1, 1, self.smem,
                                      ctypes.c_void_p(stream), args, None), "cuLaunchKernel")
 
