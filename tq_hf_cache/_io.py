@@ -89,6 +89,21 @@ def sha256_file(path: str) -> str:
     return h.hexdigest()
 
 
+def read_file(path: str) -> bytearray:
+    """A file's bytes, read once into memory of their own (what is hashed is what is parsed). Faster than
+    `map_file` for a file read whole by many threads at once: a mapping takes a page fault per 4 KB page, and the
+    threads' faults contend."""
+    with open(path, "rb") as f:
+        buf = bytearray(os.fstat(f.fileno()).st_size)
+        view, got = memoryview(buf), 0
+        while got < len(buf):
+            n = f.readinto(view[got:])
+            if not n:
+                raise ValueError(f"{path}: the file shrank while it was read ({got} of {len(buf)} bytes)")
+            got += n
+    return buf
+
+
 def map_file(path: str):
     """A private, copy-on-write mapping of a file's bytes (one open: what is hashed is what is parsed); an empty
     file maps to b''."""
