@@ -95,7 +95,7 @@ def test_read_file_returns_the_files_bytes_parsed_as_the_mapping_is(tmp_path, si
     path = tmp_path / "f"
     path.write_bytes(data)
     got = _io.read_file(str(path))
-    assert isinstance(got, bytearray) and bytes(got) == data
+    assert bytes(got) == data
     t = {"a": torch.arange(size // 4 + 1, dtype=torch.int32), "b": torch.randn(3, 5, dtype=torch.bfloat16)}
     path.write_bytes(save(t))
     for copy in (True, False):

@@ -281,11 +281,3 @@ def test_a_static_store_restores_static_caches_exactly(kw):
         PrefixStore(config=cfg, max_cache_len=80, skip_layers=[0], **kw)
     with pytest.raises(TypeError, match="takes TurboQuantCaches"):
         PrefixStore(config=cfg, **kw).insert(x[:, :45], DynamicCache(config=cfg))
-
-
-def test_joined_concatenates_pages_along_the_tokens():
-    from tq_hf_cache.prefix_store import _joined
-
-    parts = [torch.randn(2, 3, n, 5) for n in (4, 1, 7)]
-    out = _joined(parts, torch.device("cpu"))
-    assert torch.equal(out, torch.cat(parts, dim=2))

@@ -35,8 +35,7 @@ for name, kw in stores.items():
         torch.cuda.synchronize(); t = time.perf_counter()
         c, n = store.match(q); torch.cuda.synchronize(); times.append(time.perf_counter() - t)
         assert n == T
-    if name == "disk":  # where a disk restore goes: the page files read, read and hashed, loaded (read, hashed, parsed),
-        # copied to the GPU from pageable memory and through pinned memory (as `_restore` does)
+    if name == "disk":  # where a disk restore goes: the page files read, read and hashed, loaded (read, hashed, parsed)
         from concurrent.futures import ThreadPoolExecutor
         files = [v for v in store._held.values() if isinstance(v, str)]
         phases = {}
@@ -59,13 +58,6 @@ for name, kw in stores.items():
             x.to("cuda")
         torch.cuda.synchronize()
         phases["pageable_to_gpu_s"] = time.perf_counter() - t
-        from tq_hf_cache.prefix_store import _joined
-        for _ in range(2):  # (the second: pinned blocks cached by torch's host allocator, as in a serving process)
-            t = time.perf_counter()
-            for x in flat:
-                _joined([x], torch.device("cuda"))
-            torch.cuda.synchronize()
-            phases["through_pinned_to_gpu_s"] = time.perf_counter() - t
         res["disk_phases"] = {k: round(v, 3) for k, v in phases.items()}
         print("disk phases", res["disk_phases"], flush=True)
         del loaded, flat
