@@ -302,21 +302,7 @@ def decode(query, kv, pi, scale_log2, kp, kn, vp, vn, rk, rv, sk, sv, mask_args,
     except jit.JitError as e:
         _disable(device.index if device.index is not None else torch.cuda.current_device(), str(e).splitlines()[0])
         return False
-    with torch.cuda.device(device):  # the kernels belong to this device's context: make it current for the launches
-        _launch(main, query, kv, pi, scale_log2, kp, kn, vp, vn, rk, rv, sk, sv, mask_kind, m_arg, ms, acc, ml,
-                counters, lens, lengths, num_splits, tok_per_split, rows, out)
-    return True
-
-
-def _launch(main, query, kv, pi, scale_log2, kp, kn, vp, vn, rk, rv, sk, sv, mask_kind, m_arg, ms, acc, ml,
-            counters, lens, lengths, num_splits, tok_per_split, rows, out) -> None:
-    b, hq, n, d = query.shape
-    hkv = kp.shape[1]
-    group = hq // hkv
     lq, lr, ring = lengths
-    device = query.device
-    stream = torch.cuda.current_stream(device).cuda_stream
-    bh = b * hkv
     pi = pi.contiguous()
     (kt, kt_sh), (vt, vt_sh) = pair_table(kv.k_codebook, hkv, device), pair_table(kv.v_codebook, hkv, device)
     pif = _fragments(kv.rotation, pi)
@@ -324,7 +310,7 @@ def _launch(main, query, kv, pi, scale_log2, kp, kn, vp, vn, rk, rv, sk, sv, mas
     m_ptr = m_arg.data_ptr() if mask_kind else 0
     m_strides = tuple(ms) if mask_kind else (0, 0, 0, 0)
     m_elt = m_arg.element_size() if mask_kind else 1
-    main.launch((num_splits + 1, bh, 1), 32 * WARPS, Params(
+    params = Params(
         kp.data_ptr(), kp.stride(0), kp.stride(1), kn.data_ptr(), kn.stride(0), kn.stride(1),
         vp.data_ptr(), vp.stride(0), vp.stride(1), vn.data_ptr(), vn.stride(0), vn.stride(1),
         kt.data_ptr(), kt_sh, vt.data_ptr(), vt_sh,
@@ -333,4 +319,7 @@ def _launch(main, query, kv, pi, scale_log2, kp, kn, vp, vn, rk, rv, sk, sv, mas
         query.data_ptr(), *query.stride()[:3], pi.data_ptr(),
         sk.data_ptr(), sk.stride(0), sk.stride(1), sv.data_ptr(), sv.stride(0), sv.stride(1),
         rk.data_ptr(), rk.stride(0), rk.stride(1), rv.data_ptr(), rv.stride(0), rv.stride(1),
-        out.data_ptr(), *out.stride()[:3], counters.data_ptr(), lr, ring, scale_log2, pif.data_ptr()), stream)
+        out.data_ptr(), *out.stride()[:3], counters.data_ptr(), lr, ring, scale_log2, pif.data_ptr())
+    with torch.cuda.device(device):  # the kernel belongs to this device's context: make it current for the launch
+        main.launch((num_splits + 1, b * hkv, 1), 32 * WARPS, params, torch.cuda.current_stream(device).cuda_stream)
+    return True
