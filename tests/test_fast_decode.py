@@ -36,7 +36,7 @@ gpu = pytest.mark.skipif(not CUDA, reason="needs CUDA")
 # moves; about 20 instructions to issue the next tile's copies. ncu at 1 x 128k: ALU pipe 52 % of cycles, issue
 # slots 50 %; cutting 6 % of the count gained 6-9 %, cutting 8-15 % more (byte-addressed 4-bit tables) gained 0-4 %:
 # past this point a warp's dependent chain per tile, not the count, sets the time (docs/performance.md). The issue's
-# aim, 2 thread-instructions per K/V element (512 a tile at head dim 128), is not met (852-906 today: the shift per
+# aim, 2 thread-instructions per K/V element (512 a tile at head dim 128), is not met (850-926 today: the shift per
 # code pair, the codes' trip through shared memory and the softmax's per-step cost); each budget is today's count
 # + 5 %.
 SASS_BUDGET = {(5, 3): 951, (4, 4): 895, (4, 2): 899, (2, 2): 897, (3, 3): 943}
