@@ -39,7 +39,7 @@ gpu = pytest.mark.skipif(not CUDA, reason="needs CUDA")
 # aim, 2 thread-instructions per K/V element (512 a tile at head dim 128), is not met (850-926 today: the shift per
 # code pair, the codes' trip through shared memory and the softmax's per-step cost); each budget is today's count
 # + 5 %.
-SASS_BUDGET = {(5, 3): 951, (4, 4): 895, (4, 2): 899, (2, 2): 897, (3, 3): 943}
+SASS_BUDGET = {(5, 3): 972, (4, 4): 896, (4, 2): 896, (2, 2): 892, (3, 3): 945}
 
 
 def _cuobjdump() -> str | None:

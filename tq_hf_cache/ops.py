@@ -400,7 +400,7 @@ def prepare_fused(kv) -> None:
         parts = kv.key_split.parts[1:] if kv.key_split is not None else ()
         for codebook in (kv.k_codebook, kv.v_codebook, *(cb for _, cb in parts)):
             lookup_table(codebook, kv.k_packed.shape[1], dev)
-        if dev.type == "cuda" and kv.key_split is None:  # the explicit-layout kernel's pair tables and Pi^T
+        if dev.type == "cuda" and kv.key_split is None:  # the CUDA kernel's pair tables, Pi's fragments
             from .kernels import fast
 
             if fast.machine_ok(dev):
