@@ -50,7 +50,6 @@ def llama_8b_config(layers: int = 32, max_position_embeddings: int = 140_000):
     )
 
 
-
 def random_llama_8b(layers: int = 32, device="cpu", dtype: torch.dtype = torch.bfloat16, **config):
     """A LlamaForCausalLM of `llama_8b_config(layers, **config)` with random weights (torch seed 0), built on
     `device` (a GPU: random init of 8B weights takes minutes on a CPU) in `dtype`."""
@@ -59,6 +58,7 @@ def random_llama_8b(layers: int = 32, device="cpu", dtype: torch.dtype = torch.b
     torch.manual_seed(0)
     with torch.device(device):
         return transformers.LlamaForCausalLM(llama_8b_config(layers, **config)).to(dtype)
+
 
 def check_rows(rows, device: torch.device) -> list[str]:
     """The rows as a list; unknown names, or compiled rows off CUDA / on transformers 4.x, are refused by name."""

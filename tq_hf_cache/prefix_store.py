@@ -132,7 +132,8 @@ class PrefixStore:
             paged = {n for n in tensors if n.endswith(_PAGED) and n.startswith(tuple(f"layers.{i}." for i in tq))}
             quantized = [infos[i]["quantized"] for i in tq]
         m = (min(quantized) if quantized else 0) // self.page_tokens
-        layout = hashlib.sha256(json.dumps(infos, sort_keys=True, default=str).encode()).hexdigest()  # the rows'
+        # the layer layout every row's endpoint is stored under (one for the batch: the rows share their layers)
+        layout = hashlib.sha256(json.dumps(infos, sort_keys=True, default=str).encode()).hexdigest()
         return sum(self._insert_row(ids, {k: v[r: r + 1] for k, v in tensors.items()}, infos, layout, paged, m)
                    for r, ids in enumerate(rows))
 
