@@ -182,16 +182,31 @@ def test_quantize_and_dequantize_match_reference(bits, d, dt, shape, nd, per_hea
 
 @pytest.mark.parametrize("bits,per_head", [(2, False), (3, False), (4, False), (5, True), (6, False), (8, False)])
 def test_search_modes_agree(bits, per_head):
-    """Every search that serves the codebook gives identical indices on random data ('sat' and 'poly' differ from the
-    others only at exact negative ties, which random data does not hit)."""
+    """Every search that serves the codebook gives the same indices on random data, except that 'sat' and 'poly' file
+    a y exactly on a negative boundary in the cell above it (the others below it; both centroids are equally near).
+    Random data hits such a tie about once in a thousand runs, so a difference is allowed only there: one cell up, on
+    the negative side, where y is within a few ulps of that boundary."""
     seed, g = fresh_gen()
     rot = make_rotation(64, seed % 1000).to(DEV)
     cb = (per_head_codebook(g, bits, 3, 64) if per_head else shared_codebook(bits, 64)).to(DEV)
     x = make_x(g, 1, 3, 7, 64, torch.bfloat16)
     modes = ("lut", "linear", "binary") + ((("sat",) if bits <= 4 else ("poly",)) if not per_head else ())
-    got = {m: quantize_poisoned(x, rot, cb, torch.float16, search=m)[0] for m in modes}
-    assert all(torch.equal(got["lut"], got[m]) for m in modes), f"seed {seed}"
-    check_indices(x, rot, cb, got["lut"], seed)
+    packed = {m: quantize_poisoned(x, rot, cb, torch.float16, search=m)[0] for m in modes}
+    got = {m: unpack_indices(p, bits, 64) for m, p in packed.items()}
+    for m in ("linear", "binary"):
+        assert torch.equal(got["lut"], got[m]), f"seed {seed}: {m} differs from lut"
+    for m in modes[3:]:
+        bad = got[m] != got["lut"]
+        if bad.any():
+            xf = x.float()
+            y = rot.forward(xf / xf.norm(dim=-1, keepdim=True))[bad]
+            lo = got["lut"][bad]
+            gap = (y - cb.boundaries.to(DEV)[lo]).abs()
+            assert ((got[m][bad] == lo + 1) & (lo < 2 ** (bits - 1)) & (gap < 1e-6)).all(), (
+                f"seed {seed}: {m} differs from lut off a negative tie: {got[m][bad].tolist()} against "
+                f"{lo.tolist()}, y {gap.tolist()} from the boundary")
+            assert int(bad.sum()) <= 2, f"seed {seed}: {m} differs at {int(bad.sum())} ties"
+    check_indices(x, rot, cb, packed["lut"], seed)
 
 
 def dyadic_codebook(bits: int, d: int, grid: int = 4096) -> Codebook:
