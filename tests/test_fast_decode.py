@@ -19,7 +19,7 @@ import torch
 
 from tq_hf_cache import reference
 from tq_hf_cache.codebook import Codebook
-from tq_hf_cache.kernels import fast, support
+from tq_hf_cache.kernels import disk_cache, fast, support
 from tq_hf_cache.kernels.fast import jit
 
 from test_decode_attention import TOL, fresh_seed, head_mask, make_query, make_state, padding_mask, rel_err
@@ -393,7 +393,7 @@ def test_a_damaged_cached_kernel_is_compiled_again(damage, monkeypatch, tmp_path
 
 def test_cache_dir_follows_the_environment(monkeypatch, tmp_path):
     monkeypatch.setenv("TQ_HF_CACHE_KERNEL_DIR", str(tmp_path))
-    assert jit.cache_dir() == str(tmp_path)
+    assert disk_cache.cache_dir() == str(tmp_path)
     assert not glob.glob(str(tmp_path / "*"))
 
 

@@ -18,8 +18,9 @@ from .rotation import Rotation
 
 _WARNED: set = set()
 
-# the fused attention's backend: "auto" (the Triton kernel on CUDA, the torch math elsewhere), "triton" (the
-# kernel everywhere; CPU needs TRITON_INTERPRET=1 set before triton is imported) or "torch"
+# the fused attention's backend: "auto" (the Triton kernel on CUDA; on the CPU, C compiled at first use where a
+# compiler works, `kernels.cpu`; else the torch math), "triton" (the Triton kernel everywhere; CPU needs
+# TRITON_INTERPRET=1 set before triton is imported) or "torch" (the torch math, `reference`)
 FUSED_BACKEND = os.environ.get("TQ_FUSED_BACKEND", "auto")
 
 
@@ -336,8 +337,9 @@ def _(packed, norms, quantizer_id, dtype):
 
 def decode_attention(query: torch.Tensor, kv, mask: torch.Tensor | None, scale: float | None) -> torch.Tensor:
     """Attention of query (B, Hq, n, D) over a `PackedKV` -> (B, n, Hq, D): the fused Triton kernel where it
-    serves the call (CUDA, or FUSED_BACKEND "triton"), else the torch math (`reference.packed_attention` for a
-    dynamic layer, `reference.static_attention` for a static one)."""
+    serves the call (CUDA, or FUSED_BACKEND "triton"), the C kernels on the CPU where they serve it (`kernels.cpu`),
+    else the torch math (`reference.packed_attention` for a dynamic layer, `reference.static_attention` for a
+    static one)."""
     if getattr(kv, "key_offset", None) is not None:
         mask = _static_centring_mask(query, kv, mask, scale) if kv.static else _centring_mask(query, kv, mask, scale)
     backend = FUSED_BACKEND
@@ -346,9 +348,31 @@ def decode_attention(query: torch.Tensor, kv, mask: torch.Tensor | None, scale: 
             from .kernels.decode_attention import decode_attention as kernel
 
             return kernel(query, kv, mask, scale)
+    if backend == "auto" and query.device.type == "cpu" and _cpu_serves(query, kv):
+        from .kernels import cpu
+
+        return cpu.decode_attention(query, kv, mask, scale)
     if kv.static:
         return reference.static_attention(query, kv, mask, scale)
     return reference.packed_attention(query, kv, mask, scale)
+
+
+def _cpu_serves(query: torch.Tensor, kv) -> bool:
+    """Whether `kernels.cpu` takes the call; where its C cannot be built here, one warning says why (the torch math
+    that decodes instead reads the history ~4x slower)."""
+    from .kernels import cpu
+
+    if not cpu.serves(query, kv):
+        return False
+    try:
+        cpu.library()
+    except cpu.JitError as e:
+        if "cpu" not in _WARNED:
+            _WARNED.add("cpu")
+            warnings.warn(f"tq_hf_cache decodes on the CPU with the torch math (slower): {e}", RuntimeWarning,
+                          stacklevel=3)
+        return False
+    return True
 
 
 def _centring_mask(query: torch.Tensor, kv, mask: torch.Tensor | None, scale: float | None) -> torch.Tensor:

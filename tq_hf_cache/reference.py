@@ -221,6 +221,25 @@ def softmax_rows(s: torch.Tensor) -> torch.Tensor:
     return torch.softmax(s, dim=-1).masked_fill(blind, 0.0)
 
 
+def decode_probabilities(s: torch.Tensor, mask: torch.Tensor | None, heads: int, n: int) -> torch.Tensor:
+    """Softmax of scaled scores s (B, Hkv, rows, T), rows being the query heads of a KV head times the n queries (the
+    last n positions), under `mask` (boolean True = attend, or additive; None: causal), in place of s's shape."""
+    b, hkv, rows, t = s.shape
+    s = s.view(b, heads, n, t)
+    if mask is None and n == 1:  # one query at the last position sees every key: nothing to mask
+        return torch.softmax(s, dim=-1).view(b, hkv, rows, t)
+    if mask is None:
+        pos_q = torch.arange(t - n, t, device=s.device).unsqueeze(-1)
+        mask = torch.arange(t, device=s.device).unsqueeze(0) <= pos_q
+    else:
+        mask = mask[..., :t]
+    if mask.dtype == torch.bool:
+        s = s.masked_fill(~mask, float("-inf"))
+    else:
+        s = s + mask.float()
+    return softmax_rows(s).view(b, hkv, rows, t)
+
+
 def packed_attention(query: torch.Tensor, kv, mask: torch.Tensor | None, scale: float | None) -> torch.Tensor:
     """The fused decode kernel's math (fp32) for a dynamic layer's `PackedKV`: query (B, Hq, n, D) over
     [sinks | packed | ring]; the n queries are the last n positions.
@@ -241,20 +260,7 @@ def packed_attention(query: torch.Tensor, kv, mask: torch.Tensor | None, scale: 
     if ns:
         torch.matmul(q, kv.sink_k[:, :, :ns].float().transpose(-1, -2), out=s[..., :ns])
     torch.matmul(q, kv.ring_k[:, :, : t - lq].float().transpose(-1, -2), out=s[..., lq:])
-    s = s.mul_(scale).view(b, hq, n, t)
-    if mask is None and n == 1:  # one query at the last position sees every key: nothing to mask
-        p = torch.softmax(s, dim=-1).view(b, hkv, g * n, t)
-    else:
-        if mask is None:
-            pos_q = torch.arange(t - n, t, device=q.device).unsqueeze(-1)
-            mask = torch.arange(t, device=q.device).unsqueeze(0) <= pos_q
-        else:
-            mask = mask[..., :t]
-        if mask.dtype == torch.bool:
-            s = s.masked_fill(~mask, float("-inf"))
-        else:
-            s = s + mask.float()
-        p = softmax_rows(s).view(b, hkv, g * n, t)
+    p = decode_probabilities(s.mul_(scale), mask, hq, n)
     vcb = kv.v_codebook
     row_major = d % 8 == 0 and sys.byteorder == "little" and kv.v_packed.shape[-1] == d * vcb.bits // 8
     vc = centroids(kv.v_packed[:, :, ns:lq], vcb, d, row_major)  # (B, Hkv, lq - ns, D): rotated unit vectors

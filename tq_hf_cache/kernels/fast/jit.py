@@ -2,21 +2,19 @@
 into a cubin, cached on disk; the CUDA driver loads it and launches it on torch's current stream, so that CUDA graphs
 capture the launch. ctypes only: no compiler, no build step, no extra package.
 
-The cache lives in $TQ_HF_CACHE_KERNEL_DIR, else ~/.cache/tq_hf_cache/kernels; a cubin's name is the digest of its
-source, defines, target and NVRTC version, so an edited source never meets a stale binary.
+Cubins are cached on disk (`kernels.disk_cache`), named by the digest of their source, defines, target and NVRTC
+version.
 """
 
 from __future__ import annotations
 
 import ctypes
 import glob
-import hashlib
 import os
 import sys
 import threading
-import warnings
 
-from ..._io import write_bytes
+from .. import disk_cache
 
 _LOCK = threading.Lock()
 
@@ -95,43 +93,14 @@ def compile_cubin(source: str, name: str, defines: dict[str, int], arch: int) ->
         lib.nvrtcDestroyProgram(ctypes.byref(prog))
 
 
-def cache_dir() -> str:
-    return os.environ.get("TQ_HF_CACHE_KERNEL_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "tq_hf_cache",
-                                                                      "kernels")
-
-
-CACHE_MAGIC = b"tq_hf_cache cubin 1\n"  # then the SHA-256 of the key and the cubin, then the cubin
-
-
-def _entry_digest(key: str, image: bytes) -> bytes:
-    return hashlib.sha256(key.encode() + image).digest()
+CACHE_MAGIC = b"tq_hf_cache cubin 1\n"  # an entry of `disk_cache`
 
 
 def cubin(source: str, name: str, defines: dict[str, int], arch: int) -> bytes:
-    """The cubin of (source, defines, arch), from the disk cache or compiled now and cached (atomically). A cache
-    file binds its cubin to its key by a digest: a truncated, corrupted or swapped one is not used (it is compiled
-    again and replaced, with a warning naming the file)."""
-    key = hashlib.sha256(repr((source, sorted(defines.items()), arch, nvrtc_version())).encode()).hexdigest()[:32]
-    path = os.path.join(cache_dir(), f"{name}-sm{arch}-{key}.cubin")
-    try:
-        with open(path, "rb") as f:
-            raw = f.read()
-    except OSError:
-        raw = None
-    if raw is not None:
-        head, digest, image = raw[: len(CACHE_MAGIC)], raw[len(CACHE_MAGIC): len(CACHE_MAGIC) + 32], \
-            raw[len(CACHE_MAGIC) + 32:]
-        if head == CACHE_MAGIC and digest == _entry_digest(key, image):
-            return image
-        warnings.warn(f"tq_hf_cache: the cached kernel {path} does not match its digest (truncated, corrupted or "
-                      "another file); compiling it again", RuntimeWarning, stacklevel=2)
-    image = compile_cubin(source, name, defines, arch)
-    try:
-        os.makedirs(cache_dir(), exist_ok=True)
-        write_bytes(path, CACHE_MAGIC + _entry_digest(key, image) + image)
-    except OSError:
-        pass  # an unwritable cache costs a compile per process, nothing else
-    return image
+    """The cubin of (source, defines, arch), from the disk cache (`disk_cache`) or compiled now and cached."""
+    key = disk_cache.key_of(source, sorted(defines.items()), arch, nvrtc_version())
+    return disk_cache.cached(f"{name}-sm{arch}-{key}.cubin", key, CACHE_MAGIC,
+                             lambda: compile_cubin(source, name, defines, arch))
 
 
 # ------------------------------------------------------------------------------------------------ the driver

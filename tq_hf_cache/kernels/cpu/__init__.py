@@ -1,0 +1,165 @@
+"""Decode attention over a dynamic layer's `PackedKV` on the CPU: `reference.packed_attention`'s math, with the packed
+history's scores and value sums computed in C (`decode.c`, compiled at first use by `jit`) straight from the packed
+codes, so that no dequantized copy of the history is made. The sinks, the ring, the softmax and the rotations stay in
+torch, as in the reference.
+"""
+
+from __future__ import annotations
+
+import sys
+import weakref
+
+import torch
+
+from ... import reference
+from .jit import JitError, library
+
+__all__ = ["JitError", "available", "serves", "decode_attention", "packed_scores_into", "packed_values"]
+
+MAX_DIM = 512  # decode.c's MAX_D
+# codes per table entry (decode.c's DEFINE_DECODE): the entry of a group of w codes is their b * w bits
+ENTRY_CODES = {1: 4, 2: 4, 3: 4, 4: 2, 5: 2, 6: 2, 7: 1, 8: 1}
+_TABLES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def available() -> bool:
+    """Whether the C library builds and loads in this process (tried once)."""
+    try:
+        library()
+    except JitError:
+        return False
+    return True
+
+
+def _codes_ok(packed: torch.Tensor, bits: int, d: int) -> bool:
+    return packed.shape[-1] == d * bits // 8 and packed.stride(-1) == 1
+
+
+def serves(query: torch.Tensor, kv) -> bool:
+    """Whether the C path takes this call's shapes: a CPU query over a dynamic layer whose packed vectors are whole
+    groups of 8 codes (head dims that are multiples of 8, up to MAX_DIM) on a little-endian machine (whether the C
+    builds here is `available()`)."""
+    if query.device.type != "cpu" or kv.static or sys.byteorder != "little":
+        return False
+    d = query.shape[-1]
+    if d % 8 or d > MAX_DIM or not _codes_ok(kv.v_packed, kv.v_codebook.bits, d):
+        return False
+    if kv.key_split is None:
+        keys = [(kv.k_packed, kv.k_codebook.bits, d)]
+    else:
+        keys = [(packed, cb.bits, rot.dim) for (packed, _), (rot, cb) in zip(kv.key_parts, kv.key_split.parts)]
+    return all(dim % 8 == 0 and _codes_ok(packed, bits, dim) for packed, bits, dim in keys)
+
+
+def entry_table(codebook) -> torch.Tensor:
+    """(heads or 1, 2**(bits w), w) float32: entry e holds the centroids of the w = ENTRY_CODES[bits] codes packed in
+    e's bits, lowest first. Kept while the codebook lives."""
+    table = _TABLES.get(codebook)
+    if table is None:
+        bits, w = codebook.bits, ENTRY_CODES[codebook.bits]
+        c = codebook.centroids.detach().to(device="cpu", dtype=torch.float32)
+        e = torch.arange(2 ** (bits * w))
+        table = torch.stack([c[..., (e >> (bits * i)) & (2**bits - 1)] for i in range(w)], dim=-1)
+        table = table.reshape(-1, 2 ** (bits * w), w).contiguous()
+        _TABLES[codebook] = table
+    return table
+
+
+def _heads(t: torch.Tensor) -> torch.Tensor:
+    """t (B, H, ...) with one stride between the B x H heads (a copy only where the B and H strides disagree)."""
+    if t.shape[0] > 1 and t.stride(0) != t.shape[1] * t.stride(1):
+        t = t.contiguous()
+    return t
+
+
+def _check(name: str, t: torch.Tensor, dtype: torch.dtype, shape: tuple) -> None:
+    if t.device.type != "cpu" or t.dtype != dtype or tuple(t.shape) != tuple(shape):
+        raise ValueError(f"{name}: expected a CPU {dtype} tensor of shape {tuple(shape)}, got {t.device} {t.dtype} "
+                         f"{tuple(t.shape)}")
+
+
+def _codes(codes: torch.Tensor, bits: int, d: int, b: int, h: int, tokens: int) -> torch.Tensor:
+    _check("codes", codes, torch.uint8, (b, h, tokens, d * bits // 8))
+    codes = _heads(codes)
+    if codes.stride(-1) != 1 or (tokens > 1 and codes.stride(2) < codes.shape[-1]):
+        codes = codes.contiguous()
+    return codes
+
+
+def packed_scores_into(out: torch.Tensor, codes: torch.Tensor, norms: torch.Tensor, q: torch.Tensor, codebook,
+                       accumulate: bool = False) -> torch.Tensor:
+    """out (B, H, rows, T) float32 (its last dim contiguous) = norms x (q . c[codes]), or += where `accumulate`.
+
+    codes (B, H, T, D bits / 8) uint8 over a codebook of H heads or one; norms (B, H, T) float32; q (B, H, rows, D)
+    float32, in the codebook's rotated domain."""
+    b, h, rows, d = q.shape
+    tokens, bits = out.shape[-1], codebook.bits
+    codes = _codes(codes, bits, d, b, h, tokens)
+    _check("norms", norms, torch.float32, (b, h, tokens))
+    _check("q", q, torch.float32, (b, h, rows, d))
+    _check("out", out, torch.float32, (b, h, rows, tokens))
+    norms, q = _heads(norms.contiguous()), q.contiguous()
+    if out.stride(-1) != 1 or (b > 1 and out.stride(0) != h * out.stride(1)):
+        raise ValueError(f"out: its last dim must be contiguous and its heads evenly strided, got {out.stride()}")
+    table = entry_table(codebook)
+    if tokens:
+        code = library().tq_packed_scores(
+            codes.data_ptr(), codes.stride(1), codes.stride(2), norms.data_ptr(), norms.stride(1), q.data_ptr(),
+            q.stride(1), q.stride(2), table.data_ptr(), table[0].numel() if table.shape[0] > 1 else 0,
+            out.data_ptr(), out.stride(1), out.stride(2), b * h, h if table.shape[0] > 1 else 1, rows, tokens, d,
+            bits, int(accumulate), torch.get_num_threads())
+        if code:
+            raise RuntimeError(f"tq_packed_scores refused its arguments (code {code})")
+    return out
+
+
+def packed_values(p: torch.Tensor, codes: torch.Tensor, norms: torch.Tensor, codebook, d: int) -> torch.Tensor:
+    """sum_t p[..., t] norms[..., t] c[codes[..., t, :]]: (B, H, rows, D) float32, in the rotated domain.
+
+    p (B, H, rows, T) float32; codes (B, H, T, D bits / 8) uint8; norms (B, H, T) float32."""
+    b, h, rows, tokens = p.shape
+    bits = codebook.bits
+    codes = _codes(codes, bits, d, b, h, tokens)
+    _check("norms", norms, torch.float32, (b, h, tokens))
+    _check("p", p, torch.float32, (b, h, rows, tokens))
+    norms = _heads(norms.contiguous())
+    if p.stride(-1) != 1 or (b > 1 and p.stride(0) != h * p.stride(1)):
+        p = p.contiguous()
+    out = p.new_empty(b, h, rows, d)
+    table = entry_table(codebook)
+    code = library().tq_packed_values(
+        codes.data_ptr(), codes.stride(1), codes.stride(2), norms.data_ptr(), norms.stride(1), p.data_ptr(),
+        p.stride(1), p.stride(2), table.data_ptr(), table[0].numel() if table.shape[0] > 1 else 0, out.data_ptr(),
+        b * h, h if table.shape[0] > 1 else 1, rows, tokens, d, bits, torch.get_num_threads())
+    if code:
+        raise RuntimeError(f"tq_packed_values refused its arguments (code {code})")
+    return out
+
+
+def decode_attention(query: torch.Tensor, kv, mask: torch.Tensor | None, scale: float | None) -> torch.Tensor:
+    """`reference.packed_attention` with the packed history read by the C kernels (see `serves`): query (B, Hq, n, D)
+    over [sinks | packed | ring] -> (B, n, Hq, D) in the query's dtype."""
+    b, hq, n, d = query.shape
+    lq, t, ns = int(kv.exact_from), int(kv.length), kv.sinks
+    hkv = kv.k_packed.shape[1]
+    q = query.float().reshape(b, hkv, hq // hkv * n, d)  # the query heads sharing a KV head, as rows
+    scale = d**-0.5 if scale is None else scale
+    s = q.new_empty(b, hkv, q.shape[2], t)
+    if kv.key_split is None:
+        parts = [(q, kv.rotation, kv.k_codebook, kv.k_packed, kv.k_norms)]
+    else:
+        parts = [(qp, rot, cb, packed, norms) for qp, (rot, cb), (packed, norms)
+                 in zip(kv.key_split.split(q), kv.key_split.parts, kv.key_parts)]
+    for i, (qp, rot, cb, packed, norms) in enumerate(parts):
+        rq = qp @ rot.matrix.T
+        packed_scores_into(s[..., ns:lq], packed[:, :, ns:lq], norms[:, :, ns:lq].float(), rq, cb, accumulate=i > 0)
+    if ns:
+        torch.matmul(q, kv.sink_k[:, :, :ns].float().transpose(-1, -2), out=s[..., :ns])
+    torch.matmul(q, kv.ring_k[:, :, : t - lq].float().transpose(-1, -2), out=s[..., lq:])
+    p = reference.decode_probabilities(s.mul_(scale), mask, hq, n)
+    out = packed_values(p[..., ns:lq], kv.v_packed[:, :, ns:lq], kv.v_norms[:, :, ns:lq].float(), kv.v_codebook, d)
+    out = out @ kv.rotation.matrix
+    out += p[..., lq:] @ kv.ring_v[:, :, : t - lq].float()
+    if ns:
+        out += p[..., :ns] @ kv.sink_v[:, :, :ns].float()
+    return out.view(b, hq, n, d).transpose(1, 2).to(query.dtype).contiguous()
