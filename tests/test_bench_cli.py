@@ -117,7 +117,7 @@ def test_the_plot_names_rows_in_user_terms_with_model_preset_and_context(tiny_di
     assert rc == 0, capsys.readouterr().err
     printed = capsys.readouterr().out
     labels = {r["row"]: r["label"] for r in seen["results"]}
-    assert labels == {"dynamic": "DynamicCache + sdpa", "tq_sdpa": "TurboQuantCache k4v2 + sdpa",
+    assert labels == {"dynamic": "DynamicCache + sdpa", "tq_sdpa": "TurboQuantCache k4v2 (fused_sdpa=False) + sdpa",
                       "tq_fused": "TurboQuantCache k4v2 + turboquant attention"}
     assert all(label in printed for label in labels.values())
     for part in ("tiny_llama", "preset k4v2", "contexts 40 tokens"):

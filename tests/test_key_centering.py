@@ -1,5 +1,5 @@
 """Pre-RoPE key centring (`TurboQuantConfig.key_centering`): the RoPE the cache takes from the model, the offset math,
-and a centred cache read on every path (workspace + SDPA, the fused op's torch math, the Triton kernel)."""
+and a centred cache read on every path (workspace + SDPA, the fused op's C kernels and torch math, the Triton kernel)."""
 
 import pytest
 import torch
@@ -83,7 +83,7 @@ def test_a_centred_cache_reads_the_same_on_every_path_and_holds_its_keys_closer(
     fp = chunked_logits(model, fp_cache, ids, 280, step=3)
     logits, err = {}, {}
     for centred in (False, True):
-        for impl, backend in (("sdpa", "auto"), ("turboquant", "auto"), ("turboquant", "triton")):
+        for impl, backend in (("sdpa", "auto"), ("turboquant", "auto"), ("turboquant", "torch"), ("turboquant", "triton")):
             monkeypatch.setattr(ops, "FUSED_BACKEND", backend)
             model.set_attn_implementation(impl)
             cache = TurboQuantCache("k4v4", config=cfg, residual_length=16, key_centering=centred)
@@ -94,7 +94,9 @@ def test_a_centred_cache_reads_the_same_on_every_path_and_holds_its_keys_closer(
     for centred in (False, True):
         ref = logits[centred, "sdpa", "auto"]
         torch.testing.assert_close(logits[centred, "turboquant", "auto"], ref, atol=TOL, rtol=TOL,
-                                   msg=f"fused torch math vs workspace, centred={centred}")
+                                   msg=f"fused op (the C kernels on a CPU) vs workspace, centred={centred}")
+        torch.testing.assert_close(logits[centred, "turboquant", "torch"], ref, atol=TOL, rtol=TOL,
+                                   msg=f"fused op's torch math vs workspace, centred={centred}")
         torch.testing.assert_close(logits[centred, "turboquant", "triton"], ref, atol=2e-3, rtol=2e-3,
                                    msg=f"Triton kernel vs workspace, centred={centred}")
     assert (logits[True, "sdpa", "auto"] - fp).abs().max() < (logits[False, "sdpa", "auto"] - fp).abs().max()

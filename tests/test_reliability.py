@@ -292,7 +292,7 @@ def test_non_finite_keys_stay_non_finite(bad):
 @torch.no_grad()
 def test_a_nan_key_gives_nan_attention_as_sdpa_does():
     torch.manual_seed(0)
-    # head dim 64: the turboquant attention takes its fused path (the torch math on CPU), not dequantize + SDPA
+    # head dim 64: the turboquant attention takes its fused path (the C kernels on a CPU), not dequantize + SDPA
     model = LlamaForCausalLM(tiny_llama_config(num_hidden_layers=1, head_dim=64, hidden_size=256)).eval()
     outs = {}
     for impl in ("sdpa", "turboquant"):

@@ -8,7 +8,7 @@ What the function does with the keys a layer returned (`packed_kv.packed_source(
 - no PackedKV (DynamicCache, no cache, layers kept in full precision, prefill chunks): transformers' SDPA.
 - a static layer's (`TurboQuantStaticCache`): the fused custom op `tq_hf_cache::static_attention`.
 - a dynamic layer's (`TurboQuantCache` decode steps and prefill chunks over a packed history): the fused kernel
-  (CUDA) or its torch math, where the step fits it (few queries, head dim 64 / 128, or 256 at the group widths, no
+  (CUDA; on a CPU its C counterpart, `kernels.cpu`), where the step fits it (few queries, head dim 64 / 128, or 256 at the group widths, no
   dropout or extra features); otherwise SDPA on the keys and values themselves, which are `LazyKV`s that fill on
   first use. A long chunk of a large batch is attended a group of batch rows at a time (`ROW_GROUP_BYTES`): the
   dense history, and the copies per query head that SDPA makes under a mask, then exist for one group, not for the

@@ -8,8 +8,8 @@ Rows (a row = cache x attention x execution):
 |----------------------|-------------------------|--------------|---------------------------------------------|
 | `dynamic`            | DynamicCache            | sdpa         | eager                                       |
 | `static_compiled`    | StaticCache             | sdpa         | compile(reduce-overhead, fullgraph): CUDA graphs |
-| `tq_sdpa`            | TurboQuantCache         | sdpa         | eager (dequantize into the workspace + SDPA) |
-| `tq_fused`           | TurboQuantCache         | turboquant   | eager (fused kernel on CUDA, torch math elsewhere) |
+| `tq_sdpa`            | TurboQuantCache(fused_sdpa=False) | sdpa | eager (dequantize into the workspace + SDPA) |
+| `tq_fused`           | TurboQuantCache         | turboquant   | eager (fused kernel on CUDA, C kernels on a CPU) |
 | `tq_static_compiled` | TurboQuantStaticCache   | turboquant   | compile(reduce-overhead, fullgraph): CUDA graphs |
 
 Compiled rows need CUDA and transformers >= 5. At each context every row is prefilled (`context` tokens in chunks)
@@ -155,7 +155,7 @@ def check_counts(steps: int, warmup: int, repeats: int, rows) -> None:
 def row_label(row: str, preset: str) -> str:
     """The row in user terms: cache class (with its preset), attention, execution."""
     cache, attn = {"dynamic": ("DynamicCache", "sdpa"), "static_compiled": ("StaticCache", "sdpa"),
-                   "tq_sdpa": (f"TurboQuantCache {preset}", "sdpa"),
+                   "tq_sdpa": (f"TurboQuantCache {preset} (fused_sdpa=False)", "sdpa"),
                    "tq_fused": (f"TurboQuantCache {preset}", "turboquant attention"),
                    "tq_static_compiled": (f"TurboQuantStaticCache {preset}", "turboquant attention")}[row]
     return f"{cache} + {attn}" + (", compiled" if row in _COMPILED else "")
