@@ -26,11 +26,11 @@ from tq_hf_cache.texts import package_text  # noqa: E402
 
 
 def _commit() -> str:
-    """The commit the study ran, with "+ changes" when the tree differs from it."""
+    """The commit the study ran, with "+ changes" when the package or the studies differ from it."""
     root = os.path.join(os.path.dirname(__file__), os.pardir, os.pardir)
     try:
         head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True).stdout
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
+        dirty = subprocess.run(["git", "status", "--porcelain", "--", "tq_hf_cache", "benchmarks/studies"], cwd=root,
                                capture_output=True, text=True).stdout
     except OSError:
         return "unknown"
