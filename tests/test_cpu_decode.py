@@ -5,6 +5,7 @@ build's disk cache and the fallback where no compiler works."""
 import ctypes
 import glob
 import mmap
+import os
 import sys
 import warnings
 from dataclasses import replace
@@ -135,6 +136,36 @@ def test_bad_arguments_are_refused_before_the_c_runs():
         cpu.packed_scores_into(out[:, :, :2], codes, norms, q, cb)
     with pytest.raises(ValueError, match=r"out: its last dim must be contiguous"):
         cpu.packed_scores_into(torch.empty(1, 2, 5, 3).transpose(-1, -2), codes, norms, q, cb)
+    with pytest.raises(ValueError, match=r"out: .*rows and heads apart"):
+        cpu.packed_scores_into(torch.empty(1, 1, 3, 5).expand(1, 2, 3, 5), codes, norms, q, cb)
+    two = Codebook.from_centroids(torch.stack([cb.centroids] * 3), 4)  # per-head, for 3 heads
+    with pytest.raises(ValueError, match="a per-head codebook for 3 heads cannot read codes of 2 KV heads"):
+        cpu.packed_scores_into(out, codes, norms, q, two)
+    with pytest.raises(ValueError, match="a per-head codebook for 3 heads cannot read codes of 2 KV heads"):
+        cpu.packed_values(torch.rand(1, 2, 3, 5), codes, norms, two, 64)
+    with pytest.raises(ValueError, match=r"head dims that are multiples of 8 up to 512.*head dim 520"):
+        cpu.packed_scores_into(torch.empty(1, 2, 3, 5), torch.zeros(1, 2, 5, 260, dtype=torch.uint8), norms,
+                               torch.zeros(1, 2, 3, 520), cb)
+
+
+@needs_cc
+def test_heads_stored_batch_last_read_alike():
+    """Codes, norms, probabilities and queries whose batch and head strides disagree (stored head-major, or token-major)
+    give what contiguous copies give."""
+    seed = fresh_seed()
+    g = torch.Generator().manual_seed(seed)
+    b, h, t, d, rows = 3, 2, 300, 64, 4
+    cb = _per_head(codebook(3, d), h, g)
+    codes, idx = _codes(g, h, b, t, d, 3)
+    codes, idx = codes.transpose(0, 1), idx.transpose(0, 1)  # (B, H, T, bytes) over (H, B, T, bytes) storage
+    norms = torch.rand(t, b, h, generator=g).permute(1, 2, 0)  # token-major
+    q = torch.randn(h, b, rows, d, generator=g).transpose(0, 1)
+    p = torch.rand(h, b, rows, t, generator=g).transpose(0, 1)
+    c = _centroids(cb, idx.contiguous())
+    out = cpu.packed_scores_into(torch.empty(b, h, rows, t), codes, norms, q, cb)
+    torch.testing.assert_close(out, (q @ c.transpose(-1, -2)) * norms[:, :, None], msg=lambda m: f"seed {seed}: {m}")
+    torch.testing.assert_close(cpu.packed_values(p, codes, norms, cb, d), (p * norms[:, :, None]) @ c,
+                               msg=lambda m: f"seed {seed}: {m}")
 
 
 def _state_on_cpu(case, seed):
@@ -194,6 +225,11 @@ def test_shapes_the_c_does_not_read_are_left_to_the_torch_math():
     assert not cpu.serves(q.to("meta"), state)
     assert not cpu.serves(q, replace(state, v_packed=state.v_packed[..., :-1]))  # not whole groups of 8 codes
     assert not cpu.serves(q[..., :60], state)  # head dim 60
+    assert not cpu.serves(q, replace(state, length=torch.tensor(state.length), exact_from=torch.tensor(
+        state.exact_from)))  # a static layer's lengths live on the device
+    wide = torch.zeros(*q.shape[:-1], 520)
+    assert not cpu.serves(wide, replace(state, v_packed=torch.zeros(*state.v_packed.shape[:-1], 520 * 4 // 8,
+                                                                    dtype=torch.uint8)))  # head dim 520
 
 
 @needs_cc
@@ -216,14 +252,46 @@ def test_without_a_compiler_the_torch_math_decodes_with_one_warning(monkeypatch)
     monkeypatch.setenv("CC", "/nonexistent/cc")
     monkeypatch.setattr(jit, "_LIBS", {})
     monkeypatch.setattr(ops, "_WARNED", set())
+    builds = []
+    real_build = jit._build
+    monkeypatch.setattr(jit, "_build", lambda: builds.append(1) or real_build())
     with pytest.warns(RuntimeWarning, match="decodes on the CPU with the torch math.*no C compiler: '/nonexistent/cc'"):
         out = ops.decode_attention(q, state, mask, None)
     torch.testing.assert_close(out, reference.packed_attention(q, state, mask, None))
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        ops.decode_attention(q, state, mask, None)  # tried once a process: no second build, no second warning
+        ops.decode_attention(q, state, mask, None)  # no second warning
+    assert builds == [1]  # tried once a process: no second build
 
 
+def _compiler_found() -> bool:
+    try:
+        jit.compiler()
+    except jit.JitError:
+        return False
+    return True
+
+
+def test_ci_builds_the_c_kernels():
+    """CI must test the C path, not skip it: there a failed build is a failure (with the compiler's message)."""
+    if not os.environ.get("CI"):
+        pytest.skip("CI only")
+    try:
+        jit.library()
+    except jit.JitError as e:
+        pytest.fail(f"the CPU decode kernels do not build on CI: {e}")
+
+
+@pytest.mark.skipif(not _compiler_found(), reason="no C compiler")
+def test_libraries_of_different_images_load_apart():
+    """Each image is loaded from its own anonymous file: a second library is never the first one found again by its
+    path (dlopen matches paths it has loaded)."""
+    cc = jit.compiler()
+    libs = [jit._load(jit.compile_library(f"int answer(void) {{ return {k}; }}", cc, ["-O1"])) for k in (1, 2)]
+    assert [lib.answer() for lib in libs] == [1, 2]
+
+
+@pytest.mark.skipif(not _compiler_found(), reason="no C compiler")
 def test_a_compile_error_names_the_command_and_the_message(tmp_path):
     with pytest.raises(jit.JitError, match=r"(?s)does not compile.*-shared.*broken"):
         jit.compile_library(jit.source() + "\n#error broken\n", jit.compiler(), ["-O1"])
@@ -242,6 +310,35 @@ def test_a_damaged_cached_library_is_built_again(damage, monkeypatch, tmp_path):
         f.write(bad)
     monkeypatch.setattr(jit, "_LIBS", {})
     with pytest.warns(RuntimeWarning, match="does not match its digest"):
-        lib = jit.library()
+        jit.library()
     assert open(path, "rb").read() == raw
-    assert lib.tq_packed_scores is not None
+    test_results_do_not_depend_on_the_thread_count()  # the rebuilt library computes
+
+
+@needs_cc
+@pytest.mark.skipif(not hasattr(os, "geteuid"), reason="POSIX owners and modes")
+def test_cache_files_anyone_may_write_are_not_loaded(monkeypatch, tmp_path):
+    """The disk cache holds code: an entry anyone may write is rebuilt (and replaced by this user's), and a cache
+    folder anyone may write is not used at all."""
+    monkeypatch.setenv("TQ_HF_CACHE_KERNEL_DIR", str(tmp_path))
+    monkeypatch.setattr(jit, "_LIBS", {})
+    jit.library()
+    (path,) = glob.glob(str(tmp_path / "cpu_decode-*.so"))
+    os.chmod(path, 0o666)
+    monkeypatch.setattr(jit, "_LIBS", {})
+    with pytest.warns(RuntimeWarning, match="anyone may write it; not loading it"):
+        jit.library()
+    assert os.stat(path).st_mode & 0o777 == 0o666 & ~_umask()
+    os.chmod(tmp_path, 0o777)
+    monkeypatch.setattr(jit, "_LIBS", {})
+    try:
+        with pytest.warns(RuntimeWarning, match="building kernels in memory only"):
+            jit.library()
+    finally:
+        os.chmod(tmp_path, 0o700)
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask

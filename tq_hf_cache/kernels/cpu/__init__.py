@@ -78,7 +78,25 @@ def _check(name: str, t: torch.Tensor, dtype: torch.dtype, shape: tuple) -> None
                          f"{tuple(t.shape)}")
 
 
+MAX_TOKENS = 2**31 - 2**24  # the C's int token counts, with room for its chunk arithmetic
+
+
+def _table(codebook, h: int) -> tuple[torch.Tensor, int, int]:
+    """(table, its head stride, its heads) for h KV heads: a per-head codebook must have exactly h."""
+    table = entry_table(codebook)
+    if not codebook.per_head:
+        return table, 0, 1
+    if table.shape[0] != h:
+        raise ValueError(f"a per-head codebook for {table.shape[0]} heads cannot read codes of {h} KV heads")
+    return table, table[0].numel(), h
+
+
 def _codes(codes: torch.Tensor, bits: int, d: int, b: int, h: int, tokens: int) -> torch.Tensor:
+    if sys.byteorder != "little":
+        raise RuntimeError("the CPU decode kernels read packed codes as little-endian words")
+    if d % 8 or not 0 < d <= MAX_DIM or tokens > MAX_TOKENS or b * h > MAX_TOKENS:
+        raise ValueError(f"the CPU decode kernels take head dims that are multiples of 8 up to {MAX_DIM} and fewer "
+                         f"than {MAX_TOKENS} tokens and heads; got head dim {d}, {tokens} tokens, {b * h} heads")
     _check("codes", codes, torch.uint8, (b, h, tokens, d * bits // 8))
     codes = _heads(codes)
     if codes.stride(-1) != 1 or (tokens > 1 and codes.stride(2) < codes.shape[-1]):
@@ -99,15 +117,16 @@ def packed_scores_into(out: torch.Tensor, codes: torch.Tensor, norms: torch.Tens
     _check("q", q, torch.float32, (b, h, rows, d))
     _check("out", out, torch.float32, (b, h, rows, tokens))
     norms, q = _heads(norms.contiguous()), q.contiguous()
-    if out.stride(-1) != 1 or (b > 1 and out.stride(0) != h * out.stride(1)):
-        raise ValueError(f"out: its last dim must be contiguous and its heads evenly strided, got {out.stride()}")
-    table = entry_table(codebook)
-    if tokens:
+    if (out.stride(-1) != 1 or (b > 1 and out.stride(0) != h * out.stride(1)) or (rows > 1 and out.stride(2) < tokens)
+            or (h > 1 and out.stride(1) < rows * out.stride(2))):
+        raise ValueError(f"out: its last dim must be contiguous, its rows and heads apart and its heads evenly "
+                         f"strided, got strides {out.stride()} for shape {tuple(out.shape)}")
+    table, table_stride, heads = _table(codebook, h)
+    if tokens and rows and b * h:
         code = library().tq_packed_scores(
             codes.data_ptr(), codes.stride(1), codes.stride(2), norms.data_ptr(), norms.stride(1), q.data_ptr(),
-            q.stride(1), q.stride(2), table.data_ptr(), table[0].numel() if table.shape[0] > 1 else 0,
-            out.data_ptr(), out.stride(1), out.stride(2), b * h, h if table.shape[0] > 1 else 1, rows, tokens, d,
-            bits, int(accumulate), torch.get_num_threads())
+            q.stride(1), q.stride(2), table.data_ptr(), table_stride, out.data_ptr(), out.stride(1), out.stride(2),
+            b * h, heads, rows, tokens, d, bits, int(accumulate), max(1, torch.get_num_threads()))
         if code:
             raise RuntimeError(f"tq_packed_scores refused its arguments (code {code})")
     return out
@@ -125,12 +144,16 @@ def packed_values(p: torch.Tensor, codes: torch.Tensor, norms: torch.Tensor, cod
     norms = _heads(norms.contiguous())
     if p.stride(-1) != 1 or (b > 1 and p.stride(0) != h * p.stride(1)):
         p = p.contiguous()
+    table, table_stride, heads = _table(codebook, h)
+    if not (rows and b * h):
+        return p.new_zeros(b, h, rows, d)
     out = p.new_empty(b, h, rows, d)
-    table = entry_table(codebook)
     code = library().tq_packed_values(
         codes.data_ptr(), codes.stride(1), codes.stride(2), norms.data_ptr(), norms.stride(1), p.data_ptr(),
-        p.stride(1), p.stride(2), table.data_ptr(), table[0].numel() if table.shape[0] > 1 else 0, out.data_ptr(),
-        b * h, h if table.shape[0] > 1 else 1, rows, tokens, d, bits, torch.get_num_threads())
+        p.stride(1), p.stride(2), table.data_ptr(), table_stride, out.data_ptr(), b * h, heads, rows, tokens, d, bits,
+        max(1, torch.get_num_threads()))
+    if code == 2:
+        raise MemoryError(f"tq_packed_values could not allocate its partial sums ({b * h} heads x {rows} rows x {d})")
     if code:
         raise RuntimeError(f"tq_packed_values refused its arguments (code {code})")
     return out

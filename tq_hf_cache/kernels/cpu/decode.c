@@ -4,15 +4,16 @@
  * of its little-endian bit string, so each group of 8 codes is BITS whole bytes. D is a multiple of 8.
  *
  * Both functions work on BH = batch x KV heads independent heads; head i uses the table
- * tables + (i % heads) * table_stride (stride 0: one shared codebook). Tokens go in chunks of CHUNK, one
- * chunk per task, so that the result does not depend on the number of threads: the value sums are added chunk by
- * chunk in a fixed order.
+ * tables + (i % heads) * table_stride (stride 0: one shared codebook). Tokens go in chunks (`chunk_of`), one chunk
+ * per task; the chunks depend on the token count only, so that the result does not depend on the number of threads:
+ * the value sums are added chunk by chunk in a fixed order.
  */
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
-#define CHUNK 256
+#define CHUNK 256     /* tokens a task, at least */
+#define MAX_CHUNKS 64 /* tasks a head, at most: bounds the value partials (heads x 64 x rows x d floats) */
 #define MAX_D 512
 
 /* The D centroids of one packed vector from a table whose entry e holds the centroids of the W codes packed in the
@@ -52,9 +53,15 @@ static inline float dot(const float *q, const float *kv, int d) {
     return ((lane[0] + lane[4]) + (lane[1] + lane[5])) + ((lane[2] + lane[6]) + (lane[3] + lane[7]));
 }
 
+static inline int chunk_of(int tokens) {
+    const int even = (int)(((int64_t)tokens + MAX_CHUNKS - 1) / MAX_CHUNKS);
+    return even > CHUNK ? even : CHUNK;
+}
+
 /* Bad arguments: a nonzero code; the caller checks every shape first, so this only guards the memory. */
-static int check(int bh, int heads, int rows, int tokens, int d, int bits) {
-    if (bh < 0 || heads <= 0 || rows <= 0 || tokens < 0 || d <= 0 || d > MAX_D || d % 8 || bits < 1 || bits > 8)
+static int check(int bh, int heads, int rows, int tokens, int d, int bits, int threads) {
+    if (bh < 0 || heads <= 0 || rows <= 0 || tokens < 0 || d <= 0 || d > MAX_D || d % 8 || bits < 1 || bits > 8 ||
+        threads < 1)
         return 1;
     return 0;
 }
@@ -65,15 +72,15 @@ int tq_packed_scores(const uint8_t *codes, int64_t codes_sh, int64_t codes_st, c
                      int64_t norms_sh, const float *q, int64_t q_sh, int64_t q_sr, const float *tables,
                      int64_t table_stride, float *out, int64_t out_sh, int64_t out_sr, int bh, int heads,
                      int rows, int tokens, int d, int bits, int accumulate, int threads) {
-    if (check(bh, heads, rows, tokens, d, bits)) return 1;
+    if (check(bh, heads, rows, tokens, d, bits, threads)) return 1;
     const decode_fn decode = DECODE[bits];
-    const int chunks = (tokens + CHUNK - 1) / CHUNK;
+    const int chunk = chunk_of(tokens), chunks = (tokens + chunk - 1) / chunk;
     const int64_t reach = 8 - bits; /* bytes the last group's word reads past a row */
     const int64_t tasks = (int64_t)bh * chunks;
 #pragma omp parallel for schedule(static) num_threads(threads)
     for (int64_t task = 0; task < tasks; task++) {
-        const int i = (int)(task / chunks), t0 = (int)(task % chunks) * CHUNK;
-        const int t1 = t0 + CHUNK < tokens ? t0 + CHUNK : tokens;
+        const int i = (int)(task / chunks), t0 = (int)(task % chunks) * chunk;
+        const int t1 = tokens - t0 > chunk ? t0 + chunk : tokens;
         const float *c = tables + (int64_t)(i % heads) * table_stride;
         float kv[MAX_D];
         for (int t = t0; t < t1; t++) {
@@ -95,17 +102,17 @@ int tq_packed_values(const uint8_t *codes, int64_t codes_sh, int64_t codes_st, c
                      int64_t norms_sh, const float *p, int64_t p_sh, int64_t p_sr, const float *tables,
                      int64_t table_stride, float *out, int bh, int heads, int rows, int tokens, int d,
                      int bits, int threads) {
-    if (check(bh, heads, rows, tokens, d, bits)) return 1;
+    if (check(bh, heads, rows, tokens, d, bits, threads)) return 1;
     const decode_fn decode = DECODE[bits];
-    const int chunks = (tokens + CHUNK - 1) / CHUNK;
+    const int chunk = chunk_of(tokens), chunks = (tokens + chunk - 1) / chunk;
     const int64_t reach = 8 - bits; /* bytes the last group's word reads past a row */
     const int64_t tasks = (int64_t)bh * chunks, per = (int64_t)rows * d;
     float *part = tasks ? malloc(sizeof(float) * tasks * per) : NULL;
     if (tasks && !part) return 2;
 #pragma omp parallel for schedule(static) num_threads(threads)
     for (int64_t task = 0; task < tasks; task++) {
-        const int i = (int)(task / chunks), t0 = (int)(task % chunks) * CHUNK;
-        const int t1 = t0 + CHUNK < tokens ? t0 + CHUNK : tokens;
+        const int i = (int)(task / chunks), t0 = (int)(task % chunks) * chunk;
+        const int t1 = tokens - t0 > chunk ? t0 + chunk : tokens;
         const float *c = tables + (int64_t)(i % heads) * table_stride;
         float *acc = part + task * per;
         float kv[MAX_D];
@@ -120,6 +127,7 @@ int tq_packed_values(const uint8_t *codes, int64_t codes_sh, int64_t codes_st, c
             }
         }
     }
+#pragma omp parallel for schedule(static) num_threads(threads)
     for (int i = 0; i < bh; i++) {
         float *o = out + i * per;
         memset(o, 0, sizeof(float) * per);
