@@ -102,6 +102,23 @@ def test_codes_that_end_at_a_guard_page_are_not_read_past_their_end(bits):
     del codes, mem, keep
 
 
+@pytest.mark.skipif(not cpu.available(), reason="no working C compiler")
+@pytest.mark.parametrize("build", ["scalar", "default"])
+def test_both_builds_match_the_torch_math(build, monkeypatch):
+    """The AVX2 build (permutes and blends on the codes, sums in registers) where torch finds AVX2, and the portable
+    scalar build (table entries of 2-4 codes) everywhere: both against the torch math, every width, odd head dims."""
+    if build == "scalar":
+        lib = jit._load(jit.compile_library(jit.source(), jit.compiler(), ["-O2", "-fopenmp"]))
+        jit._declare(lib)
+        assert lib.tq_vector_decode() == 0
+        monkeypatch.setattr(jit, "_LIBS", {"decode": lib})
+    elif jit.arch_flags():
+        assert jit.library().tq_vector_decode() == 1  # CI's x86 machines run the AVX2 build by default
+    for bits in range(1, 9):
+        for d, tokens, per_head in ((64, 300, False), (24, 33, True), (136, 5, False)):
+            test_scores_and_values_match_the_torch_math(bits, d, tokens, per_head)
+
+
 @needs_cc
 def test_results_do_not_depend_on_the_thread_count():
     seed = fresh_seed()

@@ -154,4 +154,5 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.tq_packed_scores.argtypes = [p, i64, i64, p, i64, p, i64, i64, p, i64, p, i64, i64, i32, i32, i32, i32, i32,
                                      i32, i32, i32]
     lib.tq_packed_values.argtypes = [p, i64, i64, p, i64, p, i64, i64, p, i64, p, i32, i32, i32, i32, i32, i32, i32]
-    lib.tq_packed_scores.restype = lib.tq_packed_values.restype = ctypes.c_int
+    lib.tq_packed_scores.restype = lib.tq_packed_values.restype = lib.tq_vector_decode.restype = ctypes.c_int
+    lib.tq_vector_decode.argtypes = []
