@@ -116,7 +116,7 @@ def decode_pays(head_dim: int, key_rows: int, device_type: str = "cuda") -> bool
     workspace path was faster (the kernel took 1.4-2.6x its time); from it on the kernel was 1.2-3.1x faster (Gemma 3
     4B / 12B layers, `benchmarks/results/bench_attention_gemma3_*_h100.json`). Elsewhere (on a CPU, its C or
     the torch math) there is no such cost: the fused path was the faster one at every length (Gemma 3 270M, 2k / 6k
-    tokens: 77 / 77 ms per step against 100 / 122, `benchmarks/results/bench_cpu_gemma3_270m.json`)."""
+    tokens: 81 / 80 ms per step against 104 / 125, `benchmarks/results/bench_cpu_gemma3_270m.json`)."""
     return device_type != "cuda" or head_dim <= 128 or key_rows >= WIDE_MIN_KEY_ROWS
 
 
