@@ -5,9 +5,9 @@
 
 On CUDA, `generate()` compiles the decode step of a static cache (torch.compile, CUDA graphs) on its first call; the
 second call replays it. Both calls are timed, per cache, and both answers are printed. The compiled path is for CUDA:
-on a CPU nothing is compiled (transformers compiles on CUDA only) and every decode step of TurboQuantStaticCache
-reads all of its preallocated slots in the torch math, so it runs slower than StaticCache there; on a CPU use
-TurboQuantCache (examples/generate_demo.py). Needs transformers >= 5.
+on a CPU nothing is compiled (transformers compiles on CUDA only): TurboQuantStaticCache's decode steps read the
+positions it holds through the C decode kernels, but its eager steps and prefill cost more than StaticCache's, so it
+runs slower there; on a CPU use TurboQuantCache (examples/generate_demo.py). Needs transformers >= 5.
 """
 
 from __future__ import annotations

@@ -19,6 +19,8 @@ from tq_hf_cache.kernels import cpu
 from tq_hf_cache.kernels.cpu import jit
 from tq_hf_cache.packing import pack_indices
 
+from test_static_attention import CASES as STATIC_CASES, SPLIT_CASES as STATIC_SPLIT_CASES
+from test_static_attention import make_kv as make_static_kv
 from test_decode_attention import (CASES, SPLIT_CASES, _case_id, codebook, fresh_seed, make_split_state, make_state,
                                    padding_mask, head_mask, rel_err)
 
@@ -232,6 +234,43 @@ def test_split_keys_match_the_torch_math(case):
     want = reference.packed_attention(q, state, mask, None)
     got = cpu.decode_attention(q, state, mask, None)
     assert rel_err(got, want) < 1e-5, f"seed {seed}"
+
+
+YOUNG = [(1, 2, 2, 1, 64, 50, 16, 4, 2, 0, 5, 3, None, False),  # fewer positions than sinks
+         (2, 1, 4, 1, 64, 50, 16, 4, 4, 0, 4, 4, "bool", False)]  # exactly the sinks
+
+
+@needs_cc
+@pytest.mark.parametrize("case,split", [(c, None) for c in STATIC_CASES + YOUNG] + STATIC_SPLIT_CASES,
+                         ids=[f"s{i}" for i in range(len(STATIC_CASES + YOUNG))]
+                         + [f"split{i}" for i in range(len(STATIC_SPLIT_CASES))])
+def test_a_static_layer_reads_alike_through_its_dynamic_view(case, split, monkeypatch):
+    """A static layer (`TurboQuantStaticCache`) on the CPU: its positions held (not its capacity: slots past the length
+    and dead ring slots are poisoned) through `dynamic_view`, against `reference.static_attention`, by ops' dispatch."""
+    b, hkv, group, n, d, cap, ring, sinks, length, exact_from, kbits, vbits, mask_kind, per_head = case
+    seed = fresh_seed()
+    kv, _, _, _, _ = make_static_kv(b, hkv, cap, ring, sinks, length, exact_from, d, kbits, vbits, torch.float16,
+                                    seed, per_head, split)
+    g = torch.Generator().manual_seed(seed + 1)
+    q = torch.randn(b, hkv * group, n, d, generator=g).to(torch.float16)
+    mask = None
+    if mask_kind is not None:
+        allowed = torch.rand(b, 1, n, cap, generator=g) > 0.3
+        allowed[..., 0] = True
+        allowed[..., length:] = True  # positions past the length must be ignored all the same
+        mask = allowed if mask_kind == "bool" else torch.where(allowed, 0.0, float("-inf")) + torch.randn(
+            b, 1, n, cap, generator=g)
+    scale = d**-0.5 * 1.3
+    view = cpu.dynamic_view(kv)
+    assert cpu.serves(q, view) and not cpu.serves(q, kv)
+    calls = []
+    real = cpu.decode_attention
+    monkeypatch.setattr(cpu, "decode_attention", lambda *a: calls.append(1) or real(*a))
+    got = ops.decode_attention(q, kv, mask, scale)
+    assert calls == [1]
+    want = reference.static_attention(q, kv, mask, scale)
+    assert got.dtype == want.dtype and got.shape == want.shape
+    assert rel_err(got.float(), want.float()) < 1e-2, f"seed {seed}"
 
 
 @needs_cc

@@ -337,9 +337,9 @@ def _(packed, norms, quantizer_id, dtype):
 
 def decode_attention(query: torch.Tensor, kv, mask: torch.Tensor | None, scale: float | None) -> torch.Tensor:
     """Attention of query (B, Hq, n, D) over a `PackedKV` -> (B, n, Hq, D): the fused Triton kernel where it
-    serves the call (CUDA, or FUSED_BACKEND "triton"), the C kernels on the CPU where they serve it (`kernels.cpu`),
-    else the torch math (`reference.packed_attention` for a dynamic layer, `reference.static_attention` for a
-    static one)."""
+    serves the call (CUDA, or FUSED_BACKEND "triton"), the C kernels on the CPU where they serve it (`kernels.cpu`;
+    a static layer through `kernels.cpu.dynamic_view`), else the torch math (`reference.packed_attention` for a
+    dynamic layer, `reference.static_attention` for a static one)."""
     if getattr(kv, "key_offset", None) is not None:
         mask = _static_centring_mask(query, kv, mask, scale) if kv.static else _centring_mask(query, kv, mask, scale)
     backend = FUSED_BACKEND
@@ -348,10 +348,12 @@ def decode_attention(query: torch.Tensor, kv, mask: torch.Tensor | None, scale: 
             from .kernels.decode_attention import decode_attention as kernel
 
             return kernel(query, kv, mask, scale)
-    if backend == "auto" and query.device.type == "cpu" and _cpu_serves(query, kv):
+    if backend == "auto" and query.device.type == "cpu":
         from .kernels import cpu
 
-        return cpu.decode_attention(query, kv, mask, scale)
+        view = cpu.dynamic_view(kv) if kv.static else kv
+        if _cpu_serves(query, view):
+            return cpu.decode_attention(query, view, mask, scale)
     if kv.static:
         return reference.static_attention(query, kv, mask, scale)
     return reference.packed_attention(query, kv, mask, scale)

@@ -1,20 +1,22 @@
-"""Decode attention over a dynamic layer's `PackedKV` on the CPU: `reference.packed_attention`'s math, with the packed
+"""Decode attention over a layer's `PackedKV` on the CPU: `reference.packed_attention`'s math, with the packed
 history's scores and value sums computed in C (`decode.c`, compiled at first use by `jit`) straight from the packed
 codes, so that no dequantized copy of the history is made. The sinks, the ring, the softmax and the rotations stay in
-torch, as in the reference.
+torch, as in the reference. A static layer is read through `dynamic_view` (its positions held, not its capacity).
 """
 
 from __future__ import annotations
 
 import sys
 import weakref
+from dataclasses import replace
 
 import torch
 
 from ... import reference
 from .jit import JitError, library
 
-__all__ = ["JitError", "available", "serves", "decode_attention", "packed_scores_into", "packed_values"]
+__all__ = ["JitError", "available", "serves", "dynamic_view", "decode_attention", "packed_scores_into",
+           "packed_values"]
 
 MAX_DIM = 512  # decode.c's MAX_D
 # codes per table entry (decode.c's DEFINE_DECODE): the entry of a group of w codes is their b * w bits
@@ -33,6 +35,18 @@ def available() -> bool:
 
 def _codes_ok(packed: torch.Tensor, bits: int, d: int) -> bool:
     return packed.shape[-1] == d * bits // 8 and packed.stride(-1) == 1
+
+
+def dynamic_view(kv):
+    """A static layer's `PackedKV` read as a dynamic one: host lengths, and its live ring (position p at slot
+    p % ring) in position order. Its packed slots are positions already, as in the dynamic layout; a CPU static
+    layer's lengths are host memory, so reading them costs no sync."""
+    length = int(kv.length)
+    sinks = min(kv.sinks, length)
+    lq = max(int(kv.exact_from), sinks)  # a young or cropped layer's ring may also hold the sinks' positions
+    slots = torch.arange(lq, length, device=kv.ring_k.device) % kv.ring_k.shape[2]
+    return replace(kv, length=length, exact_from=lq, sinks=sinks, ring_k=kv.ring_k.index_select(2, slots),
+                   ring_v=kv.ring_v.index_select(2, slots))
 
 
 def serves(query: torch.Tensor, kv) -> bool:
