@@ -150,6 +150,13 @@ static inline int chunk_of(int tokens) {
     return even > CHUNK ? even : CHUNK;
 }
 
+/* Task `task`'s head i and tokens [t0, t1) */
+static inline void task_of(int64_t task, int chunks, int chunk, int tokens, int *i, int *t0, int *t1) {
+    *i = (int)(task / chunks);
+    *t0 = (int)(task % chunks) * chunk;
+    *t1 = tokens - *t0 > chunk ? *t0 + chunk : tokens;
+}
+
 /* Bad arguments: a nonzero code; the caller checks every shape first, so this only guards the memory. */
 static int check(int bh, int heads, int rows, int tokens, int d, int bits, int threads) {
     if (bh < 0 || heads <= 0 || rows <= 0 || tokens < 0 || d <= 0 || d > MAX_D || d % 8 || bits < 1 || bits > 8 ||
@@ -263,9 +270,9 @@ int tq_packed_scores(const uint8_t *codes, int64_t codes_sh, int64_t codes_st, c
     const int64_t tasks = (int64_t)bh * chunks;
 #pragma omp parallel for schedule(static) num_threads(threads)
     for (int64_t task = 0; task < tasks; task++) {
-        const int i = (int)(task / chunks), t0 = (int)(task % chunks) * chunk;
-        const int t1 = tokens - t0 > chunk ? t0 + chunk : tokens;
+        int i, t0, t1;
         decoder dec;
+        task_of(task, chunks, chunk, tokens, &i, &t0, &t1);
         decoder_init(&dec, tables + (int64_t)(i % heads) * table_stride, bits);
         scores_task(codes + i * codes_sh, codes_st, norms + i * norms_sh, q + i * q_sh, q_sr, &dec,
                     out + i * out_sh, out_sr, rows, t0, t1, tokens, d, bits, accumulate);
@@ -285,9 +292,9 @@ int tq_packed_values(const uint8_t *codes, int64_t codes_sh, int64_t codes_st, c
     if (tasks && !part) return 2;
 #pragma omp parallel for schedule(static) num_threads(threads)
     for (int64_t task = 0; task < tasks; task++) {
-        const int i = (int)(task / chunks), t0 = (int)(task % chunks) * chunk;
-        const int t1 = tokens - t0 > chunk ? t0 + chunk : tokens;
+        int i, t0, t1;
         decoder dec;
+        task_of(task, chunks, chunk, tokens, &i, &t0, &t1);
         decoder_init(&dec, tables + (int64_t)(i % heads) * table_stride, bits);
         values_task(codes + i * codes_sh, codes_st, norms + i * norms_sh, p + i * p_sh, p_sr, &dec,
                     part + task * per, rows, t0, t1, tokens, d, bits);
