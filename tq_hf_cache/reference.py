@@ -221,6 +221,24 @@ def softmax_rows(s: torch.Tensor) -> torch.Tensor:
     return torch.softmax(s, dim=-1).masked_fill(blind, 0.0)
 
 
+def exact_scores_into(s: torch.Tensor, q: torch.Tensor, kv) -> None:
+    """The scores of q (B, Hkv, rows, D) float32 against a dynamic `PackedKV`'s exact positions, written into their
+    slices of s (B, Hkv, rows, T): the sinks [0, sinks) and the ring [exact_from, length)."""
+    lq, t, ns = int(kv.exact_from), int(kv.length), kv.sinks
+    if ns:
+        torch.matmul(q, kv.sink_k[:, :, :ns].float().transpose(-1, -2), out=s[..., :ns])
+    torch.matmul(q, kv.ring_k[:, :, : t - lq].float().transpose(-1, -2), out=s[..., lq:])
+
+
+def add_exact_values(out: torch.Tensor, p: torch.Tensor, kv) -> torch.Tensor:
+    """out (B, Hkv, rows, D) plus the probabilities p (B, Hkv, rows, T) of the exact positions times their values."""
+    lq, t, ns = int(kv.exact_from), int(kv.length), kv.sinks
+    out += p[..., lq:] @ kv.ring_v[:, :, : t - lq].float()
+    if ns:
+        out += p[..., :ns] @ kv.sink_v[:, :, :ns].float()
+    return out
+
+
 def decode_probabilities(s: torch.Tensor, mask: torch.Tensor | None, heads: int, n: int) -> torch.Tensor:
     """Softmax of scaled scores s (B, Hkv, rows, T), rows being the query heads of a KV head times the n queries (the
     last n positions), under `mask` (boolean True = attend, or additive; None: causal), in place of s's shape."""
@@ -257,19 +275,14 @@ def packed_attention(query: torch.Tensor, kv, mask: torch.Tensor | None, scale: 
     # positions: [sinks | packed after the sinks | ring], each part's scores written into its slice of s
     s = q.new_empty(b, hkv, g * n, t)
     s[..., ns:lq] = packed_scores(q, kv, ns, lq)
-    if ns:
-        torch.matmul(q, kv.sink_k[:, :, :ns].float().transpose(-1, -2), out=s[..., :ns])
-    torch.matmul(q, kv.ring_k[:, :, : t - lq].float().transpose(-1, -2), out=s[..., lq:])
+    exact_scores_into(s, q, kv)
     p = decode_probabilities(s.mul_(scale), mask, hq, n)
     vcb = kv.v_codebook
     row_major = d % 8 == 0 and sys.byteorder == "little" and kv.v_packed.shape[-1] == d * vcb.bits // 8
     vc = centroids(kv.v_packed[:, :, ns:lq], vcb, d, row_major)  # (B, Hkv, lq - ns, D): rotated unit vectors
     p_packed = p[..., ns:lq] * kv.v_norms[:, :, None, ns:lq].float()
     inverse = row_major_matrix(kv.rotation, vcb.bits) if row_major else kv.rotation.matrix
-    out = (p_packed @ vc) @ inverse.to(vc.device)
-    out += p[..., lq:] @ kv.ring_v[:, :, : t - lq].float()
-    if ns:
-        out += p[..., :ns] @ kv.sink_v[:, :, :ns].float()
+    out = add_exact_values((p_packed @ vc) @ inverse.to(vc.device), p, kv)
     return out.view(b, hq, n, d).transpose(1, 2).to(query.dtype).contiguous()
 
 

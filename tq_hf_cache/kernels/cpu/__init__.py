@@ -7,7 +7,6 @@ torch, as in the reference. A static layer is read through `dynamic_view` (its p
 from __future__ import annotations
 
 import sys
-import weakref
 from dataclasses import replace
 
 import torch
@@ -19,9 +18,6 @@ __all__ = ["JitError", "available", "serves", "dynamic_view", "decode_attention"
            "packed_values"]
 
 MAX_DIM = 512  # decode.c's MAX_D
-# codes per table entry (decode.c's DEFINE_DECODE): the entry of a group of w codes is their b * w bits
-ENTRY_CODES = {1: 4, 2: 4, 3: 4, 4: 2, 5: 2, 6: 2, 7: 1, 8: 1}
-_TABLES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
 def available() -> bool:
@@ -65,20 +61,6 @@ def serves(query: torch.Tensor, kv) -> bool:
     return all(dim % 8 == 0 and _codes_ok(packed, bits, dim) for packed, bits, dim in keys)
 
 
-def entry_table(codebook) -> torch.Tensor:
-    """(heads or 1, 2**(bits w), w) float32: entry e holds the centroids of the w = ENTRY_CODES[bits] codes packed in
-    e's bits, lowest first. Kept while the codebook lives."""
-    table = _TABLES.get(codebook)
-    if table is None:
-        bits, w = codebook.bits, ENTRY_CODES[codebook.bits]
-        c = codebook.centroids.detach().to(device="cpu", dtype=torch.float32)
-        e = torch.arange(2 ** (bits * w))
-        table = torch.stack([c[..., (e >> (bits * i)) & (2**bits - 1)] for i in range(w)], dim=-1)
-        table = table.reshape(-1, 2 ** (bits * w), w).contiguous()
-        _TABLES[codebook] = table
-    return table
-
-
 def _heads(t: torch.Tensor) -> torch.Tensor:
     """t (B, H, ...) with one stride between the B x H heads (a copy only where the B and H strides disagree)."""
     if t.shape[0] > 1 and t.stride(0) != t.shape[1] * t.stride(1):
@@ -96,13 +78,16 @@ MAX_TOKENS = 2**31 - 2**24  # the C's int token counts, with room for its chunk 
 
 
 def _table(codebook, h: int) -> tuple[torch.Tensor, int, int]:
-    """(table, its head stride, its heads) for h KV heads: a per-head codebook must have exactly h."""
-    table = entry_table(codebook)
+    """(table, its head stride, its heads) for h KV heads: the torch math's centroid table (`reference.centroids`:
+    entry e holds the centroids of the w codes packed in e's bits, w as decode.c's DEFINE_DECODE takes it), as
+    float32. A per-head codebook must have exactly h heads."""
+    table = reference._centroid_table(codebook, torch.device("cpu")).view(torch.float32)
     if not codebook.per_head:
         return table, 0, 1
-    if table.shape[0] != h:
-        raise ValueError(f"a per-head codebook for {table.shape[0]} heads cannot read codes of {h} KV heads")
-    return table, table[0].numel(), h
+    heads = codebook.centroids.shape[0]
+    if heads != h:
+        raise ValueError(f"a per-head codebook for {heads} heads cannot read codes of {h} KV heads")
+    return table, table.numel() // heads, h
 
 
 def _codes(codes: torch.Tensor, bits: int, d: int, b: int, h: int, tokens: int) -> torch.Tensor:
@@ -130,7 +115,7 @@ def packed_scores_into(out: torch.Tensor, codes: torch.Tensor, norms: torch.Tens
     _check("norms", norms, torch.float32, (b, h, tokens))
     _check("q", q, torch.float32, (b, h, rows, d))
     _check("out", out, torch.float32, (b, h, rows, tokens))
-    norms, q = _heads(norms.contiguous()), q.contiguous()
+    norms, q = norms.contiguous(), q.contiguous()
     if (out.stride(-1) != 1 or (b > 1 and out.stride(0) != h * out.stride(1)) or (rows > 1 and out.stride(2) < tokens)
             or (h > 1 and out.stride(1) < rows * out.stride(2))):
         raise ValueError(f"out: its last dim must be contiguous, its rows and heads apart and its heads evenly "
@@ -155,7 +140,7 @@ def packed_values(p: torch.Tensor, codes: torch.Tensor, norms: torch.Tensor, cod
     codes = _codes(codes, bits, d, b, h, tokens)
     _check("norms", norms, torch.float32, (b, h, tokens))
     _check("p", p, torch.float32, (b, h, rows, tokens))
-    norms = _heads(norms.contiguous())
+    norms = norms.contiguous()
     if p.stride(-1) != 1 or (b > 1 and p.stride(0) != h * p.stride(1)):
         p = p.contiguous()
     table, table_stride, heads = _table(codebook, h)
@@ -190,13 +175,8 @@ def decode_attention(query: torch.Tensor, kv, mask: torch.Tensor | None, scale: 
     for i, (qp, rot, cb, packed, norms) in enumerate(parts):
         rq = qp @ rot.matrix.T
         packed_scores_into(s[..., ns:lq], packed[:, :, ns:lq], norms[:, :, ns:lq].float(), rq, cb, accumulate=i > 0)
-    if ns:
-        torch.matmul(q, kv.sink_k[:, :, :ns].float().transpose(-1, -2), out=s[..., :ns])
-    torch.matmul(q, kv.ring_k[:, :, : t - lq].float().transpose(-1, -2), out=s[..., lq:])
+    reference.exact_scores_into(s, q, kv)
     p = reference.decode_probabilities(s.mul_(scale), mask, hq, n)
     out = packed_values(p[..., ns:lq], kv.v_packed[:, :, ns:lq], kv.v_norms[:, :, ns:lq].float(), kv.v_codebook, d)
-    out = out @ kv.rotation.matrix
-    out += p[..., lq:] @ kv.ring_v[:, :, : t - lq].float()
-    if ns:
-        out += p[..., :ns] @ kv.sink_v[:, :, :ns].float()
+    out = reference.add_exact_values(out @ kv.rotation.matrix, p, kv)
     return out.view(b, hq, n, d).transpose(1, 2).to(query.dtype).contiguous()

@@ -37,7 +37,7 @@ static void decoder_init(decoder *dec, const float *tab, int bits) {
 #ifndef VECTOR_DECODE
     (void)bits;
 #else
-    static const int ENTRY_CODES[9] = {0, 4, 4, 4, 2, 2, 2, 1, 1}; /* W by width (kernels.cpu.ENTRY_CODES) */
+    static const int ENTRY_CODES[9] = {0, 4, 4, 4, 2, 2, 2, 1, 1}; /* W by width (reference._ROW_COORDS) */
     const int w = ENTRY_CODES[bits], n = 1 << bits;
     for (int k = 0; k < 256; k++) dec->cent[k] = k < n ? tab[k * w] : 0.0f; /* entry k < 2^B: codes k, 0, 0, ... */
     for (int m = 0; m < 4; m++) dec->t[m] = _mm256_loadu_ps(dec->cent + 8 * m);
