@@ -783,8 +783,12 @@ __device__ __forceinline__ void exact_part(const Params& p, unsigned char* smem,
 #define NV (D / 4)                 // float4 columns of a row
 #define CG (WARPS * 32 / NV)       // channel groups of the rotation (thread (cg, xv) = (tid / NV, tid % NV))
 #define CPG (D / CG)               // channels a group sums
-#define PRE (CPG < 16 ? CPG : 16)  // rows of Pi a thread loads before the partials
+// rows of Pi a thread loads before the partials (fewer where its ROWS accumulators need the registers), and in each
+// later step of the rotation
+#define PRE (ROWS <= 4 ? (CPG < 16 ? CPG : 16) : ROWS <= 8 ? (CPG < 8 ? CPG : 8) : 0)
+#define UNROLL (PRE > 0 ? PRE : (CPG < 8 ? CPG : 8))
 #define EPT ((ROWS * D + WARPS * 32 - 1) / (WARPS * 32))  // output elements a thread writes
+#define XPRE (ROWS <= 8)  // the exact partial's values loaded before the packed partials too
 __device__ __forceinline__ void merge_last(const Params& p, unsigned char* smem, int bh) {
   float* ys = reinterpret_cast<float*>(smem);  // (ROWS, D) the merged packed partial, rotated
   float* red = ys + ROWS * D;                  // (CG, ROWS, D) the channel groups' parts of ys Pi
@@ -795,17 +799,22 @@ __device__ __forceinline__ void merge_last(const Params& p, unsigned char* smem,
   const i64 base = static_cast<i64>(bh) * (ns + 1), ex = base + ns;
   const int xv = tid % NV, cg = tid / NV;
   const float4* pi4 = reinterpret_cast<const float4*>(p.pi);
-  float4 w0[PRE];
+  float4 w0[UNROLL];
+  if constexpr (PRE > 0) {
 #pragma unroll
-  for (int k = 0; k < PRE; ++k) w0[k] = __ldg(pi4 + (cg * CPG + k) * NV + xv);
+    for (int k = 0; k < PRE; ++k) w0[k] = __ldg(pi4 + (cg * CPG + k) * NV + xv);
+  }
   float xa[EPT], xm[EPT], xl[EPT];
-#pragma unroll
-  for (int i = 0; i < EPT; ++i) {
+  auto exact_value = [&](int i) {  // the exact partial at this thread's output element i
     const int e = tid + i * WARPS * 32, r = e / D;
     const bool ok = e < ROWS * D && r < live;
     xa[i] = ok ? __ldcg(p.acc + (ex * R + r) * D + e % D) : 0.0f;
     xm[i] = ok ? __ldcg(p.ml + ex * 2 * R + r) : NEG_INF;
     xl[i] = ok ? __ldcg(p.ml + ex * 2 * R + R + r) : 0.0f;
+  };
+  if constexpr (XPRE) {
+#pragma unroll
+    for (int i = 0; i < EPT; ++i) exact_value(i);
   }
   for (int r = warp; r < ROWS; r += WARPS) {  // per lane over its splits, then across the warp
     float M = NEG_INF, L = 0.0f;
@@ -850,13 +859,14 @@ __device__ __forceinline__ void merge_last(const Params& p, unsigned char* smem,
     float4 y[ROWS];
 #pragma unroll
     for (int r = 0; r < ROWS; ++r) y[r] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+#pragma unroll 1
+    for (int c0 = 0; c0 < CPG; c0 += UNROLL) {  // (one step's loads in flight: the accumulators need the registers)
+      float4 w[UNROLL];
 #pragma unroll
-    for (int c0 = 0; c0 < CPG; c0 += PRE) {
-      float4 w[PRE];
+      for (int k = 0; k < UNROLL; ++k)
+        w[k] = PRE > 0 && c0 == 0 ? w0[k] : __ldg(pi4 + (cg * CPG + c0 + k) * NV + xv);
 #pragma unroll
-      for (int k = 0; k < PRE; ++k) w[k] = c0 == 0 ? w0[k] : __ldg(pi4 + (cg * CPG + c0 + k) * NV + xv);
-#pragma unroll
-      for (int k = 0; k < PRE; ++k)
+      for (int k = 0; k < UNROLL; ++k)
 #pragma unroll
         for (int r = 0; r < ROWS; ++r) {
           if (r >= live) continue;
@@ -875,6 +885,7 @@ __device__ __forceinline__ void merge_last(const Params& p, unsigned char* smem,
   for (int i = 0; i < EPT; ++i) {
     const int e = tid + i * WARPS * 32, r = e / D, x = e % D;
     if (e >= ROWS * D || r >= live) continue;
+    if constexpr (!XPRE) exact_value(i);
     float y = 0.0f;
 #pragma unroll
     for (int cg = 0; cg < CG; ++cg) y += red[(cg * ROWS + r) * D + x];
