@@ -161,6 +161,58 @@ def test_large_norms_are_stored_not_clamped(dtype):
     assert cache.layers[0].k_buf.norms.dtype == torch.float16
 
 
+def _big_chunks(split: bool):
+    """A cache whose second 20-token chunk (longer than a decode step) holds a key past float16's range (token 28),
+    after an ordinary first one."""
+    extra = dict(key_split={0: {"sizes": [16, 16], "bits": [6, 3], "order": [list(range(31, -1, -1))] * 2}}) if split else {}
+    cache = TurboQuantCache(key_bits=8, value_bits=8, residual_length=2, sink_tokens=0, **extra)
+    k, v = kv(t=40, dtype=torch.float32)
+    k[:, :, 28] *= 2e5 / k[:, :, 28].norm(dim=-1, keepdim=True)
+    return cache, k, v
+
+
+@pytest.mark.parametrize("split", [False, True], ids=["whole", "split"])
+@pytest.mark.parametrize("read", ["keys", "pickle", "deepcopy", "next_chunk", "crop", "crop_below_then_append"])
+def test_a_pending_norm_check_settles_before_any_use(split, read):
+    """The check of a quantize call waits until the layer's norms are next used (so the host never waits for the
+    GPU there); every use settles it first: the big norm then reads back exact, never inf."""
+    import copy
+
+    cache, k, v = _big_chunks(split)
+    cache.update(k[:, :, :20], v[:, :, :20], 0)
+    cache.update(k[:, :, 20:], v[:, :, 20:], 0)  # quantizes tokens 18..37: the check is pending
+    layer = cache.layers[0]
+    assert all(b.pending is not None for b in layer._buffers())
+    assert all(b.raw_norms().dtype == torch.float16 for b in layer._buffers())
+    with pytest.warns(RuntimeWarning, match="float32"):
+        if read == "keys":
+            got = layer.keys
+        elif read == "pickle":
+            layer = pickle.loads(pickle.dumps(cache)).layers[0]
+        elif read == "deepcopy":
+            layer = copy.deepcopy(cache).layers[0]
+        elif read == "next_chunk":
+            cache.update(*kv(t=3, seed=5), 0)
+        elif read == "crop":  # a crop moves no norm: the read after it settles
+            cache.crop(30)
+            layer.keys
+        else:  # the big key cropped away, its slot written again: settled before that write
+            cache.crop(25)
+            cache.update(*kv(t=20, seed=5), 0)
+    assert all(b.pending is None and b.norms.dtype == torch.float32 for b in layer._buffers())
+    got = layer.keys.float()
+    assert torch.isfinite(got).all()
+    if read == "crop_below_then_append":
+        return
+    ratio = got[:, :, 28].norm(dim=-1) / k[:, :, 28].norm(dim=-1)
+    assert torch.allclose(ratio, torch.ones_like(ratio), atol=0.05), ratio
+    if read in ("keys", "next_chunk"):  # the stored norm of the big key is its exact float32 norm
+        stored = [b.live()[1][:, :, 28] for b in layer._key_buffers()]
+        want = [x.norm(dim=-1) for x in (layer.key_split.split(k[:, :, 28:29]) if split else [k[:, :, 28:29]])]
+        for s_, w in zip(stored, want):
+            torch.testing.assert_close(s_, w[..., 0], rtol=1e-5, atol=0, msg="the big key's stored norm")
+
+
 def test_ordinary_norms_keep_float16_storage():
     cache = TurboQuantCache(residual_length=0)
     cache.update(*kv(t=6), 0)
@@ -546,9 +598,10 @@ def test_large_norms_through_the_kernels():
     cache = TurboQuantCache(key_bits=8, value_bits=8, residual_length=0, sink_tokens=0)
     k, v = (t.cuda() for t in kv(h=2, t=40, d=128))
     k[:, :, 5] *= 2e5 / k[:, :, 5].norm(dim=-1, keepdim=True)
-    with pytest.warns(RuntimeWarning, match="float32"):
+    with pytest.warns(RuntimeWarning, match="float32"):  # settled when the norms are next used
         cache.update(k.bfloat16(), v.bfloat16(), 0)
-    ratio = cache.layers[0].keys.float().norm(dim=-1) / k.bfloat16().float().norm(dim=-1)
+        keys = cache.layers[0].keys
+    ratio = keys.float().norm(dim=-1) / k.bfloat16().float().norm(dim=-1)
     assert cache.layers[0].k_buf.norms.dtype == torch.float32
     assert torch.allclose(ratio, torch.ones_like(ratio), atol=0.03), ratio
 

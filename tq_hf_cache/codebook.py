@@ -58,7 +58,13 @@ class Codebook:
         return self.centroids.dim() == 2
 
     def to(self, device) -> "Codebook":
-        return Codebook(self.bits, self.centroids.to(device), self.boundaries.to(device), self.fingerprint)
+        """This codebook on `device`. From the host to a GPU the copies do not wait for the GPU's queue (a pageable
+        source is read before the call returns): a cache's layers make theirs during a prefill, where a wait per
+        layer would keep the host from running ahead of the GPU."""
+        device = torch.device(device)
+        ahead = self.centroids.device.type == "cpu" and not self.centroids.is_pinned() and device.type == "cuda"
+        return Codebook(self.bits, self.centroids.to(device, non_blocking=ahead),
+                        self.boundaries.to(device, non_blocking=ahead), self.fingerprint)
 
 
 def coordinate_density(x: torch.Tensor, dim: int) -> torch.Tensor:

@@ -1,16 +1,14 @@
 """How a `TurboQuantLayer` stores tokens (a part of it, by concern): the residual window, whose overflow is
 quantized once into the packed buffers; the exact copies of the sink tokens; the key centring's mean; the norms'
-dtype widened before a norm would overflow float16."""
+float16 range checked without waiting for the GPU (`norm_check`)."""
 
 from __future__ import annotations
 
-import warnings
 
 import torch
 
 from . import ops
-
-FP16_MAX = 65504.0
+from .norm_check import NormCheck, largest_finite_norm
 
 
 class LayerStore:
@@ -87,8 +85,8 @@ class LayerStore:
                 first = first if first < n else 0
                 self._mu = self.rope.invert(k[:, :, first:], pos[first:]).mean(dim=2, keepdim=True)
             kq = k.float() - self.rope.apply(self._mu, pos)
-        if self.norm_dtype == torch.float16:
-            self._widen_norms_if_needed(kq, v)
+        self._settle_norm_check()
+        biggest = largest_finite_norm(kq, v) if self.norm_dtype == torch.float16 else None
         if self._slen < self.sink_tokens:
             # the sequence's first tokens are being quantized: keep exact copies of them (attention sinks). While
             # they sit in the residual window they are exact anyway, so a short prompt holds no second copy.
@@ -96,32 +94,27 @@ class LayerStore:
             self._sk = torch.cat([self._sk[:, :, : self._slen], k[:, :, :take]], dim=2)
             self._sv = torch.cat([self._sv[:, :, : self._slen], v[:, :, :take]], dim=2)
             self._slen += take
-        pk, nk = self.k_buf.append_slots(n)
-        pv, nv = self.v_buf.append_slots(n)
+        bufs = self._buffers()  # keys (part 0, the other parts), values
+        slots = [b.append_slots(n) for b in bufs]
+        # under a pending check the quantize writes float32 norms to the side, stored as float16 after it
+        outs = slots if biggest is None else [(p, torch.empty(nm.shape, dtype=torch.float32, device=nm.device))
+                                               for p, nm in slots]
+        (pk, nk), (pv, nv) = outs[0], outs[-1]
         if self.key_split is not None:
-            ops.quantize_split_into(kq, self.key_split, [(pk, nk)] + [b.append_slots(n) for b in self.k_more])
+            ops.quantize_split_into(kq, self.key_split, outs[:-1])
             ops.quantize_into(v, self.rotation, self.v_codebook, pv, nv)
         elif kq is k:
             ops.quantize_kv_into(k, v, self.rotation, self.k_codebook, self.v_codebook, pk, nk, pv, nv)
         else:
             ops.quantize_into(kq, self.rotation, self.k_codebook, pk, nk)
             ops.quantize_into(v, self.rotation, self.v_codebook, pv, nv)
+        if biggest is not None:
+            for (_, stored), (_, exact) in zip(slots, outs):
+                stored.copy_(exact)
+            NormCheck(biggest, self, [(b, b.start + b.length - n, exact) for b, (_, exact) in zip(bufs, outs)])
 
-    def _widen_norms_if_needed(self, k: torch.Tensor, v: torch.Tensor) -> None:
-        """float16 norms end at 65504: before a finite norm above that is stored, switch this layer's norms to
-        float32 (the stored ones convert exactly), so that no norm is clamped. One read back to the host per quantize
-        call."""
-        # one read back to the host (a boolean index would add a second: its size), no float32 copy of k and v
-        norms = [torch.linalg.vector_norm(x, dim=-1, dtype=torch.float32) for x in (k, v)]
-        biggest = float(torch.stack([torch.where(torch.isfinite(n), n, 0.0).amax() for n in norms]).amax())
-        if biggest > FP16_MAX:
-            warnings.warn(
-                f"tq_hf_cache: layer {self.layer_idx} has a key/value norm of {biggest:.4g}, above float16's "
-                f"range ({FP16_MAX:.0f}); its norms are stored in float32 from now on (2 more bytes per vector). "
-                "Set norm_dtype='float32' to choose this up front.",
-                RuntimeWarning,
-                stacklevel=2,
-            )
-            self.norm_dtype = torch.float32
-            for buf in self._buffers():
-                buf.norms = buf.norms.float()
+    def _settle_norm_check(self) -> None:
+        """Settle the last quantize call's norm check (`norm_check`), if it is still pending."""
+        for buf in self._buffers():
+            if buf.pending is not None:
+                buf.pending.settle()

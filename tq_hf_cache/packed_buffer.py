@@ -10,15 +10,50 @@ GROW_TOKENS = 256
 
 
 class PackedBuffer:
-    """Packed indices (B, H, capacity, nbytes) and norms (B, H, capacity); tokens [start, start + length) are live."""
+    """Packed indices (B, H, capacity, nbytes) and norms (B, H, capacity); tokens [start, start + length) are live.
+
+    `pending`: a `norm_check.NormCheck` of the last quantize call not settled yet; any use of the norms (reading,
+    moving, copying or pickling the buffer) settles it first."""
+
+    pending = None
 
     def __init__(self, batch: int, heads: int, dim: int, bits: int, norm_dtype: torch.dtype, device: torch.device):
         self.dim, self.bits = dim, bits
         self.nbytes_per_vec = packed_bytes(dim, bits)
         self.packed = torch.empty(batch, heads, 0, self.nbytes_per_vec, dtype=torch.uint8, device=device)
-        self.norms = torch.empty(batch, heads, 0, dtype=norm_dtype, device=device)
+        self._norms = torch.empty(batch, heads, 0, dtype=norm_dtype, device=device)
         self.start = 0
         self.length = 0
+
+    @property
+    def norms(self) -> torch.Tensor:
+        if self.pending is not None:
+            self.pending.settle()
+        return self._norms
+
+    @norms.setter
+    def norms(self, value: torch.Tensor) -> None:
+        if self.pending is not None:
+            self.pending.settle()
+        self._norms = value
+
+    def raw_norms(self) -> torch.Tensor:
+        """The norms without settling a pending check (for the check itself)."""
+        return self._norms
+
+    def widen_norms(self) -> None:
+        """Store the norms in float32 from now on (the stored ones convert exactly)."""
+        self._norms = self._norms.float()
+
+    def __getstate__(self) -> dict:
+        if self.pending is not None:
+            self.pending.settle()
+        return dict(self.__dict__)
+
+    def __setstate__(self, state: dict) -> None:
+        if "norms" in state:  # pickled before the norms became a property
+            state["_norms"] = state.pop("norms")
+        self.__dict__.update(state)
 
     @property
     def capacity(self) -> int:
