@@ -433,3 +433,18 @@ def test_a_huge_key_split_size_in_the_index_is_refused_without_building_it(tmp_p
                                                                          "order": [[0, 1], [1, 0]]}}))
     with pytest.raises(ValueError, match=r"field tq_config is invalid: key_split\[0\]"):
         TurboQuantCache.load_prefix(str(tmp_path), cfg)
+
+
+def test_quantizer_digest_remembered_per_rotation_and_codebooks_is_the_computed_one():
+    """The digest is remembered per rotation object and codebook fingerprints (no read of GPU tensors per restored
+    layer); what it returns is the digest of the tensors, and another codebook or rotation gives another."""
+    from tq_hf_cache.codebook import theoretical_codebook
+    from tq_hf_cache.prefix import _quantizer_digest, quantizer_digest
+    from tq_hf_cache.rotation import make_rotation
+
+    rot, other_rot = make_rotation(32, 3), make_rotation(32, 4)
+    k3, v2 = theoretical_codebook(3, 32), theoretical_codebook(2, 32)
+    first = quantizer_digest(rot, k3, v2)
+    assert first == quantizer_digest(rot, k3, v2) == _quantizer_digest(rot, k3, v2)
+    assert quantizer_digest(rot, v2, k3) != first
+    assert quantizer_digest(other_rot, k3, v2) == _quantizer_digest(other_rot, k3, v2) != first

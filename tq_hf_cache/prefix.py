@@ -20,6 +20,7 @@ import hashlib
 import json
 import os
 import re
+import weakref
 from typing import Any
 
 import torch
@@ -77,9 +78,25 @@ def weights_digest(model) -> str:
     return h.hexdigest()
 
 
+_DIGESTS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # rotation -> {codebook fingerprints: digest}
+
+
 def quantizer_digest(rotation, k_codebook, v_codebook, key_split=None) -> str:
     """What stored codes mean: the rotation and both codebooks, and with split keys each part's rotation, codebook
-    and channels."""
+    and channels.
+
+    Remembered per rotation object and codebook fingerprints (the rotations are shared by the caches of a process):
+    the tensors live on the GPU, and reading them back at every restored layer would make the host wait there."""
+    key = (k_codebook.fingerprint, v_codebook.fingerprint)
+    if key_split is None and all(key):
+        known = _DIGESTS.get(rotation, {}).get(key)
+        if known is None:
+            known = _DIGESTS.setdefault(rotation, {})[key] = _quantizer_digest(rotation, k_codebook, v_codebook)
+        return known
+    return _quantizer_digest(rotation, k_codebook, v_codebook, key_split)
+
+
+def _quantizer_digest(rotation, k_codebook, v_codebook, key_split=None) -> str:
     h = hashlib.sha256()
     ts = [rotation.matrix, k_codebook.centroids, v_codebook.centroids]
     if key_split is not None:
