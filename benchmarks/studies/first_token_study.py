@@ -7,7 +7,9 @@ PROFILE_FIRST=1 the first) of a warm run gives the top kernels, their summed dev
 Rows run in a rotating order per context, so no row always pays the process's first use of a library (cuBLAS /
 cuDNN handles). GENERATE=N: then the first and second `generate` call (N-token prompt, 16 new tokens) of each static
 cache, the first holding compile and CUDA-graph capture; in the order of GEN_ROWS. Run the script twice on one
-machine to see the first call with warm disk caches (Triton's, the CUDA kernel's, inductor's).
+machine to see the first call with warm disk caches (Triton's, the CUDA kernel's, inductor's). REPS=N: N warm runs
+per row (warm, warm2, ...). Each run also records `host_s`: when the host had queued every chunk's work (close to the
+wall time where the host, not the GPU, is the bound, or where it waits for the GPU).
 
     CTXS=4096,32768,131072,8x32768 python benchmarks/studies/first_token_study.py   # writes $OUT/first_token_study.json
 """
@@ -31,6 +33,7 @@ ROWS = os.environ.get("ROWS", "static,tq_static,dynamic,tq").split(",")
 PROFILE_FIRST = os.environ.get("PROFILE_FIRST", "0") == "1"
 GENERATE = int(os.environ.get("GENERATE", "0"))
 GEN_ROWS = os.environ.get("GEN_ROWS", "static,tq_static").split(",")
+REPS = int(os.environ.get("REPS", "1"))  # warm runs per row (warm, warm2, ...)
 OUT_NAME = os.environ.get("OUT_NAME", "first_token_study.json")
 CHUNK = 8192
 
@@ -59,7 +62,7 @@ def make(model, row, cap):
 def prefill(model, cache, ids, profile_last=False, profile_first=False):
     """Per-chunk seconds; with `profile_last` / `profile_first`, also that chunk's top CUDA kernels (ms), their
     total and the chunk's wall time under the profiler."""
-    times, top = [], {}
+    times, issued, top = [], [], {}
     for s in range(0, ids.shape[1], CHUNK):
         e = min(ids.shape[1], s + CHUNK)
         which = "last" if profile_last and e == ids.shape[1] else "first" if profile_first and s == 0 else None
@@ -83,9 +86,10 @@ def prefill(model, cache, ids, profile_last=False, profile_first=False):
                           "top_ms": {k: round(v, 3) for k, v in sorted(agg.items(), key=lambda kv: -kv[1])[:12]}}
         else:
             run()
+        issued.append(time.perf_counter() - t0)
         torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)
-    return times, top
+    return times, issued, top
 
 
 def main():
@@ -102,15 +106,16 @@ def main():
         for row in order:
             r = {"batch": B, "ctx": T, "row": row}
             try:
-                for run in ("first", "warm"):
+                for run in ("first", "warm") + tuple(f"warm{i}" for i in range(2, REPS + 1)):
                     gc.collect()
                     torch.cuda.empty_cache()
                     torch.cuda.reset_peak_memory_stats()
                     cache = make(model, row, T + 64)
-                    times, top = prefill(model, cache, ids, profile_last=run == "warm" and T >= 65536,
+                    times, issued, top = prefill(model, cache, ids, profile_last=run == "warm" and T >= 65536,
                                          profile_first=run == "warm" and PROFILE_FIRST)
                     r[f"{run}_s"] = sum(times)
                     r[f"{run}_chunks_s"] = [round(t, 4) for t in times]
+                    r[f"{run}_host_s"] = round(sum(issued), 4)  # until the host had issued every chunk's work
                     r[f"{run}_peak_over_weights_gib"] = (torch.cuda.max_memory_allocated() - weights) / 2**30
                     for which, prof in top.items():
                         r[f"{which}_chunk_profile"] = prof
