@@ -62,7 +62,7 @@ class Codebook:
         source is read before the call returns): a cache's layers make theirs during a prefill, where a wait per
         layer would keep the host from running ahead of the GPU."""
         device = torch.device(device)
-        ahead = self.centroids.device.type == "cpu" and not self.centroids.is_pinned() and device.type == "cuda"
+        ahead = device.type == "cuda" and self.centroids.device.type == "cpu" and not self.centroids.is_pinned()
         return Codebook(self.bits, self.centroids.to(device, non_blocking=ahead),
                         self.boundaries.to(device, non_blocking=ahead), self.fingerprint)
 
