@@ -200,6 +200,7 @@ def test_a_pending_norm_check_settles_before_any_use(split, read):
             cache.crop(25)
             cache.update(*kv(t=20, seed=5), 0)
     assert all(b.pending is None and b.norms.dtype == torch.float32 for b in layer._buffers())
+    assert layer.norm_dtype == torch.float32  # a copy too: the layer settles before its state is taken
     got = layer.keys.float()
     assert torch.isfinite(got).all()
     if read == "crop_below_then_append":
@@ -211,6 +212,42 @@ def test_a_pending_norm_check_settles_before_any_use(split, read):
         want = [x.norm(dim=-1) for x in (layer.key_split.split(k[:, :, 28:29]) if split else [k[:, :, 28:29]])]
         for s_, w in zip(stored, want):
             torch.testing.assert_close(s_, w[..., 0], rtol=1e-5, atol=0, msg="the big key's stored norm")
+
+
+def test_a_norm_check_that_fails_to_warn_has_still_widened():
+    """With warnings raised as errors the widening warning stops the read that settled the check, but the norms are
+    final before it is raised: the next read is exact, never inf."""
+    import warnings
+
+    cache, k, v = _big_chunks(False)
+    cache.update(k[:, :, :20], v[:, :, :20], 0)
+    cache.update(k[:, :, 20:], v[:, :, 20:], 0)
+    layer = cache.layers[0]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with pytest.raises(RuntimeWarning, match="float32"):
+            layer.keys
+    assert layer.norm_dtype == torch.float32 and all(b.pending is None for b in layer._buffers())
+    assert torch.isfinite(layer.keys.float()).all()
+
+
+def test_a_pending_norm_check_keeps_no_dropped_cache_alive():
+    """The check holds its buffers and layer weakly: a cache dropped before anything read its norms is freed at once,
+    without the cycle collector."""
+    import gc
+    import weakref
+
+    cache, k, v = _big_chunks(False)
+    cache.update(k[:, :, :20], v[:, :, :20], 0)
+    cache.update(k[:, :, 20:], v[:, :, 20:], 0)
+    refs = [weakref.ref(b) for b in cache.layers[0]._buffers()] + [weakref.ref(cache.layers[0])]
+    assert all(r().pending is not None for r in refs[:-1])
+    gc.disable()
+    try:
+        del cache
+        assert all(r() is None for r in refs)
+    finally:
+        gc.enable()
 
 
 def test_ordinary_norms_keep_float16_storage():

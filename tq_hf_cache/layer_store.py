@@ -113,6 +113,12 @@ class LayerStore:
                 stored.copy_(exact)
             NormCheck(biggest, self, [(b, b.start + b.length - n, exact) for b, (_, exact) in zip(bufs, outs)])
 
+    def __getstate__(self) -> dict:
+        """A copy or pickle takes the layer as it will read: its norm check settled first (the check may widen the
+        norms' dtype, which the layer's `norm_dtype` records)."""
+        self._settle_norm_check()
+        return dict(self.__dict__)
+
     def _settle_norm_check(self) -> None:
         """Settle the last quantize call's norm check (`norm_check`), if it is still pending."""
         for buf in self._buffers():

@@ -12,6 +12,7 @@ is ever read clamped.
 
 from __future__ import annotations
 
+import threading
 import warnings
 import weakref
 
@@ -30,6 +31,9 @@ def largest_finite_norm(*xs: torch.Tensor) -> torch.Tensor:
 class NormCheck:
     """One quantize call's pending check. `writes`: (buffer, first slot, the float32 norms stored there as float16)
     for every buffer of `layer` the call wrote; each buffer holds this check as its `pending` until it is settled.
+    The check holds the buffers and the layer weakly (no reference cycle keeps a dropped cache alive), and settles
+    under a lock: a buffer's `pending` is cleared only once its norms are final, so another thread that reads them
+    meanwhile waits here instead.
 
     Example:
         check = NormCheck(largest_finite_norm(k, v), layer, [(layer.k_buf, at, k_norms32), (layer.v_buf, at, v_norms32)])
@@ -45,35 +49,42 @@ class NormCheck:
         else:
             self._host, self._done = biggest, None
         self._layer = weakref.ref(layer)
-        self._writes = writes
+        self._writes = [(weakref.ref(buf), at, norms) for buf, at, norms in writes]
+        self._lock = threading.Lock()
         for buf, _, _ in writes:
             buf.pending = self
 
     def settle(self) -> None:
-        """Wait for the check's value (long ready, as a rule), and widen the layer's norms if it calls for that."""
-        writes, self._writes = self._writes, None
-        if writes is None:
-            return
-        for buf, _, _ in writes:
-            buf.pending = None
-        if self._done is not None:
-            self._done.synchronize()
-        biggest = float(self._host)
-        if biggest <= FP16_MAX:
-            return
-        layer = self._layer()
-        warnings.warn(
-            f"tq_hf_cache: layer {getattr(layer, 'layer_idx', '?')} has a key/value norm of {biggest:.4g}, above "
-            f"float16's range ({FP16_MAX:.0f}); its norms are stored in float32 from now on (2 more bytes per "
-            "vector). Set norm_dtype='float32' to choose this up front.",
-            RuntimeWarning,
-            stacklevel=4,
-        )
-        bufs = {id(b): b for b, _, _ in writes}
-        if layer is not None:
-            layer.norm_dtype = torch.float32
-            bufs.update((id(b), b) for b in layer._buffers())
-        for buf in bufs.values():
-            buf.widen_norms()
-        for buf, at, norms in writes:
-            buf.raw_norms()[:, :, at : at + norms.shape[2]].copy_(norms)
+        """Wait for the check's value (long ready, as a rule), and widen the layer's norms if it calls for that.
+        Nothing is marked settled before the norms are final: an error here (out of memory, a warning raised as an
+        error) leaves the check pending, to be settled again at the next use."""
+        with self._lock:
+            if self._writes is None:
+                return
+            if self._done is not None:
+                self._done.synchronize()
+            biggest = float(self._host)
+            layer = self._layer()
+            live = [(buf, at, norms) for ref, at, norms in self._writes if (buf := ref()) is not None]
+            if biggest > FP16_MAX:
+                bufs = {id(b): b for b, _, _ in live}
+                if layer is not None:
+                    bufs.update((id(b), b) for b in layer._buffers())
+                for buf in bufs.values():
+                    buf.widen_norms()
+                for buf, at, norms in live:
+                    buf.raw_norms()[:, :, at : at + norms.shape[2]].copy_(norms)
+                if layer is not None:
+                    layer.norm_dtype = torch.float32
+            self._writes = None
+            for buf, _, _ in live:
+                if buf.pending is self:
+                    buf.pending = None
+        if biggest > FP16_MAX:
+            warnings.warn(
+                f"tq_hf_cache: layer {getattr(layer, 'layer_idx', '?')} has a key/value norm of {biggest:.4g}, above "
+                f"float16's range ({FP16_MAX:.0f}); its norms are stored in float32 from now on (2 more bytes per "
+                "vector). Set norm_dtype='float32' to choose this up front.",
+                RuntimeWarning,
+                stacklevel=4,
+            )
