@@ -4,7 +4,6 @@ float16 range checked without waiting for the GPU (`norm_check`)."""
 
 from __future__ import annotations
 
-
 import torch
 
 from . import ops

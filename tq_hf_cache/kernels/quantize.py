@@ -35,8 +35,6 @@ the cache's decode step can use `quantize_kv_into`, one launch for a layer's key
 
 from __future__ import annotations
 
-import collections
-import weakref
 
 import torch
 import triton
@@ -415,8 +413,10 @@ def _modes(x_dtype: torch.dtype, rotation: Rotation, rot: str | None) -> tuple[i
 SEARCHES = {"linear": 0, "lut": 1, "binary": 2, "sat": 4, "poly": 5}
 
 
-_SYM_CACHE: "weakref.WeakKeyDictionary[Codebook, bool]" = weakref.WeakKeyDictionary()
-_SYM_BY_CONTENT: "collections.OrderedDict[str, bool]" = collections.OrderedDict()
+@C._per_codebook_and_device
+def _symmetric(codebook: Codebook, heads: int, device: torch.device) -> bool:
+    b = codebook.boundaries.detach().to("cpu", torch.float32)
+    return bool(torch.equal(b, -b.flip(-1)) and (b[..., (b.shape[-1] - 1) // 2] == 0).all())
 
 
 def is_symmetric(codebook: Codebook) -> bool:
@@ -424,18 +424,7 @@ def is_symmetric(codebook: Codebook) -> bool:
 
     Cached per codebook, and by the centroids' fingerprint (the boundaries are their midpoints): the check reads the
     boundaries on the host, which waits for the GPU, and each new cache's layers hold new Codebook objects."""
-    sym = _SYM_CACHE.get(codebook)
-    if sym is None:
-        sym = _SYM_BY_CONTENT.get(codebook.fingerprint) if codebook.fingerprint else None
-        if sym is None:
-            b = codebook.boundaries.detach().to("cpu", torch.float32)
-            sym = bool(torch.equal(b, -b.flip(-1)) and (b[..., (b.shape[-1] - 1) // 2] == 0).all())
-            if codebook.fingerprint:
-                _SYM_BY_CONTENT[codebook.fingerprint] = sym
-                if len(_SYM_BY_CONTENT) > C._CONTENT_CACHE_SIZE:
-                    _SYM_BY_CONTENT.popitem(last=False)
-        _SYM_CACHE[codebook] = sym
-    return sym
+    return _symmetric(codebook, 0, codebook.boundaries.device)
 
 
 def _store_aligned(packed: torch.Tensor, bits: int, dim: int) -> bool:
