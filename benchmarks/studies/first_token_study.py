@@ -112,7 +112,7 @@ def main():
                     torch.cuda.reset_peak_memory_stats()
                     cache = make(model, row, T + 64)
                     times, issued, top = prefill(model, cache, ids, profile_last=run == "warm" and T >= 65536,
-                                         profile_first=run == "warm" and PROFILE_FIRST)
+                                                 profile_first=run == "warm" and PROFILE_FIRST)
                     r[f"{run}_s"] = sum(times)
                     r[f"{run}_chunks_s"] = [round(t, 4) for t in times]
                     r[f"{run}_host_s"] = round(sum(issued), 4)  # until the host had issued every chunk's work
