@@ -56,6 +56,26 @@ def test_a_matched_prefix_continues_exactly_as_the_inserted_cache(kw):
 
 
 @torch.no_grad()
+def test_stored_pages_are_copies_the_inserted_cache_can_go_on_from():
+    """What the store holds is its own: the inserted cache decoding on (its ring rewritten, tokens packed in place)
+    or zeroed changes nothing a later match restores."""
+    model, cfg = model_and_config()
+    store = PrefixStore(config=cfg, page_tokens=8, residual_length=8)
+    x = ids(70)
+    cache = prefill(model, cfg, x[:, :45], residual_length=8)
+    store.insert(x[:, :45], cache)
+    want = steps(model, copy.deepcopy(cache), x, 45)
+    steps(model, cache, x, 45)
+    for layer in cache.layers:
+        for t in vars(layer).values():
+            if isinstance(t, torch.Tensor) and t.is_floating_point():
+                t.zero_()
+    got, n = store.match(x[:, :60])
+    assert n == 45
+    assert all(torch.equal(a, b) for a, b in zip(steps(model, got, x, 45), want))
+
+
+@torch.no_grad()
 @pytest.mark.parametrize("centred", [False, True])
 def test_batches_insert_each_row_and_match_where_every_row_has_an_endpoint(centred):
     """A batch cache stores each row on its own (pages shared where the rows' tokens agree, and with centred keys
