@@ -226,6 +226,27 @@ def test_kernel_split_count_does_not_change_the_result():
 
 
 @needs_triton
+@pytest.mark.parametrize("masked", [False, True])
+def test_queries_by_chunks_match_one_call(masked):
+    """`by_query_chunks` (how the explicit-layout kernel takes more query rows than it holds): chunks of 3 of 7
+    queries, each with its rows of the mask or a causal mask of its own positions, give the one call's result."""
+    from tq_hf_cache.kernels.decode_attention import by_query_chunks
+
+    seed = fresh_seed()
+    b, hkv, group, n, d, lq, lr = 2, 2, 2, 7, 64, 70, 5
+    state, kf, vf = make_state(b, hkv, lq, lr, n, d, 4, 3, torch.float16, seed)
+    q = make_query(b, hkv * group, n, d, torch.float16, seed)
+    t = lq + lr + n
+    mask = padding_mask(b, 1, n, t, [0, 4], "bool") if masked else None
+    want = decode_attention(q, state, mask, None, fast=False)
+    out = torch.full_like(want, float("nan"))
+    got = by_query_chunks(q, state, mask, None, 3, out=out, fast=False)
+    assert got is out
+    assert (got.float() - want.float()).abs().max().item() < 2e-3, f"seed {seed}"
+    assert rel_err(got, _oracle(q, kf, vf, mask, None)) < TOL[torch.float16], f"seed {seed}"
+
+
+@needs_triton
 def test_kernel_fully_masked_rows_give_zeros_and_mask_wider_than_keys():
     """A query row that may see nothing gets 0 (as the oracle's softmax_rows); a 4.x-style longer mask is cut."""
     seed = fresh_seed()
@@ -385,6 +406,35 @@ def test_turboquant_chunked_prefill_fills_long_chunks_whole_or_by_row_groups(row
     # the workspace is sized by what was filled at once: both rows under sdpa, one row per group here
     held_s, held_t = caches["sdpa"].nbytes()["workspace"], caches[attention.NAME].nbytes()["workspace"]
     assert held_s > 0 and held_t == (held_s if row_group_bytes is None else held_s // 2), (held_s, held_t)
+
+
+@pytest.mark.parametrize("first,second,pads", [(20, 30, False), (60, 20, False), (20, 30, True)])
+def test_a_long_chunk_over_a_held_history_takes_is_causal_where_its_mask_is_plain(first, second, pads, monkeypatch):
+    """A chunk over a packed history under a plain causal mask and a history at most twice its length: SDPA on a query
+    padded in front to the keys' length, under is_causal (the padding's rows dropped); a longer history or a padded
+    batch: the mask as given. Logits as under sdpa on the same cache either way."""
+    model = _llama()
+    g = torch.Generator().manual_seed(fresh_seed())
+    ids = torch.randint(3, 128, (2, first + second), generator=g)
+    mask = torch.ones_like(ids)
+    if pads:
+        ids[1, :3], mask[1, :3] = 0, 0
+    seen = []
+    sdpa = attention._sdpa
+    monkeypatch.setattr(attention, "_sdpa", lambda m, q, k, *a, **kw: seen.append((q.shape[2], k.shape[2], a[1] is None))
+                        or sdpa(m, q, k, *a, **kw))
+    logits = {}
+    for impl in ("sdpa", attention.NAME):
+        model.set_attn_implementation(impl)
+        cache = TurboQuantCache("k4v4", config=model.config, residual_length=4, fused_sdpa=impl != "sdpa")
+        with torch.no_grad():
+            model(ids[:, :first], attention_mask=mask[:, :first], **with_cache(cache))
+            logits[impl] = model(ids[:, first:], attention_mask=mask, **with_cache(cache)).logits
+    assert (logits["sdpa"] - logits[attention.NAME]).abs().max().item() < 1e-4
+    t = first + second
+    padded = not pads and first <= 2 * second
+    chunk_calls = [c for c in seen if c[1] == t]  # the second chunk's layers (the first chunk has t = first)
+    assert chunk_calls == 2 * [(t, t, True) if padded else (second, t, False)]
 
 
 def test_head_dim_256_takes_the_kernel_at_group_widths_only():

@@ -279,6 +279,28 @@ def test_fast_kernel_matches_the_oracle_and_the_triton_kernel(case, launches):
 
 
 @gpu
+@pytest.mark.parametrize("d,group,n,mask_kind", [(128, 4, 16, None), (128, 4, 13, "bool"), (256, 2, 9, "additive"),
+                                                 (64, 8, 5, None)])
+def test_more_query_rows_than_the_kernel_holds_go_in_chunks_of_queries(d, group, n, mask_kind, launches):
+    """A step of n queries whose group x n rows pass the kernel's limit: the kernel serves it a few queries a call
+    (each with its mask rows, or its own causal mask), matching the oracle."""
+    from tq_hf_cache.kernels.decode_attention import query_chunk
+
+    seed = fresh_seed()
+    b, hkv, lq, lr = 2, 2, 1500, 5
+    state, kf, vf = make_state(b, hkv, lq, lr, n, d, 4, 3, torch.bfloat16, seed)
+    q = make_query(b, hkv * group, n, d, torch.bfloat16, seed)
+    t = lq + lr + n
+    mask = None if mask_kind is None else padding_mask(b, 1, n, t, [3, 0], mask_kind)
+    per = query_chunk(q, state)
+    assert per == fast.max_rows(d) // group
+    out = _decode(q, state, mask, None)
+    assert launches == [True] * -(-n // per), f"seed {seed}: {launches}"
+    ref = reference.attention(q.cpu(), kf, vf, mask=None if mask is None else mask.cpu()).transpose(1, 2)
+    assert rel_err(out, ref) < TOL[torch.bfloat16], f"seed {seed}"
+
+
+@gpu
 @pytest.mark.parametrize("kind", ["bool", "additive"])
 def test_fast_kernel_mask_that_differs_by_head(kind, launches):
     seed = fresh_seed()

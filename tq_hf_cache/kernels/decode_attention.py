@@ -776,6 +776,39 @@ def _mask_args(mask, b, hq, n, t, query):
     return kind, m_arg, strides
 
 
+def query_chunk(query: torch.Tensor, kv: PackedKV) -> int:
+    """Queries a call of the explicit-layout kernel takes where it cannot take them all (more query rows per KV head
+    than it holds: a few tokens of a wide GQA group, such as a prompt's question over a long packed history); 0 where
+    it takes them all or none. Several of its calls, each reading the history, beat one Triton call at these rows."""
+    b, hq, n, d = query.shape
+    group = hq // kv.k_packed.shape[1]
+    per = _fast.max_rows(d) // group
+    if n == 1 or kv.static or per < 1 or per >= n:
+        return 0
+    split = kv.key_split is not None
+    return per if fast_serves(query.device, d, kv.k_codebook.bits, kv.v_codebook.bits, group * per, split,
+                              kv.k_packed.shape[2]) else 0
+
+
+def by_query_chunks(query: torch.Tensor, kv: PackedKV, mask: torch.Tensor | None, scale: float | None, per: int,
+                    out: torch.Tensor | None = None, **kw) -> torch.Tensor:
+    """`decode_attention` of `per` queries at a time (the queries are the last n positions: a chunk's causal mask is
+    made where none is given; a mask's rows are cut per chunk)."""
+    b, hq, n, d = query.shape
+    t = int(kv.length)
+    if out is None:
+        out = torch.empty(b, n, hq, d, dtype=query.dtype, device=query.device)
+    keys = torch.arange(t, device=query.device) if mask is None else None
+    for i in range(0, n, per):
+        j = min(n, i + per)
+        if mask is None:  # query i + r sits at position t - n + i + r
+            m = (keys <= torch.arange(t - n + i, t - n + j, device=query.device)[:, None])[None, None]
+        else:
+            m = mask[..., i:j, :] if mask.dim() >= 2 and mask.shape[-2] == n else mask
+        decode_attention(query[:, :, i:j], kv, m, scale, out=out[:, i:j], **kw)
+    return out
+
+
 def decode_attention(
     query: torch.Tensor,
     kv: PackedKV,
@@ -806,6 +839,9 @@ def decode_attention(
         raise ValueError(f"query heads ({hq}) must be a multiple of KV heads ({hkv})")
     group = hq // hkv
     kcb, vcb = kv.k_codebook, kv.v_codebook
+    per = query_chunk(query, kv) if fast is not False and num_splits is None else 0
+    if per:
+        return by_query_chunks(query, kv, mask, scale, per, out)
     fast_ok = fast is not False and num_splits is None and fast_serves(
         query.device, d, kcb.bits, vcb.bits, group * n, kv.key_split is not None, kv.k_packed.shape[2])
     if not fast_ok and not supports(d, kcb.bits, vcb.bits, n, group):

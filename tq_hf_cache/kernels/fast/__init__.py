@@ -77,9 +77,13 @@ def shape_ok(head_dim: int, key_bits: int, value_bits: int, rows: int, split_key
     """Whether the kernel takes this shape: head dims 64 / 128 / 256, keys and values at 2-5 bits, at most 16 query
     rows per KV head (8 at head dim 256: the warps' partials share 48 KB of shared memory), whole keys, and at least
     16 packed slots (a tile's rows stay inside the buffer)."""
-    most = MAX_ROWS if head_dim <= 128 else 8
-    return (head_dim in HEAD_DIMS and key_bits in BITS and value_bits in BITS and rows <= most and not split_keys
+    return (head_dim in HEAD_DIMS and key_bits in BITS and value_bits in BITS and rows <= max_rows(head_dim) and not split_keys
             and slots >= 16)
+
+
+def max_rows(head_dim: int) -> int:
+    """Query rows per KV head the kernel takes at this head dim (`shape_ok`)."""
+    return MAX_ROWS if head_dim <= 128 else 8
 
 
 def machine_ok(device: torch.device) -> bool:

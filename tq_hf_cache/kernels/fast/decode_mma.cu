@@ -816,37 +816,24 @@ __device__ __forceinline__ void merge_last(const Params& p, unsigned char* smem,
 #pragma unroll
     for (int i = 0; i < EPT; ++i) exact_value(i);
   }
-  for (int r = warp; r < ROWS; r += WARPS) {  // per lane over its splits, then across the warp
-    float M = NEG_INF, L = 0.0f;
-    for (int s = lane; s < ns; s += 32) {
-      const float m = __ldcg(p.ml + (base + s) * 2 * R + r), l = __ldcg(p.ml + (base + s) * 2 * R + R + r);
-      const float Mn = fmaxf(M, m), Mu = Mn == NEG_INF ? 0.0f : Mn;
-      L = L * ex2(M - Mu) + ex2(m - Mu) * l;
-      M = Mn;
-    }
-    float Mw = M;
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) Mw = fmaxf(Mw, __shfl_xor_sync(0xffffffffu, Mw, o));
-    const float Mu = Mw == NEG_INF ? 0.0f : Mw;
-    L *= ex2(M - Mu);
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) L += __shfl_xor_sync(0xffffffffu, L, o);
-    if (lane == 0) {
-      mp[r] = Mw;
-      mp[ROWS + r] = L;
-    }
-  }
-  __syncthreads();
+  // one pass over the splits, online (each thread of a row finds the same max and sum; its first writes them)
   for (int it = tid; it < ROWS * NV; it += WARPS * 32) {
     const int r = it / NV, cv = it % NV;
     if (r >= live) continue;
-    const float Mu = mp[r] == NEG_INF ? 0.0f : mp[r];
-    float y[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    float M = NEG_INF, L = 0.0f, y[4] = {0.0f, 0.0f, 0.0f, 0.0f};
 #pragma unroll 16
     for (int s = 0; s < ns; ++s) {
-      const float w = ex2(__ldcg(p.ml + (base + s) * 2 * R + r) - Mu);
+      const float m = __ldcg(p.ml + (base + s) * 2 * R + r), l = __ldcg(p.ml + (base + s) * 2 * R + R + r);
       const float4 a = __ldcg(reinterpret_cast<const float4*>(p.acc + ((base + s) * R + r) * D) + cv);
-      y[0] += w * a.x; y[1] += w * a.y; y[2] += w * a.z; y[3] += w * a.w;
+      const float Mn = fmaxf(M, m), Mu = Mn == NEG_INF ? 0.0f : Mn;
+      const float al = ex2(M - Mu), w = ex2(m - Mu);
+      L = L * al + w * l;
+      y[0] = y[0] * al + w * a.x; y[1] = y[1] * al + w * a.y; y[2] = y[2] * al + w * a.z; y[3] = y[3] * al + w * a.w;
+      M = Mn;
+    }
+    if (cv == 0) {
+      mp[r] = M;
+      mp[ROWS + r] = L;
     }
 #pragma unroll
     for (int k = 0; k < 4; ++k) {
@@ -918,14 +905,14 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, MIN_CTAS) tq_decode(con
   const int bh = blockIdx.y;
   if (blockIdx.x == 0) exact_part(p, smem, bh);
   else packed_part(p, smem, blockIdx.x - 1, bh);
-  __syncthreads();  // the CTA's partial stored; one fence makes it visible to the whole GPU before the counter moves
+  __syncthreads();  // the CTA's partial stored: the barrier orders every thread's stores before thread 0's arrival
   if (threadIdx.x == 0) {
-    __threadfence();
-    last = atomicAdd(p.counters + bh, 1) == p.num_splits;
+    int before;  // acq_rel: releases this CTA's partial, and acquires all the others' for the last CTA
+    asm volatile("atom.acq_rel.gpu.global.add.s32 %0, [%1], 1;" : "=r"(before) : "l"(p.counters + bh) : "memory");
+    last = before == p.num_splits;
     if (last) atomicExch(p.counters + bh, 0);
   }
   __syncthreads();
   if (!last) return;
-  __threadfence();
   merge_last(p, smem, bh);
 }
