@@ -104,10 +104,10 @@ _SAFETENSORS_DTYPES = {"BOOL": "bool", "U8": "uint8", "I8": "int8", "I16": "int1
                        "F16": "float16", "BF16": "bfloat16", "F32": "float32", "F64": "float64"}
 
 
-def parse_safetensors(data, where: str, device=None, copy: bool = True) -> dict:
-    """The tensors of a safetensors file's bytes (`map_file`), each copied once: to `device`, or into its own CPU
-    memory. `copy=False` (CPU only): views of `data` itself (a copy where a tensor's offset does not suit its dtype),
-    for a caller that copies them out at once. A malformed file is a ValueError naming `where` and what is wrong."""
+def safetensors_layout(data, where: str) -> tuple[int, dict]:
+    """(where the tensors' bytes begin, {name: (torch dtype, shape, start, end)}: byte offsets from that point) of a
+    safetensors file's bytes, each entry checked (a known dtype, whole non-negative sizes, offsets inside the file
+    that hold exactly the shape's bytes). A malformed file is a ValueError naming `where` and what is wrong."""
     import json
 
     import torch
@@ -142,12 +142,25 @@ def parse_safetensors(data, where: str, device=None, copy: bool = True) -> dict:
             ok = offsets[1] - offsets[0] == numel * dtype.itemsize
         if not ok:
             raise ValueError(f"{where}: the safetensors entry of tensor {name!r} is malformed: {entry!r}")
-        nbytes = offsets[1] - offsets[0]
-        raw = (torch.frombuffer(data, dtype=torch.uint8, count=nbytes, offset=base + offsets[0]) if nbytes
+        out[name] = (dtype, shape, offsets[0], offsets[1])
+    return base, out
+
+
+def parse_safetensors(data, where: str, device=None, copy: bool = True) -> dict:
+    """The tensors of a safetensors file's bytes (`map_file`), each copied once: to `device`, or into its own CPU
+    memory. `copy=False` (CPU only): views of `data` itself (a copy where a tensor's offset does not suit its dtype),
+    for a caller that copies them out at once. A malformed file is a ValueError naming `where` and what is wrong."""
+    import torch
+
+    base, layout = safetensors_layout(data, where)
+    out = {}
+    for name, (dtype, shape, start, end) in layout.items():
+        nbytes = end - start
+        raw = (torch.frombuffer(data, dtype=torch.uint8, count=nbytes, offset=base + start) if nbytes
                else torch.empty(0, dtype=torch.uint8))
         if device is not None:
             raw = raw.to(device)
-        elif copy or (base + offsets[0]) % dtype.itemsize:  # (a view of the file needs an aligned offset)
+        elif copy or (base + start) % dtype.itemsize:  # (a view of the file needs an aligned offset)
             raw = raw.clone()
         out[name] = raw.view(dtype).view(shape)
     return out

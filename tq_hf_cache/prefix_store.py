@@ -97,6 +97,9 @@ class PrefixStore:
         self._ends: dict[str, dict[str, tuple[int, str | None, str]]] = {}
         self._parent_of: dict[str, str] = {}  # snapshot key -> its key in _ends
         self._lock = threading.Lock()
+        # disk pages for a GPU: read into one pinned buffer (kept, grown to the largest restore) and copied over at once
+        self._staged_reads = self.device.type == "cuda"
+        self._staging: torch.Tensor | None = None
 
     # ---- insert ----
 
@@ -185,7 +188,9 @@ class PrefixStore:
             try:  # disk pages are read and checked on threads (file reads and hashing release the GIL)
                 on_disk = [k for k in keys if isinstance(self._held[k], str)]
                 loaded = {k: self._held[k] for k in keys if not isinstance(self._held[k], str)}
-                if on_disk:
+                if on_disk and self._staged_reads:
+                    loaded.update(self._load_staged(on_disk))
+                elif on_disk:
                     with ThreadPoolExecutor(max(1, min(16, os.cpu_count() or 1, len(on_disk)))) as pool:
                         loaded.update(zip(on_disk, pool.map(lambda k: self._load(k, copy=False), on_disk)))
             finally:
@@ -261,6 +266,63 @@ class PrefixStore:
         if _io.sha256_bytes(data) != digest:
             raise ValueError(f"{held}: the page file differs from the one this store wrote (changed or replaced)")
         return _unflatten(_io.parse_safetensors(data, held, copy=copy), meta)
+
+    def _load_staged(self, keys: list[str]) -> dict[str, dict]:
+        """Disk pages' payloads on the store's device: the files read whole (no mapping: no page faults) into one
+        host buffer (pinned where CUDA is) on threads, each checked (SHA-256) and its header parsed there (once per
+        distinct header: a store's pages share theirs), then the buffer copied to the device at once and each tensor
+        taken as one strided view of that copy. Called under the store's lock, which guards the buffer: the copy is
+        complete when this returns."""
+        sizes = [os.path.getsize(self._held[k]) for k in keys]
+        starts = [0]
+        for n in sizes:
+            starts.append(starts[-1] + -(-n // 8) * 8)  # each file at an 8-byte boundary: its tensors stay aligned
+        total = starts[-1]
+        if self._staging is None or self._staging.numel() < total:
+            self._staging = None  # (the old buffer goes before the bigger one is made)
+            self._staging = torch.empty(max(total, 8), dtype=torch.uint8, pin_memory=torch.cuda.is_available())
+        stage = self._staging
+        view = memoryview(stage.numpy())
+        layouts: dict[bytes, tuple] = {}
+
+        def read(i: int) -> tuple[int, dict]:
+            key, path, part = keys[i], self._held[keys[i]], view[starts[i]: starts[i] + sizes[i]]
+            with open(path, "rb") as f:
+                if f.readinto(part) != sizes[i] or f.read(1):
+                    raise ValueError(f"{path}: the page file changed size while it was read")
+            if _io.sha256_bytes(part) != self._on_disk[key][0]:
+                raise ValueError(f"{path}: the page file differs from the one this store wrote (changed or replaced)")
+            head = bytes(part[: 8 + int.from_bytes(part[:8], "little")]) if sizes[i] >= 8 else b""
+            got = layouts.get(head)
+            if got is None:
+                got = layouts[head] = _io.safetensors_layout(part, path)
+            return got
+
+        with ThreadPoolExecutor(max(1, min(16, os.cpu_count() or 1, len(keys)))) as pool:
+            parsed = list(pool.map(read, range(len(keys))))
+        dev = torch.empty(max(total, 8), dtype=torch.uint8, device=self.device)
+        dev.copy_(stage[: dev.numel()], non_blocking=True)
+        typed: dict[torch.dtype, torch.Tensor] = {}
+        out = {}
+        for key, at, (base, layout) in zip(keys, starts, parsed):
+            tensors = {}
+            for name, (dtype, shape, start, end) in layout.items():
+                first = at + base + start
+                if first % dtype.itemsize:  # (not from this store's writer: copied out)
+                    tensors[name] = dev[first: at + base + end].clone().view(dtype).view(shape)
+                    continue
+                flat = typed.get(dtype)
+                if flat is None:
+                    flat = typed[dtype] = dev[: dev.numel() // dtype.itemsize * dtype.itemsize].view(dtype)
+                stride, acc = [], 1
+                for n in reversed(shape):
+                    stride.append(acc)
+                    acc *= n
+                tensors[name] = flat.as_strided(shape, stride[::-1], first // dtype.itemsize)
+            out[key] = _unflatten(tensors, self._on_disk[key][1])
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()  # the buffer is free for the next restore
+        return out
 
     def _forget(self, key: str) -> None:
         held = self._held.pop(key, None)
