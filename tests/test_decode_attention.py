@@ -437,6 +437,19 @@ def test_a_long_chunk_over_a_held_history_takes_is_causal_where_its_mask_is_plai
     assert chunk_calls == 2 * [(t, t, True) if padded else (second, t, False)]
 
 
+def test_a_plain_causal_mask_is_recognized_under_inference_mode_too():
+    """Inference tensors count no versions: the verdict is kept by the mask's identity alone there."""
+    with torch.inference_mode():
+        t, n = 40, 20
+        pos = torch.arange(t)
+        mask = (pos <= pos[t - n:, None]).expand(2, 1, n, t)
+        assert attention._plain_causal(mask, n, t) and attention._plain_causal(mask, n, t)
+        holed = mask.clone()
+        holed[1, 0, 3, 0] = False
+        assert not attention._plain_causal(holed, n, t)
+    assert attention._plain_causal((pos <= pos[t - n:, None])[None, None], n, t)
+
+
 def test_head_dim_256_takes_the_kernel_at_group_widths_only():
     """At head dim 256 the byte widths (2, 4, 8 bits) spill registers and ran slower than the workspace path on the
     H100: the kernel refuses them (by name), the attention falls back to the workspace path for them."""

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from tq_hf_cache import TurboQuantCache
+from tq_hf_cache import prefix_store
 from tq_hf_cache.prefix_store import PrefixStore
 
 from conftest import tiny_llama_config, with_cache
@@ -158,10 +159,14 @@ def test_prompts_share_pages_and_each_matches_its_own_endpoint():
 
 
 @torch.no_grad()
-@pytest.mark.parametrize("staged", [False, True])
-def test_pages_move_to_disk_come_back_exact_and_a_changed_file_is_refused(staged, tmp_path):
-    """Both ways disk pages are read: views of their files' mappings (a CPU store), or read whole into the store's
-    staging buffer and copied to the device at once (a GPU store's way, here on the CPU), the buffer reused."""
+@pytest.mark.parametrize("staged", [None, "one half", "many halves"])
+def test_pages_move_to_disk_come_back_exact_and_a_changed_file_is_refused(staged, tmp_path, monkeypatch):
+    """Both ways disk pages are read: views of their files' mappings (a CPU store), or read whole through the store's
+    two staging halves into one device buffer (a GPU store's way, here on the CPU): all files in one half, or halves
+    of the largest file's size, filled in turns; the halves reused by the next restore."""
+    if staged == "many halves":
+        monkeypatch.setattr(prefix_store, "STAGING_BYTES", 1)
+    staged = staged is not None
     model, cfg = model_and_config()
     store = PrefixStore(config=cfg, page_tokens=8, residual_length=8, cpu_bytes=4096, disk_dir=str(tmp_path),
                         disk_bytes=1 << 30)

@@ -156,13 +156,14 @@ def _plain_causal(mask, n: int, t: int) -> bool:
             or mask.dim() != 4 or mask.shape[-2] != n or mask.shape[-1] < t or torch.compiler.is_compiling()):
         return False
     key = id(mask)
+    version = None if mask.is_inference() else mask._version  # (inference tensors count no versions)
     seen = _PLAIN.get(key)
-    if seen is not None and seen[0]() is mask and seen[1:3] == (mask._version, t):
+    if seen is not None and seen[0]() is mask and seen[1:3] == (version, t):
         return seen[3]
     pos = torch.arange(t, device=mask.device)
     want = pos <= pos[t - n:, None]
     verdict = bool(torch.equal(mask[..., :t], want.expand_as(mask[..., :t])))
-    _PLAIN[key] = (weakref.ref(mask, lambda _, k=key: _PLAIN.pop(k, None)), mask._version, t, verdict)
+    _PLAIN[key] = (weakref.ref(mask, lambda _, k=key: _PLAIN.pop(k, None)), version, t, verdict)
     return verdict
 
 

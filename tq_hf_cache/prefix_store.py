@@ -34,6 +34,7 @@ from .prefix_index import PrefixIndex, page_keys, token_bytes
 
 __all__ = ["PrefixStore"]
 
+STAGING_BYTES = 64 << 20  # each of the two host halves disk pages pass through on their way to a GPU
 _ROOT = "root"
 
 
@@ -97,9 +98,12 @@ class PrefixStore:
         self._ends: dict[str, dict[str, tuple[int, str | None, str]]] = {}
         self._parent_of: dict[str, str] = {}  # snapshot key -> its key in _ends
         self._lock = threading.Lock()
-        # disk pages for a GPU: read into one pinned buffer (kept, grown to the largest restore) and copied over at once
+        # disk pages for a GPU: read through two pinned halves of STAGING_BYTES (made now, off any request's path),
+        # one filling while the other's copy to the device runs
         self._staged_reads = self.device.type == "cuda"
-        self._staging: torch.Tensor | None = None
+        self._staging: list[torch.Tensor] = []
+        if self._staged_reads and disk_dir is not None:
+            self._stage_halves(STAGING_BYTES)
 
     # ---- insert ----
 
@@ -267,41 +271,64 @@ class PrefixStore:
             raise ValueError(f"{held}: the page file differs from the one this store wrote (changed or replaced)")
         return _unflatten(_io.parse_safetensors(data, held, copy=copy), meta)
 
-    def _load_staged(self, keys: list[str]) -> dict[str, dict]:
-        """Disk pages' payloads on the store's device: the files read whole (no mapping: no page faults) into one
-        host buffer (pinned where CUDA is) on threads, each checked (SHA-256) and its header parsed there (once per
-        distinct header: a store's pages share theirs), then the buffer copied to the device at once and each tensor
-        taken as one strided view of that copy. Called under the store's lock, which guards the buffer: the copy is
-        complete when this returns."""
-        sizes = [os.path.getsize(self._held[k]) for k in keys]
-        starts = [0]
-        for n in sizes:
-            starts.append(starts[-1] + -(-n // 8) * 8)  # each file at an 8-byte boundary: its tensors stay aligned
-        total = starts[-1]
-        if self._staging is None or self._staging.numel() < total:
-            self._staging = None  # (the old buffer goes before the bigger one is made)
-            self._staging = torch.empty(max(total, 8), dtype=torch.uint8, pin_memory=torch.cuda.is_available())
-        stage = self._staging
-        view = memoryview(stage.numpy())
-        layouts: dict[bytes, tuple] = {}
+    def _stage_halves(self, nbytes: int) -> None:
+        pin = torch.cuda.is_available()
+        self._staging = []  # (the old halves go before bigger ones are made)
+        self._staging = [torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin) for _ in range(2)]
 
-        def read(i: int) -> tuple[int, dict]:
-            key, path, part = keys[i], self._held[keys[i]], view[starts[i]: starts[i] + sizes[i]]
+    def _load_staged(self, keys: list[str]) -> dict[str, dict]:
+        """Disk pages' payloads on the store's device: the files read whole (no mapping: no page faults) on threads
+        into one of two host halves (pinned where CUDA is), each file checked (SHA-256) and its header parsed there;
+        a full half is copied to its place in one device buffer while the other fills; each tensor is one strided
+        view of that buffer. Called under the store's lock, which guards the halves: every copy is complete when this
+        returns. (The device buffer holds the pages while `_restore` joins them: a restore's peak is twice its
+        bytes.)"""
+        sizes = [os.path.getsize(self._held[k]) for k in keys]
+        padded = [-(-n // 8) * 8 for n in sizes]  # each file at an 8-byte boundary: its tensors stay aligned
+        if not self._staging or self._staging[0].numel() < max(padded):
+            self._stage_halves(max(STAGING_BYTES, max(padded)))
+        half = self._staging[0].numel()
+        starts, groups = [0], [[]]  # files' places in the device buffer; runs of files that fit a half
+        for i, n in enumerate(padded):
+            if starts[-1] + n - starts[groups[-1][0]] > half if groups[-1] else False:
+                groups.append([])
+            groups[-1].append(i)
+            starts.append(starts[-1] + n)
+        total = starts[-1]
+        dev = torch.empty(max(total, 8), dtype=torch.uint8, device=self.device)
+        cuda = self.device.type == "cuda"
+        done = [None, None]  # each half's copy-finished event
+        views = [memoryview(h.numpy()) for h in self._staging]
+
+        def read(h: int, first: int, i: int) -> tuple[int, dict]:
+            key, path = keys[i], self._held[keys[i]]
+            part = views[h][starts[i] - starts[first]: starts[i] - starts[first] + sizes[i]]
             with open(path, "rb") as f:
                 if f.readinto(part) != sizes[i] or f.read(1):
                     raise ValueError(f"{path}: the page file changed size while it was read")
             if _io.sha256_bytes(part) != self._on_disk[key][0]:
                 raise ValueError(f"{path}: the page file differs from the one this store wrote (changed or replaced)")
-            head = bytes(part[: 8 + int.from_bytes(part[:8], "little")]) if sizes[i] >= 8 else b""
-            got = layouts.get(head)
-            if got is None:
-                got = layouts[head] = _io.safetensors_layout(part, path)
-            return got
+            return _io.safetensors_layout(part, path)
 
-        with ThreadPoolExecutor(max(1, min(16, os.cpu_count() or 1, len(keys)))) as pool:
-            parsed = list(pool.map(read, range(len(keys))))
-        dev = torch.empty(max(total, 8), dtype=torch.uint8, device=self.device)
-        dev.copy_(stage[: dev.numel()], non_blocking=True)
+        parsed = [None] * len(keys)
+        try:
+            with ThreadPoolExecutor(max(1, min(16, os.cpu_count() or 1, len(keys)))) as pool:
+                for g, group in enumerate(groups):
+                    h = g % 2
+                    if done[h] is not None:
+                        done[h].synchronize()  # this half's last copy has left it
+                    first = group[0]
+                    for i, lay in zip(group, pool.map(lambda i: read(h, first, i), group)):
+                        parsed[i] = lay
+                    n = starts[group[-1] + 1] - starts[first]
+                    dev[starts[first]: starts[first] + n].copy_(self._staging[h][:n], non_blocking=cuda)
+                    if cuda:
+                        done[h] = torch.cuda.Event()
+                        done[h].record(torch.cuda.current_stream(self.device))
+        finally:
+            for e in done:
+                if e is not None:
+                    e.synchronize()  # the halves are free for the next restore, whatever happened
         typed: dict[torch.dtype, torch.Tensor] = {}
         out = {}
         for key, at, (base, layout) in zip(keys, starts, parsed):
@@ -320,8 +347,6 @@ class PrefixStore:
                     acc *= n
                 tensors[name] = flat.as_strided(shape, stride[::-1], first // dtype.itemsize)
             out[key] = _unflatten(tensors, self._on_disk[key][1])
-        if self.device.type == "cuda":
-            torch.cuda.current_stream(self.device).synchronize()  # the buffer is free for the next restore
         return out
 
     def _forget(self, key: str) -> None:

@@ -798,6 +798,9 @@ def by_query_chunks(query: torch.Tensor, kv: PackedKV, mask: torch.Tensor | None
     t = int(kv.length)
     if out is None:
         out = torch.empty(b, n, hq, d, dtype=query.dtype, device=query.device)
+    elif out.shape != (b, n, hq, d) or out.stride(-1) != 1 or out.dtype != query.dtype:
+        raise ValueError(f"out must be ({b}, {n}, {hq}, {d}) {query.dtype} with unit last stride, got "
+                         f"{tuple(out.shape)} {out.dtype}")
     keys = torch.arange(t, device=query.device) if mask is None else None
     for i in range(0, n, per):
         j = min(n, i + per)
