@@ -48,7 +48,8 @@ class PrefixStore:
         cpu_bytes: bytes of pages held in CPU memory.
         gpu_bytes: bytes of pages held on `device` (a CUDA device; 0 for none), the first tier when given.
         device: where restored caches live (and the GPU tier's pages).
-        disk_dir: a folder for pages that leave memory (None: no disk tier).
+        disk_dir: a folder for pages that leave memory (None: no disk tier). With a CUDA `device` the store pins
+            2 x `STAGING_BYTES` (64 MiB) of host memory, made now, that disk pages pass through on their way back.
         disk_bytes: bytes of pages the disk tier may hold.
         model: the model itself, to bind the store to its weights (another checkpoint of the same shape never
             matches).
