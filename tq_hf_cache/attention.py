@@ -136,8 +136,9 @@ def _dynamic(module, query, key, value, kv, attention_mask, dropout, scaling, is
             _warn_once("output_attentions", "tq_hf_cache: the turboquant attention returns no attention weights")
         return ops.decode_attention(query, kv, attention_mask, scaling), None
     rows = _group_rows(query, key)
-    plain = not _unsupported(kwargs) and _plain_causal(attention_mask, query.shape[2], key.shape[2])
-    if rows < query.shape[0] and not _unsupported(kwargs):
+    supported = not _unsupported(kwargs)
+    plain = supported and _plain_causal(attention_mask, query.shape[2], key.shape[2])
+    if rows < query.shape[0] and supported:
         return _by_row_groups(module, query, key, attention_mask, rows, dropout, scaling, is_causal, plain,
                               **kwargs), None
     return _chunk_sdpa(module, query, key, value, attention_mask, plain, dropout, scaling, is_causal, **kwargs)

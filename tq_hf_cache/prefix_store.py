@@ -267,10 +267,13 @@ class PrefixStore:
         # one mapping, hashed, then parsed, as prefix.py reads its tensors (16 threads loading a 32k prefix's 128
         # pages, one run each on H100 hosts: 0.69 s; read into a bytearray 1.47 s, into anonymous memory 0.93 s)
         data = _io.map_file(held)
-        digest, meta = self._on_disk[key]
-        if _io.sha256_bytes(data) != digest:
-            raise ValueError(f"{held}: the page file differs from the one this store wrote (changed or replaced)")
-        return _unflatten(_io.parse_safetensors(data, held, copy=copy), meta)
+        self._check_digest(key, held, data)
+        return _unflatten(_io.parse_safetensors(data, held, copy=copy), self._on_disk[key][1])
+
+    def _check_digest(self, key: str, path: str, data) -> None:
+        """A page file's bytes as read are the ones this store wrote, or a ValueError naming the file."""
+        if _io.sha256_bytes(data) != self._on_disk[key][0]:
+            raise ValueError(f"{path}: the page file differs from the one this store wrote (changed or replaced)")
 
     def _stage_halves(self, nbytes: int) -> None:
         pin = torch.cuda.is_available()
@@ -291,7 +294,7 @@ class PrefixStore:
         half = self._staging[0].numel()
         starts, groups = [0], [[]]  # files' places in the device buffer; runs of files that fit a half
         for i, n in enumerate(padded):
-            if starts[-1] + n - starts[groups[-1][0]] > half if groups[-1] else False:
+            if groups[-1] and starts[-1] + n - starts[groups[-1][0]] > half:
                 groups.append([])
             groups[-1].append(i)
             starts.append(starts[-1] + n)
@@ -307,8 +310,7 @@ class PrefixStore:
             with open(path, "rb") as f:
                 if f.readinto(part) != sizes[i] or f.read(1):
                     raise ValueError(f"{path}: the page file changed size while it was read")
-            if _io.sha256_bytes(part) != self._on_disk[key][0]:
-                raise ValueError(f"{path}: the page file differs from the one this store wrote (changed or replaced)")
+            self._check_digest(key, path, part)
             return _io.safetensors_layout(part, path)
 
         parsed = [None] * len(keys)

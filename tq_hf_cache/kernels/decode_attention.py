@@ -776,6 +776,18 @@ def _mask_args(mask, b, hq, n, t, query):
     return kind, m_arg, strides
 
 
+def _output(query: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+    """The (B, n, Hq, D) output of a query (B, Hq, n, D): `out` when it fits (the query's dtype, unit last stride),
+    else a ValueError; a new tensor when None."""
+    b, hq, n, d = query.shape
+    if out is None:
+        return torch.empty(b, n, hq, d, dtype=query.dtype, device=query.device)
+    if out.shape != (b, n, hq, d) or out.stride(-1) != 1 or out.dtype != query.dtype:
+        raise ValueError(f"out must be ({b}, {n}, {hq}, {d}) {query.dtype} with unit last stride, got "
+                         f"{tuple(out.shape)} {out.dtype}")
+    return out
+
+
 def query_chunk(query: torch.Tensor, kv: PackedKV) -> int:
     """Queries a call of the explicit-layout kernel takes where it cannot take them all (more query rows per KV head
     than it holds: a few tokens of a wide GQA group, such as a prompt's question over a long packed history); 0 where
@@ -796,11 +808,7 @@ def by_query_chunks(query: torch.Tensor, kv: PackedKV, mask: torch.Tensor | None
     made where none is given; a mask's rows are cut per chunk)."""
     b, hq, n, d = query.shape
     t = int(kv.length)
-    if out is None:
-        out = torch.empty(b, n, hq, d, dtype=query.dtype, device=query.device)
-    elif out.shape != (b, n, hq, d) or out.stride(-1) != 1 or out.dtype != query.dtype:
-        raise ValueError(f"out must be ({b}, {n}, {hq}, {d}) {query.dtype} with unit last stride, got "
-                         f"{tuple(out.shape)} {out.dtype}")
+    out = _output(query, out)
     keys = torch.arange(t, device=query.device) if mask is None else None
     for i in range(0, n, per):
         j = min(n, i + per)
@@ -892,11 +900,7 @@ def decode_attention(
     pi = kv.rotation.matrix
     if pi.device != query.device:
         pi = pi.to(query.device)
-    if out is None:
-        out = torch.empty(b, n, hq, d, dtype=query.dtype, device=query.device)
-    elif out.shape != (b, n, hq, d) or out.stride(-1) != 1 or out.dtype != query.dtype:
-        raise ValueError(f"out must be ({b}, {n}, {hq}, {d}) {query.dtype} with unit last stride, got "
-                         f"{tuple(out.shape)} {out.dtype}")
+    out = _output(query, out)
     scale_log2 = (d**-0.5 if scale is None else float(scale)) * LOG2E
     if use_fast and _fast.decode(qv, kv, pi, scale_log2, kp, kn, vp, vn, rk, rv, sk, sv, (mask_kind, m_arg, ms), acc,
                                  ml, counters, lens, (lq, lr, ring), num_splits, tok_per_split, rows, out):
