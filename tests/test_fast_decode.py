@@ -180,9 +180,10 @@ def test_the_launcher_runs_without_a_gpu(monkeypatch):
 
 @pytest.mark.parametrize("d", [64, 128, 256])
 def test_query_rotation_fragments_land_in_the_score_mma_registers(d):
-    """The query rotation's B operand (`pi_fragments`), read as mma.m16n8k16 reads B (lane (g, l4): rows 2 l4, 2 l4 + 1
-    and + 8 of column g), gives output n-tiles whose accumulators are, lane by lane, the score MMA's A registers of
-    k-step s (n-tiles 2s, 2s + 1: channels l4 D/4 + 4s + {0, 1} and + {2, 3} of rows g, g + 8)."""
+    """The query rotation's B operand (`pi_fragments`), read as mma.m16n8k16 reads B (lane (g, l4): k-slots 2 l4,
+    2 l4 + 1 and + 8 of column g, k-slot 2 l4 + 8 j + h of k-step kk being input channel l4 D/4 + 4 kk + 2 j + h, as
+    the kernel's A registers hold the query), gives output n-tiles whose accumulators are, lane by lane, the score
+    MMA's A registers of k-step s (n-tiles 2s, 2s + 1: channels l4 D/4 + 4s + {0, 1} and + {2, 3} of rows g, g + 8)."""
     seed = fresh_seed()
     g_ = torch.Generator().manual_seed(seed)
     pi = torch.linalg.qr(torch.randn(d, d, generator=g_))[0]
@@ -194,7 +195,7 @@ def test_query_rotation_fragments_land_in_the_score_mma_registers(d):
         for kk in range(d // 16):
             for j in range(2):
                 for h in range(2):
-                    b[:, 16 * kk + 2 * l4 + 8 * j + h, g] = f[:, lane, kk, j, h]
+                    b[:, l4 * (d // 4) + 4 * kk + 2 * j + h, g] = f[:, lane, kk, j, h]
     c = torch.einsum("rc,tcn->rtn", q, b)  # (rows, n-tile, column)
     want = q @ pi.t()  # (Pi q_r)[x]
     for s in range(d // 16):
@@ -244,6 +245,8 @@ GPU_CASES = [
     (5, 5, 128, 4, 1, 1500, 6, torch.bfloat16, None, 2, False),  # fewer than 4 table copies: the scalar table fill
     (4, 3, 64, 5, 3, 16, 2, torch.float16, None, 0, False),
     (4, 4, 128, 4, 1, 17, 2, torch.bfloat16, "bool", 17, False),  # every packed token a sink but 0
+    (5, 3, 128, 4, 1, 2000, 520, torch.float16, "bool", 3, False),  # exact copies in several staged batches
+    (4, 4, 256, 2, 1, 1000, 300, torch.bfloat16, None, 2, False),
 ]
 
 

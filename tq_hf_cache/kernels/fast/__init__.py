@@ -155,14 +155,15 @@ _PIF: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 def pi_fragments(pi: torch.Tensor) -> torch.Tensor:
     """Pi as fp16 pairs in the B fragment order of the kernel's query rotation (`QueryRot`): int32
     (D / 8, 32, D / 16, 2), entry [nt, lane, kk, j] = (Pi[x, c], Pi[x, c + 1]) for output channel
-    x = (g // 2) D / 4 + 2 nt + g % 2 and input channel c = 16 kk + 2 l4 + 8 j (g, l4 = lane // 4, lane % 4): the
-    channel order that puts output n-tiles 2s, 2s + 1 in the score MMA's A registers of k-step s."""
+    x = (g // 2) D / 4 + 2 nt + g % 2 (the order that puts output n-tiles 2s, 2s + 1 in the score MMA's A registers
+    of k-step s) and input channel c = l4 D / 4 + 4 kk + 2 j (lane l4's contiguous quarter of the query; g, l4 =
+    lane // 4, lane % 4)."""
     d = pi.shape[0]
     lane = torch.arange(32, device=pi.device)
     g, l4 = lane // 4, lane % 4
     x = (g // 2) * (d // 4) + 2 * torch.arange(d // 8, device=pi.device)[:, None] + g % 2  # (NT, 32)
-    c = (16 * torch.arange(d // 16, device=pi.device)[None, :, None, None] + 2 * l4[:, None, None, None]
-         + 8 * torch.arange(2, device=pi.device)[None, None, :, None] + torch.arange(2, device=pi.device))  # (32, KS, 2, 2)
+    c = ((d // 4) * l4[:, None, None, None] + 4 * torch.arange(d // 16, device=pi.device)[None, :, None, None]
+         + 2 * torch.arange(2, device=pi.device)[None, None, :, None] + torch.arange(2, device=pi.device))  # (32, KS, 2, 2)
     f = pi.float()[x[:, :, None, None, None], c[None]].to(torch.float16)  # (NT, 32, KS, 2, 2)
     return f.contiguous().view(torch.int32).squeeze(-1).contiguous()
 
@@ -258,6 +259,11 @@ def _vec(*packed: torch.Tensor) -> int:
     return next((v for v in (16, 8, 4) if _aligned(v, *packed)), 0)
 
 
+def _xvec(*exact: torch.Tensor) -> int:
+    """The widest copy (16, 8 or 4 bytes; 0: two bytes at a time) the exact copies' token rows allow."""
+    return next((v for v in (16, 8, 4) if _aligned(v, *exact)), 0)
+
+
 def _norms_vec(*norms: torch.Tensor) -> bool:
     """Whether the (B, H, slots) norms load two tokens at a time (the kernel's tiles start at even tokens)."""
     return all(t.stride(-1) == 1 and t.data_ptr() % (2 * t.element_size()) == 0
@@ -274,11 +280,20 @@ def defines(d: int, kb: int, vb: int, nq: int, mask_kind: int, mask_dt: int, kn_
 _DT = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2}
 
 
-def exact_smem(d: int, rows: int) -> int:
-    """Dynamic shared memory of the exact copies' CTA (the query and the warps' partials) and of the merge (the
-    merged partial, the channel groups' parts of its rotation, the max and sum), whichever is larger."""
+def exact_smem(d: int, rows: int, batch: int = 8, xbytes: int = 2) -> int:
+    """Dynamic shared memory of the exact copies' CTA (the query, the warps' maxima and sums, then a batch of `batch`
+    tokens' keys and values of `xbytes` bytes an element, later the warps' partials) and of the merge (the merged
+    partial, the channel groups' parts of its rotation, the max and sum), whichever is larger."""
     groups = WARPS * 32 // (d // 4)
-    return 4 * max(d * rows * (WARPS + 1) + 2 * WARPS * rows, rows * d * (1 + groups) + 2 * rows)
+    exact = 4 * (rows * d + 2 * WARPS * rows) + max(4 * WARPS * rows * d, batch * 2 * d * xbytes)
+    return max(exact, 4 * (rows * d * (1 + groups) + 2 * rows))
+
+
+def exact_batch(d: int, rows: int, xbytes: int, smem: int) -> int:
+    """Tokens of the exact copies the exact CTA stages at a time (XB): what fits in `smem` beside the query and the
+    warps' maxima and sums, a multiple of 8 from 8 to 256."""
+    room = smem - 4 * (rows * d + 2 * WARPS * rows)
+    return max(8, min(256, room // (2 * d * xbytes) // 8 * 8))
 
 
 def decode(query, kv, pi, scale_log2, kp, kn, vp, vn, rk, rv, sk, sv, mask_args, acc, ml, counters, lens, lengths,
@@ -300,9 +315,12 @@ def decode(query, kv, pi, scale_log2, kp, kn, vp, vn, rk, rv, sk, sv, mask_args,
     df = defines(d, kb, vb, 1 if group * n <= 8 else 2, kind, mdt, kn32, vn32, kv.static, vec,
                  _norms_vec(kn, vn) and kp.shape[2] % 2 == 0, torch.cuda.get_device_capability(query.device))
     df.update(Q_DT=_DT[query.dtype], X_DT=_DT[rk.dtype], O_DT=_DT[out.dtype], ROWS=rows)
+    xbytes = rk.element_size()
+    df.update(XB=exact_batch(d, rows, xbytes, packed_smem(df)), XVEC=_xvec(rk, rv, sk, sv),
+              QV=int(_aligned(4 * query.element_size(), query)))
     device = query.device
     try:
-        main = jit.kernel(source(), NAME, df, device, max(packed_smem(df), exact_smem(d, rows)))
+        main = jit.kernel(source(), NAME, df, device, max(packed_smem(df), exact_smem(d, rows, df["XB"], xbytes)))
     except jit.JitError as e:
         _disable(device.index if device.index is not None else torch.cuda.current_device(), str(e).splitlines()[0])
         return False

@@ -317,13 +317,37 @@ __device__ __forceinline__ void store_partial(const float* wm, const float* wl, 
 
 // The query rows rotated and scaled (scale_log2 Pi q, fp16) on tensor cores, written as the score MMA's A fragments
 // (fragment order: k-step s, lane, 4 words) in shared memory. Rows: A[r][c] = scale_log2 q_r[c] (row r = query r % n
-// of head h G + r / n; zero from G n on); B = Pi^T, from `pif`, whose columns are ordered so that output n-tiles 2s
-// and 2s + 1 land in the lanes and registers of the score MMA's k-step s. Warp w computes k-steps w, w + 8, ...
+// of head h G + r / n; zero from G n on), lane l4's k-slots being the contiguous channels [l4 D/4, (l4 + 1) D/4) (four
+// a k-step: one vector load each); B = Pi^T, from `pif`, in that channel order, its columns ordered so that output
+// n-tiles 2s and 2s + 1 land in the lanes and registers of the score MMA's k-step s. Warp w computes k-steps w, w + 8.
 // The operands of its first k-step are loaded before the tables are filled, so that both round trips overlap.
 struct QueryRot {
-  u32 a[KS][4];          // A registers of rotation k-step kk: rows g, g + 8; channels 16 kk + 2 l4 + {0, 1}, + {8, 9}
+  u32 a[KS][4];          // A registers of rotation k-step kk: rows g, g + 8; channels l4 D/4 + 4 kk + {0, 1}, + {2, 3}
   uint4 u[KS / 2], v[KS / 2];  // B registers of n-tiles 2s, 2s + 1 (s = warp), two k-steps a load
 };
+
+// x = the 4 elements at q + o (zeros where !ok), one load where QV (the rows allow loads of 4 elements)
+#ifndef QV
+#define QV 0
+#endif
+template <int DT>
+__device__ __forceinline__ void load4(const void* q, i64 o, bool ok, float (&x)[4]) {
+  if (!ok) {
+    x[0] = x[1] = x[2] = x[3] = 0.0f;
+  } else if constexpr (QV && DT == 2) {
+    const float4 v = *reinterpret_cast<const float4*>(reinterpret_cast<const float*>(q) + o);
+    x[0] = v.x; x[1] = v.y; x[2] = v.z; x[3] = v.w;
+  } else if constexpr (QV) {
+    const uint2 v = *reinterpret_cast<const uint2*>(reinterpret_cast<const u16*>(q) + o);
+    const u16 h[4] = {static_cast<u16>(v.x & 0xffff), static_cast<u16>(v.x >> 16), static_cast<u16>(v.y & 0xffff),
+                      static_cast<u16>(v.y >> 16)};
+#pragma unroll
+    for (int k = 0; k < 4; ++k) x[k] = DT == 0 ? h2f(h[k]) : __uint_as_float(static_cast<u32>(h[k]) << 16);
+  } else {
+#pragma unroll
+    for (int k = 0; k < 4; ++k) x[k] = to_f32<DT>(q, o + k);
+  }
+}
 
 __device__ __forceinline__ const uint4* rotation_b(const Params& p, int s, int lane) {
   return p.pif + (static_cast<i64>(2 * s) * 32 + lane) * (KS / 2);
@@ -344,11 +368,11 @@ __device__ __forceinline__ void rotation_load(const Params& p, int bh, int warp,
 #pragma unroll
   for (int kk = 0; kk < KS; ++kk)
 #pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      const int i = j & 1, c = 16 * kk + 2 * l4 + 8 * (j >> 1);
-      const float x0 = rok[i] ? to_f32<Q_DT>(p.qx, rowoff[i] + c) : 0.0f;
-      const float x1 = rok[i] ? to_f32<Q_DT>(p.qx, rowoff[i] + c + 1) : 0.0f;
-      r.a[kk][j] = pack_h2(x0 * p.scale_log2, x1 * p.scale_log2);
+    for (int i = 0; i < 2; ++i) {
+      float x[4];
+      load4<Q_DT>(p.qx, rowoff[i] + l4 * (D / 4) + 4 * kk, rok[i], x);
+      r.a[kk][i] = pack_h2(x[0] * p.scale_log2, x[1] * p.scale_log2);
+      r.a[kk][2 + i] = pack_h2(x[2] * p.scale_log2, x[3] * p.scale_log2);
     }
   if (warp < KS) {
     const uint4* b0 = rotation_b(p, warp, lane);
@@ -658,13 +682,23 @@ __device__ __forceinline__ void packed_part(const Params& p, unsigned char* smem
   store_partial<RQ>(wm, wl, wa, p, static_cast<i64>(bh) * (p.num_splits + 1) + split, live, true);
 }
 
-// The exact copies (sinks, then the ring) with the unrotated query, by warps (an online softmax each, TPI tokens
-// per step: their loads first, then one update per row for all of them); the partial goes to slot num_splits.
+// The exact copies (sinks, then the ring) with the unrotated query, in batches of XB tokens copied whole into shared
+// memory first (cp.async, XVEC bytes a copy: one round trip a batch, where loads by the warps that use them took one
+// per TPI tokens), then by warps (an online softmax each, TPI tokens a step: one update per row for all of them);
+// the partial goes to slot num_splits.
+#ifndef XB
+#define XB 64
+#endif
+#ifndef XVEC
+#define XVEC 16
+#endif
+#define XBYTES (X_DT == 2 ? 4 : 2)
 __device__ __forceinline__ void exact_part(const Params& p, unsigned char* smem, int bh) {
   float* qs = reinterpret_cast<float*>(smem);  // (ROWS, D) the query, scaled for exp2
-  float* wacc = qs + ROWS * D;                 // (WARPS, ROWS, D) the warps' partials
-  float* wm = wacc + WARPS * ROWS * D;         // (WARPS, ROWS)
+  float* wm = qs + ROWS * D;                   // (WARPS, ROWS)
   float* wl = wm + WARPS * ROWS;               // (WARPS, ROWS)
+  unsigned char* xs = reinterpret_cast<unsigned char*>(wl + WARPS * ROWS);  // (XB, 2, D) a batch's keys and values
+  float* wacc = reinterpret_cast<float*>(xs);  // after the batches: (WARPS, ROWS, D) the warps' partials
   const int b = bh / p.hkv, h = bh % p.hkv;
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   const int live = p.group * p.nq;
@@ -679,7 +713,6 @@ __device__ __forceinline__ void exact_part(const Params& p, unsigned char* smem,
   }
   const int T = lq + lr;
   load_query<ROWS>(p.qx, p.sqb, p.sqh, p.sqn, p.group, p.nq, p.scale_log2, b, h, live, qs);
-  __syncthreads();
 
   // token e < ls is sink e; else position lq + (e - ls), at ring slot (pos % ring, static) or pos - lq
   float m_i[ROWS], l_i[ROWS], a[ROWS][DPL];
@@ -689,81 +722,100 @@ __device__ __forceinline__ void exact_part(const Params& p, unsigned char* smem,
 #pragma unroll
     for (int k = 0; k < DPL; ++k) a[r][k] = 0.0f;
   }
+  auto row_of = [&](int ee, bool value) -> const unsigned char* {  // token ee's key or value row
+    if (ee < ls) {
+      const i64 o = b * (value ? p.ssvb : p.sskb) + h * (value ? p.ssvh : p.sskh) + static_cast<i64>(ee) * D;
+      return reinterpret_cast<const unsigned char*>(value ? p.sv : p.sk) + o * XBYTES;
+    }
+    const int pos = lq + ee - ls;
+    const int slot = STATIC ? pos % p.ring : pos - lq;
+    const i64 o = b * (value ? p.srvb : p.srkb) + h * (value ? p.srvh : p.srkh) + static_cast<i64>(slot) * D;
+    return reinterpret_cast<const unsigned char*>(value ? p.rv : p.rk) + o * XBYTES;
+  };
   const int ne = ls + lr;
-  constexpr int TPI = 4;
-  for (int e0 = warp; e0 < ne; e0 += WARPS * TPI) {
-    float kx[TPI][DPL], vx[TPI][DPL];
-    int pos[TPI];
-    bool ok[TPI];
-#pragma unroll
-    for (int u = 0; u < TPI; ++u) {
-      ok[u] = e0 + WARPS * u < ne;
-      const int ee = ok[u] ? e0 + WARPS * u : e0;
-      const void *kb, *vb;
-      i64 ko, vo;
-      if (ee < ls) {
-        pos[u] = ee;
-        kb = p.sk; ko = b * p.sskb + h * p.sskh + static_cast<i64>(ee) * D;
-        vb = p.sv; vo = b * p.ssvb + h * p.ssvh + static_cast<i64>(ee) * D;
-      } else {
-        pos[u] = lq + ee - ls;
-        const int slot = STATIC ? pos[u] % p.ring : pos[u] - lq;
-        kb = p.rk; ko = b * p.srkb + h * p.srkh + static_cast<i64>(slot) * D;
-        vb = p.rv; vo = b * p.srvb + h * p.srvh + static_cast<i64>(slot) * D;
-      }
-#pragma unroll
-      for (int k = 0; k < DPL; ++k) {
-        kx[u][k] = to_f32<X_DT>(kb, ko + lane * DPL + k);
-        vx[u][k] = to_f32<X_DT>(vb, vo + lane * DPL + k);
+  for (int e0 = 0; e0 < ne; e0 += XB) {
+    const int nb = min(XB, ne - e0);
+    constexpr int CPR = D * XBYTES / (XVEC > 0 ? XVEC : 4);  // copies a row
+    for (int c = tid; c < nb * 2 * CPR; c += WARPS * 32) {
+      const int e = c / (2 * CPR), v = (c / CPR) & 1, k = c % CPR;
+      const unsigned char* src = row_of(e0 + e, v);
+      unsigned char* dst = xs + (2 * e + v) * D * XBYTES;
+      if constexpr (XVEC > 0) {
+        cp_async<XVEC>(shared_addr(dst + k * XVEC), src + k * XVEC);
+      } else {  // rows not 4-byte aligned: two bytes at a time
+        reinterpret_cast<u16*>(dst)[2 * k] = reinterpret_cast<const u16*>(src)[2 * k];
+        reinterpret_cast<u16*>(dst)[2 * k + 1] = reinterpret_cast<const u16*>(src)[2 * k + 1];
       }
     }
-#pragma unroll
-    for (int r = 0; r < ROWS; ++r) {
-      if (r >= live) continue;
-      const int hh = h * p.group + r / p.nq, qi = r % p.nq;
-      float sc[TPI];
-#pragma unroll
-      for (int u = 0; u < TPI; ++u) {
-        float v = 0.0f;
-#pragma unroll
-        for (int k = 0; k < DPL; ++k) v += qs[r * D + lane * DPL + k] * kx[u][k];
-        sc[u] = v;
-      }
-#pragma unroll
-      for (int o = 16; o > 0; o >>= 1)
-#pragma unroll
-        for (int u = 0; u < TPI; ++u) sc[u] += __shfl_xor_sync(0xffffffffu, sc[u], o);
-      float mx = NEG_INF;
+    cp_commit();
+    cp_wait<0>();
+    __syncthreads();  // the batch (and, the first time, the query) in shared memory
+    constexpr int TPI = 4;
+    for (int t0 = warp; t0 < nb; t0 += WARPS * TPI) {
+      float kx[TPI][DPL], vx[TPI][DPL];
+      int pos[TPI];
+      bool ok[TPI];
 #pragma unroll
       for (int u = 0; u < TPI; ++u) {
-#if MASK_KIND == 0
-        if (pos[u] > T - p.nq + qi) sc[u] = NEG_INF;
-#else
-        sc[u] += mask_value(p.mask + (b * p.smb + hh * p.smh + static_cast<i64>(qi) * p.smi) * p.mask_elt,
-                            static_cast<i64>(pos[u]) * p.smt);
-#endif
-        if (!ok[u]) sc[u] = NEG_INF;
-        mx = fmaxf(mx, sc[u]);
+        ok[u] = t0 + WARPS * u < nb;
+        const int e = ok[u] ? t0 + WARPS * u : t0, ee = e0 + e;
+        pos[u] = ee < ls ? ee : lq + ee - ls;
+        const unsigned char* kr = xs + 2 * e * D * XBYTES;
+#pragma unroll
+        for (int k = 0; k < DPL; ++k) {
+          kx[u][k] = to_f32<X_DT>(kr, lane * DPL + k);
+          vx[u][k] = to_f32<X_DT>(kr + D * XBYTES, lane * DPL + k);
+        }
       }
-      const float m_new = fmaxf(m_i[r], mx);
-      const float m_use = m_new == NEG_INF ? 0.0f : m_new;
-      const float alpha = ex2(m_i[r] - m_use);
-      m_i[r] = m_new;
-      float pr[TPI], sum = 0.0f;
 #pragma unroll
-      for (int u = 0; u < TPI; ++u) {
-        pr[u] = ex2(sc[u] - m_use);
-        sum += pr[u];
-      }
-      l_i[r] = l_i[r] * alpha + sum;
+      for (int r = 0; r < ROWS; ++r) {
+        if (r >= live) continue;
+        const int hh = h * p.group + r / p.nq, qi = r % p.nq;
+        float sc[TPI];
 #pragma unroll
-      for (int k = 0; k < DPL; ++k) {
-        float v = a[r][k] * alpha;
+        for (int u = 0; u < TPI; ++u) {
+          float v = 0.0f;
 #pragma unroll
-        for (int u = 0; u < TPI; ++u) v += pr[u] * vx[u][k];
-        a[r][k] = v;
+          for (int k = 0; k < DPL; ++k) v += qs[r * D + lane * DPL + k] * kx[u][k];
+          sc[u] = v;
+        }
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1)
+#pragma unroll
+          for (int u = 0; u < TPI; ++u) sc[u] += __shfl_xor_sync(0xffffffffu, sc[u], o);
+        float mx = NEG_INF;
+#pragma unroll
+        for (int u = 0; u < TPI; ++u) {
+  #if MASK_KIND == 0
+          if (pos[u] > T - p.nq + qi) sc[u] = NEG_INF;
+  #else
+          sc[u] += mask_value(p.mask + (b * p.smb + hh * p.smh + static_cast<i64>(qi) * p.smi) * p.mask_elt,
+                              static_cast<i64>(pos[u]) * p.smt);
+  #endif
+          if (!ok[u]) sc[u] = NEG_INF;
+          mx = fmaxf(mx, sc[u]);
+        }
+        const float m_new = fmaxf(m_i[r], mx);
+        const float m_use = m_new == NEG_INF ? 0.0f : m_new;
+        const float alpha = ex2(m_i[r] - m_use);
+        m_i[r] = m_new;
+        float pr[TPI], sum = 0.0f;
+#pragma unroll
+        for (int u = 0; u < TPI; ++u) {
+          pr[u] = ex2(sc[u] - m_use);
+          sum += pr[u];
+        }
+        l_i[r] = l_i[r] * alpha + sum;
+#pragma unroll
+        for (int k = 0; k < DPL; ++k) {
+          float v = a[r][k] * alpha;
+#pragma unroll
+          for (int u = 0; u < TPI; ++u) v += pr[u] * vx[u][k];
+          a[r][k] = v;
+        }
       }
     }
+    __syncthreads();  // the batch read before the next one (or the warps' partials) overwrites it
   }
 #pragma unroll
   for (int r = 0; r < ROWS; ++r) {
