@@ -173,7 +173,7 @@ def test_the_launcher_runs_without_a_gpu(monkeypatch):
         done.clear()
         da.decode_attention(q, state)
         splits, _ = fast.plan(b * 2, lq, torch.device("cpu"))
-        assert [x[:3] for x in done] == [(fast.NAME, (splits + 1, b * 2, 1), 256)], done
+        assert [x[:3] for x in done] == [(fast.NAME, (b * 2, splits + 1, 1), 256)], done
         assert done[0][3] >= max(fast.exact_smem(d, 4), fast.query_bytes(d)), done
         assert done[0][4] == ctypes.sizeof(fast.Params), done
 

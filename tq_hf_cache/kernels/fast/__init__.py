@@ -343,5 +343,5 @@ def decode(query, kv, pi, scale_log2, kp, kn, vp, vn, rk, rv, sk, sv, mask_args,
         rk.data_ptr(), rk.stride(0), rk.stride(1), rv.data_ptr(), rv.stride(0), rv.stride(1),
         out.data_ptr(), *out.stride()[:3], counters.data_ptr(), lr, ring, scale_log2, pif.data_ptr())
     with torch.cuda.device(device):  # the kernel belongs to this device's context: make it current for the launch
-        main.launch((num_splits + 1, b * hkv, 1), 32 * WARPS, params, torch.cuda.current_stream(device).cuda_stream)
+        main.launch((b * hkv, num_splits + 1, 1), 32 * WARPS, params, torch.cuda.current_stream(device).cuda_stream)
     return True

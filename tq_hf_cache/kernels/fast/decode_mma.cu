@@ -948,15 +948,17 @@ __device__ __forceinline__ void merge_last(const Params& p, unsigned char* smem,
   }
 }
 
-// Grid (num_splits + 1, batch x KV heads): CTA 0 of a (batch, KV head) takes the exact copies, CTA s > 0 split s - 1
+// Grid (batch x KV heads, num_splits + 1): CTA 0 of a (batch, KV head) takes the exact copies, CTA s > 0 split s - 1
 // of the packed history; each stores its partial, and the last to do so merges them all (one counter per (batch,
-// KV head), left at zero for the next launch).
+// KV head), left at zero for the next launch). The (batch, KV head) is the grid's x, so that CTAs go out split by
+// split: where two CTAs share an SM the first one placed runs faster, and each (batch, KV head) gets both kinds (and
+// where the grid is more than the GPU holds at once, the CTAs that wait are the last splits of every one).
 extern "C" __global__ void __launch_bounds__(WARPS * 32, MIN_CTAS) tq_decode(const Params p) {
   extern __shared__ __align__(16) unsigned char smem[];
   __shared__ int last;
-  const int bh = blockIdx.y;
-  if (blockIdx.x == 0) exact_part(p, smem, bh);
-  else packed_part(p, smem, blockIdx.x - 1, bh);
+  const int bh = blockIdx.x;
+  if (blockIdx.y == 0) exact_part(p, smem, bh);
+  else packed_part(p, smem, blockIdx.y - 1, bh);
   __syncthreads();  // the CTA's partial stored: the barrier orders every thread's stores before thread 0's arrival
   if (threadIdx.x == 0) {
     int before;  // acq_rel: releases this CTA's partial, and acquires all the others' for the last CTA
