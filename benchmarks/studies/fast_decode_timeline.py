@@ -1,0 +1,116 @@
+"""Where one call of the fast decode kernel spends its time, CTA by CTA (H100, Llama-3.1-8B shape, one query).
+
+The kernel's source is instrumented in memory (timing only): each CTA's thread 0 writes `%globaltimer` when the CTA
+starts, when a packed split's loop starts (after its prologue: query rotation, table fill, first copies) and when it
+arrives at the merge counter, with `%smid`; the merging CTA writes when its merge ends. From three calls after two
+warm-ups per case, the last call's CTAs are summarized: when the exact copies' CTAs arrive, the packed splits'
+prologue and loop times (min / median / max), the spread of their arrivals and the merge's length.
+Usage:
+    python benchmarks/studies/fast_decode_timeline.py [--cases 1x4096,1x131072,8x32768] [--presets k5v3] --out F
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+import bench_attention as ba  # noqa: E402
+from tq_hf_cache.kernels import decode_attention as da  # noqa: E402
+from tq_hf_cache.kernels import fast  # noqa: E402
+
+SLOTS = 16  # int64 words a CTA writes: 0 start, 1 arrival, 2 loop start, 3 merge end, 4 SM id
+
+_NOW = 'unsigned long long t_; asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t_));'
+_SLOT = "reinterpret_cast<unsigned long long*>(TL_PTR) + (static_cast<i64>(bh) * gridDim.y + blockIdx.y) * 16"
+EDITS = [
+    ("  const int bh = blockIdx.x;\n",
+     "  const int bh = blockIdx.x;\n  unsigned long long* tl_ = " + _SLOT + ";\n"
+     "  if (threadIdx.x == 0) { " + _NOW + " tl_[0] = t_; unsigned s_; asm(\"mov.u32 %0, %%smid;\" : \"=r\"(s_)); "
+     "tl_[4] = s_; }\n"),
+    ("  if (threadIdx.x == 0) {\n    int before;",
+     "  if (threadIdx.x == 0) { " + _NOW + " tl_[1] = t_; }\n  if (threadIdx.x == 0) {\n    int before;"),
+    ("  merge_last(p, smem, bh);\n}",
+     "  merge_last(p, smem, bh);\n  __syncthreads();\n  if (threadIdx.x == 0) { " + _NOW + " tl_[3] = t_; }\n}"),
+    ("  __syncthreads();  // the tables and the query fragments written\n",
+     "  __syncthreads();  // the tables and the query fragments written\n"
+     "  if (threadIdx.x == 0) { " + _NOW + " (" + _SLOT + ")[2] = t_; }\n"),
+]
+
+
+def instrumented(src: str) -> str:
+    for a, b in EDITS:
+        if src.count(a) != 1:
+            raise SystemExit(f"the kernel source changed: {a.strip()[:60]!r} is not there once")
+        src = src.replace(a, b)
+    return src
+
+
+def spread(v: list[float]) -> dict:
+    return {"min": round(min(v), 2), "median": round(statistics.median(v), 2), "max": round(max(v), 2)}
+
+
+def one_call(q, kv, tl, b: int) -> dict:
+    tl.zero_()
+    da.decode_attention(q, kv)
+    torch.cuda.synchronize()
+    x = tl.view(-1, SLOTS).cpu()
+    x = x[x[:, 0] > 0]
+    t0 = int(x[:, 0].min())
+    us = lambda col: ((col - t0) / 1000).tolist()  # noqa: E731
+    packed, exact = x[x[:, 2] > 0], x[x[:, 2] == 0]
+    merges = x[x[:, 3] > 0]
+    start, loop, arrive = us(packed[:, 0]), us(packed[:, 2]), us(packed[:, 1])
+    return {
+        "ctas": int(x.shape[0]), "packed_ctas": int(packed.shape[0]), "sms": len(set(x[:, 4].tolist())),
+        "exact_arrive_us": spread(us(exact[:, 1])),
+        "packed_start_us": spread(start),
+        "packed_prologue_us": spread([lo - s for lo, s in zip(loop, start)]),
+        "packed_loop_us": spread([a - lo for a, lo in zip(arrive, loop)]),
+        "packed_arrive_us": spread(arrive),
+        "merge_us": spread([(int(m[3]) - int(m[1])) / 1000 for m in merges]),
+        "call_us": round((int(merges[:, 3].max()) - t0) / 1000, 2),
+    }
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--cases", default="1x4096,1x131072,8x32768")
+    ap.add_argument("--presets", default="k5v3")
+    ap.add_argument("--out", required=True)
+    a = ap.parse_args()
+    tl = torch.zeros(1 << 20, dtype=torch.int64, device="cuda")
+    src = instrumented(fast.source())
+    fast.source = lambda: src
+    defines = fast.defines
+    fast.defines = lambda *x, **k: {**defines(*x, **k), "TL_PTR": tl.data_ptr()}
+    res = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "command": " ".join(sys.argv),
+           "rows": []}
+    for case in a.cases.split(","):
+        b, t = map(int, case.split("x"))
+        for preset in a.presets.split(","):
+            kb, vb = map(int, preset[1:].split("v"))
+            kv, _ = ba.packed_layer(b, t, kb, vb)
+            q = torch.randn(b, ba.HQ, 1, ba.D, device="cuda", dtype=torch.bfloat16)
+            for _ in range(2):
+                one_call(q, kv, tl, b)
+            calls = [one_call(q, kv, tl, b) for _ in range(3)]
+            row = {"case": case, "preset": preset, **calls[-1],
+                   "call_us_each": [c["call_us"] for c in calls]}
+            res["rows"].append(row)
+            print(json.dumps(row), flush=True)
+            del kv
+            torch.cuda.empty_cache()
+    with open(a.out, "w") as f:
+        json.dump(res, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
