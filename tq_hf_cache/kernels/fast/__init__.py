@@ -254,14 +254,9 @@ def _aligned(v: int, *tensors: torch.Tensor) -> bool:
                for t in tensors)
 
 
-def _vec(*packed: torch.Tensor) -> int:
-    """The widest load (16, 8 or 4 bytes) the packed rows allow (0: none)."""
-    return next((v for v in (16, 8, 4) if _aligned(v, *packed)), 0)
-
-
-def _xvec(*exact: torch.Tensor) -> int:
-    """The widest copy (16, 8 or 4 bytes; 0: two bytes at a time) the exact copies' token rows allow."""
-    return next((v for v in (16, 8, 4) if _aligned(v, *exact)), 0)
+def _vec(*rows: torch.Tensor) -> int:
+    """The widest load or copy (16, 8 or 4 bytes) the tensors' rows allow (0: none)."""
+    return next((v for v in (16, 8, 4) if _aligned(v, *rows)), 0)
 
 
 def _norms_vec(*norms: torch.Tensor) -> bool:
@@ -315,12 +310,12 @@ def decode(query, kv, pi, scale_log2, kp, kn, vp, vn, rk, rv, sk, sv, mask_args,
     df = defines(d, kb, vb, 1 if group * n <= 8 else 2, kind, mdt, kn32, vn32, kv.static, vec,
                  _norms_vec(kn, vn) and kp.shape[2] % 2 == 0, torch.cuda.get_device_capability(query.device))
     df.update(Q_DT=_DT[query.dtype], X_DT=_DT[rk.dtype], O_DT=_DT[out.dtype], ROWS=rows)
-    xbytes = rk.element_size()
-    df.update(XB=exact_batch(d, rows, xbytes, packed_smem(df)), XVEC=_xvec(rk, rv, sk, sv),
+    xbytes, smem = rk.element_size(), packed_smem(df)
+    df.update(XB=exact_batch(d, rows, xbytes, smem), XVEC=_vec(rk, rv, sk, sv),
               QV=int(_aligned(4 * query.element_size(), query)))
     device = query.device
     try:
-        main = jit.kernel(source(), NAME, df, device, max(packed_smem(df), exact_smem(d, rows, df["XB"], xbytes)))
+        main = jit.kernel(source(), NAME, df, device, max(smem, exact_smem(d, rows, df["XB"], xbytes)))
     except jit.JitError as e:
         _disable(device.index if device.index is not None else torch.cuda.current_device(), str(e).splitlines()[0])
         return False

@@ -786,12 +786,12 @@ __device__ __forceinline__ void exact_part(const Params& p, unsigned char* smem,
         float mx = NEG_INF;
 #pragma unroll
         for (int u = 0; u < TPI; ++u) {
-  #if MASK_KIND == 0
+#if MASK_KIND == 0
           if (pos[u] > T - p.nq + qi) sc[u] = NEG_INF;
-  #else
+#else
           sc[u] += mask_value(p.mask + (b * p.smb + hh * p.smh + static_cast<i64>(qi) * p.smi) * p.mask_elt,
                               static_cast<i64>(pos[u]) * p.smt);
-  #endif
+#endif
           if (!ok[u]) sc[u] = NEG_INF;
           mx = fmaxf(mx, sc[u]);
         }
