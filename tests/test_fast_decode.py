@@ -111,12 +111,29 @@ def test_pair_table_entries_are_the_fp16_centroid_pairs(bits, per_head):
         torch.testing.assert_close(got, want[:, idx], rtol=0, atol=0, msg=lambda m: f"seed {seed}: {m}")
 
 
-def test_plan_covers_the_history_in_whole_warp_tiles():
-    for bh, lq in ((8, 131072), (64, 32768), (1, 100), (256, 4096), (8, 17)):
-        splits, per = fast.plan(bh, lq, torch.device("cpu"))
-        assert per % (16 * fast.WARPS) == 0 and splits * per >= lq and (splits - 1) * per < lq, (bh, lq, splits, per)
-        s2, _ = fast.plan(bh, lq, torch.device("cpu"), max_splits=2)
-        assert s2 <= 2
+def test_plan_covers_the_history_in_whole_warp_tiles(monkeypatch):
+    monkeypatch.setattr(support, "sm_count", lambda d: 132)
+    for w in (8, 16):
+        for bh, lq in ((8, 131072), (64, 32768), (1, 100), (256, 4096), (8, 17)):
+            splits, per = fast.plan(bh, lq, torch.device("cpu"), warps=w)
+            assert per % (16 * w) == 0 and splits * per >= lq and (splits - 1) * per < lq, (w, bh, lq, splits, per)
+            s2, _ = fast.plan(bh, lq, torch.device("cpu"), max_splits=2, warps=w)
+            assert s2 <= 2
+    # about 16 warps an SM either way: one wave of (splits + 1) CTAs a (batch, KV head)
+    assert fast.plan(8, 131072, torch.device("cpu"), warps=8)[0] == 32
+    assert fast.plan(8, 131072, torch.device("cpu"), warps=16)[0] == 15
+
+
+def test_sixteen_warps_where_two_ctas_would_hold_fewer_table_copies():
+    """One CTA of 16 warps an SM for the 5-bit key tables at head dims up to 128 (two CTAs of 8 fit only 16 copies of
+    them, with more bank conflicts), 8 warps elsewhere; each choice's shared memory fits the H100's 227 KB."""
+    for d in (64, 128, 256):
+        for kb, vb in ((5, 3), (5, 2), (5, 5), (4, 4), (4, 2), (3, 3), (2, 2)):
+            for nq in (1, 2):
+                w = fast.warps(d, kb, vb, False, False, nq, (9, 0))
+                assert w == (16 if kb == 5 and d <= 128 and nq == 1 else 8), (d, kb, vb, nq, w)
+                df = fast.defines(d, kb, vb, nq, 0, 0, False, False, False, 16, True)
+                assert df["WARPS"] == w and fast.packed_smem(df) <= 227 * 1024, (d, kb, vb, nq, df)
 
 
 def test_shape_limits():
@@ -172,9 +189,10 @@ def test_the_launcher_runs_without_a_gpu(monkeypatch):
         q = torch.randn(b, 8, 1, d, dtype=torch.bfloat16)
         done.clear()
         da.decode_attention(q, state)
-        splits, _ = fast.plan(b * 2, lq, torch.device("cpu"))
-        assert [x[:3] for x in done] == [(fast.NAME, (b * 2, splits + 1, 1), 256)], done
-        assert done[0][3] >= max(fast.exact_smem(d, 4), fast.query_bytes(d)), done
+        w = fast.warps(d, kb, vb, state.k_norms.dtype == torch.float32, state.v_norms.dtype == torch.float32, 1, (9, 0))
+        splits, _ = fast.plan(b * 2, lq, torch.device("cpu"), warps=w)
+        assert [x[:3] for x in done] == [(fast.NAME, (b * 2, splits + 1, 1), 32 * w)], done
+        assert done[0][3] >= max(fast.exact_smem(d, 4, warps=w), fast.query_bytes(d)), done
         assert done[0][4] == ctypes.sizeof(fast.Params), done
 
 
@@ -247,6 +265,8 @@ GPU_CASES = [
     (4, 4, 128, 4, 1, 17, 2, torch.bfloat16, "bool", 17, False),  # every packed token a sink but 0
     (5, 3, 128, 4, 1, 2000, 520, torch.float16, "bool", 3, False),  # exact copies in several staged batches
     (4, 4, 256, 2, 1, 1000, 300, torch.bfloat16, None, 2, False),
+    (5, 2, 64, 2, 2, 3333, 40, torch.bfloat16, "additive", 2, True),  # 16 warps at head dim 64
+    (4, 4, 128, 2, 1, 2222, 7, torch.float16, None, 0, False),  # 2 rows: four lanes a column in the merge
 ]
 
 

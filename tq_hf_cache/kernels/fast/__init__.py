@@ -23,12 +23,11 @@ from .. import _common as C
 from . import jit
 
 NAME = "tq_decode"
-WARPS = 8  # as the source's WARPS
+WARPS_PER_SM = 16  # two CTAs of 8 warps, or one of 16 (`warps`)
 HEAD_DIMS = (64, 128, 256)
 BITS = (2, 3, 4, 5)  # pair tables up to 4^5 entries
 MAX_ROWS = 16  # query heads per KV head x queries: two query n-tiles
 MIN_TOKENS_PER_SPLIT = 512
-CTAS_PER_SM = 2
 ENV = "TQ_HF_CACHE_FAST_DECODE"  # "0" turns the kernel off (the Triton kernel serves)
 
 _SOURCE: str | None = None
@@ -117,12 +116,13 @@ def _disable(idx: int, why: str) -> None:
                   f"instead", RuntimeWarning, stacklevel=3)
 
 
-def plan(batch_heads: int, packed_len: int, device: torch.device, max_splits: int | None = None) -> tuple[int, int]:
-    """(num_splits, tokens per split): about CTAS_PER_SM CTAs per SM, at least MIN_TOKENS_PER_SPLIT tokens each (a
-    multiple of 16 * WARPS), at most max_splits (what a caller's scratch holds)."""
+def plan(batch_heads: int, packed_len: int, device: torch.device, max_splits: int | None = None,
+         warps: int = 8) -> tuple[int, int]:
+    """(num_splits, tokens per split) for CTAs of `warps` warps: about WARPS_PER_SM warps per SM, at least
+    MIN_TOKENS_PER_SPLIT tokens each (a multiple of 16 * warps), at most max_splits (what a caller's scratch holds)."""
     from ..support import sm_count
 
-    slots = CTAS_PER_SM * sm_count(device)
+    slots = WARPS_PER_SM // warps * sm_count(device)
     want = max(1, slots // batch_heads)  # one wave: a partial second one doubles the time
     if want >= 8:  # leave room for the exact copies' CTA of each (batch, KV head) where that costs little
         want = (slots - batch_heads) // batch_heads
@@ -130,7 +130,7 @@ def plan(batch_heads: int, packed_len: int, device: torch.device, max_splits: in
     splits = min(want, most)
     if max_splits is not None:
         splits = max(1, min(splits, max_splits))
-    per = 16 * WARPS
+    per = 16 * warps
     tps = -(-max(packed_len, 1) // splits)
     tps = -(-tps // per) * per
     return -(-max(packed_len, 1) // tps), tps
@@ -195,9 +195,9 @@ def stages(head_dim: int) -> tuple[int, ...]:
     return (3, 2) if head_dim <= 128 else (2,)
 
 
-def ctas_per_sm(head_dim: int, nq: int) -> int:
-    """CTAs an SM runs at once (as the source's MIN_CTAS: two where 128 registers a thread suffice)."""
-    return 2 if nq == 1 and head_dim <= 128 else 1
+def ctas_per_sm(head_dim: int, nq: int, warps: int = 8) -> int:
+    """CTAs an SM runs at once (as the source's MIN_CTAS: two of 8 warps where 128 registers a thread suffice)."""
+    return 2 if warps == 8 and nq == 1 and head_dim <= 128 else 1
 
 
 # Shared memory per SM (KB) by compute capability (CUDA programming guide); others: 100
@@ -218,14 +218,14 @@ def table_bytes(kb: int, vb: int, kr: int, vr: int) -> int:
 
 @functools.cache  # (asked on every decode call)
 def layout(d: int, kb: int, vb: int, kn_f32: bool, vn_f32: bool, nq: int,
-           capability: tuple[int, int]) -> tuple[int, int, int]:
+           capability: tuple[int, int], warps: int = 8) -> tuple[int, int, int]:
     """(STAGES, KR, VR): the ring depth and the copies of each pair table that fit the shared memory of
-    `ctas_per_sm` CTAs with the fewest expected lookup wavefronts (bank conflicts), the deeper ring on a tie.
-    Measured on the H100 against the former fixed layout: -1 to +4 % per layer (docs/performance.md)."""
-    per_cta = _SMEM_KB.get(tuple(capability), 100) * 1024 // ctas_per_sm(d, nq) - 1088  # (1 KB reserved, statics)
+    `ctas_per_sm` CTAs of `warps` warps with the fewest expected lookup wavefronts (bank conflicts), the deeper ring
+    on a tie. Measured on the H100 against the former fixed layout: -1 to +4 % per layer (docs/performance.md)."""
+    per_cta = _SMEM_KB.get(tuple(capability), 100) * 1024 // ctas_per_sm(d, nq, warps) - 1088  # (1 KB: statics)
     best = None
     for st in stages(d):
-        room = per_cta - WARPS * st * tile_bytes(d, kb, vb, kn_f32, vn_f32) - query_bytes(d)
+        room = per_cta - warps * st * tile_bytes(d, kb, vb, kn_f32, vn_f32) - query_bytes(d)
         for kr in _WAVEFRONTS:
             for vr in _WAVEFRONTS:
                 if table_bytes(kb, vb, kr, vr) <= room:
@@ -233,6 +233,18 @@ def layout(d: int, kb: int, vb: int, kn_f32: bool, vn_f32: bool, nq: int,
                     if best is None or key < best[0]:
                         best = (key, (st, kr, vr))
     return best[1] if best is not None else (2, 1, 1)
+
+
+@functools.cache
+def warps(d: int, kb: int, vb: int, kn_f32: bool, vn_f32: bool, nq: int, capability: tuple[int, int]) -> int:
+    """Warps a CTA: 16, in one CTA an SM, where two CTAs of 8 would hold fewer copies of the pair tables (more
+    expected bank conflicts: the 5-bit key tables at head dims up to 128), else 8. Both give 128 registers a thread;
+    where more are needed (head dim 256, 16 query rows) it is 8 warps in one CTA. On a tie 8: measured on the H100,
+    16 warps are faster for k5v3 and slower for k4v4, whose copies are the same either way (docs/performance.md)."""
+    if ctas_per_sm(d, nq) == 1:
+        return 8
+    wave = lambda w: sum(_WAVEFRONTS[r] for r in layout(d, kb, vb, kn_f32, vn_f32, nq, capability, w)[1:])  # noqa: E731
+    return 16 if wave(16) < wave(8) else 8
 
 
 def query_bytes(d: int) -> int:
@@ -244,8 +256,9 @@ def packed_smem(df: dict[str, int]) -> int:
     """Dynamic shared memory of the packed kernel of these defines: the warps' tile rings, the two tables, the query's
     fragments; after the loop, the warps' partials (max, sum and accumulator of 8 NQ rows each)."""
     tile = tile_bytes(df["D"], df["KB"], df["VB"], bool(df["KN_F32"]), bool(df["VN_F32"]))
-    loop = WARPS * df["STAGES"] * tile + table_bytes(df["KB"], df["VB"], df["KR"], df["VR"]) + query_bytes(df["D"])
-    return max(loop, 4 * WARPS * 8 * df["NQ"] * (df["D"] + 2))
+    w = df["WARPS"]
+    loop = w * df["STAGES"] * tile + table_bytes(df["KB"], df["VB"], df["KR"], df["VR"]) + query_bytes(df["D"])
+    return max(loop, 4 * w * 8 * df["NQ"] * (df["D"] + 2))
 
 
 def _aligned(v: int, *tensors: torch.Tensor) -> bool:
@@ -267,27 +280,28 @@ def _norms_vec(*norms: torch.Tensor) -> bool:
 
 def defines(d: int, kb: int, vb: int, nq: int, mask_kind: int, mask_dt: int, kn_f32: bool, vn_f32: bool,
             static: bool, vec: int, nvec: bool, capability: tuple[int, int] = (9, 0)) -> dict[str, int]:
-    st, kr, vr = layout(d, kb, vb, kn_f32, vn_f32, nq, capability)
+    w = warps(d, kb, vb, kn_f32, vn_f32, nq, capability)
+    st, kr, vr = layout(d, kb, vb, kn_f32, vn_f32, nq, capability, w)
     return dict(D=d, KB=kb, VB=vb, NQ=nq, MASK_KIND=mask_kind, MASK_DT=mask_dt, KN_F32=int(kn_f32),
-                VN_F32=int(vn_f32), KR=kr, VR=vr, STATIC=int(static), VEC=vec, NVEC=int(nvec), STAGES=st)
+                VN_F32=int(vn_f32), KR=kr, VR=vr, STATIC=int(static), VEC=vec, NVEC=int(nvec), STAGES=st, WARPS=w)
 
 
 _DT = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2}
 
 
-def exact_smem(d: int, rows: int, batch: int = 8, xbytes: int = 2) -> int:
+def exact_smem(d: int, rows: int, batch: int = 8, xbytes: int = 2, warps: int = 8) -> int:
     """Dynamic shared memory of the exact copies' CTA (the query, the warps' maxima and sums, then a batch of `batch`
     tokens' keys and values of `xbytes` bytes an element, later the warps' partials) and of the merge (the merged
     partial, the channel groups' parts of its rotation, the max and sum), whichever is larger."""
-    groups = WARPS * 32 // (d // 4)
-    exact = 4 * (rows * d + 2 * WARPS * rows) + max(4 * WARPS * rows * d, batch * 2 * d * xbytes)
+    groups = warps * 32 // (d // 4)
+    exact = 4 * (rows * d + 2 * warps * rows) + max(4 * warps * rows * d, batch * 2 * d * xbytes)
     return max(exact, 4 * (rows * d * (1 + groups) + 2 * rows))
 
 
-def exact_batch(d: int, rows: int, xbytes: int, smem: int) -> int:
+def exact_batch(d: int, rows: int, xbytes: int, smem: int, warps: int = 8) -> int:
     """Tokens of the exact copies the exact CTA stages at a time (XB): what fits in `smem` beside the query and the
     warps' maxima and sums, a multiple of 8 from 8 to 256."""
-    room = smem - 4 * (rows * d + 2 * WARPS * rows)
+    room = smem - 4 * (rows * d + 2 * warps * rows)
     return max(8, min(256, room // (2 * d * xbytes) // 8 * 8))
 
 
@@ -310,12 +324,12 @@ def decode(query, kv, pi, scale_log2, kp, kn, vp, vn, rk, rv, sk, sv, mask_args,
     df = defines(d, kb, vb, 1 if group * n <= 8 else 2, kind, mdt, kn32, vn32, kv.static, vec,
                  _norms_vec(kn, vn) and kp.shape[2] % 2 == 0, torch.cuda.get_device_capability(query.device))
     df.update(Q_DT=_DT[query.dtype], X_DT=_DT[rk.dtype], O_DT=_DT[out.dtype], ROWS=rows)
-    xbytes, smem = rk.element_size(), packed_smem(df)
-    df.update(XB=exact_batch(d, rows, xbytes, smem), XVEC=_vec(rk, rv, sk, sv),
+    xbytes, smem, w = rk.element_size(), packed_smem(df), df["WARPS"]
+    df.update(XB=exact_batch(d, rows, xbytes, smem, w), XVEC=_vec(rk, rv, sk, sv),
               QV=int(_aligned(4 * query.element_size(), query)))
     device = query.device
     try:
-        main = jit.kernel(source(), NAME, df, device, max(smem, exact_smem(d, rows, df["XB"], xbytes)))
+        main = jit.kernel(source(), NAME, df, device, max(smem, exact_smem(d, rows, df["XB"], xbytes, w)))
     except jit.JitError as e:
         _disable(device.index if device.index is not None else torch.cuda.current_device(), str(e).splitlines()[0])
         return False
@@ -338,5 +352,5 @@ def decode(query, kv, pi, scale_log2, kp, kn, vp, vn, rk, rv, sk, sv, mask_args,
         rk.data_ptr(), rk.stride(0), rk.stride(1), rv.data_ptr(), rv.stride(0), rv.stride(1),
         out.data_ptr(), *out.stride()[:3], counters.data_ptr(), lr, ring, scale_log2, pif.data_ptr())
     with torch.cuda.device(device):  # the kernel belongs to this device's context: make it current for the launch
-        main.launch((b * hkv, num_splits + 1, 1), 32 * WARPS, params, torch.cuda.current_stream(device).cuda_stream)
+        main.launch((b * hkv, num_splits + 1, 1), 32 * w, params, torch.cuda.current_stream(device).cuda_stream)
     return True

@@ -6,7 +6,7 @@
 // Compiled at first use by NVRTC (no headers) with -D: D, KB, VB (bits), NQ (query n-tiles: 8 * NQ >= G * n),
 // MASK_KIND (0 none, 1 bool / 2 additive per row), MASK_DT (0 u8, 1 f16, 2 bf16, 3 f32), KN_F32, VN_F32 (norm
 // dtypes), KR, VR (copies of each pair table), STATIC, VEC (widest load, bytes), NVEC (norms loaded in pairs),
-// STAGES, and those of the exact part below.
+// STAGES, WARPS (8 or 16), and those of the exact part below.
 //
 // Registers, not shared memory, carry the codes into the MMA operands, with no reshuffle:
 // - Scores S = Q K^T (M = 16 query rows, N = 8 tokens, K = 16 channels). Lane (g = lane / 4, l4 = lane % 4) holds,
@@ -51,12 +51,14 @@ struct Params {
   const uint4* pif;                   // (D / 8, 32, D / 16, 2) half2: Pi in the rotation MMA's B fragment order
 };
 
+#ifndef WARPS  // 8, or 16 in one CTA an SM (where two CTAs of 8 would hold fewer copies of the tables)
 #define WARPS 8
+#endif
 #ifndef STAGES
 #define STAGES 3
 #endif
-#ifndef MIN_CTAS  // two CTAs an SM where the registers allow (128 a thread)
-#define MIN_CTAS ((NQ == 1 && D <= 128) ? 2 : 1)
+#ifndef MIN_CTAS  // two CTAs of 8 warps an SM where the registers allow (128 a thread)
+#define MIN_CTAS ((NQ == 1 && D <= 128 && WARPS == 8) ? 2 : 1)
 #endif
 #define NEG_INF __int_as_float(0xff800000)
 #define LOG2E 1.4426950408889634f
@@ -841,6 +843,7 @@ __device__ __forceinline__ void exact_part(const Params& p, unsigned char* smem,
 #define UNROLL (PRE > 0 ? PRE : (CPG < 8 ? CPG : 8))
 #define EPT ((ROWS * D + WARPS * 32 - 1) / (WARPS * 32))  // output elements a thread writes
 #define XPRE (ROWS <= 8)  // the exact partial's values loaded before the packed partials too
+#define MH (ROWS * NV * 4 <= WARPS * 32 ? 4 : ROWS * NV * 2 <= WARPS * 32 ? 2 : 1)  // lanes a column of the splits' pass
 __device__ __forceinline__ void merge_last(const Params& p, unsigned char* smem, int bh) {
   float* ys = reinterpret_cast<float*>(smem);  // (ROWS, D) the merged packed partial, rotated
   float* red = ys + ROWS * D;                  // (CG, ROWS, D) the channel groups' parts of ys Pi
@@ -868,21 +871,35 @@ __device__ __forceinline__ void merge_last(const Params& p, unsigned char* smem,
 #pragma unroll
     for (int i = 0; i < EPT; ++i) exact_value(i);
   }
-  // one pass over the splits, online (each thread of a row finds the same max and sum; its first writes them)
-  for (int it = tid; it < ROWS * NV; it += WARPS * 32) {
-    const int r = it / NV, cv = it % NV;
-    if (r >= live) continue;
+  // one pass over the splits, online, by MH adjacent lanes a column (each takes every MH-th split; shuffles combine
+  // them; each column of a row finds the same max and sum, its first writes them)
+  for (int it = tid; it < ROWS * NV * MH; it += WARPS * 32) {
+    const int r = it / MH / NV, cv = (it / MH) % NV, hf = it % MH;
+    const bool ok = r < live;
     float M = NEG_INF, L = 0.0f, y[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    if (ok) {
 #pragma unroll 16
-    for (int s = 0; s < ns; ++s) {
-      const float m = __ldcg(p.ml + (base + s) * 2 * R + r), l = __ldcg(p.ml + (base + s) * 2 * R + R + r);
-      const float4 a = __ldcg(reinterpret_cast<const float4*>(p.acc + ((base + s) * R + r) * D) + cv);
-      const float Mn = fmaxf(M, m), Mu = Mn == NEG_INF ? 0.0f : Mn;
-      const float al = ex2(M - Mu), w = ex2(m - Mu);
-      L = L * al + w * l;
-      y[0] = y[0] * al + w * a.x; y[1] = y[1] * al + w * a.y; y[2] = y[2] * al + w * a.z; y[3] = y[3] * al + w * a.w;
+      for (int s = hf; s < ns; s += MH) {
+        const float m = __ldcg(p.ml + (base + s) * 2 * R + r), l = __ldcg(p.ml + (base + s) * 2 * R + R + r);
+        const float4 a = __ldcg(reinterpret_cast<const float4*>(p.acc + ((base + s) * R + r) * D) + cv);
+        const float Mn = fmaxf(M, m), Mu = Mn == NEG_INF ? 0.0f : Mn;
+        const float al = ex2(M - Mu), w = ex2(m - Mu);
+        L = L * al + w * l;
+        y[0] = y[0] * al + w * a.x; y[1] = y[1] * al + w * a.y; y[2] = y[2] * al + w * a.z; y[3] = y[3] * al + w * a.w;
+        M = Mn;
+      }
+    }
+#pragma unroll
+    for (int o = 1; o < MH; o <<= 1) {
+      const float Mo = __shfl_xor_sync(0xffffffffu, M, o), Lo = __shfl_xor_sync(0xffffffffu, L, o);
+      const float Mn = fmaxf(M, Mo), Mu = Mn == NEG_INF ? 0.0f : Mn;
+      const float al = ex2(M - Mu), ao = ex2(Mo - Mu);
+      L = L * al + Lo * ao;
+#pragma unroll
+      for (int k = 0; k < 4; ++k) y[k] = y[k] * al + __shfl_xor_sync(0xffffffffu, y[k], o) * ao;
       M = Mn;
     }
+    if (!ok || hf != 0) continue;
     if (cv == 0) {
       mp[r] = M;
       mp[ROWS + r] = L;
