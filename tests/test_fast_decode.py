@@ -57,22 +57,26 @@ def _nvrtc_ok() -> bool:
         return False
 
 
-def main_loop(sass: str, function: str = fast.NAME) -> collections.Counter:
-    """Opcode counts of the backward-branch loop with HMMA and the most LDS instructions in `function`'s SASS (the
-    query rotation before it has HMMA and no LDS)."""
+def main_loops(sass: str, function: str = fast.NAME) -> list[collections.Counter]:
+    """Opcode counts of each innermost backward-branch loop with HMMA and at least 64 LDS (a step's code pairs) in
+    `function`'s SASS: the packed part's loop, once per copy of it that the kernel inlines."""
     sass = sass[re.search(rf"Function : {function}\s", sass).start():]
     nxt = sass.find("Function : ", 1)
     sass = sass if nxt < 0 else sass[:nxt]
     ins = [(int(a, 16), t.strip()) for a, t in re.findall(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", sass)]
-    best, most = [], -1
+    loops = []
     for addr, text in ins:
         m = re.search(r"\bBRA\b[^;]*?0x([0-9a-f]+)", text)
         if m and int(m.group(1), 16) < addr:
-            body = [t for a, t in ins if int(m.group(1), 16) <= a <= addr]
-            lds = sum("LDS" in t for t in body) if any("HMMA" in t for t in body) else -1
-            if lds > most:
-                best, most = body, lds
-    return collections.Counter(re.sub(r"^@!?U?P\w+\s+", "", t).split()[0].split(".")[0] for t in best)
+            loops.append((int(m.group(1), 16), addr))
+    found = []
+    for lo, hi in loops:
+        if any(lo <= a and b <= hi and (a, b) != (lo, hi) for a, b in loops):
+            continue  # an outer loop
+        body = [t for a, t in ins if lo <= a <= hi]
+        if any("HMMA" in t for t in body) and sum("LDS" in t for t in body) >= 64:
+            found.append(collections.Counter(re.sub(r"^@!?U?P\w+\s+", "", t).split()[0].split(".")[0] for t in body))
+    return found
 
 
 @pytest.mark.skipif(not _nvrtc_ok() or _cuobjdump() is None, reason="NVRTC or cuobjdump missing")
@@ -84,14 +88,16 @@ def test_sm90_main_loop_within_its_instruction_budget(kb, vb, tmp_path):
     cubin.write_bytes(jit.compile_cubin(fast.source(), fast.NAME, df, 90))
     res = subprocess.run([_cuobjdump(), "-res-usage", str(cubin)], capture_output=True, text=True, check=True).stdout
     assert "LOCAL:0" in res, f"k{kb}v{vb}: the kernel spills to local memory:\n{res}"
-    ops = main_loop(subprocess.run([_cuobjdump(), "-sass", str(cubin)], capture_output=True, text=True,
-                                   check=True).stdout)
-    steps = ops["HMMA"] // 24  # 16-token steps in the loop body (24 HMMA each at head dim 128, one query n-tile)
-    assert steps >= 1 and ops["HMMA"] == 24 * steps, f"k{kb}v{vb}: {ops['HMMA']} HMMA in the loop: {ops}"
-    assert ops["LDS"] >= 64 * steps, f"k{kb}v{vb}: fewer LDS than code pairs (64 a step): {ops}"
-    assert ops["LDL"] == ops["STL"] == 0, f"k{kb}v{vb}: local memory in the loop: {ops}"
-    per_tile = sum(ops.values()) * 2 // steps
-    assert per_tile <= SASS_BUDGET[(kb, vb)], f"k{kb}v{vb}: {per_tile} instructions a tile > {SASS_BUDGET[(kb, vb)]}"
+    loops = main_loops(subprocess.run([_cuobjdump(), "-sass", str(cubin)], capture_output=True, text=True,
+                                      check=True).stdout)
+    assert 1 <= len(loops) <= 2, f"k{kb}v{vb}: {len(loops)} main loops"  # (the last split's CTA has its own copy)
+    for ops in loops:
+        steps = ops["HMMA"] // 24  # 16-token steps in the loop body (24 HMMA each at head dim 128, one query n-tile)
+        assert steps >= 1 and ops["HMMA"] == 24 * steps, f"k{kb}v{vb}: {ops['HMMA']} HMMA in the loop: {ops}"
+        assert ops["LDS"] >= 64 * steps, f"k{kb}v{vb}: fewer LDS than code pairs (64 a step): {ops}"
+        assert ops["LDL"] == ops["STL"] == 0, f"k{kb}v{vb}: local memory in the loop: {ops}"
+        per_tile = sum(ops.values()) * 2 // steps
+        assert per_tile <= SASS_BUDGET[(kb, vb)], f"k{kb}v{vb}: {per_tile} instructions a tile > {SASS_BUDGET[(kb, vb)]}"
 
 
 @pytest.mark.parametrize("bits", [2, 3, 4, 5])
@@ -111,17 +117,24 @@ def test_pair_table_entries_are_the_fp16_centroid_pairs(bits, per_head):
         torch.testing.assert_close(got, want[:, idx], rtol=0, atol=0, msg=lambda m: f"seed {seed}: {m}")
 
 
-def test_plan_covers_the_history_in_whole_warp_tiles(monkeypatch):
+def test_splits_cover_the_history_in_whole_warp_tiles(monkeypatch):
+    """One wave of CTAs (about 16 warps an SM), each split a whole number of tiles for every warp, the splits tiling
+    the history in order, the last (which also takes the exact copies) shorter by about EXACT_TOKENS."""
     monkeypatch.setattr(support, "sm_count", lambda d: 132)
     for w in (8, 16):
-        for bh, lq in ((8, 131072), (64, 32768), (1, 100), (256, 4096), (8, 17)):
-            splits, per = fast.plan(bh, lq, torch.device("cpu"), warps=w)
-            assert per % (16 * w) == 0 and splits * per >= lq and (splits - 1) * per < lq, (w, bh, lq, splits, per)
-            s2, _ = fast.plan(bh, lq, torch.device("cpu"), max_splits=2, warps=w)
-            assert s2 <= 2
-    # about 16 warps an SM either way: one wave of (splits + 1) CTAs a (batch, KV head)
-    assert fast.plan(8, 131072, torch.device("cpu"), warps=8)[0] == 32
-    assert fast.plan(8, 131072, torch.device("cpu"), warps=16)[0] == 15
+        for bh, lq in ((8, 131072), (64, 32768), (1, 100), (256, 4096), (8, 17), (8, 131000), (3, 5000)):
+            splits = fast.plan(bh, lq, torch.device("cpu"), warps=w)
+            assert 1 <= splits <= max(1, 16 // w * 132 // bh) and splits <= -(-lq // fast.MIN_TOKENS_PER_SPLIT)
+            assert fast.plan(bh, lq, torch.device("cpu"), max_splits=2, warps=w) <= 2
+            ranges = [fast.split_range(s, splits, lq, w) for s in range(splits)]
+            assert ranges[0][0] == 0 and ranges[-1][1] == lq, (w, bh, lq, ranges)
+            for (s0, e0), (s1, e1) in zip(ranges, ranges[1:]):  # in order, meeting (or empty past the history)
+                assert s0 % (16 * w) == 0 and s0 <= s1 and e0 == min(s1, lq), (w, bh, lq, ranges)
+            if splits > 2:
+                full, last = ranges[0][1] - ranges[0][0], max(0, lq - ranges[-1][0])
+                assert full - 16 * w - fast.EXACT_TOKENS <= last < full, (w, bh, lq, ranges)
+    assert fast.plan(8, 131072, torch.device("cpu"), warps=8) == 33
+    assert fast.plan(8, 131072, torch.device("cpu"), warps=16) == 16
 
 
 def test_sixteen_warps_where_two_ctas_would_hold_fewer_table_copies():
@@ -190,8 +203,8 @@ def test_the_launcher_runs_without_a_gpu(monkeypatch):
         done.clear()
         da.decode_attention(q, state)
         w = fast.warps(d, kb, vb, state.k_norms.dtype == torch.float32, state.v_norms.dtype == torch.float32, 1, (9, 0))
-        splits, _ = fast.plan(b * 2, lq, torch.device("cpu"), warps=w)
-        assert [x[:3] for x in done] == [(fast.NAME, (b * 2, splits + 1, 1), 32 * w)], done
+        splits = fast.plan(b * 2, lq, torch.device("cpu"), warps=w)
+        assert [x[:3] for x in done] == [(fast.NAME, (b * 2, splits, 1), 32 * w)], done
         assert done[0][3] >= max(fast.exact_smem(d, 4, warps=w), fast.query_bytes(d)), done
         assert done[0][4] == ctypes.sizeof(fast.Params), done
 

@@ -1,10 +1,11 @@
 """Where one call of the fast decode kernel spends its time, CTA by CTA (H100, Llama-3.1-8B shape, one query).
 
 The kernel's source is instrumented in memory (timing only): each CTA's thread 0 writes `%globaltimer` when the CTA
-starts, when a packed split's loop starts (after its prologue: query rotation, table fill, first copies) and when it
-arrives at the merge counter, with `%smid`; the merging CTA writes when its merge ends. From three calls after two
-warm-ups per case, the last call's CTAs are summarized: when the exact copies' CTAs arrive, the packed splits'
-prologue and loop times (min / median / max), the spread of their arrivals and the merge's length.
+starts, when the last split's CTA is done with the exact copies, when its packed loop starts (after its prologue:
+query rotation, table fill, first copies) and when it arrives at the merge counter, with `%smid`; the merging CTA
+writes when its merge ends. From three calls after two warm-ups per case, the last call's CTAs are summarized (min /
+median / max): the exact copies' time in the last splits' CTAs, the other splits' prologue and loop times, when each
+kind arrives, and the merge's length.
 Usage:
     python benchmarks/studies/fast_decode_timeline.py [--cases 1x4096,1x131072,8x32768] [--presets k5v3] --out F
 """
@@ -26,19 +27,21 @@ import bench_attention as ba  # noqa: E402
 from tq_hf_cache.kernels import decode_attention as da  # noqa: E402
 from tq_hf_cache.kernels import fast  # noqa: E402
 
-SLOTS = 16  # int64 words a CTA writes: 0 start, 1 arrival, 2 loop start, 3 merge end, 4 SM id
+SLOTS = 16  # int64 words a CTA writes: 0 start, 1 arrival, 2 loop start, 3 merge end, 4 SM id, 5 exact copies done
 
 _NOW = 'unsigned long long t_; asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t_));'
 _SLOT = "reinterpret_cast<unsigned long long*>(TL_PTR) + (static_cast<i64>(bh) * gridDim.y + blockIdx.y) * 16"
 EDITS = [
-    ("  const int bh = blockIdx.x;\n",
-     "  const int bh = blockIdx.x;\n  unsigned long long* tl_ = " + _SLOT + ";\n"
+    ("  const int bh = blockIdx.x, split = blockIdx.y;\n",
+     "  const int bh = blockIdx.x, split = blockIdx.y;\n  unsigned long long* tl_ = " + _SLOT + ";\n"
      "  if (threadIdx.x == 0) { " + _NOW + " tl_[0] = t_; unsigned s_; asm(\"mov.u32 %0, %%smid;\" : \"=r\"(s_)); "
      "tl_[4] = s_; }\n"),
     ("  if (threadIdx.x == 0) {\n    int before;",
      "  if (threadIdx.x == 0) { " + _NOW + " tl_[1] = t_; }\n  if (threadIdx.x == 0) {\n    int before;"),
     ("  merge_last(p, smem, bh);\n}",
      "  merge_last(p, smem, bh);\n  __syncthreads();\n  if (threadIdx.x == 0) { " + _NOW + " tl_[3] = t_; }\n}"),
+    ("    __syncthreads();  // the exact partial is out of shared memory\n",
+     "    __syncthreads();  // the exact partial is out of shared memory\n    if (threadIdx.x == 0) { " + _NOW + " tl_[5] = t_; }\n"),
     ("  __syncthreads();  // the tables and the query fragments written\n",
      "  __syncthreads();  // the tables and the query fragments written\n"
      "  if (threadIdx.x == 0) { " + _NOW + " (" + _SLOT + ")[2] = t_; }\n"),
@@ -65,12 +68,14 @@ def one_call(q, kv, tl, b: int) -> dict:
     x = x[x[:, 0] > 0]
     t0 = int(x[:, 0].min())
     us = lambda col: ((col - t0) / 1000).tolist()  # noqa: E731
-    packed, exact = x[x[:, 2] > 0], x[x[:, 2] == 0]
+    packed, last = x[x[:, 5] == 0], x[x[:, 5] > 0]  # the last splits' CTAs also take the exact copies
     merges = x[x[:, 3] > 0]
     start, loop, arrive = us(packed[:, 0]), us(packed[:, 2]), us(packed[:, 1])
     return {
-        "ctas": int(x.shape[0]), "packed_ctas": int(packed.shape[0]), "sms": len(set(x[:, 4].tolist())),
-        "exact_arrive_us": spread(us(exact[:, 1])),
+        "ctas": int(x.shape[0]), "sms": len(set(x[:, 4].tolist())),
+        "last_split_exact_us": spread([(int(r[5]) - int(r[0])) / 1000 for r in last]),
+        "last_split_loop_us": spread([(int(r[1]) - int(r[2])) / 1000 for r in last]),
+        "last_split_arrive_us": spread(us(last[:, 1])),
         "packed_start_us": spread(start),
         "packed_prologue_us": spread([lo - s for lo, s in zip(loop, start)]),
         "packed_loop_us": spread([a - lo for a, lo in zip(arrive, loop)]),

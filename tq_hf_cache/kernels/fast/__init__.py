@@ -28,6 +28,7 @@ HEAD_DIMS = (64, 128, 256)
 BITS = (2, 3, 4, 5)  # pair tables up to 4^5 entries
 MAX_ROWS = 16  # query heads per KV head x queries: two query n-tiles
 MIN_TOKENS_PER_SPLIT = 512
+EXACT_TOKENS = 1024  # packed tokens the exact copies count as: the last split, whose CTA also takes them, has fewer
 ENV = "TQ_HF_CACHE_FAST_DECODE"  # "0" turns the kernel off (the Triton kernel serves)
 
 _SOURCE: str | None = None
@@ -57,7 +58,7 @@ class Params(ctypes.Structure):
         ("acc", ctypes.c_void_p), ("ml", ctypes.c_void_p),
         ("len_ptr", ctypes.c_void_p), ("from_ptr", ctypes.c_void_p),
         ("hkv", ctypes.c_int32), ("group", ctypes.c_int32), ("nq", ctypes.c_int32), ("rows", ctypes.c_int32),
-        ("lq", ctypes.c_int32), ("sinks", ctypes.c_int32), ("tok_per_split", ctypes.c_int32),
+        ("lq", ctypes.c_int32), ("sinks", ctypes.c_int32),
         ("num_splits", ctypes.c_int32), ("mask_elt", ctypes.c_int32), ("slots", ctypes.c_int32),
         ("qx", ctypes.c_void_p), ("sqb", ctypes.c_int64), ("sqh", ctypes.c_int64), ("sqn", ctypes.c_int64),
         ("pi", ctypes.c_void_p),
@@ -117,23 +118,29 @@ def _disable(idx: int, why: str) -> None:
 
 
 def plan(batch_heads: int, packed_len: int, device: torch.device, max_splits: int | None = None,
-         warps: int = 8) -> tuple[int, int]:
-    """(num_splits, tokens per split) for CTAs of `warps` warps: about WARPS_PER_SM warps per SM, at least
-    MIN_TOKENS_PER_SPLIT tokens each (a multiple of 16 * warps), at most max_splits (what a caller's scratch holds)."""
+         warps: int = 8) -> int:
+    """Splits of the packed history, one CTA of `warps` warps each: about WARPS_PER_SM warps per SM, at least
+    MIN_TOKENS_PER_SPLIT tokens a split, at most max_splits (what a caller's scratch holds). The kernel places the
+    boundaries from the packed length it reads (`split_range`)."""
     from ..support import sm_count
 
     slots = WARPS_PER_SM // warps * sm_count(device)
     want = max(1, slots // batch_heads)  # one wave: a partial second one doubles the time
-    if want >= 8:  # leave room for the exact copies' CTA of each (batch, KV head) where that costs little
-        want = (slots - batch_heads) // batch_heads
     most = max(1, -(-max(packed_len, 1) // MIN_TOKENS_PER_SPLIT))
     splits = min(want, most)
     if max_splits is not None:
         splits = max(1, min(splits, max_splits))
-    per = 16 * warps
-    tps = -(-max(packed_len, 1) // splits)
-    tps = -(-tps // per) * per
-    return -(-max(packed_len, 1) // tps), tps
+    return splits
+
+
+def split_range(split: int, splits: int, packed_len: int, warps: int) -> tuple[int, int]:
+    """The packed tokens [start, end) of a split, as the kernel places them: the history and EXACT_TOKENS more cut in
+    equal parts at multiples of 16 * warps (each warp a whole number of tiles), the last part, whose CTA also takes the
+    exact copies, ending at the history's end. Splits past the history are empty (start >= end)."""
+    span, per = packed_len + (EXACT_TOKENS if splits > 1 else 0), 16 * warps
+    start = span * split // splits // per * per
+    end = packed_len if split == splits - 1 else min(span * (split + 1) // splits // per * per, packed_len)
+    return start, end
 
 
 @C._per_codebook_and_device
@@ -283,7 +290,8 @@ def defines(d: int, kb: int, vb: int, nq: int, mask_kind: int, mask_dt: int, kn_
     w = warps(d, kb, vb, kn_f32, vn_f32, nq, capability)
     st, kr, vr = layout(d, kb, vb, kn_f32, vn_f32, nq, capability, w)
     return dict(D=d, KB=kb, VB=vb, NQ=nq, MASK_KIND=mask_kind, MASK_DT=mask_dt, KN_F32=int(kn_f32),
-                VN_F32=int(vn_f32), KR=kr, VR=vr, STATIC=int(static), VEC=vec, NVEC=int(nvec), STAGES=st, WARPS=w)
+                VN_F32=int(vn_f32), KR=kr, VR=vr, STATIC=int(static), VEC=vec, NVEC=int(nvec), STAGES=st, WARPS=w,
+                EXACT_TOKENS=EXACT_TOKENS)
 
 
 _DT = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2}
@@ -306,7 +314,7 @@ def exact_batch(d: int, rows: int, xbytes: int, smem: int, warps: int = 8) -> in
 
 
 def decode(query, kv, pi, scale_log2, kp, kn, vp, vn, rk, rv, sk, sv, mask_args, acc, ml, counters, lens, lengths,
-           num_splits: int, tok_per_split: int, rows: int, out) -> bool:
+           num_splits: int, rows: int, out) -> bool:
     """The whole decode attention of `..decode_attention.decode_attention` (its prepared arguments) into `out`.
     Returns False, having launched nothing, when the kernels cannot be used here (and turns them off on this
     device, with a warning, when they fail to build or load)."""
@@ -346,11 +354,11 @@ def decode(query, kv, pi, scale_log2, kp, kn, vp, vn, rk, rv, sk, sv, mask_args,
         vp.data_ptr(), vp.stride(0), vp.stride(1), vn.data_ptr(), vn.stride(0), vn.stride(1),
         kt.data_ptr(), kt_sh, vt.data_ptr(), vt_sh,
         m_ptr, *m_strides, acc.data_ptr(), ml.data_ptr(), ln.data_ptr(), fr.data_ptr(),
-        hkv, group, n, rows, lq, kv.sinks, tok_per_split, num_splits, m_elt, kp.shape[2],
+        hkv, group, n, rows, lq, kv.sinks, num_splits, m_elt, kp.shape[2],
         query.data_ptr(), *query.stride()[:3], pi.data_ptr(),
         sk.data_ptr(), sk.stride(0), sk.stride(1), sv.data_ptr(), sv.stride(0), sv.stride(1),
         rk.data_ptr(), rk.stride(0), rk.stride(1), rv.data_ptr(), rv.stride(0), rv.stride(1),
         out.data_ptr(), *out.stride()[:3], counters.data_ptr(), lr, ring, scale_log2, pif.data_ptr())
     with torch.cuda.device(device):  # the kernel belongs to this device's context: make it current for the launch
-        main.launch((b * hkv, num_splits + 1, 1), 32 * w, params, torch.cuda.current_stream(device).cuda_stream)
+        main.launch((b * hkv, num_splits, 1), 32 * w, params, torch.cuda.current_stream(device).cuda_stream)
     return True

@@ -6,7 +6,8 @@
 // Compiled at first use by NVRTC (no headers) with -D: D, KB, VB (bits), NQ (query n-tiles: 8 * NQ >= G * n),
 // MASK_KIND (0 none, 1 bool / 2 additive per row), MASK_DT (0 u8, 1 f16, 2 bf16, 3 f32), KN_F32, VN_F32 (norm
 // dtypes), KR, VR (copies of each pair table), STATIC, VEC (widest load, bytes), NVEC (norms loaded in pairs),
-// STAGES, WARPS (8 or 16), and those of the exact part below.
+// STAGES, WARPS (8 or 16), EXACT_TOKENS (packed tokens the exact copies count as in placing the splits), and those of
+// the exact part below.
 //
 // Registers, not shared memory, carry the codes into the MMA operands, with no reshuffle:
 // - Scores S = Q K^T (M = 16 query rows, N = 8 tokens, K = 16 channels). Lane (g = lane / 4, l4 = lane % 4) holds,
@@ -36,7 +37,7 @@ struct Params {
   const unsigned char* mask; i64 smb, smh, smi, smt;  // element strides
   float* acc; float* ml;              // partials: acc (slots, R, D), ml (slots, 2, R); slot = bh (splits + 1) + s
   const i64* len_ptr; const i64* from_ptr;
-  int hkv, group, nq, rows, lq, sinks, tok_per_split, num_splits, mask_elt, slots;
+  int hkv, group, nq, rows, lq, sinks, num_splits, mask_elt, slots;
   // the exact copies and the merge
   const void* qx; i64 sqb, sqh, sqn;  // (B, Hq, n, D) the query as given, element strides
   const float* pi;                    // (D, D) the rotation
@@ -57,6 +58,7 @@ struct Params {
 #ifndef STAGES
 #define STAGES 3
 #endif
+
 #ifndef MIN_CTAS  // two CTAs of 8 warps an SM where the registers allow (128 a thread)
 #define MIN_CTAS ((NQ == 1 && D <= 128 && WARPS == 8) ? 2 : 1)
 #endif
@@ -415,8 +417,8 @@ __device__ __forceinline__ void rotation_store(const Params& p, const QueryRot& 
   }
 }
 
-// One split of the packed history: its tokens [split * tok_per_split, + tok_per_split) (the sinks excluded), the warps
-// interleaved by 16-token tiles; the CTA's partial goes to slot `split` in the rotated domain, by planes.
+// One split of the packed history (the sinks excluded; `fast.split_range` places them alike), the warps interleaved by
+// 16-token tiles; the CTA's partial goes to slot `split` in the rotated domain, by planes.
 __device__ __forceinline__ void packed_part(const Params& p, unsigned char* smem, int split, int bh) {
   const int b = bh / p.hkv, h = bh % p.hkv;
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
@@ -435,8 +437,12 @@ __device__ __forceinline__ void packed_part(const Params& p, unsigned char* smem
   }
 
   const int ls = min(p.sinks, lq);
-  const int start = max(split * p.tok_per_split, ls);
-  const int end = min(split * p.tok_per_split + p.tok_per_split, lq);
+  // the history and EXACT_TOKENS more in equal parts at multiples of 16 WARPS; the last split ends at the history's
+  // end (its CTA takes the exact copies too)
+  const i64 span = lq + (p.num_splits > 1 ? EXACT_TOKENS : 0);
+  const int start = max(static_cast<int>(span * split / p.num_splits) & ~(16 * WARPS - 1), ls);
+  const int end = split == p.num_splits - 1 ? lq
+                  : min(static_cast<int>(span * (split + 1) / p.num_splits) & ~(16 * WARPS - 1), lq);
   const int live = p.group * p.nq;
   // the last 16-row tile inside the buffer (slots >= 16; even with NVEC, as the launcher checks: norm pairs)
   const int last_tb = p.slots - 16;
@@ -965,22 +971,28 @@ __device__ __forceinline__ void merge_last(const Params& p, unsigned char* smem,
   }
 }
 
-// Grid (batch x KV heads, num_splits + 1): CTA 0 of a (batch, KV head) takes the exact copies, CTA s > 0 split s - 1
-// of the packed history; each stores its partial, and the last to do so merges them all (one counter per (batch,
-// KV head), left at zero for the next launch). The (batch, KV head) is the grid's x, so that CTAs go out split by
-// split: where two CTAs share an SM the first one placed runs faster, and each (batch, KV head) gets both kinds (and
-// where the grid is more than the GPU holds at once, the CTAs that wait are the last splits of every one).
+// Grid (batch x KV heads, num_splits): CTA s of a (batch, KV head) takes split s of the packed history, and the last
+// split's CTA (its split shorter by what the plan counts the exact copies as) the exact copies too; each stores its
+// partials, and the last CTA to do so merges them all (one counter per (batch, KV head), left at zero for the next
+// launch). The (batch, KV head) is the grid's x, so that CTAs go out split by split: where two CTAs share an SM the
+// first one placed runs faster, and each (batch, KV head) gets both kinds (and where the grid is more than the GPU
+// holds at once, the CTAs that wait are the last splits of every one).
 extern "C" __global__ void __launch_bounds__(WARPS * 32, MIN_CTAS) tq_decode(const Params p) {
   extern __shared__ __align__(16) unsigned char smem[];
   __shared__ int last;
-  const int bh = blockIdx.x;
-  if (blockIdx.y == 0) exact_part(p, smem, bh);
-  else packed_part(p, smem, blockIdx.y - 1, bh);
-  __syncthreads();  // the CTA's partial stored: the barrier orders every thread's stores before thread 0's arrival
+  const int bh = blockIdx.x, split = blockIdx.y;
+  if (split == p.num_splits - 1) {  // (two copies of the packed part: neither loop carries the other's registers)
+    exact_part(p, smem, bh);
+    __syncthreads();  // the exact partial is out of shared memory
+    packed_part(p, smem, split, bh);
+  } else {
+    packed_part(p, smem, split, bh);
+  }
+  __syncthreads();  // the CTA's partials stored: the barrier orders every thread's stores before thread 0's arrival
   if (threadIdx.x == 0) {
-    int before;  // acq_rel: releases this CTA's partial, and acquires all the others' for the last CTA
+    int before;  // acq_rel: releases this CTA's partials, and acquires all the others' for the last CTA
     asm volatile("atom.acq_rel.gpu.global.add.s32 %0, [%1], 1;" : "=r"(before) : "l"(p.counters + bh) : "memory");
-    last = before == p.num_splits;
+    last = before == p.num_splits - 1;
     if (last) atomicExch(p.counters + bh, 0);
   }
   __syncthreads();
