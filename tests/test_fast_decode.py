@@ -118,23 +118,30 @@ def test_pair_table_entries_are_the_fp16_centroid_pairs(bits, per_head):
 
 
 def test_splits_cover_the_history_in_whole_warp_tiles(monkeypatch):
-    """One wave of CTAs (about 16 warps an SM), each split a whole number of tiles for every warp, the splits tiling
-    the history in order, the last (which also takes the exact copies) shorter by about EXACT_TOKENS."""
+    """One wave of split CTAs (about 16 warps an SM), each split a whole number of
+    tiles for every warp, the splits tiling the history in order; where the last split's CTA takes the exact copies,
+    that split is shorter by about EXACT_TOKENS."""
     monkeypatch.setattr(support, "sm_count", lambda d: 132)
     for w in (8, 16):
-        for bh, lq in ((8, 131072), (64, 32768), (1, 100), (256, 4096), (8, 17), (8, 131000), (3, 5000)):
-            splits = fast.plan(bh, lq, torch.device("cpu"), warps=w)
-            assert 1 <= splits <= max(1, 16 // w * 132 // bh) and splits <= -(-lq // fast.MIN_TOKENS_PER_SPLIT)
-            assert fast.plan(bh, lq, torch.device("cpu"), max_splits=2, warps=w) <= 2
-            ranges = [fast.split_range(s, splits, lq, w) for s in range(splits)]
+        for bh, lq in ((8, 131072), (64, 32768), (1, 100), (256, 4096), (8, 17), (8, 130944), (3, 5000), (1, 40000)):
+            splits, fold = fast.plan(bh, lq, torch.device("cpu"), warps=w)
+            assert 1 <= splits <= -(-lq // fast.MIN_TOKENS_PER_SPLIT) and (bh * splits <= 16 // w * 132 or splits == 1)
+            assert fast.plan(bh, lq, torch.device("cpu"), max_splits=2, warps=w)[0] <= 2
+            ranges = [fast.split_range(s, splits, lq, w, fold) for s in range(splits)]
             assert ranges[0][0] == 0 and ranges[-1][1] == lq, (w, bh, lq, ranges)
             for (s0, e0), (s1, e1) in zip(ranges, ranges[1:]):  # in order, meeting (or empty past the history)
                 assert s0 % (16 * w) == 0 and s0 <= s1 and e0 == min(s1, lq), (w, bh, lq, ranges)
-            if splits > 2:
-                full, last = ranges[0][1] - ranges[0][0], max(0, lq - ranges[-1][0])
+            full, last = max(e - s for s, e in ranges[:-1]) if splits > 1 else lq, max(0, lq - ranges[-1][0])
+            if fold:
                 assert full - 16 * w - fast.EXACT_TOKENS <= last < full, (w, bh, lq, ranges)
-    assert fast.plan(8, 131072, torch.device("cpu"), warps=8) == 33
-    assert fast.plan(8, 131072, torch.device("cpu"), warps=16) == 16
+            elif splits > 1:
+                assert last <= full + 16 * w, (w, bh, lq, ranges)
+    # folded only with 16 warps and long splits: Llama-3.1-8B's 8 KV heads at 1 x 128k and 8 x 32k
+    assert fast.plan(8, 130944, torch.device("cpu"), warps=16) == (16, True)
+    assert fast.plan(64, 32768, torch.device("cpu"), warps=16) == (2, True)
+    assert fast.plan(8, 32768, torch.device("cpu"), warps=16) == (15, False)
+    assert fast.plan(8, 4096, torch.device("cpu"), warps=16) == (8, False)
+    assert fast.plan(8, 131072, torch.device("cpu"), warps=8) == (32, False)
 
 
 def test_sixteen_warps_where_two_ctas_would_hold_fewer_table_copies():
@@ -203,8 +210,8 @@ def test_the_launcher_runs_without_a_gpu(monkeypatch):
         done.clear()
         da.decode_attention(q, state)
         w = fast.warps(d, kb, vb, state.k_norms.dtype == torch.float32, state.v_norms.dtype == torch.float32, 1, (9, 0))
-        splits = fast.plan(b * 2, lq, torch.device("cpu"), warps=w)
-        assert [x[:3] for x in done] == [(fast.NAME, (b * 2, splits, 1), 32 * w)], done
+        splits, fold = fast.plan(b * 2, lq, torch.device("cpu"), warps=w)
+        assert [x[:3] for x in done] == [(fast.NAME, (b * 2, splits + (not fold), 1), 32 * w)], done
         assert done[0][3] >= max(fast.exact_smem(d, 4, warps=w), fast.query_bytes(d)), done
         assert done[0][4] == ctypes.sizeof(fast.Params), done
 
@@ -312,6 +319,24 @@ def test_fast_kernel_matches_the_oracle_and_the_triton_kernel(case, launches):
     if kernels.decode_supports(d, kbits, vbits, n, group):  # (head dim 256 at byte widths: the fast kernel only)
         tri = _decode(q, state, mask, scale, fast=False)
         assert rel_err(out, tri.float().cpu()) < TOL[dtype], f"seed {seed}: fast and Triton kernels differ"
+
+
+# 16-warp shapes over long splits on a GPU taken as 8 SMs: the last split's CTA takes the exact copies (none at all in
+# the second: no ring, no sinks)
+FOLD_CASES = [
+    (5, 3, 128, 4, 1, 13000, 40, torch.bfloat16, "bool", 3, False),
+    (5, 5, 64, 2, 1, 12500, 0, torch.float16, None, 0, True),
+]
+
+
+@gpu
+@pytest.mark.parametrize("case", FOLD_CASES, ids=_gpu_id)
+def test_fast_kernel_with_the_exact_copies_in_the_last_split(case, launches, monkeypatch):
+    monkeypatch.setattr(support, "sm_count", lambda d: 8)
+    plans, real = [], fast.plan
+    monkeypatch.setattr(fast, "plan", lambda *a, **k: plans.append(real(*a, **k)) or plans[-1])
+    test_fast_kernel_matches_the_oracle_and_the_triton_kernel(case, launches)
+    assert plans[0] == (2, True), plans
 
 
 @gpu

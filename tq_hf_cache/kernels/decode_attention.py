@@ -875,13 +875,13 @@ def decode_attention(
     block_m, rows, sc = _rows(group, n, d)
     stages, per_sm, plan_prefetch = decode_plan(d, kcb.bits, vcb.bits, kv.key_split is not None, b * hkv * split_len)
     kp, vp = _packed(kv.k_packed), _packed(kv.v_packed)
-    use_fast = fast_ok
+    use_fast, fold = fast_ok, False
     if use_fast:
         most = None if kv.scratch is None else kv.scratch.numel() // (b * hkv * rows * (d + 2)) - 1
         warps = _fast.warps(d, kcb.bits, vcb.bits, kv.k_norms.dtype == torch.float32,
                             kv.v_norms.dtype == torch.float32, 1 if group * n <= 8 else 2,
                             torch.cuda.get_device_capability(query.device))
-        num_splits = _fast.plan(b * hkv, split_len, query.device, most, warps)
+        num_splits, fold = _fast.plan(b * hkv, split_len, query.device, most, warps)
     num_splits, tok_per_split = _split_plan(b * hkv, split_len, query.device, num_splits, block_n, per_sm)
     slots = b * hkv * (num_splits + 1)
     need = slots * rows * (d + 2)
@@ -905,7 +905,7 @@ def decode_attention(
     out = _output(query, out)
     scale_log2 = (d**-0.5 if scale is None else float(scale)) * LOG2E
     if use_fast and _fast.decode(qv, kv, pi, scale_log2, kp, kn, vp, vn, rk, rv, sk, sv, (mask_kind, m_arg, ms), acc,
-                                 ml, counters, lens, (lq, lr, ring), num_splits, rows, out):
+                                 ml, counters, lens, (lq, lr, ring), num_splits, fold, rows, out):
         return out
     (kt, kt_sh), (vt, vt_sh) = lookup_table(kcb, hkv, query.device), lookup_table(vcb, hkv, query.device)
     kplanes, vplanes = planes(kcb.bits), planes(vcb.bits)

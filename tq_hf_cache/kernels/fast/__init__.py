@@ -28,7 +28,7 @@ HEAD_DIMS = (64, 128, 256)
 BITS = (2, 3, 4, 5)  # pair tables up to 4^5 entries
 MAX_ROWS = 16  # query heads per KV head x queries: two query n-tiles
 MIN_TOKENS_PER_SPLIT = 512
-EXACT_TOKENS = 1024  # packed tokens the exact copies count as: the last split, whose CTA also takes them, has fewer
+EXACT_TOKENS = 2048  # packed tokens the exact copies count as where the last split's CTA takes them (`plan`)
 ENV = "TQ_HF_CACHE_FAST_DECODE"  # "0" turns the kernel off (the Triton kernel serves)
 
 _SOURCE: str | None = None
@@ -60,6 +60,7 @@ class Params(ctypes.Structure):
         ("hkv", ctypes.c_int32), ("group", ctypes.c_int32), ("nq", ctypes.c_int32), ("rows", ctypes.c_int32),
         ("lq", ctypes.c_int32), ("sinks", ctypes.c_int32),
         ("num_splits", ctypes.c_int32), ("mask_elt", ctypes.c_int32), ("slots", ctypes.c_int32),
+        ("fold", ctypes.c_int32),
         ("qx", ctypes.c_void_p), ("sqb", ctypes.c_int64), ("sqh", ctypes.c_int64), ("sqn", ctypes.c_int64),
         ("pi", ctypes.c_void_p),
         ("sk", ctypes.c_void_p), ("sskb", ctypes.c_int64), ("sskh", ctypes.c_int64),
@@ -118,26 +119,33 @@ def _disable(idx: int, why: str) -> None:
 
 
 def plan(batch_heads: int, packed_len: int, device: torch.device, max_splits: int | None = None,
-         warps: int = 8) -> int:
-    """Splits of the packed history, one CTA of `warps` warps each: about WARPS_PER_SM warps per SM, at least
-    MIN_TOKENS_PER_SPLIT tokens a split, at most max_splits (what a caller's scratch holds). The kernel places the
+         warps: int = 8) -> tuple[int, bool]:
+    """(splits, fold): the packed history's splits, one CTA of `warps` warps each, about WARPS_PER_SM warps per SM in
+    one wave, at least MIN_TOKENS_PER_SPLIT tokens a split, at most max_splits (what a caller's scratch holds); and
+    whether the last split's CTA takes the exact copies too. It does where one CTA fills an SM (16 warps) and the
+    splits are long (3 x EXACT_TOKENS or more): an SM of their own would idle most of the call (measured on the H100:
+    3-5 us less at 1 x 128k and 8 x 32k for k5v3; with two CTAs an SM, or short splits, it was slower). Otherwise
+    they have a CTA of their own, room for which is left where that costs little. The kernel places the splits'
     boundaries from the packed length it reads (`split_range`)."""
     from ..support import sm_count
 
     slots = WARPS_PER_SM // warps * sm_count(device)
     want = max(1, slots // batch_heads)  # one wave: a partial second one doubles the time
     most = max(1, -(-max(packed_len, 1) // MIN_TOKENS_PER_SPLIT))
+    fold = warps == 16 and want >= 2 and packed_len >= 3 * EXACT_TOKENS * want
+    if not fold and want >= 8:
+        want = (slots - batch_heads) // batch_heads
     splits = min(want, most)
     if max_splits is not None:
         splits = max(1, min(splits, max_splits))
-    return splits
+    return splits, fold
 
 
-def split_range(split: int, splits: int, packed_len: int, warps: int) -> tuple[int, int]:
-    """The packed tokens [start, end) of a split, as the kernel places them: the history and EXACT_TOKENS more cut in
-    equal parts at multiples of 16 * warps (each warp a whole number of tiles), the last part, whose CTA also takes the
-    exact copies, ending at the history's end. Splits past the history are empty (start >= end)."""
-    span, per = packed_len + (EXACT_TOKENS if splits > 1 else 0), 16 * warps
+def split_range(split: int, splits: int, packed_len: int, warps: int, fold: bool) -> tuple[int, int]:
+    """The packed tokens [start, end) of a split, as the kernel places them: the history (and, where the last split's
+    CTA takes the exact copies, EXACT_TOKENS more) cut in equal parts at multiples of 16 * warps (each warp a whole
+    number of tiles), the last ending at the history's end. Splits past the history are empty (start >= end)."""
+    span, per = packed_len + (EXACT_TOKENS if fold and splits > 1 else 0), 16 * warps
     start = span * split // splits // per * per
     end = packed_len if split == splits - 1 else min(span * (split + 1) // splits // per * per, packed_len)
     return start, end
@@ -314,7 +322,7 @@ def exact_batch(d: int, rows: int, xbytes: int, smem: int, warps: int = 8) -> in
 
 
 def decode(query, kv, pi, scale_log2, kp, kn, vp, vn, rk, rv, sk, sv, mask_args, acc, ml, counters, lens, lengths,
-           num_splits: int, rows: int, out) -> bool:
+           num_splits: int, fold: bool, rows: int, out) -> bool:
     """The whole decode attention of `..decode_attention.decode_attention` (its prepared arguments) into `out`.
     Returns False, having launched nothing, when the kernels cannot be used here (and turns them off on this
     device, with a warning, when they fail to build or load)."""
@@ -354,11 +362,11 @@ def decode(query, kv, pi, scale_log2, kp, kn, vp, vn, rk, rv, sk, sv, mask_args,
         vp.data_ptr(), vp.stride(0), vp.stride(1), vn.data_ptr(), vn.stride(0), vn.stride(1),
         kt.data_ptr(), kt_sh, vt.data_ptr(), vt_sh,
         m_ptr, *m_strides, acc.data_ptr(), ml.data_ptr(), ln.data_ptr(), fr.data_ptr(),
-        hkv, group, n, rows, lq, kv.sinks, num_splits, m_elt, kp.shape[2],
+        hkv, group, n, rows, lq, kv.sinks, num_splits, m_elt, kp.shape[2], int(fold),
         query.data_ptr(), *query.stride()[:3], pi.data_ptr(),
         sk.data_ptr(), sk.stride(0), sk.stride(1), sv.data_ptr(), sv.stride(0), sv.stride(1),
         rk.data_ptr(), rk.stride(0), rk.stride(1), rv.data_ptr(), rv.stride(0), rv.stride(1),
         out.data_ptr(), *out.stride()[:3], counters.data_ptr(), lr, ring, scale_log2, pif.data_ptr())
     with torch.cuda.device(device):  # the kernel belongs to this device's context: make it current for the launch
-        main.launch((b * hkv, num_splits, 1), 32 * w, params, torch.cuda.current_stream(device).cuda_stream)
+        main.launch((b * hkv, num_splits + (0 if fold else 1), 1), 32 * w, params, torch.cuda.current_stream(device).cuda_stream)
     return True

@@ -38,6 +38,7 @@ struct Params {
   float* acc; float* ml;              // partials: acc (slots, R, D), ml (slots, 2, R); slot = bh (splits + 1) + s
   const i64* len_ptr; const i64* from_ptr;
   int hkv, group, nq, rows, lq, sinks, num_splits, mask_elt, slots;
+  int fold;                           // 1: the last split's CTA takes the exact copies; 0: CTA num_splits does
   // the exact copies and the merge
   const void* qx; i64 sqb, sqh, sqn;  // (B, Hq, n, D) the query as given, element strides
   const float* pi;                    // (D, D) the rotation
@@ -437,9 +438,9 @@ __device__ __forceinline__ void packed_part(const Params& p, unsigned char* smem
   }
 
   const int ls = min(p.sinks, lq);
-  // the history and EXACT_TOKENS more in equal parts at multiples of 16 WARPS; the last split ends at the history's
-  // end (its CTA takes the exact copies too)
-  const i64 span = lq + (p.num_splits > 1 ? EXACT_TOKENS : 0);
+  // the history (and, where the last split's CTA takes the exact copies too, EXACT_TOKENS more) in equal parts at
+  // multiples of 16 WARPS; the last split ends at the history's end
+  const i64 span = lq + (p.fold && p.num_splits > 1 ? EXACT_TOKENS : 0);
   const int start = max(static_cast<int>(span * split / p.num_splits) & ~(16 * WARPS - 1), ls);
   const int end = split == p.num_splits - 1 ? lq
                   : min(static_cast<int>(span * (split + 1) / p.num_splits) & ~(16 * WARPS - 1), lq);
@@ -971,9 +972,10 @@ __device__ __forceinline__ void merge_last(const Params& p, unsigned char* smem,
   }
 }
 
-// Grid (batch x KV heads, num_splits): CTA s of a (batch, KV head) takes split s of the packed history, and the last
-// split's CTA (its split shorter by what the plan counts the exact copies as) the exact copies too; each stores its
-// partials, and the last CTA to do so merges them all (one counter per (batch, KV head), left at zero for the next
+// Grid (batch x KV heads, num_splits + !fold): CTA s < num_splits of a (batch, KV head) takes split s of the packed
+// history; the exact copies have CTA num_splits of their own, or, where the plan folds them (a GPU full of long
+// splits: no SM to spare), the last split's CTA takes them first, its split shorter by EXACT_TOKENS. Each CTA stores
+// its partials, and the last to do so merges them all (one counter per (batch, KV head), left at zero for the next
 // launch). The (batch, KV head) is the grid's x, so that CTAs go out split by split: where two CTAs share an SM the
 // first one placed runs faster, and each (batch, KV head) gets both kinds (and where the grid is more than the GPU
 // holds at once, the CTAs that wait are the last splits of every one).
@@ -981,8 +983,10 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, MIN_CTAS) tq_decode(con
   extern __shared__ __align__(16) unsigned char smem[];
   __shared__ int last;
   const int bh = blockIdx.x, split = blockIdx.y;
-  if (split == p.num_splits - 1) {  // (two copies of the packed part: neither loop carries the other's registers)
+  if (split == p.num_splits) {
     exact_part(p, smem, bh);
+  } else if (p.fold && split == p.num_splits - 1) {  // (its own copy of the packed part: the loop carries nothing
+    exact_part(p, smem, bh);                          // of the exact part's registers)
     __syncthreads();  // the exact partial is out of shared memory
     packed_part(p, smem, split, bh);
   } else {
@@ -992,7 +996,7 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, MIN_CTAS) tq_decode(con
   if (threadIdx.x == 0) {
     int before;  // acq_rel: releases this CTA's partials, and acquires all the others' for the last CTA
     asm volatile("atom.acq_rel.gpu.global.add.s32 %0, [%1], 1;" : "=r"(before) : "l"(p.counters + bh) : "memory");
-    last = before == p.num_splits - 1;
+    last = before == p.num_splits - p.fold;
     if (last) atomicExch(p.counters + bh, 0);
   }
   __syncthreads();
