@@ -57,6 +57,8 @@ def instrumented(src: str) -> str:
 
 
 def spread(v: list[float]) -> dict:
+    if not v:  # (no CTA of this kind in the call)
+        return None
     return {"min": round(min(v), 2), "median": round(statistics.median(v), 2), "max": round(max(v), 2)}
 
 

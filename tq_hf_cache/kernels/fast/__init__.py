@@ -143,12 +143,11 @@ def plan(batch_heads: int, packed_len: int, device: torch.device, max_splits: in
 
 def split_range(split: int, splits: int, packed_len: int, warps: int, fold: bool) -> tuple[int, int]:
     """The packed tokens [start, end) of a split, as the kernel places them: the history (and, where the last split's
-    CTA takes the exact copies, EXACT_TOKENS more) cut in equal parts at multiples of 16 * warps (each warp a whole
-    number of tiles), the last ending at the history's end. Splits past the history are empty (start >= end)."""
+    CTA takes the exact copies, EXACT_TOKENS more) cut in equal parts at the nearest multiples of 16 * warps (each
+    warp a whole number of tiles), the last ending at the history's end. Splits past the history are empty."""
     span, per = packed_len + (EXACT_TOKENS if fold and splits > 1 else 0), 16 * warps
-    start = span * split // splits // per * per
-    end = packed_len if split == splits - 1 else min(span * (split + 1) // splits // per * per, packed_len)
-    return start, end
+    cut = lambda s: (span * s // splits + per // 2) // per * per  # noqa: E731
+    return min(cut(split), packed_len), (packed_len if split == splits - 1 else min(cut(split + 1), packed_len))
 
 
 @C._per_codebook_and_device

@@ -438,12 +438,12 @@ __device__ __forceinline__ void packed_part(const Params& p, unsigned char* smem
   }
 
   const int ls = min(p.sinks, lq);
-  // the history (and, where the last split's CTA takes the exact copies too, EXACT_TOKENS more) in equal parts at
-  // multiples of 16 WARPS; the last split ends at the history's end
+  // the history (and, where the last split's CTA takes the exact copies too, EXACT_TOKENS more) in equal parts, cut
+  // at the nearest multiples of 16 WARPS; the last split ends at the history's end
   const i64 span = lq + (p.fold && p.num_splits > 1 ? EXACT_TOKENS : 0);
-  const int start = max(static_cast<int>(span * split / p.num_splits) & ~(16 * WARPS - 1), ls);
-  const int end = split == p.num_splits - 1 ? lq
-                  : min(static_cast<int>(span * (split + 1) / p.num_splits) & ~(16 * WARPS - 1), lq);
+  auto cut = [&](int s) { return static_cast<int>((span * s / p.num_splits + 8 * WARPS) & ~(16 * WARPS - 1)); };
+  const int start = max(min(cut(split), lq), ls);
+  const int end = split == p.num_splits - 1 ? lq : min(cut(split + 1), lq);
   const int live = p.group * p.nq;
   // the last 16-row tile inside the buffer (slots >= 16; even with NVEC, as the launcher checks: norm pairs)
   const int last_tb = p.slots - 16;
