@@ -4,8 +4,8 @@ The kernel's source is instrumented in memory (timing only): each CTA's thread 0
 starts, when the last split's CTA is done with the exact copies, when its packed loop starts (after its prologue:
 query rotation, table fill, first copies) and when it arrives at the merge counter, with `%smid`; the merging CTA
 writes when its merge ends. From three calls after two warm-ups per case, the last call's CTAs are summarized (min /
-median / max): the exact copies' time in the last splits' CTAs, the other splits' prologue and loop times, when each
-kind arrives, and the merge's length.
+median / max): when the exact copies' own CTAs arrive, or their time in the last splits' CTAs where those take them,
+the other splits' prologue and loop times, when each kind arrives, and the merge's length.
 Usage:
     python benchmarks/studies/fast_decode_timeline.py [--cases 1x4096,1x131072,8x32768] [--presets k5v3] --out F
 """
@@ -70,11 +70,14 @@ def one_call(q, kv, tl, b: int) -> dict:
     x = x[x[:, 0] > 0]
     t0 = int(x[:, 0].min())
     us = lambda col: ((col - t0) / 1000).tolist()  # noqa: E731
-    packed, last = x[x[:, 5] == 0], x[x[:, 5] > 0]  # the last splits' CTAs also take the exact copies
+    exact = x[x[:, 2] == 0]  # the exact copies' own CTAs (no packed loop)
+    packed = x[(x[:, 2] > 0) & (x[:, 5] == 0)]
+    last = x[x[:, 5] > 0]  # the last splits' CTAs, where they take the exact copies too
     merges = x[x[:, 3] > 0]
     start, loop, arrive = us(packed[:, 0]), us(packed[:, 2]), us(packed[:, 1])
     return {
         "ctas": int(x.shape[0]), "sms": len(set(x[:, 4].tolist())),
+        "exact_cta_arrive_us": spread(us(exact[:, 1])),
         "last_split_exact_us": spread([(int(r[5]) - int(r[0])) / 1000 for r in last]),
         "last_split_loop_us": spread([(int(r[1]) - int(r[2])) / 1000 for r in last]),
         "last_split_arrive_us": spread(us(last[:, 1])),
