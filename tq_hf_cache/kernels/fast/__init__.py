@@ -124,9 +124,9 @@ def plan(batch_heads: int, packed_len: int, device: torch.device, max_splits: in
     one wave, at least MIN_TOKENS_PER_SPLIT tokens a split, at most max_splits (what a caller's scratch holds); and
     whether the last split's CTA takes the exact copies too. It does where one CTA fills an SM (16 warps) and the
     splits are long (3 x EXACT_TOKENS or more): an SM of their own would idle most of the call (measured on the H100:
-    3-5 us less at 1 x 128k and 8 x 32k for k5v3; with two CTAs an SM, or short splits, it was slower). Otherwise
-    they have a CTA of their own, room for which is left where that costs little. The kernel places the splits'
-    boundaries from the packed length it reads (`split_range`)."""
+    k5v3 about 1.5 / 8 / 12 us less at 1 x 128k / 8 x 32k / 8 x 128k; with two CTAs an SM, or short splits, it was
+    slower). Otherwise they have a CTA of their own, room for which is left where that costs little. The kernel
+    places the splits' boundaries from the packed length it reads (`split_range`)."""
     from ..support import sm_count
 
     slots = WARPS_PER_SM // warps * sm_count(device)
