@@ -3,8 +3,8 @@
 One launch: `tq_decode` computes the packed history's split-K partials on tensor cores, each CTA rotating the query
 itself and loading the codes straight into the MMA operand registers (see the source's header), and the exact
 copies' (sinks, the ring) in a CTA of their own or, where `plan` folds them, in the last split's; the last CTA of a
-(batch, KV head) to finish merges the partials, rotates the values back once and writes the output. The Triton kernel (`..decode_attention`) computes the same function and stays the
-oracle and the fallback: where these kernels cannot serve (no CUDA, a GPU older than sm_80, no NVRTC, a shape they
+(batch, KV head) to finish merges the partials, rotates the values back once and writes the output. The Triton kernel
+(`..decode_attention`) computes the same function and stays the oracle and the fallback: where these kernels cannot serve (no CUDA, a GPU older than sm_80, no NVRTC, a shape they
 do not take) it does everything, with one warning naming why when the reason is the machine rather than the shape.
 """
 

@@ -324,7 +324,7 @@ __device__ __forceinline__ void store_partial(const float* wm, const float* wl, 
 // (fragment order: k-step s, lane, 4 words) in shared memory. Rows: A[r][c] = scale_log2 q_r[c] (row r = query r % n
 // of head h G + r / n; zero from G n on), lane l4's k-slots being the contiguous channels [l4 D/4, (l4 + 1) D/4) (four
 // a k-step: one vector load each); B = Pi^T, from `pif`, in that channel order, its columns ordered so that output
-// n-tiles 2s and 2s + 1 land in the lanes and registers of the score MMA's k-step s. Warp w computes k-steps w, w + 8.
+// n-tiles 2s and 2s + 1 land in the lanes and registers of the score MMA's k-step s. Warp w computes k-steps w, w + WARPS.
 // The operands of its first k-step are loaded before the tables are filled, so that both round trips overlap.
 struct QueryRot {
   u32 a[KS][4];          // A registers of rotation k-step kk: rows g, g + 8; channels l4 D/4 + 4 kk + {0, 1}, + {2, 3}
@@ -418,8 +418,8 @@ __device__ __forceinline__ void rotation_store(const Params& p, const QueryRot& 
   }
 }
 
-// One split of the packed history (the sinks excluded; `fast.split_range` places them alike), the warps interleaved by
-// 16-token tiles; the CTA's partial goes to slot `split` in the rotated domain, by planes.
+// One split of the packed history (the sinks excluded; `fast.split_range` places the splits alike, sinks aside), the
+// warps interleaved by 16-token tiles; the CTA's partial goes to slot `split` in the rotated domain, by planes.
 __device__ __forceinline__ void packed_part(const Params& p, unsigned char* smem, int split, int bh) {
   const int b = bh / p.hkv, h = bh % p.hkv;
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
@@ -850,7 +850,8 @@ __device__ __forceinline__ void exact_part(const Params& p, unsigned char* smem,
 #define UNROLL (PRE > 0 ? PRE : (CPG < 8 ? CPG : 8))
 #define EPT ((ROWS * D + WARPS * 32 - 1) / (WARPS * 32))  // output elements a thread writes
 #define XPRE (ROWS <= 8)  // the exact partial's values loaded before the packed partials too
-#define MH (ROWS * NV * 4 <= WARPS * 32 ? 4 : ROWS * NV * 2 <= WARPS * 32 ? 2 : 1)  // lanes a column of the splits' pass
+// lanes a column of the pass over the splits
+#define MH (ROWS * NV * 4 <= WARPS * 32 ? 4 : ROWS * NV * 2 <= WARPS * 32 ? 2 : 1)
 __device__ __forceinline__ void merge_last(const Params& p, unsigned char* smem, int bh) {
   float* ys = reinterpret_cast<float*>(smem);  // (ROWS, D) the merged packed partial, rotated
   float* red = ys + ROWS * D;                  // (CG, ROWS, D) the channel groups' parts of ys Pi
