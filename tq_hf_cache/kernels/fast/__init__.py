@@ -4,8 +4,9 @@ One launch: `tq_decode` computes the packed history's split-K partials on tensor
 itself and loading the codes straight into the MMA operand registers (see the source's header), and the exact
 copies' (sinks, the ring) in a CTA of their own or, where `plan` folds them, in the last split's; the last CTA of a
 (batch, KV head) to finish merges the partials, rotates the values back once and writes the output. The Triton kernel
-(`..decode_attention`) computes the same function and stays the oracle and the fallback: where these kernels cannot serve (no CUDA, a GPU older than sm_80, no NVRTC, a shape they
-do not take) it does everything, with one warning naming why when the reason is the machine rather than the shape.
+(`..decode_attention`) computes the same function and stays the oracle and the fallback: where these kernels cannot
+serve (no CUDA, a GPU older than sm_80, no NVRTC, a shape they do not take) it does everything, with one warning
+naming why when the reason is the machine rather than the shape.
 """
 
 from __future__ import annotations
@@ -367,5 +368,6 @@ def decode(query, kv, pi, scale_log2, kp, kn, vp, vn, rk, rv, sk, sv, mask_args,
         rk.data_ptr(), rk.stride(0), rk.stride(1), rv.data_ptr(), rv.stride(0), rv.stride(1),
         out.data_ptr(), *out.stride()[:3], counters.data_ptr(), lr, ring, scale_log2, pif.data_ptr())
     with torch.cuda.device(device):  # the kernel belongs to this device's context: make it current for the launch
-        main.launch((b * hkv, num_splits + (0 if fold else 1), 1), 32 * w, params, torch.cuda.current_stream(device).cuda_stream)
+        grid = (b * hkv, num_splits + (0 if fold else 1), 1)  # (the exact copies' own CTA unless folded)
+        main.launch(grid, 32 * w, params, torch.cuda.current_stream(device).cuda_stream)
     return True

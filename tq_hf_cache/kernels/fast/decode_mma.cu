@@ -59,7 +59,6 @@ struct Params {
 #ifndef STAGES
 #define STAGES 3
 #endif
-
 #ifndef MIN_CTAS  // two CTAs of 8 warps an SM where the registers allow (128 a thread)
 #define MIN_CTAS ((NQ == 1 && D <= 128 && WARPS == 8) ? 2 : 1)
 #endif
@@ -324,8 +323,9 @@ __device__ __forceinline__ void store_partial(const float* wm, const float* wl, 
 // (fragment order: k-step s, lane, 4 words) in shared memory. Rows: A[r][c] = scale_log2 q_r[c] (row r = query r % n
 // of head h G + r / n; zero from G n on), lane l4's k-slots being the contiguous channels [l4 D/4, (l4 + 1) D/4) (four
 // a k-step: one vector load each); B = Pi^T, from `pif`, in that channel order, its columns ordered so that output
-// n-tiles 2s and 2s + 1 land in the lanes and registers of the score MMA's k-step s. Warp w computes k-steps w, w + WARPS.
-// The operands of its first k-step are loaded before the tables are filled, so that both round trips overlap.
+// n-tiles 2s and 2s + 1 land in the lanes and registers of the score MMA's k-step s. Warp w computes k-steps w,
+// w + WARPS. The operands of its first k-step are loaded before the tables are filled, so that both round trips
+// overlap.
 struct QueryRot {
   u32 a[KS][4];          // A registers of rotation k-step kk: rows g, g + 8; channels l4 D/4 + 4 kk + {0, 1}, + {2, 3}
   uint4 u[KS / 2], v[KS / 2];  // B registers of n-tiles 2s, 2s + 1 (s = warp), two k-steps a load
