@@ -3,6 +3,7 @@ logits close at every step and the same greedy tokens; torch.compile(fullgraph=T
 reuse; switching the attention implementation mid-generation; bad arguments refused."""
 
 import os
+import re
 
 import pytest
 import torch
@@ -218,6 +219,41 @@ def test_a_compiled_step_checks_few_tensors_per_layer():
     layers = build("llama")[0].num_hidden_layers
     assert theirs >= 2 * layers, theirs  # the count works: StaticCache's keys and values per layer
     assert ours <= theirs + layers + 3, (ours, theirs)  # + the buffer per layer, the shared scratch and counters
+
+
+def test_a_compiled_step_appends_into_each_buffer_in_place():
+    """The step's mask reads the length held (a view of layer 0's buffer) before layer 0's append; where that read
+    is left to run after the append, inductor copies the whole buffer (hundreds of MB at long context) twice a step
+    to keep the old value. The generated code allocates no buffer of a layer's size, and its steps equal eager's."""
+    from torch._inductor.utils import run_and_get_code
+
+    from tq_hf_cache.packed_kv import PACKED_ATTR
+
+    cfg, model = build("llama")
+    model.set_attn_implementation("turboquant")
+    ids, steps, codes = prompt(), [], []
+    for compiled in (False, True):
+        torch._dynamo.reset()
+        cache = TurboQuantStaticCache(cfg, max_cache_len=CAP, residual_length=4, sink_tokens=2)
+        forward = torch.compile(model.forward, backend="inductor", fullgraph=True) if compiled else model.forward
+        with torch.no_grad():
+            tok = model(ids, **with_cache(cache)).logits[:, -1:].argmax(-1)
+            logits = []
+            for i in range(3):
+                pos = torch.tensor([PROMPT + i])
+                out, *code = run_and_get_code(forward, tok, **with_cache(cache), cache_position=pos,
+                                              position_ids=pos[None]) if compiled and i == 0 else \
+                    (forward(tok, **with_cache(cache), cache_position=pos, position_ids=pos[None]),)
+                codes += code
+                logits.append(out.logits)
+                tok = out.logits[:, -1:].argmax(-1)
+        steps.append(torch.cat(logits, 1))
+    sizes = {getattr(l.keys, PACKED_ATTR).store.numel() for l in cache.layers}
+    code = "\n".join(c for cs in codes for c in cs)
+    assert "static_append" in code, "the compiled step has no append: the check below would not see a copy"
+    copies = [n for n in sizes if re.search(rf"empty_strided_\w+\(\({n}, \)", code)]
+    assert not copies, f"the compiled step allocates a copy of a layer's {copies[0]}-byte buffer"
+    torch.testing.assert_close(steps[1], steps[0], atol=1e-4, rtol=0, msg=lambda m: f"compiled vs eager: {m}")
 
 
 @pytest.mark.parametrize("head_dim, preset", [(64, "k5v3"), (64, "k8v4"), (128, "k5v3"), (128, "k4v4"), (128, "k8v4")])

@@ -269,6 +269,18 @@ def static_packed_kv(store: torch.Tensor, ring_k: torch.Tensor, ring_v: torch.Te
                     key_offset=None if rope is None else KeyOffset(p["key_mean"], rope, 0))
 
 
+@torch.library.custom_op("tq_hf_cache::snapshot", mutates_args=())
+def snapshot(x: torch.Tensor) -> torch.Tensor:
+    """A copy of x that torch.compile keeps (it drops a plain clone as a no-op): a value read from a buffer that a
+    later op of the same graph mutates, which is otherwise read after the mutation from a copy of the whole buffer."""
+    return x.clone()
+
+
+@snapshot.register_fake
+def _(x):
+    return torch.empty_like(x)
+
+
 @torch.library.custom_op("tq_hf_cache::static_append", mutates_args=("store", "ring_k", "ring_v"))
 def static_append(
     key: torch.Tensor,
@@ -283,11 +295,13 @@ def static_append(
     v_quantizer: int,
     key_split: int = -1,
     key_rope: int = -1,
+    after: torch.Tensor | None = None,
 ) -> None:
     """A static layer's append of key, value (B, H, n, D) into its buffer and rings, with its lengths on the device
     (see `reference.static_append`): two launches on CUDA (quantize + exact copies, then the lengths; split or
     centred keys (`key_split`, `key_rope`: `object_id`s): a launch per key part), the reference elsewhere. Centred
-    keys store the codes of k - R(t) mu and the exact copies of k."""
+    keys store the codes of k - R(t) mu and the exact copies of k. `after`: unused here; a value the caller read from
+    the buffer before this append, passed so that a compiled graph computes it first (and can append in place)."""
     kv = static_packed_kv(store, ring_k, ring_v, capacity, n_sinks, norm_dtype, k_quantizer, v_quantizer,
                           key_split=key_split, key_rope=key_rope)
     rotation, kcb, vcb, split = kv.rotation, kv.k_codebook, kv.v_codebook, kv.key_split
@@ -314,7 +328,7 @@ def static_append(
 
 @static_append.register_fake
 def _(key, value, store, ring_k, ring_v, capacity, n_sinks, norm_dtype, k_quantizer, v_quantizer, key_split=-1,
-      key_rope=-1):
+      key_rope=-1, after=None):
     return None
 
 

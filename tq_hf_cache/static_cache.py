@@ -172,6 +172,7 @@ class TurboQuantStaticLayer(StaticLayer):
         self._attn_config, self._group = attn_config, query_group
         self._shared = shared
         self._codebook_check = codebook_check
+        self._length_read: torch.Tensor | None = None  # a compiled step's read of the length before its append
 
     @property
     def ring_size(self) -> int:
@@ -331,8 +332,9 @@ class TurboQuantStaticLayer(StaticLayer):
         n = key_states.shape[2]
         if self._mu_pending and not torch.compiler.is_compiling():
             self._set_key_mean(key_states)
+        read, self._length_read = getattr(self, "_length_read", None), None
         ops.static_append(key_states, value_states, s.store, self.keys, self.values, s.capacity, s.sinks, s.norm_dtype,
-                          s.k_quantizer, s.v_quantizer, s.key_split, s.key_rope)
+                          s.k_quantizer, s.v_quantizer, s.key_split, s.key_rope, read)
         if self._fused(n):
             return self.keys, self.values
         return self._full(key_states, value_states, before)
@@ -379,7 +381,15 @@ class TurboQuantStaticLayer(StaticLayer):
         return k[:, :, :held], v[:, :, :held]
 
     def get_seq_length(self) -> int:
-        return self.packed.length if self.is_initialized else 0
+        """Positions held: a 0-d tensor once initialized (a view of the buffer; in a compiled step a copy that this
+        step's append takes as an input, so that the graph reads it first and appends into the buffer in place: a read
+        of the buffer left after the append makes torch.compile copy the whole buffer every step)."""
+        if not self.is_initialized:
+            return 0
+        if not torch.compiler.is_compiling():
+            return self.packed.length
+        self._length_read = ops.snapshot(self.packed.length)
+        return self._length_read
 
     def get_mask_sizes(self, query_length, *args, **kwargs) -> tuple[int, int]:
         return mask_sizes(self, query_length)
