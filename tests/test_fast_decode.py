@@ -101,6 +101,23 @@ def test_sm90_main_loop_within_its_instruction_budget(kb, vb, tmp_path):
         assert per_tile <= budget, f"k{kb}v{vb}: {per_tile} instructions a tile > {budget}"
 
 
+@pytest.mark.skipif(not _nvrtc_ok() or _cuobjdump() is None, reason="NVRTC or cuobjdump missing")
+def test_sm90_a_mask_row_costs_the_loop_nothing_where_it_masks_nothing(tmp_path):
+    """A decode step's mask (one bool row for every head): each packed loop comes in two kinds, the one for splits
+    whose row masks a token (reading it, two 16-bit loads a step) and the one for the rest (reading none, within the
+    no-mask budget)."""
+    df = fast.defines(128, 5, 3, 1, 1, 0, False, False, True, 16, True)
+    df.update(ROWS=4, Q_DT=1, X_DT=1, O_DT=1, MASK_ROW=1)
+    cubin = tmp_path / "k.cubin"
+    cubin.write_bytes(jit.compile_cubin(fast.source(), fast.NAME, df, 90))
+    loops = main_loops(subprocess.run([_cuobjdump(), "-sass", str(cubin)], capture_output=True, text=True,
+                                      check=True).stdout)
+    assert len(loops) == 4, f"{len(loops)} main loops (want a masked and an unmasked one per copy)"
+    per_tile = sorted((sum(ops.values()) * 2 // (ops["HMMA"] // 24), ops["LDG"]) for ops in loops)
+    assert [ldg for _, ldg in per_tile] == [0, 0, 2, 2], per_tile
+    assert per_tile[1][0] <= SASS_BUDGET[(5, 3)], per_tile
+
+
 @pytest.mark.parametrize("bits", [2, 3, 4, 5])
 @pytest.mark.parametrize("per_head", [False, True])
 def test_pair_table_entries_are_the_fp16_centroid_pairs(bits, per_head):
@@ -360,6 +377,34 @@ def test_more_query_rows_than_the_kernel_holds_go_in_chunks_of_queries(d, group,
     assert launches == [True] * -(-n // per), f"seed {seed}: {launches}"
     ref = reference.attention(q.cpu(), kf, vf, mask=None if mask is None else mask.cpu()).transpose(1, 2)
     assert rel_err(out, ref) < TOL[torch.bfloat16], f"seed {seed}"
+
+
+@gpu
+@pytest.mark.parametrize("kbits,vbits", [(5, 3), (4, 4)])
+@pytest.mark.parametrize("holes", ["none", "scattered", "a_stretch"])
+def test_fast_kernel_one_mask_row_for_every_head(kbits, vbits, holes, launches, monkeypatch):
+    """A decode step's bool mask, one row per batch row (B, 1, 1, T): the packed loop reads it as one row, and only in
+    the splits where it masks a token (`holes`: none past the causal part, scattered ones in row 1, or a quarter of
+    row 1's history, whole splits among it). The first batch row masks none in every case."""
+    seed = fresh_seed()
+    g = torch.Generator().manual_seed(seed)
+    b, hkv, group, n, d, lq, lr = 2, 2, 4, 1, 128, 6000, 9
+    rows = []
+    monkeypatch.setattr(fast, "_mask_row", lambda *a, f=fast._mask_row: rows.append(f(*a)) or rows[-1])
+    state, kf, vf = make_state(b, hkv, lq, lr, n, d, kbits, vbits, torch.bfloat16, seed, sinks=2)
+    q = make_query(b, hkv * group, n, d, torch.bfloat16, seed)
+    t = lq + lr + n
+    keep = torch.ones(b, 1, 1, t, dtype=torch.bool)
+    if holes == "scattered":
+        keep[1, 0, 0, :lq] = torch.rand(lq, generator=g) > 0.05
+    elif holes == "a_stretch":
+        a, e = fast.split_range(1, 4, lq, 8, False)
+        keep[1, 0, 0, a:e] = False
+    mask = keep.to("cuda")
+    out = _decode(q, state, mask, None)
+    assert launches == [True] and rows == [True], f"seed {seed}: {launches} {rows}"
+    ref = reference.attention(q.cpu(), kf, vf, mask=keep).transpose(1, 2)
+    assert rel_err(out, ref) < TOL[torch.bfloat16], f"seed {seed} ({holes})"
 
 
 @gpu

@@ -321,6 +321,13 @@ def exact_batch(d: int, rows: int, xbytes: int, smem: int, warps: int = 8) -> in
     return max(8, min(256, room // (2 * d * xbytes) // 8 * 8))
 
 
+def _mask_row(mask_kind: int, m_arg: torch.Tensor, strides, slots: int) -> bool:
+    """Whether the packed loop reads a bool mask as one row for all of a CTA's rows, two tokens a load: one row per
+    batch row (kind 3), contiguous tokens, 2-byte aligned rows and an even slot count (tiles start at even tokens)."""
+    return (mask_kind == 3 and strides[3] == 1 and m_arg.data_ptr() % 2 == 0 and strides[0] % 2 == 0
+            and slots % 2 == 0)
+
+
 def decode(query, kv, pi, scale_log2, kp, kn, vp, vn, rk, rv, sk, sv, mask_args, acc, ml, counters, lens, lengths,
            num_splits: int, fold: bool, rows: int, out) -> bool:
     """The whole decode attention of `..decode_attention.decode_attention` (its prepared arguments) into `out`.
@@ -339,7 +346,8 @@ def decode(query, kv, pi, scale_log2, kp, kn, vp, vn, rk, rv, sk, sv, mask_args,
     kb, vb, kn32, vn32 = kv.k_codebook.bits, kv.v_codebook.bits, kn.dtype == torch.float32, vn.dtype == torch.float32
     df = defines(d, kb, vb, 1 if group * n <= 8 else 2, kind, mdt, kn32, vn32, kv.static, vec,
                  _norms_vec(kn, vn) and kp.shape[2] % 2 == 0, torch.cuda.get_device_capability(query.device))
-    df.update(Q_DT=_DT[query.dtype], X_DT=_DT[rk.dtype], O_DT=_DT[out.dtype], ROWS=rows)
+    df.update(Q_DT=_DT[query.dtype], X_DT=_DT[rk.dtype], O_DT=_DT[out.dtype], ROWS=rows,
+              MASK_ROW=int(_mask_row(mask_kind, m_arg, ms, kp.shape[2])))
     xbytes, smem, w = rk.element_size(), packed_smem(df), df["WARPS"]
     df.update(XB=exact_batch(d, rows, xbytes, smem, w), XVEC=_vec(rk, rv, sk, sv),
               QV=int(_aligned(4 * query.element_size(), query)))

@@ -4,7 +4,8 @@
 // partial in parallel CTAs; the last CTA to finish merges them, rotates the values back once and writes the output.
 //
 // Compiled at first use by NVRTC (no headers) with -D: D, KB, VB (bits), NQ (query n-tiles: 8 * NQ >= G * n),
-// MASK_KIND (0 none, 1 bool / 2 additive per row), MASK_DT (0 u8, 1 f16, 2 bf16, 3 f32), KN_F32, VN_F32 (norm
+// MASK_KIND (0 none, 1 bool / 2 additive per row), MASK_DT (0 u8, 1 f16, 2 bf16, 3 f32), MASK_ROW (1: a bool mask
+// whose one row serves all the CTA's rows, contiguous and 2-byte aligned), KN_F32, VN_F32 (norm
 // dtypes), KR, VR (copies of each pair table), STATIC, VEC (widest load, bytes), NVEC (norms loaded in pairs),
 // STAGES, WARPS (8 or 16), EXACT_TOKENS (packed tokens the exact copies count as in placing the splits), and those of
 // the exact part below.
@@ -189,6 +190,20 @@ __device__ __forceinline__ float mask_value(const unsigned char* m, i64 off) {  
 #define LOGKR (KR == 32 ? 5 : KR == 16 ? 4 : KR == 8 ? 3 : KR == 4 ? 2 : KR == 2 ? 1 : 0)
 #define LOGVR (VR == 32 ? 5 : VR == 16 ? 4 : VR == 8 ? 3 : VR == 4 ? 2 : VR == 2 ? 1 : 0)
 #define NMROWS (NQ == 1 ? 1 : 2)   // S rows a lane uses: g, and g + 8 when NQ == 2
+#ifndef MASK_ROW
+#define MASK_ROW 0
+#endif
+
+// A tile's mask at this lane's four tokens j (tb + 2 l4 + (j & 1) + 8 (j >> 1)): where one bool row serves every
+// row (a decode step's causal or padding mask), its four bytes (two 16-bit loads, no per-row work); else each S
+// row's values, exponent base 2
+struct MaskTile {
+#if MASK_ROW
+  u32 bytes;
+#else
+  float v[NMROWS][4];
+#endif
+};
 
 
 // Shared memory (dynamic, STAGE_BYTES + KTAB_BYTES + VTAB_BYTES): each warp's ring of STAGES tiles (cp.async), then
@@ -507,7 +522,8 @@ __device__ __forceinline__ void packed_part(const Params& p, unsigned char* smem
     }
   };
 
-  auto compute = [&](int t, const unsigned char* st, const float (&mk)[NMROWS][4]) {
+  // `masked`: whether this loop applies the mask (a constant where it is called)
+  auto compute = [&](int t, const unsigned char* st, const MaskTile& mk, bool masked) {
     const int tb = min(t, last_tb);
     const int t0 = tb + 2 * l4;
     u32 kw[2][Span<KSPAN, KPT>::NW];
@@ -553,6 +569,12 @@ __device__ __forceinline__ void packed_part(const Params& p, unsigned char* smem
 #pragma unroll
     for (int j = 0; j < 4; ++j)  // lo <= tok < end, one unsigned compare
       tok_ok[j] = static_cast<u32>(t0 + (j & 1) + 8 * (j >> 1) - lo) < static_cast<u32>(end - lo);
+#if MASK_ROW
+    if (masked) {
+#pragma unroll
+      for (int j = 0; j < 4; ++j) tok_ok[j] = tok_ok[j] && ((mk.bytes >> (8 * j)) & 0xffu);
+    }
+#endif
     float alpha[NMROWS];
     u32 pb[NMROWS][2];
 #pragma unroll
@@ -562,8 +584,8 @@ __device__ __forceinline__ void packed_part(const Params& p, unsigned char* smem
 #pragma unroll
       for (int j = 0; j < 4; ++j) {
         float v = s[j >> 1][2 * i + (j & 1)] * kn[j];
-#if MASK_KIND != 0
-        v += mk[i][j];
+#if !MASK_ROW
+        if (masked) v += mk.v[i][j];
 #endif
         x[j] = (tok_ok[j] && rok[i]) ? v : NEG_INF;
         mx = fmaxf(mx, x[j]);
@@ -614,14 +636,19 @@ __device__ __forceinline__ void packed_part(const Params& p, unsigned char* smem
     }
   };
 
-  auto load_mask = [&](int t, float (&mk)[NMROWS][4]) {
-#if MASK_KIND != 0
+  // MASK_ROW: the row's tokens 2 l4, + 1 and 8 + 2 l4, + 1 of a tile as 16-bit words (tiles start at even tokens)
+  const u16* mrow16 = reinterpret_cast<const u16*>(mrow[0]) + l4;
+  auto load_mask = [&](int t, MaskTile& mk) {
+#if MASK_ROW
+    const int w = min(t, last_tb) >> 1;
+    mk.bytes = static_cast<u32>(mrow16[w]) | (static_cast<u32>(mrow16[w + 4]) << 16);
+#elif MASK_KIND != 0
     const int t0 = min(t, last_tb) + 2 * l4;
 #pragma unroll
     for (int i = 0; i < NMROWS; ++i)
 #pragma unroll
       for (int j = 0; j < 4; ++j)
-        mk[i][j] = mask_value(mrow[i], static_cast<i64>(t0 + (j & 1) + 8 * (j >> 1)) * p.smt);
+        mk.v[i][j] = mask_value(mrow[i], static_cast<i64>(t0 + (j & 1) + 8 * (j >> 1)) * p.smt);
 #endif
   };
 
@@ -633,28 +660,43 @@ __device__ __forceinline__ void packed_part(const Params& p, unsigned char* smem
     if (t0 + s * step < end) issue(t0 + s * step, s);
     cp_commit();
   }
+#if MASK_ROW
+  // whether the row masks any of the split's tokens (a decode step's causal mask masks none of the history): the
+  // loop reads it only then
+  bool hole = false;
+  for (int i = (start >> 1) + tid; i < (end + 1) >> 1; i += WARPS * 32) {  // tokens 2i, 2i + 1
+    const u32 two = mrow16[i - l4];
+    hole |= ((two & 0xffu) == 0 && 2 * i >= start) || ((two >> 8) == 0 && 2 * i + 1 < end);
+  }
+  rotation_store(p, qr, qsm, warp, lane);
+  const bool masked = __syncthreads_or(hole);  // (the tables and the query fragments written too)
+#else
   rotation_store(p, qr, qsm, warp, lane);
   __syncthreads();  // the tables and the query fragments written
-  float mk[NMROWS][4], mk_next[NMROWS][4];
-  if (t0 < end) load_mask(t0, mk);
-  int stage = 0;
-  for (int t = t0; t < end; t += step) {
-    const int tn = t + (STAGES - 1) * step;
-    if (tn < end) issue(tn, stage == 0 ? STAGES - 1 : stage - 1);
-    cp_commit();
-    if (t + step < end) load_mask(t + step, mk_next);
-    cp_wait<STAGES - 1>();
-    __syncwarp();
-    compute(t, ring + stage * TILE_BYTES, mk);
-    __syncwarp();  // every lane is done with this stage before it is refilled
-#if MASK_KIND != 0
-#pragma unroll
-    for (int i = 0; i < NMROWS; ++i)
-#pragma unroll
-      for (int j = 0; j < 4; ++j) mk[i][j] = mk_next[i][j];
 #endif
-    stage = stage == STAGES - 1 ? 0 : stage + 1;
-  }
+  auto loop = [&](bool M) {
+    MaskTile mk, mk_next;
+    if (M && t0 < end) load_mask(t0, mk);
+    int stage = 0;
+    for (int t = t0; t < end; t += step) {
+      const int tn = t + (STAGES - 1) * step;
+      if (tn < end) issue(tn, stage == 0 ? STAGES - 1 : stage - 1);
+      cp_commit();
+      if (M && t + step < end) load_mask(t + step, mk_next);
+      cp_wait<STAGES - 1>();
+      __syncwarp();
+      compute(t, ring + stage * TILE_BYTES, mk, M);
+      __syncwarp();  // every lane is done with this stage before it is refilled
+      if (M) mk = mk_next;
+      stage = stage == STAGES - 1 ? 0 : stage + 1;
+    }
+  };
+#if MASK_ROW  // a loop of each kind (unswitched by hand: a uniform flag inside one loop still costs its instructions)
+  if (masked) loop(true);
+  else loop(false);
+#else
+  loop(MASK_KIND != 0);
+#endif
   cp_wait<0>();
 
   // merge the warps' partials in shared memory (the tables are done with), then store the CTA's partial
