@@ -443,6 +443,24 @@ __device__ __forceinline__ void packed_part(const Params& p, unsigned char* smem
   QueryRot qr;
   rotation_load(p, bh, warp, lane, qr);
   const int lq = STATIC ? static_cast<int>(*p.from_ptr) : p.lq;
+  const int ls = min(p.sinks, lq);
+  // the history (and, where the last split's CTA takes the exact copies too, EXACT_TOKENS more) in equal parts, cut
+  // at the nearest multiples of 16 WARPS; the last split ends at the history's end
+  const i64 span = lq + (p.fold && p.num_splits > 1 ? EXACT_TOKENS : 0);
+  auto cut = [&](int s) { return static_cast<int>((span * s / p.num_splits + 8 * WARPS) & ~(16 * WARPS - 1)); };
+  const int start = max(min(cut(split), lq), ls);
+  const int end = split == p.num_splits - 1 ? lq : min(cut(split + 1), lq);
+#if MASK_ROW
+  // the mask's one row as 16-bit words (two tokens each); whether it masks any of the split's tokens (a decode
+  // step's causal mask masks none of the history) decides which loop runs. A thread's first SCAN words are loaded
+  // before the table fill, so that the round trips overlap.
+  constexpr int SCAN = 8;
+  const u16* mrow16 = reinterpret_cast<const u16*>(p.mask + b * p.smb);
+  const int w0 = (start >> 1) + tid, wend = (end + 1) >> 1;  // word i: tokens 2i, 2i + 1
+  u32 scan[SCAN];
+#pragma unroll
+  for (int k = 0; k < SCAN; ++k) scan[k] = w0 + k * WARPS * 32 < wend ? mrow16[w0 + k * WARPS * 32] : 0x0101u;
+#endif
   // the pair tables of this KV head, KR / VR copies (copy c of entry e at word e * R + c)
   const u32 ktb = shared_addr(smem) + STAGE_BYTES, vtb = ktb + KTAB_BYTES;
   {
@@ -451,14 +469,6 @@ __device__ __forceinline__ void packed_part(const Params& p, unsigned char* smem
     fill_table<KENT, KR, LOGKR>(ks, p.ktab + h * p.ktab_sh, tid);
     fill_table<VENT, VR, LOGVR>(vs, p.vtab + h * p.vtab_sh, tid);
   }
-
-  const int ls = min(p.sinks, lq);
-  // the history (and, where the last split's CTA takes the exact copies too, EXACT_TOKENS more) in equal parts, cut
-  // at the nearest multiples of 16 WARPS; the last split ends at the history's end
-  const i64 span = lq + (p.fold && p.num_splits > 1 ? EXACT_TOKENS : 0);
-  auto cut = [&](int s) { return static_cast<int>((span * s / p.num_splits + 8 * WARPS) & ~(16 * WARPS - 1)); };
-  const int start = max(min(cut(split), lq), ls);
-  const int end = split == p.num_splits - 1 ? lq : min(cut(split + 1), lq);
   const int live = p.group * p.nq;
   // the last 16-row tile inside the buffer (slots >= 16; even with NVEC, as the launcher checks: norm pairs)
   const int last_tb = p.slots - 16;
@@ -636,11 +646,9 @@ __device__ __forceinline__ void packed_part(const Params& p, unsigned char* smem
     }
   };
 
-  // MASK_ROW: the row's tokens 2 l4, + 1 and 8 + 2 l4, + 1 of a tile as 16-bit words (tiles start at even tokens)
-  const u16* mrow16 = reinterpret_cast<const u16*>(mrow[0]) + l4;
   auto load_mask = [&](int t, MaskTile& mk) {
-#if MASK_ROW
-    const int w = min(t, last_tb) >> 1;
+#if MASK_ROW  // the row's tokens 2 l4, + 1 and 8 + 2 l4, + 1 of the tile (tiles start at even tokens)
+    const int w = (min(t, last_tb) >> 1) + l4;
     mk.bytes = static_cast<u32>(mrow16[w]) | (static_cast<u32>(mrow16[w + 4]) << 16);
 #elif MASK_KIND != 0
     const int t0 = min(t, last_tb) + 2 * l4;
@@ -661,13 +669,13 @@ __device__ __forceinline__ void packed_part(const Params& p, unsigned char* smem
     cp_commit();
   }
 #if MASK_ROW
-  // whether the row masks any of the split's tokens (a decode step's causal mask masks none of the history): the
-  // loop reads it only then
+  auto holes = [&](int i, u32 two) {  // whether word i masks one of the split's tokens
+    return ((two & 0xffu) == 0 && 2 * i >= start) || ((two >> 8) == 0 && 2 * i + 1 < end);
+  };
   bool hole = false;
-  for (int i = (start >> 1) + tid; i < (end + 1) >> 1; i += WARPS * 32) {  // tokens 2i, 2i + 1
-    const u32 two = mrow16[i - l4];
-    hole |= ((two & 0xffu) == 0 && 2 * i >= start) || ((two >> 8) == 0 && 2 * i + 1 < end);
-  }
+#pragma unroll
+  for (int k = 0; k < SCAN; ++k) hole |= holes(w0 + k * WARPS * 32, scan[k]);
+  for (int i = w0 + SCAN * WARPS * 32; i < wend; i += WARPS * 32) hole |= holes(i, mrow16[i]);  // (long splits)
   rotation_store(p, qr, qsm, warp, lane);
   const bool masked = __syncthreads_or(hole);  // (the tables and the query fragments written too)
 #else
