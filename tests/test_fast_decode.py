@@ -102,20 +102,20 @@ def test_sm90_main_loop_within_its_instruction_budget(kb, vb, tmp_path):
 
 
 @pytest.mark.skipif(not _nvrtc_ok() or _cuobjdump() is None, reason="NVRTC or cuobjdump missing")
-def test_sm90_a_mask_row_costs_the_loop_nothing_where_it_masks_nothing(tmp_path):
-    """A decode step's mask (one bool row for every head): each packed loop comes in two kinds, the one for splits
-    whose row masks a token (reading it, two 16-bit loads a step) and the one for the rest (reading none, within the
-    no-mask budget)."""
+def test_sm90_a_mask_row_reads_two_words_a_step_within_the_budget(tmp_path):
+    """A decode step's mask (one bool row for every head) costs the loop two 16-bit loads a step and a test per
+    token, not the general path's per-row loads: the loop stays within the no-mask budget."""
     df = fast.defines(128, 5, 3, 1, 1, 0, False, False, True, 16, True)
     df.update(ROWS=4, Q_DT=1, X_DT=1, O_DT=1, MASK_ROW=1)
     cubin = tmp_path / "k.cubin"
     cubin.write_bytes(jit.compile_cubin(fast.source(), fast.NAME, df, 90))
     loops = main_loops(subprocess.run([_cuobjdump(), "-sass", str(cubin)], capture_output=True, text=True,
                                       check=True).stdout)
-    assert len(loops) == 4, f"{len(loops)} main loops (want a masked and an unmasked one per copy)"
-    per_tile = sorted((sum(ops.values()) * 2 // (ops["HMMA"] // 24), ops["LDG"]) for ops in loops)
-    assert [ldg for _, ldg in per_tile] == [0, 0, 2, 2], per_tile
-    assert per_tile[1][0] <= SASS_BUDGET[(5, 3)], per_tile
+    assert 1 <= len(loops) <= 2, f"{len(loops)} main loops"
+    for ops in loops:
+        steps = ops["HMMA"] // 24
+        assert ops["LDG"] == 2 * steps, f"{ops['LDG']} global loads in {steps} steps: {ops}"
+        assert sum(ops.values()) * 2 // steps <= SASS_BUDGET[(5, 3)], ops
 
 
 @pytest.mark.parametrize("bits", [2, 3, 4, 5])
@@ -383,9 +383,9 @@ def test_more_query_rows_than_the_kernel_holds_go_in_chunks_of_queries(d, group,
 @pytest.mark.parametrize("kbits,vbits", [(5, 3), (4, 4)])
 @pytest.mark.parametrize("holes", ["none", "scattered", "a_stretch"])
 def test_fast_kernel_one_mask_row_for_every_head(kbits, vbits, holes, launches, monkeypatch):
-    """A decode step's bool mask, one row per batch row (B, 1, 1, T): the packed loop reads it as one row, and only in
-    the splits where it masks a token (`holes`: none past the causal part, scattered ones in row 1, or a quarter of
-    row 1's history, whole splits among it). The first batch row masks none in every case."""
+    """A decode step's bool mask, one row per batch row (B, 1, 1, T), read by the packed loop as one row (`holes`:
+    none past the causal part, scattered ones in row 1, or a quarter of row 1's history, whole splits among it). The
+    first batch row masks none in every case."""
     seed = fresh_seed()
     g = torch.Generator().manual_seed(seed)
     b, hkv, group, n, d, lq, lr = 2, 2, 4, 1, 128, 6000, 9

@@ -195,8 +195,8 @@ __device__ __forceinline__ float mask_value(const unsigned char* m, i64 off) {  
 #endif
 
 // A tile's mask at this lane's four tokens j (tb + 2 l4 + (j & 1) + 8 (j >> 1)): where one bool row serves every
-// row (a decode step's causal or padding mask), its four bytes (two 16-bit loads, no per-row work); else each S
-// row's values, exponent base 2
+// row (a decode step's causal or padding mask), its four bytes (two 16-bit loads, no per-row work: 944 instructions
+// a tile against the general path's 1034 and no mask's 910, k5v3); else each S row's values, exponent base 2
 struct MaskTile {
 #if MASK_ROW
   u32 bytes;
@@ -450,17 +450,6 @@ __device__ __forceinline__ void packed_part(const Params& p, unsigned char* smem
   auto cut = [&](int s) { return static_cast<int>((span * s / p.num_splits + 8 * WARPS) & ~(16 * WARPS - 1)); };
   const int start = max(min(cut(split), lq), ls);
   const int end = split == p.num_splits - 1 ? lq : min(cut(split + 1), lq);
-#if MASK_ROW
-  // the mask's one row as 16-bit words (two tokens each); whether it masks any of the split's tokens (a decode
-  // step's causal mask masks none of the history) decides which loop runs. A thread's first SCAN words are loaded
-  // before the table fill, so that the round trips overlap.
-  constexpr int SCAN = 8;
-  const u16* mrow16 = reinterpret_cast<const u16*>(p.mask + b * p.smb);
-  const int w0 = (start >> 1) + tid, wend = (end + 1) >> 1;  // word i: tokens 2i, 2i + 1
-  u32 scan[SCAN];
-#pragma unroll
-  for (int k = 0; k < SCAN; ++k) scan[k] = w0 + k * WARPS * 32 < wend ? mrow16[w0 + k * WARPS * 32] : 0x0101u;
-#endif
   // the pair tables of this KV head, KR / VR copies (copy c of entry e at word e * R + c)
   const u32 ktb = shared_addr(smem) + STAGE_BYTES, vtb = ktb + KTAB_BYTES;
   {
@@ -532,8 +521,7 @@ __device__ __forceinline__ void packed_part(const Params& p, unsigned char* smem
     }
   };
 
-  // `masked`: whether this loop applies the mask (a constant where it is called)
-  auto compute = [&](int t, const unsigned char* st, const MaskTile& mk, bool masked) {
+  auto compute = [&](int t, const unsigned char* st, const MaskTile& mk) {
     const int tb = min(t, last_tb);
     const int t0 = tb + 2 * l4;
     u32 kw[2][Span<KSPAN, KPT>::NW];
@@ -580,10 +568,8 @@ __device__ __forceinline__ void packed_part(const Params& p, unsigned char* smem
     for (int j = 0; j < 4; ++j)  // lo <= tok < end, one unsigned compare
       tok_ok[j] = static_cast<u32>(t0 + (j & 1) + 8 * (j >> 1) - lo) < static_cast<u32>(end - lo);
 #if MASK_ROW
-    if (masked) {
 #pragma unroll
-      for (int j = 0; j < 4; ++j) tok_ok[j] = tok_ok[j] && ((mk.bytes >> (8 * j)) & 0xffu);
-    }
+    for (int j = 0; j < 4; ++j) tok_ok[j] = tok_ok[j] && ((mk.bytes >> (8 * j)) & 0xffu);
 #endif
     float alpha[NMROWS];
     u32 pb[NMROWS][2];
@@ -594,8 +580,8 @@ __device__ __forceinline__ void packed_part(const Params& p, unsigned char* smem
 #pragma unroll
       for (int j = 0; j < 4; ++j) {
         float v = s[j >> 1][2 * i + (j & 1)] * kn[j];
-#if !MASK_ROW
-        if (masked) v += mk.v[i][j];
+#if MASK_KIND != 0 && !MASK_ROW
+        v += mk.v[i][j];
 #endif
         x[j] = (tok_ok[j] && rok[i]) ? v : NEG_INF;
         mx = fmaxf(mx, x[j]);
@@ -646,6 +632,8 @@ __device__ __forceinline__ void packed_part(const Params& p, unsigned char* smem
     }
   };
 
+  // MASK_ROW: the mask's one row as 16-bit words (two tokens each)
+  const u16* mrow16 = reinterpret_cast<const u16*>(mrow[0]);
   auto load_mask = [&](int t, MaskTile& mk) {
 #if MASK_ROW  // the row's tokens 2 l4, + 1 and 8 + 2 l4, + 1 of the tile (tiles start at even tokens)
     const int w = (min(t, last_tb) >> 1) + l4;
@@ -668,43 +656,25 @@ __device__ __forceinline__ void packed_part(const Params& p, unsigned char* smem
     if (t0 + s * step < end) issue(t0 + s * step, s);
     cp_commit();
   }
-#if MASK_ROW
-  auto holes = [&](int i, u32 two) {  // whether word i masks one of the split's tokens
-    return ((two & 0xffu) == 0 && 2 * i >= start) || ((two >> 8) == 0 && 2 * i + 1 < end);
-  };
-  bool hole = false;
-#pragma unroll
-  for (int k = 0; k < SCAN; ++k) hole |= holes(w0 + k * WARPS * 32, scan[k]);
-  for (int i = w0 + SCAN * WARPS * 32; i < wend; i += WARPS * 32) hole |= holes(i, mrow16[i]);  // (long splits)
-  rotation_store(p, qr, qsm, warp, lane);
-  const bool masked = __syncthreads_or(hole);  // (the tables and the query fragments written too)
-#else
   rotation_store(p, qr, qsm, warp, lane);
   __syncthreads();  // the tables and the query fragments written
+  MaskTile mk, mk_next;
+  if (t0 < end) load_mask(t0, mk);
+  int stage = 0;
+  for (int t = t0; t < end; t += step) {
+    const int tn = t + (STAGES - 1) * step;
+    if (tn < end) issue(tn, stage == 0 ? STAGES - 1 : stage - 1);
+    cp_commit();
+    if (t + step < end) load_mask(t + step, mk_next);
+    cp_wait<STAGES - 1>();
+    __syncwarp();
+    compute(t, ring + stage * TILE_BYTES, mk);
+    __syncwarp();  // every lane is done with this stage before it is refilled
+#if MASK_KIND != 0
+    mk = mk_next;
 #endif
-  auto loop = [&](bool M) {
-    MaskTile mk, mk_next;
-    if (M && t0 < end) load_mask(t0, mk);
-    int stage = 0;
-    for (int t = t0; t < end; t += step) {
-      const int tn = t + (STAGES - 1) * step;
-      if (tn < end) issue(tn, stage == 0 ? STAGES - 1 : stage - 1);
-      cp_commit();
-      if (M && t + step < end) load_mask(t + step, mk_next);
-      cp_wait<STAGES - 1>();
-      __syncwarp();
-      compute(t, ring + stage * TILE_BYTES, mk, M);
-      __syncwarp();  // every lane is done with this stage before it is refilled
-      if (M) mk = mk_next;
-      stage = stage == STAGES - 1 ? 0 : stage + 1;
-    }
-  };
-#if MASK_ROW  // a loop of each kind (unswitched by hand: a uniform flag inside one loop still costs its instructions)
-  if (masked) loop(true);
-  else loop(false);
-#else
-  loop(MASK_KIND != 0);
-#endif
+    stage = stage == STAGES - 1 ? 0 : stage + 1;
+  }
   cp_wait<0>();
 
   // merge the warps' partials in shared memory (the tables are done with), then store the CTA's partial
