@@ -45,7 +45,8 @@ from tq_hf_cache.packing import packed_bytes  # noqa: E402
 from tq_hf_cache.rotation import make_rotation  # noqa: E402
 
 HQ, HKV, D, RESIDUAL, SINKS = 32, 8, 128, 128, 4
-SHAPES = {"llama-3.1-8b": (32, 8, 128), "gemma-3-12b": (16, 8, 256), "gemma-3-4b": (8, 4, 256)}  # (Hq, Hkv, D)
+SHAPES = {"llama-3.1-8b": (32, 8, 128), "gemma-3-12b": (16, 8, 256), "gemma-3-4b": (8, 4, 256),
+          "smollm2-1.7b": (32, 32, 64)}  # (Hq, Hkv, D)
 DEV = torch.device("cuda")
 SWEEP_CASES = ((1, 131072), (8, 32768))  # (batch, context) of the knob sweep
 
