@@ -72,11 +72,14 @@ def test_gemma_sliding_and_global_layers(cfg_name, model_name):
     )
     # 8-bit noise at head dim 16 in a random Gemma reaches a few percent of the logits
     tq = compare(cfg, model, tol=0.06)
-    # the sliding layers compute exactly what a config-less cache (all history kept, window by mask) computes
+    # the sliding layers compute what a config-less cache (all history kept, window by mask) computes, up to the
+    # order of fp32 sums over their different key lengths (up to 3e-5 of logits near 1 with AVX-512 kernels; a window
+    # one token off moves them by 1.3)
     seq = torch.randint(3, 96, (2, 40), generator=torch.Generator().manual_seed(1))
     a = run_steps(model, TurboQuantCache(key_bits=8, value_bits=8, residual_length=4, config=cfg), seq)
     b = run_steps(model, TurboQuantCache(key_bits=8, value_bits=8, residual_length=4), seq)
-    assert all(torch.allclose(x, y, atol=1e-5) for x, y in zip(a, b))
+    worst = max((x - y).abs().max().item() for x, y in zip(a, b))
+    assert worst < 1e-4, f"{cfg_name}: sliding layers differ from the config-less cache by {worst:.2e}"
     kinds = [type(layer) for layer in tq.layers]
     types = list(getattr(cfg, "layer_types", []) or [])
     assert TurboQuantSlidingLayer in kinds and TurboQuantLayer in kinds
