@@ -239,13 +239,26 @@ def _by_row_groups(module, query, lazy_key, mask, rows, dropout, scaling, is_cau
     return out
 
 
+def _made_once(mask_fn):
+    """`mask_fn` (transformers' sdpa mask), its mask made once in a compiled forward (`ops.snapshot`): inductor
+    otherwise builds it again inside each layer's kernels (one bool per slot of a static cache's capacity), since
+    every layer's attention op takes it."""
+
+    def mask(*args, **kwargs):
+        m = mask_fn(*args, **kwargs)
+        return ops.snapshot(m) if isinstance(m, torch.Tensor) and torch.compiler.is_compiling() else m
+
+    return mask
+
+
 def register(name: str = NAME) -> None:
-    """Register `name` as an attention implementation (and its mask function: transformers' sdpa mask)."""
+    """Register `name` as an attention implementation (and its mask function: transformers' sdpa mask, made once
+    per compiled forward)."""
     from transformers import AttentionInterface
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 
     AttentionInterface.register(name, turboquant_attention_forward)
-    AttentionMaskInterface.register(name, ALL_MASK_ATTENTION_FUNCTIONS["sdpa"])
+    AttentionMaskInterface.register(name, _made_once(ALL_MASK_ATTENTION_FUNCTIONS["sdpa"]))
 
 
 register()
