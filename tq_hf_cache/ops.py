@@ -271,8 +271,9 @@ def static_packed_kv(store: torch.Tensor, ring_k: torch.Tensor, ring_v: torch.Te
 
 @torch.library.custom_op("tq_hf_cache::snapshot", mutates_args=())
 def snapshot(x: torch.Tensor) -> torch.Tensor:
-    """A copy of x that torch.compile keeps (it drops a plain clone as a no-op): a value read from a buffer that a
-    later op of the same graph mutates, which is otherwise read after the mutation from a copy of the whole buffer."""
+    """A copy of x that torch.compile keeps as a buffer of its own (it drops a plain clone as a no-op): a value read
+    from a buffer that a later op of the graph mutates (else read after the mutation, from a copy of the whole
+    buffer), or one that many ops take (else built again inside each of their kernels)."""
     return x.clone()
 
 
