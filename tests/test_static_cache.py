@@ -241,15 +241,17 @@ def test_a_compiled_step_appends_into_each_buffer_in_place():
             logits = []
             for i in range(3):
                 pos = torch.tensor([PROMPT + i])
-                out, *code = run_and_get_code(forward, tok, **with_cache(cache), cache_position=pos,
-                                              position_ids=pos[None]) if compiled and i == 0 else \
-                    (forward(tok, **with_cache(cache), cache_position=pos, position_ids=pos[None]),)
-                codes += code
+                kw = dict(**with_cache(cache), cache_position=pos, position_ids=pos[None])
+                if compiled:  # (the generated code of the step that compiles; none after)
+                    out, code = run_and_get_code(forward, tok, **kw)
+                    codes += code
+                else:
+                    out = forward(tok, **kw)
                 logits.append(out.logits)
                 tok = out.logits[:, -1:].argmax(-1)
         steps.append(torch.cat(logits, 1))
     sizes = {getattr(l.keys, PACKED_ATTR).store.numel() for l in cache.layers}
-    code = "\n".join(c for cs in codes for c in cs)
+    code = "\n".join(codes)
     assert "static_append" in code, "the compiled step has no append: the check below would not see a copy"
     copies = [n for n in sizes if re.search(rf"empty_strided_\w+\(\({n}, \)", code)]
     assert not copies, f"the compiled step allocates a copy of a layer's {copies[0]}-byte buffer"
