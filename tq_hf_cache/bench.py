@@ -99,15 +99,26 @@ def _sync(device):
         torch.cuda.synchronize(device)
 
 
-def _gpu_ms_per_step(step, n: int = 4) -> float:
+def kernel_times(step, n: int = 4) -> tuple[dict[str, float], dict[str, float]]:
+    """(device us, calls) per step of each CUDA kernel name, over n calls of `step` under torch.profiler."""
+    import collections
+
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(n):
             step()
         torch.cuda.synchronize()
-    total_us = sum(e.device_time for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
-    return total_us / n / 1e3
+    us, calls = collections.Counter(), collections.Counter()
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            us[e.name] += e.device_time / n
+            calls[e.name] += 1 / n
+    return us, calls
+
+
+def _gpu_ms_per_step(step, n: int = 4) -> float:
+    return sum(kernel_times(step, n)[0].values()) / 1e3
 
 
 def cache_bytes(cache) -> int:

@@ -13,7 +13,6 @@ Usage:
 from __future__ import annotations
 
 import argparse
-import collections
 import json
 import os
 import sys
@@ -27,20 +26,11 @@ from tq_hf_cache import bench  # noqa: E402
 
 
 def profile_steps(prep, steps: int) -> dict:
-    from torch.profiler import ProfilerActivity, profile
-
     prep.model.set_attn_implementation(prep.attn)
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(steps):
-            prep.step()
-        torch.cuda.synchronize()
-    us, calls = collections.Counter(), collections.Counter()
-    for e in prof.events():
-        if e.device_type == torch.autograd.DeviceType.CUDA:
-            us[e.name] += e.device_time / steps
-            calls[e.name] += 1 / steps
+    us, calls = bench.kernel_times(prep.step, steps)
+    ranked = sorted(us.items(), key=lambda kv: -kv[1])
     return {"total_us": round(sum(us.values()), 1),
-            "kernels": [{"name": k[:160], "us": round(v, 2), "calls": round(calls[k], 2)} for k, v in us.most_common()]}
+            "kernels": [{"name": k[:160], "us": round(v, 2), "calls": round(calls[k], 2)} for k, v in ranked]}
 
 
 def main():
