@@ -269,11 +269,12 @@ def query_bytes(d: int) -> int:
 
 def packed_smem(df: dict[str, int]) -> int:
     """Dynamic shared memory of the packed kernel of these defines: the warps' tile rings, the two tables, the query's
-    fragments; after the loop, the warps' partials (max, sum and accumulator of 8 NQ rows each)."""
+    fragments; after the loop, the warps' partials (max, sum and accumulator of 8 NQ rows each, rows of D + 4:
+    the source's PSTRIDE)."""
     tile = tile_bytes(df["D"], df["KB"], df["VB"], bool(df["KN_F32"]), bool(df["VN_F32"]))
     w = df["WARPS"]
     loop = w * df["STAGES"] * tile + table_bytes(df["KB"], df["VB"], df["KR"], df["VR"]) + query_bytes(df["D"])
-    return max(loop, 4 * w * 8 * df["NQ"] * (df["D"] + 2))
+    return max(loop, 4 * w * 8 * df["NQ"] * (df["D"] + 6))
 
 
 def _aligned(v: int, *tensors: torch.Tensor) -> bool:

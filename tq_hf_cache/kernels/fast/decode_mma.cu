@@ -302,14 +302,22 @@ __device__ __forceinline__ void load_query(const void* q, i64 sqb, i64 sqh, i64 
   }
 }
 
+// The packed part's warps write their accumulators to shared memory in rows of PSTRIDE floats, channel c of a row at
+// position (c % (D / 8)) * 8 + c / (D / 8): lane (g, l4)'s stores then land in 32 distinct banks (position g + 8 m,
+// rows 2 l4 PSTRIDE apart, PSTRIDE = 4 mod 16). In channel order they hit two banks: 16-way conflicts, 4.3 us of a
+// 16-warp CTA's epilogue on the H100.
+#define PSTRIDE (D + 4)
+
 // The CTA's partial from its warps' (max, sum, accumulator) in shared memory (RQ rows each): (M, l) to ml and the
-// accumulator rescaled to M to acc, at `slot`; rotated ones by planes (the channel order the merge reads)
-template <int RQ>
+// accumulator rescaled to M to acc, at `slot`. PACKED: the packed part's (rows of PSTRIDE in the order above,
+// rotated: stored by planes, the channel order the merge reads); else the exact part's (rows of D in channel order).
+template <int RQ, bool PACKED>
 __device__ __forceinline__ void store_partial(const float* wm, const float* wl, const float* wa, const Params& p,
-                                              i64 slot, int live, bool by_planes) {
+                                              i64 slot, int live) {
+  constexpr int S = PACKED ? PSTRIDE : D;
   const int R = p.rows;
   for (int e = threadIdx.x; e < R * D; e += WARPS * 32) {
-    const int r = e / D, x = e % D;
+    const int r = e / D, i = e % D;  // i: the position in a row of wa
     float M = NEG_INF;
     if (r < live) {
 #pragma unroll
@@ -322,12 +330,13 @@ __device__ __forceinline__ void store_partial(const float* wm, const float* wl, 
       for (int w = 0; w < WARPS; ++w) {
         const float f = ex2(wm[w * RQ + r] - Mu);
         l += f * wl[w * RQ + r];
-        a += f * wa[(w * RQ + r) * D + x];
+        a += f * wa[(w * RQ + r) * S + i];
       }
     }
-    const int col = by_planes ? (x % VPLANES) * (D / VPLANES) + x / VPLANES : x;
+    const int x = PACKED ? (i % 8) * (D / 8) + i / 8 : i;  // its channel
+    const int col = PACKED ? (x % VPLANES) * (D / VPLANES) + x / VPLANES : x;
     p.acc[(slot * R + r) * D + col] = a;
-    if (x == 0) {
+    if (i == 0) {
       p.ml[slot * 2 * R + r] = M;
       p.ml[slot * 2 * R + R + r] = l;
     }
@@ -687,7 +696,7 @@ __device__ __forceinline__ void packed_part(const Params& p, unsigned char* smem
   constexpr int RQ = 8 * NQ;
   float* wm = reinterpret_cast<float*>(smem);            // (WARPS, RQ)
   float* wl = wm + WARPS * RQ;                           // (WARPS, RQ)
-  float* wa = wl + WARPS * RQ;                           // (WARPS, RQ, D), rotated channel order
+  float* wa = wl + WARPS * RQ;                           // (WARPS, RQ, PSTRIDE), rotated channels, see PSTRIDE
   if (l4 == 0) {
 #pragma unroll
     for (int i = 0; i < NMROWS; ++i) {
@@ -699,16 +708,15 @@ __device__ __forceinline__ void packed_part(const Params& p, unsigned char* smem
   for (int mt = 0; mt < KS; ++mt)
 #pragma unroll
     for (int n = 0; n < NQ; ++n) {
-      const int q0 = 8 * n + 2 * l4;
-      const int c = g * (D / 8) + 2 * mt;
-      float* a = wa + (warp * RQ) * D;
-      a[q0 * D + c] = acc[mt][n][0];
-      a[(q0 + 1) * D + c] = acc[mt][n][1];
-      a[q0 * D + c + 1] = acc[mt][n][2];
-      a[(q0 + 1) * D + c + 1] = acc[mt][n][3];
+      const int q0 = 8 * n + 2 * l4;  // channels g D/8 + 2 mt (+ 1), at positions 16 mt (+ 8) + g
+      float* a = wa + (warp * RQ + q0) * PSTRIDE + 16 * mt + g;
+      a[0] = acc[mt][n][0];
+      a[PSTRIDE] = acc[mt][n][1];
+      a[8] = acc[mt][n][2];
+      a[PSTRIDE + 8] = acc[mt][n][3];
     }
   __syncthreads();
-  store_partial<RQ>(wm, wl, wa, p, static_cast<i64>(bh) * (p.num_splits + 1) + split, live, true);
+  store_partial<RQ, true>(wm, wl, wa, p, static_cast<i64>(bh) * (p.num_splits + 1) + split, live);
 }
 
 // The exact copies (sinks, then the ring) with the unrotated query, in batches of XB tokens copied whole into shared
@@ -849,11 +857,18 @@ __device__ __forceinline__ void exact_part(const Params& p, unsigned char* smem,
 #pragma unroll
   for (int r = 0; r < ROWS; ++r) {
     if (lane == 0) { wm[warp * ROWS + r] = m_i[r]; wl[warp * ROWS + r] = l_i[r]; }
+    float* dst = wacc + (warp * ROWS + r) * D + lane * DPL;  // vector stores (scalar ones: 4-way bank conflicts)
+    if constexpr (DPL % 4 == 0) {
 #pragma unroll
-    for (int k = 0; k < DPL; ++k) wacc[(warp * ROWS + r) * D + lane * DPL + k] = a[r][k];
+      for (int k = 0; k < DPL; k += 4)
+        reinterpret_cast<float4*>(dst)[k / 4] = make_float4(a[r][k], a[r][k + 1], a[r][k + 2], a[r][k + 3]);
+    } else {
+#pragma unroll
+      for (int k = 0; k < DPL; k += 2) reinterpret_cast<float2*>(dst)[k / 2] = make_float2(a[r][k], a[r][k + 1]);
+    }
   }
   __syncthreads();
-  store_partial<ROWS>(wm, wl, wacc, p, static_cast<i64>(bh) * (p.num_splits + 1) + p.num_splits, live, false);
+  store_partial<ROWS, false>(wm, wl, wacc, p, static_cast<i64>(bh) * (p.num_splits + 1) + p.num_splits, live);
 }
 
 // By the last CTA of a (batch, KV head) to store its partial: the packed partials merged in the rotated domain and
