@@ -3,9 +3,12 @@
 The kernel's source is instrumented in memory (timing only): each CTA's thread 0 writes `%globaltimer` when the CTA
 starts, when the last split's CTA is done with the exact copies, when its packed loop starts (after its prologue:
 query rotation, table fill, first copies) and when it arrives at the merge counter, with `%smid`; the merging CTA
-writes when its merge ends. From three calls after two warm-ups per case, the last call's CTAs are summarized (min /
-median / max): when the exact copies' own CTAs arrive, or their time in the last splits' CTAs where those take them,
-the other splits' prologue and loop times, when each kind arrives, and the merge's length.
+writes when its merge ends. Inside a split's CTA also: warp 0's first tile in the ring and its first tile computed, the
+last warp out of the loop, the warps' partials merged in shared memory; inside an exact copies' CTA: its first batch
+in shared memory, its tokens done, its warps' partials written. From three calls after two warm-ups per case, the
+last call's CTAs are summarized (min / median / max): when the exact copies' own CTAs arrive, or their time in the
+last splits' CTAs where those take them, the other splits' prologue and loop times and the parts of each, when each
+kind arrives, and the merge's length.
 Usage:
     python benchmarks/studies/fast_decode_timeline.py [--cases 1x4096,1x131072,8x32768] [--presets k5v3] --out F
 """
@@ -27,7 +30,8 @@ import bench_attention as ba  # noqa: E402
 from tq_hf_cache.kernels import decode_attention as da  # noqa: E402
 from tq_hf_cache.kernels import fast  # noqa: E402
 
-SLOTS = 16  # int64 words a CTA writes: 0 start, 1 arrival, 2 loop start, 3 merge end, 4 SM id, 5 exact copies done
+SLOTS = 16  # int64 words a CTA writes: 0 start, 1 arrival, 2 loop start, 3 merge end, 4 SM id, 5 exact copies done,
+# 6-9 the parts of a CTA (EDITS)
 
 _NOW = 'unsigned long long t_; asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t_));'
 _SLOT = "reinterpret_cast<unsigned long long*>(TL_PTR) + (static_cast<i64>(bh) * gridDim.y + blockIdx.y) * 16"
@@ -45,6 +49,31 @@ EDITS = [
     ("  __syncthreads();  // the tables and the query fragments written\n",
      "  __syncthreads();  // the tables and the query fragments written\n"
      "  if (threadIdx.x == 0) { " + _NOW + " (" + _SLOT + ")[2] = t_; }\n"),
+    # inside a split's CTA: 6 warp 0's first tile in the ring, 7 computed, 8 the last warp out of the loop, 9 the
+    # warps' partials merged in shared memory
+    ("  int stage = 0;\n  for (int t = t0; t < end; t += step) {",
+     "  int stage = 0, tl_tile = 0;\n  for (int t = t0; t < end; t += step) {"),
+    ("    cp_wait<STAGES - 1>();\n    __syncwarp();\n    compute(t, ring + stage * TILE_BYTES, mk);\n"
+     "    __syncwarp();  // every lane is done with this stage before it is refilled\n",
+     "    cp_wait<STAGES - 1>();\n    __syncwarp();\n"
+     "    if (tl_tile == 0 && threadIdx.x == 0) { " + _NOW + " (" + _SLOT + ")[6] = t_; }\n"
+     "    compute(t, ring + stage * TILE_BYTES, mk);\n"
+     "    __syncwarp();  // every lane is done with this stage before it is refilled\n"
+     "    if (tl_tile++ == 0 && threadIdx.x == 0) { " + _NOW + " (" + _SLOT + ")[7] = t_; }\n"),
+    ("  cp_wait<0>();\n\n  // merge the warps' partials",
+     "  cp_wait<0>();\n  if (lane == 0) { " + _NOW + " atomicMax(reinterpret_cast<unsigned long long*>(" + _SLOT + ") + 8, t_); }"
+     "\n\n  // merge the warps' partials"),
+    ("  __syncthreads();\n  store_partial<RQ, true>(",
+     "  __syncthreads();\n  if (threadIdx.x == 0) { " + _NOW + " (" + _SLOT + ")[9] = t_; }\n  store_partial<RQ, true>("),
+    # inside an exact copies' CTA: 6 its first batch in shared memory, 7 its tokens done, 9 its warps' partials
+    ("    __syncthreads();  // the batch (and, the first time, the query) in shared memory\n",
+     "    __syncthreads();  // the batch (and, the first time, the query) in shared memory\n"
+     "    if (e0 == 0 && threadIdx.x == 0) { " + _NOW + " (" + _SLOT + ")[6] = t_; }\n"),
+    ("#pragma unroll\n  for (int r = 0; r < ROWS; ++r) {\n    if (lane == 0) { wm[warp * ROWS + r]",
+     "  if (threadIdx.x == 0) { " + _NOW + " (" + _SLOT + ")[7] = t_; }\n"
+     "#pragma unroll\n  for (int r = 0; r < ROWS; ++r) {\n    if (lane == 0) { wm[warp * ROWS + r]"),
+    ("  __syncthreads();\n  store_partial<ROWS, false>(",
+     "  __syncthreads();\n  if (threadIdx.x == 0) { " + _NOW + " (" + _SLOT + ")[9] = t_; }\n  store_partial<ROWS, false>("),
 ]
 
 
@@ -75,6 +104,7 @@ def one_call(q, kv, tl, b: int) -> dict:
     last = x[x[:, 5] > 0]  # the last splits' CTAs, where they take the exact copies too
     merges = x[x[:, 3] > 0]
     start, loop, arrive = us(packed[:, 0]), us(packed[:, 2]), us(packed[:, 1])
+    part = lambda rows, a, b: spread([(int(r[a]) - int(r[b])) / 1000 for r in rows])  # noqa: E731
     return {
         "ctas": int(x.shape[0]), "sms": len(set(x[:, 4].tolist())),
         "exact_cta_arrive_us": spread(us(exact[:, 1])),
@@ -85,6 +115,11 @@ def one_call(q, kv, tl, b: int) -> dict:
         "packed_prologue_us": spread([lo - s for lo, s in zip(loop, start)]),
         "packed_loop_us": spread([a - lo for a, lo in zip(arrive, loop)]),
         "packed_arrive_us": spread(arrive),
+        "packed_first_tile_wait_us": part(packed, 6, 2), "packed_first_tile_compute_us": part(packed, 7, 6),
+        "packed_last_warp_out_us": part(packed, 8, 2), "packed_warps_merge_us": part(packed, 9, 8),
+        "packed_store_us": part(packed, 1, 9),
+        "exact_first_batch_us": part(exact, 6, 0), "exact_tokens_us": part(exact, 7, 6),
+        "exact_write_us": part(exact, 9, 7), "exact_store_us": part(exact, 1, 9),
         "merge_us": spread([(int(m[3]) - int(m[1])) / 1000 for m in merges]),
         "call_us": round((int(merges[:, 3].max()) - t0) / 1000, 2),
     }

@@ -195,8 +195,8 @@ __device__ __forceinline__ float mask_value(const unsigned char* m, i64 off) {  
 #endif
 
 // A tile's mask at this lane's four tokens j (tb + 2 l4 + (j & 1) + 8 (j >> 1)): where one bool row serves every
-// row (a decode step's causal or padding mask), its four bytes (two 16-bit loads, no per-row work: 944 instructions
-// a tile against the general path's 1034 and no mask's 910, k5v3); else each S row's values, exponent base 2
+// row (a decode step's causal or padding mask), its four bytes (two 16-bit loads, no per-row work: 948 instructions
+// a tile against the general path's 1018-1040 and no mask's 910, k5v3); else each S row's values, exponent base 2
 struct MaskTile {
 #if MASK_ROW
   u32 bytes;
