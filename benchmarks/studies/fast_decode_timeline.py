@@ -69,9 +69,9 @@ EDITS = [
     ("    __syncthreads();  // the batch (and, the first time, the query) in shared memory\n",
      "    __syncthreads();  // the batch (and, the first time, the query) in shared memory\n"
      "    if (e0 == 0 && threadIdx.x == 0) { " + _NOW + " (" + _SLOT + ")[6] = t_; }\n"),
-    ("#pragma unroll\n  for (int r = 0; r < ROWS; ++r) {\n    if (lane == 0) { wm[warp * ROWS + r]",
+    ("#pragma unroll\n  for (int o = 1 << XSH; o < (XTPI << XSH); o <<= 1) l_x +=",
      "  if (threadIdx.x == 0) { " + _NOW + " (" + _SLOT + ")[7] = t_; }\n"
-     "#pragma unroll\n  for (int r = 0; r < ROWS; ++r) {\n    if (lane == 0) { wm[warp * ROWS + r]"),
+     "#pragma unroll\n  for (int o = 1 << XSH; o < (XTPI << XSH); o <<= 1) l_x +="),
     ("  __syncthreads();\n  store_partial<ROWS, false>(",
      "  __syncthreads();\n  if (threadIdx.x == 0) { " + _NOW + " (" + _SLOT + ")[9] = t_; }\n  store_partial<ROWS, false>("),
 ]

@@ -721,7 +721,7 @@ __device__ __forceinline__ void packed_part(const Params& p, unsigned char* smem
 
 // The exact copies (sinks, then the ring) with the unrotated query, in batches of XB tokens copied whole into shared
 // memory first (cp.async, XVEC bytes a copy: one round trip a batch, where loads by the warps that use them took one
-// per TPI tokens), then by warps (an online softmax each, TPI tokens a step: one update per row for all of them);
+// per few tokens), then by warps (an online softmax each, XTPI tokens a step: one update per row for all of them);
 // the partial goes to slot num_splits.
 #ifndef XB
 #define XB 64
@@ -730,6 +730,52 @@ __device__ __forceinline__ void packed_part(const Params& p, unsigned char* smem
 #define XVEC 16
 #endif
 #define XBYTES (X_DT == 2 ? 4 : 2)
+// Tokens a warp takes a step in the exact part: ROWS x XTPI scores fill at most a warp's lanes once reduced, and the
+// keys and values of a step take at most 64 registers
+#define XTPI_CAP(a, b) ((a) < (b) ? (a) : (b))
+#define XTPI XTPI_CAP(XTPI_CAP(8, 32 / ROWS), 32 / DPL)
+#define XV (ROWS * XTPI)                     // scores a step (a power of two, at most 32)
+#define XSH (XV == 32 ? 0 : XV == 16 ? 1 : XV == 8 ? 2 : XV == 4 ? 3 : XV == 2 ? 4 : 5)  // lane L holds score L >> XSH
+
+// The DPL elements of this lane's channels of a row in shared memory, as floats (one load where they allow)
+__device__ __forceinline__ void load_dpl(const unsigned char* row, int lane, float (&x)[DPL]) {
+  if constexpr (X_DT == 2) {
+#pragma unroll
+    for (int k = 0; k < DPL; k += 2) {
+      const float2 v = reinterpret_cast<const float2*>(row)[lane * DPL / 2 + k / 2];
+      x[k] = v.x; x[k + 1] = v.y;
+    }
+  } else {
+#pragma unroll
+    for (int k = 0; k < DPL; k += 2) {
+      const u32 v = reinterpret_cast<const u32*>(row)[lane * DPL / 2 + k / 2];
+      x[k] = to_f32<X_DT>(&v, 0);
+      x[k + 1] = to_f32<X_DT>(&v, 1);
+    }
+  }
+}
+
+// The sums over a warp's lanes of N values a lane, transposed: at each xor step a lane keeps half of its values and
+// sends the other half to its partner (one shuffle per kept value), so that lane L ends with the sum of value
+// L >> (5 - log2 N) in v[0] (five shuffles a value would take 5 N).
+template <int N, int LVL>
+__device__ __forceinline__ void xreduce(float* v, int lane) {
+  if constexpr (LVL < 5) {
+    constexpr int M = 16 >> LVL;
+    if constexpr (N > 1) {
+      const bool up = lane & M;
+#pragma unroll
+      for (int i = 0; i < N / 2; ++i) {
+        const float send = up ? v[i] : v[N / 2 + i], keep = up ? v[N / 2 + i] : v[i];
+        v[i] = keep + __shfl_xor_sync(0xffffffffu, send, M);
+      }
+      xreduce<N / 2, LVL + 1>(v, lane);
+    } else {
+      v[0] += __shfl_xor_sync(0xffffffffu, v[0], M);
+      xreduce<1, LVL + 1>(v, lane);
+    }
+  }
+}
 __device__ __forceinline__ void exact_part(const Params& p, unsigned char* smem, int bh) {
   float* qs = reinterpret_cast<float*>(smem);  // (ROWS, D) the query, scaled for exp2
   float* wm = qs + ROWS * D;                   // (WARPS, ROWS)
@@ -751,14 +797,16 @@ __device__ __forceinline__ void exact_part(const Params& p, unsigned char* smem,
   const int T = lq + lr;
   load_query<ROWS>(p.qx, p.sqb, p.sqh, p.sqn, p.group, p.nq, p.scale_log2, b, h, live, qs);
 
-  // token e < ls is sink e; else position lq + (e - ls), at ring slot (pos % ring, static) or pos - lq
-  float m_i[ROWS], l_i[ROWS], a[ROWS][DPL];
+  // token e < ls is sink e; else position lq + (e - ls), at ring slot (pos % ring, static) or pos - lq.
+  // A step: the warp's XTPI tokens. Lane L ends with score L >> XSH of the step (row xr, token xu) and keeps the
+  // online softmax's max of that row and its sum over its own tokens (the row's lanes add theirs at the end); every
+  // lane keeps the accumulator of its DPL channels for every row.
+  const int xi = lane >> XSH, xr = xi / XTPI, xu = xi % XTPI;
+  float m_x = NEG_INF, l_x = 0.0f, a[ROWS][DPL];
 #pragma unroll
-  for (int r = 0; r < ROWS; ++r) {
-    m_i[r] = NEG_INF; l_i[r] = 0.0f;
+  for (int r = 0; r < ROWS; ++r)
 #pragma unroll
     for (int k = 0; k < DPL; ++k) a[r][k] = 0.0f;
-  }
   auto row_of = [&](int ee, bool value) -> const unsigned char* {  // token ee's key or value row
     if (ee < ls) {
       const i64 o = b * (value ? p.ssvb : p.sskb) + h * (value ? p.ssvh : p.sskh) + static_cast<i64>(ee) * D;
@@ -787,67 +835,70 @@ __device__ __forceinline__ void exact_part(const Params& p, unsigned char* smem,
     cp_commit();
     cp_wait<0>();
     __syncthreads();  // the batch (and, the first time, the query) in shared memory
-    constexpr int TPI = 4;
-    for (int t0 = warp; t0 < nb; t0 += WARPS * TPI) {
-      float kx[TPI][DPL], vx[TPI][DPL];
-      int pos[TPI];
-      bool ok[TPI];
+    for (int t0 = warp; t0 < nb; t0 += WARPS * XTPI) {  // tokens t0 + WARPS u, u < XTPI
+      float kx[XTPI][DPL], vx[XTPI][DPL];
 #pragma unroll
-      for (int u = 0; u < TPI; ++u) {
-        ok[u] = t0 + WARPS * u < nb;
-        const int e = ok[u] ? t0 + WARPS * u : t0, ee = e0 + e;
-        pos[u] = ee < ls ? ee : lq + ee - ls;
+      for (int u = 0; u < XTPI; ++u) {
+        const int e = min(t0 + WARPS * u, nb - 1);
         const unsigned char* kr = xs + 2 * e * D * XBYTES;
+        load_dpl(kr, lane, kx[u]);
+        load_dpl(kr + D * XBYTES, lane, vx[u]);
+      }
+      // this lane's part of every (row, token) score, then the sums over the lanes, transposed (`xreduce`)
+      float sc[ROWS * XTPI];
 #pragma unroll
-        for (int k = 0; k < DPL; ++k) {
-          kx[u][k] = to_f32<X_DT>(kr, lane * DPL + k);
-          vx[u][k] = to_f32<X_DT>(kr + D * XBYTES, lane * DPL + k);
+      for (int r = 0; r < ROWS; ++r) {
+        float q[DPL];
+#pragma unroll
+        for (int k = 0; k < DPL; ++k) q[k] = qs[r * D + lane * DPL + k];
+#pragma unroll
+        for (int u = 0; u < XTPI; ++u) {
+          float v = 0.0f;
+#pragma unroll
+          for (int k = 0; k < DPL; ++k) v += q[k] * kx[u][k];
+          sc[r * XTPI + u] = v;
         }
       }
+      xreduce<ROWS * XTPI, 0>(sc, lane);
+      float x = sc[0];  // score (xr, xu)
+      {  // (the mask is read for live rows and tokens only: no row or column past its end)
+        const int e = t0 + WARPS * xu, ee = e0 + e;
+        const int pos = ee < ls ? ee : lq + ee - ls;
+        const int qi = xr % p.nq;
+        if (e >= nb || xr >= live) {
+          x = NEG_INF;
+        } else {
+#if MASK_KIND == 0
+          if (pos > T - p.nq + qi) x = NEG_INF;
+#else
+          const int hh = h * p.group + xr / p.nq;
+          x += mask_value(p.mask + (b * p.smb + hh * p.smh + static_cast<i64>(qi) * p.smi) * p.mask_elt,
+                          static_cast<i64>(pos) * p.smt);
+#endif
+        }
+      }
+      float mx = x;
+#pragma unroll
+      for (int o = 1 << XSH; o < (XTPI << XSH); o <<= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+      const float m_new = fmaxf(m_x, mx);
+      const float m_use = m_new == NEG_INF ? 0.0f : m_new;
+      const float alpha = ex2(m_x - m_use);
+      const float pr = ex2(x - m_use);
+      m_x = m_new;
+      l_x = l_x * alpha + pr;
+      // every row's rescale and probabilities to every lane: a[r] = a[r] alpha_r + sum_u p(r, u) v_u
 #pragma unroll
       for (int r = 0; r < ROWS; ++r) {
         if (r >= live) continue;
-        const int hh = h * p.group + r / p.nq, qi = r % p.nq;
-        float sc[TPI];
+        const float al = __shfl_sync(0xffffffffu, alpha, (r * XTPI) << XSH);
+        float pu[XTPI];
 #pragma unroll
-        for (int u = 0; u < TPI; ++u) {
-          float v = 0.0f;
-#pragma unroll
-          for (int k = 0; k < DPL; ++k) v += qs[r * D + lane * DPL + k] * kx[u][k];
-          sc[u] = v;
-        }
-#pragma unroll
-        for (int o = 16; o > 0; o >>= 1)
-#pragma unroll
-          for (int u = 0; u < TPI; ++u) sc[u] += __shfl_xor_sync(0xffffffffu, sc[u], o);
-        float mx = NEG_INF;
-#pragma unroll
-        for (int u = 0; u < TPI; ++u) {
-#if MASK_KIND == 0
-          if (pos[u] > T - p.nq + qi) sc[u] = NEG_INF;
-#else
-          sc[u] += mask_value(p.mask + (b * p.smb + hh * p.smh + static_cast<i64>(qi) * p.smi) * p.mask_elt,
-                              static_cast<i64>(pos[u]) * p.smt);
-#endif
-          if (!ok[u]) sc[u] = NEG_INF;
-          mx = fmaxf(mx, sc[u]);
-        }
-        const float m_new = fmaxf(m_i[r], mx);
-        const float m_use = m_new == NEG_INF ? 0.0f : m_new;
-        const float alpha = ex2(m_i[r] - m_use);
-        m_i[r] = m_new;
-        float pr[TPI], sum = 0.0f;
-#pragma unroll
-        for (int u = 0; u < TPI; ++u) {
-          pr[u] = ex2(sc[u] - m_use);
-          sum += pr[u];
-        }
-        l_i[r] = l_i[r] * alpha + sum;
+        for (int u = 0; u < XTPI; ++u) pu[u] = __shfl_sync(0xffffffffu, pr, (r * XTPI + u) << XSH);
 #pragma unroll
         for (int k = 0; k < DPL; ++k) {
-          float v = a[r][k] * alpha;
+          float v = a[r][k] * al;
 #pragma unroll
-          for (int u = 0; u < TPI; ++u) v += pr[u] * vx[u][k];
+          for (int u = 0; u < XTPI; ++u) v += pu[u] * vx[u][k];
           a[r][k] = v;
         }
       }
@@ -855,8 +906,10 @@ __device__ __forceinline__ void exact_part(const Params& p, unsigned char* smem,
     __syncthreads();  // the batch read before the next one (or the warps' partials) overwrites it
   }
 #pragma unroll
+  for (int o = 1 << XSH; o < (XTPI << XSH); o <<= 1) l_x += __shfl_xor_sync(0xffffffffu, l_x, o);  // the row's sum
+  if (xu == 0 && (lane & ((1 << XSH) - 1)) == 0) { wm[warp * ROWS + xr] = m_x; wl[warp * ROWS + xr] = l_x; }
+#pragma unroll
   for (int r = 0; r < ROWS; ++r) {
-    if (lane == 0) { wm[warp * ROWS + r] = m_i[r]; wl[warp * ROWS + r] = l_i[r]; }
     float* dst = wacc + (warp * ROWS + r) * D + lane * DPL;  // vector stores (scalar ones: 4-way bank conflicts)
     if constexpr (DPL % 4 == 0) {
 #pragma unroll
