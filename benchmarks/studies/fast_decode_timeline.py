@@ -35,6 +35,13 @@ SLOTS = 16  # int64 words a CTA writes: 0 start, 1 arrival, 2 loop start, 3 merg
 
 _NOW = 'unsigned long long t_; asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t_));'
 _SLOT = "reinterpret_cast<unsigned long long*>(TL_PTR) + (static_cast<i64>(bh) * gridDim.y + blockIdx.y) * 16"
+
+
+def _at(k: int, cond: str = "threadIdx.x == 0") -> str:
+    """The C statement that writes the time to word k of the CTA's slot, where cond holds."""
+    return f"if ({cond}) {{ {_NOW} ({_SLOT})[{k}] = t_; }}"
+
+
 EDITS = [
     ("  const int bh = blockIdx.x, split = blockIdx.y;\n",
      "  const int bh = blockIdx.x, split = blockIdx.y;\n  unsigned long long* tl_ = " + _SLOT + ";\n"
@@ -48,7 +55,7 @@ EDITS = [
      "    __syncthreads();  // the exact partial is out of shared memory\n    if (threadIdx.x == 0) { " + _NOW + " tl_[5] = t_; }\n"),
     ("  __syncthreads();  // the tables and the query fragments written\n",
      "  __syncthreads();  // the tables and the query fragments written\n"
-     "  if (threadIdx.x == 0) { " + _NOW + " (" + _SLOT + ")[2] = t_; }\n"),
+     "  " + _at(2) + "\n"),
     # inside a split's CTA: 6 warp 0's first tile in the ring, 7 computed, 8 the last warp out of the loop, 9 the
     # warps' partials merged in shared memory
     ("  int stage = 0;\n  for (int t = t0; t < end; t += step) {",
@@ -56,24 +63,23 @@ EDITS = [
     ("    cp_wait<STAGES - 1>();\n    __syncwarp();\n    compute(t, ring + stage * TILE_BYTES, mk);\n"
      "    __syncwarp();  // every lane is done with this stage before it is refilled\n",
      "    cp_wait<STAGES - 1>();\n    __syncwarp();\n"
-     "    if (tl_tile == 0 && threadIdx.x == 0) { " + _NOW + " (" + _SLOT + ")[6] = t_; }\n"
+     "    " + _at(6, "tl_tile == 0 && threadIdx.x == 0") + "\n"
      "    compute(t, ring + stage * TILE_BYTES, mk);\n"
      "    __syncwarp();  // every lane is done with this stage before it is refilled\n"
-     "    if (tl_tile++ == 0 && threadIdx.x == 0) { " + _NOW + " (" + _SLOT + ")[7] = t_; }\n"),
+     "    " + _at(7, "tl_tile++ == 0 && threadIdx.x == 0") + "\n"),
     ("  cp_wait<0>();\n\n  // merge the warps' partials",
      "  cp_wait<0>();\n  if (lane == 0) { " + _NOW + " atomicMax(reinterpret_cast<unsigned long long*>(" + _SLOT + ") + 8, t_); }"
      "\n\n  // merge the warps' partials"),
     ("  __syncthreads();\n  store_partial<RQ, true>(",
-     "  __syncthreads();\n  if (threadIdx.x == 0) { " + _NOW + " (" + _SLOT + ")[9] = t_; }\n  store_partial<RQ, true>("),
+     "  __syncthreads();\n  " + _at(9) + "\n  store_partial<RQ, true>("),
     # inside an exact copies' CTA: 6 its first batch in shared memory, 7 its tokens done, 9 its warps' partials
     ("    __syncthreads();  // the batch (and, the first time, the query) in shared memory\n",
      "    __syncthreads();  // the batch (and, the first time, the query) in shared memory\n"
-     "    if (e0 == 0 && threadIdx.x == 0) { " + _NOW + " (" + _SLOT + ")[6] = t_; }\n"),
+     "    " + _at(6, "e0 == 0 && threadIdx.x == 0") + "\n"),
     ("#pragma unroll\n  for (int o = 1 << XSH; o < (XTPI << XSH); o <<= 1) l_x +=",
-     "  if (threadIdx.x == 0) { " + _NOW + " (" + _SLOT + ")[7] = t_; }\n"
-     "#pragma unroll\n  for (int o = 1 << XSH; o < (XTPI << XSH); o <<= 1) l_x +="),
+     "  " + _at(7) + "\n#pragma unroll\n  for (int o = 1 << XSH; o < (XTPI << XSH); o <<= 1) l_x +="),
     ("  __syncthreads();\n  store_partial<ROWS, false>(",
-     "  __syncthreads();\n  if (threadIdx.x == 0) { " + _NOW + " (" + _SLOT + ")[9] = t_; }\n  store_partial<ROWS, false>("),
+     "  __syncthreads();\n  " + _at(9) + "\n  store_partial<ROWS, false>("),
 ]
 
 
