@@ -106,6 +106,22 @@ def packed_layer(b: int, t: int, kbits: int, vbits: int, split=None) -> tuple[Pa
     return kv, nbytes + b * HQ * D * 2
 
 
+def cudnn_sdpa(b: int, t: int):
+    """A call of cuDNN SDPA on random bf16 K/V of this layer's shape (batch b, t tokens, one query), run once."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    q = torch.randn(b, HQ, 1, D, device=DEV, dtype=torch.bfloat16)
+    k = torch.randn(b, HKV, t, D, device=DEV, dtype=torch.bfloat16)
+    v = torch.randn_like(k)
+
+    def sdpa():
+        with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
+            return torch.nn.functional.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+
+    sdpa()
+    return sdpa
+
+
 def sdpa_time(b: int, t: int) -> tuple[float, str]:
     from torch.nn.attention import SDPBackend, sdpa_kernel
 

@@ -62,16 +62,7 @@ def one_case(preset: str, b: int, t: int, sources: dict[str, str], reps: int) ->
         fast._SOURCE = src
         got = da.decode_attention(q, kv).float()
         err[name] = ((got - want).norm() / want.norm()).item()
-    qs = torch.randn(b, ba.HQ, 1, ba.D, device="cuda", dtype=torch.bfloat16)
-    ks = torch.randn(b, ba.HKV, t, ba.D, device="cuda", dtype=torch.bfloat16)
-    vs = torch.randn_like(ks)
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    def sdpa():
-        with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
-            return torch.nn.functional.scaled_dot_product_attention(qs, ks, vs, enable_gqa=True)
-
-    sdpa()
+    sdpa = ba.cudnn_sdpa(b, t)
     times = {"sdpa": [], "base": [], "new": []}
     for _ in range(reps):
         times["sdpa"].append(do_bench_cudagraph(sdpa))
