@@ -135,30 +135,37 @@ def test_pair_table_entries_are_the_fp16_centroid_pairs(bits, per_head):
         torch.testing.assert_close(got, want[:, idx], rtol=0, atol=0, msg=lambda m: f"seed {seed}: {m}")
 
 
-def test_splits_cover_the_history_in_whole_warp_tiles(monkeypatch):
-    """One wave of split CTAs (about 16 warps an SM), each split a whole number of
-    tiles for every warp, the splits tiling the history in order; where the last split's CTA takes the exact copies,
-    that split is shorter by about EXACT_TOKENS."""
+def test_splits_cover_the_history_in_whole_tiles(monkeypatch):
+    """One wave of split CTAs (about 16 warps an SM; one CTA an SM where the history limits the splits), each split
+    whole 16-token tiles, the splits tiling the history in order and differing by at most a tile; where the last
+    split's CTA takes the exact copies, that split is shorter by about EXACT_TOKENS."""
     monkeypatch.setattr(support, "sm_count", lambda d: 132)
     for w in (8, 16):
-        for bh, lq in ((8, 131072), (64, 32768), (1, 100), (256, 4096), (8, 17), (8, 130944), (3, 5000), (1, 40000)):
+        for bh, lq in ((8, 131072), (64, 32768), (1, 100), (256, 4096), (8, 17), (8, 130944), (3, 5000), (1, 40000),
+                       (8, 4096), (8, 8192), (4, 8192)):
             splits, fold = fast.plan(bh, lq, torch.device("cpu"), warps=w)
-            assert 1 <= splits <= -(-lq // fast.MIN_TOKENS_PER_SPLIT) and (bh * splits <= 16 // w * 132 or splits == 1)
+            most = -(-lq // fast.MIN_TOKENS_PER_SPLIT[w])
+            assert 1 <= splits <= most and (bh * splits <= 16 // w * 132 or splits == 1)
+            if splits == most and splits > 1:  # limited by the history
+                assert bh * (splits + 1) <= 132, (w, bh, lq, splits)
             assert fast.plan(bh, lq, torch.device("cpu"), max_splits=2, warps=w)[0] <= 2
             ranges = [fast.split_range(s, splits, lq, w, fold) for s in range(splits)]
             assert ranges[0][0] == 0 and ranges[-1][1] == lq, (w, bh, lq, ranges)
             for (s0, e0), (s1, e1) in zip(ranges, ranges[1:]):  # in order, meeting (or empty past the history)
-                assert s0 % (16 * w) == 0 and s0 <= s1 and e0 == min(s1, lq), (w, bh, lq, ranges)
+                assert s0 % 16 == 0 and s0 <= s1 and e0 == min(s1, lq), (w, bh, lq, ranges)
             full, last = max(e - s for s, e in ranges[:-1]) if splits > 1 else lq, max(0, lq - ranges[-1][0])
             if fold:
-                assert full - 16 * w - fast.EXACT_TOKENS <= last < full, (w, bh, lq, ranges)
+                assert full - 16 - fast.EXACT_TOKENS <= last < full, (w, bh, lq, ranges)
             elif splits > 1:
-                assert last <= full + 16 * w, (w, bh, lq, ranges)
+                sizes = [e - s for s, e in ranges[:-1]]
+                assert max(sizes) - min(sizes) <= 16 and last <= full + 16, (w, bh, lq, ranges)
     # folded only with 16 warps and long splits: Llama-3.1-8B's 8 KV heads at 1 x 128k and 8 x 32k
     assert fast.plan(8, 130944, torch.device("cpu"), warps=16) == (16, True)
     assert fast.plan(64, 32768, torch.device("cpu"), warps=16) == (2, True)
     assert fast.plan(8, 32768, torch.device("cpu"), warps=16) == (15, False)
-    assert fast.plan(8, 4096, torch.device("cpu"), warps=16) == (8, False)
+    assert fast.plan(8, 4096, torch.device("cpu"), warps=16) == (15, False)  # one CTA an SM, exact copies' too
+    assert fast.plan(8, 4096, torch.device("cpu"), warps=8) == (8, False)
+    assert fast.plan(8, 8192, torch.device("cpu"), warps=8) == (15, False)  # not 16: 136 CTAs on 132 SMs
     assert fast.plan(8, 131072, torch.device("cpu"), warps=8) == (32, False)
 
 

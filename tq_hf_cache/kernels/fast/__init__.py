@@ -28,7 +28,7 @@ WARPS_PER_SM = 16  # two CTAs of 8 warps, or one of 16 (`warps`)
 HEAD_DIMS = (64, 128, 256)
 BITS = (2, 3, 4, 5)  # pair tables up to 4^5 entries
 MAX_ROWS = 16  # query heads per KV head x queries: two query n-tiles
-MIN_TOKENS_PER_SPLIT = 512
+MIN_TOKENS_PER_SPLIT = {16: 256, 8: 512}  # by warps a CTA (`plan`)
 EXACT_TOKENS = 2048  # packed tokens the exact copies count as where the last split's CTA takes them (`plan`)
 ENV = "TQ_HF_CACHE_FAST_DECODE"  # "0" turns the kernel off (the Triton kernel serves)
 
@@ -122,21 +122,25 @@ def _disable(idx: int, why: str) -> None:
 def plan(batch_heads: int, packed_len: int, device: torch.device, max_splits: int | None = None,
          warps: int = 8) -> tuple[int, bool]:
     """(splits, fold): the packed history's splits, one CTA of `warps` warps each, about WARPS_PER_SM warps per SM in
-    one wave, at least MIN_TOKENS_PER_SPLIT tokens a split, at most max_splits (what a caller's scratch holds); and
-    whether the last split's CTA takes the exact copies too. It does where one CTA fills an SM (16 warps) and the
+    one wave, at least MIN_TOKENS_PER_SPLIT[warps] tokens a split, at most max_splits (what a caller's scratch holds);
+    and whether the last split's CTA takes the exact copies too. It does where one CTA fills an SM (16 warps) and the
     splits are long (3 x EXACT_TOKENS or more): an SM of their own would idle most of the call (measured on the H100:
     k5v3 about 1.5 / 8 / 12 us less at 1 x 128k / 8 x 32k / 8 x 128k; with two CTAs an SM, or short splits, it was
-    slower). Otherwise they have a CTA of their own, room for which is left where that costs little. The kernel
-    places the splits' boundaries from the packed length it reads (`split_range`)."""
+    slower). Otherwise they have a CTA of their own, room for which is left where that costs little. Where the
+    history is what limits the splits, no two CTAs share an SM: at 1 x 8k, k4v4's 16 splits took 18.4 us, 15 of
+    them 14.7 (H100). The kernel places the splits' boundaries from the packed length it reads (`split_range`)."""
     from ..support import sm_count
 
-    slots = WARPS_PER_SM // warps * sm_count(device)
+    sms = sm_count(device)
+    slots = WARPS_PER_SM // warps * sms
     want = max(1, slots // batch_heads)  # one wave: a partial second one doubles the time
-    most = max(1, -(-max(packed_len, 1) // MIN_TOKENS_PER_SPLIT))
+    most = max(1, -(-max(packed_len, 1) // MIN_TOKENS_PER_SPLIT[warps]))
     fold = warps == 16 and want >= 2 and packed_len >= 3 * EXACT_TOKENS * want
     if not fold and want >= 8:
         want = (slots - batch_heads) // batch_heads
     splits = min(want, most)
+    if not fold and splits == most and batch_heads * (splits + 1) > sms:
+        splits = max(1, min(splits, sms // batch_heads - 1))
     if max_splits is not None:
         splits = max(1, min(splits, max_splits))
     return splits, fold
@@ -144,9 +148,10 @@ def plan(batch_heads: int, packed_len: int, device: torch.device, max_splits: in
 
 def split_range(split: int, splits: int, packed_len: int, warps: int, fold: bool) -> tuple[int, int]:
     """The packed tokens [start, end) of a split, as the kernel places them: the history (and, where the last split's
-    CTA takes the exact copies, EXACT_TOKENS more) cut in equal parts at the nearest multiples of 16 * warps (each
-    warp a whole number of tiles), the last ending at the history's end. Splits past the history are empty."""
-    span, per = packed_len + (EXACT_TOKENS if fold and splits > 1 else 0), 16 * warps
+    CTA takes the exact copies, EXACT_TOKENS more) cut in equal parts at the nearest multiples of 16 (whole tiles,
+    dealt to the warps in turn: a split's warps differ by at most one tile, and so do the splits), the last ending at
+    the history's end. Splits past the history are empty."""
+    span, per = packed_len + (EXACT_TOKENS if fold and splits > 1 else 0), 16
     cut = lambda s: (span * s // splits + per // 2) // per * per  # noqa: E731
     return min(cut(split), packed_len), (packed_len if split == splits - 1 else min(cut(split + 1), packed_len))
 

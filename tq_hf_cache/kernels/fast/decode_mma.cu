@@ -252,16 +252,34 @@ __device__ __forceinline__ void load_pair(const unsigned char* base, int i, floa
 }
 
 
-// R copies of each of N table entries (copy c of entry e at word e R + c), 16 bytes a store where R >= 4
+// R copies of each of N table entries (copy c of entry e at word e R + c), 16 bytes a store where R >= 4, in one round
+// trip: warp w stores the w-th part of the table in order (conflict-free), its lanes having loaded its entries one
+// each, and shuffles give each store its entry (a loop that stored each load's words waited for each load in turn,
+// and holding a load for every store takes registers the loop needs).
 template <int N, int R, int LOGR>
 __device__ __forceinline__ void fill_table(u32* dst, const u32* src, int tid) {
-  if constexpr (R >= 4) {
-    for (int i = tid; i < N * R / 4; i += WARPS * 32) {
-      const u32 v = src[(4 * i) >> LOGR];
-      reinterpret_cast<uint4*>(dst)[i] = make_uint4(v, v, v, v);
+  constexpr int W = R >= 4 ? 4 : 1, S = R / W, TOTAL = N * R / W, NT = WARPS * 32;
+  if constexpr (TOTAL % NT != 0 || TOTAL / NT == 1) {
+    for (int i = tid; i < TOTAL; i += NT) {
+      const u32 v = src[(W * i) >> LOGR];
+      if constexpr (W == 4) reinterpret_cast<uint4*>(dst)[i] = make_uint4(v, v, v, v);
+      else dst[i] = v;
     }
   } else {
-    for (int i = tid; i < N * R; i += WARPS * 32) dst[i] = src[i >> LOGR];
+    constexpr int FPW = TOTAL / WARPS, EPW = FPW / S, LOADS = (EPW + 31) / 32;  // stores, entries, loads a warp
+    const int warp = tid >> 5, lane = tid & 31;
+    u32 v[LOADS];
+#pragma unroll
+    for (int m = 0; m < LOADS; ++m)
+      v[m] = (EPW % 32 == 0 || lane + 32 * m < EPW) ? __ldg(src + warp * EPW + lane + 32 * m) : 0u;
+#pragma unroll
+    for (int k = 0; k < FPW / 32; ++k) {
+      const int e = (32 * k + lane) / S;  // the warp's entry of this lane's store
+      const u32 x = __shfl_sync(0xffffffffu, v[(32 * k) / S / 32], e % 32);
+      const int i = warp * FPW + 32 * k + lane;
+      if constexpr (W == 4) reinterpret_cast<uint4*>(dst)[i] = make_uint4(x, x, x, x);
+      else dst[i] = x;
+    }
   }
 }
 
@@ -394,6 +412,7 @@ __device__ __forceinline__ void rotation_load(const Params& p, int bh, int warp,
     const int rr = rok[i] ? row : 0;
     rowoff[i] = b * p.sqb + static_cast<i64>(h * p.group + rr / p.nq) * p.sqh + static_cast<i64>(rr % p.nq) * p.sqn;
   }
+  if (warp >= KS) return;  // (the warps without a k-step of their own: D = 64, 128)
 #pragma unroll
   for (int kk = 0; kk < KS; ++kk)
 #pragma unroll
@@ -403,7 +422,7 @@ __device__ __forceinline__ void rotation_load(const Params& p, int bh, int warp,
       r.a[kk][i] = pack_h2(x[0] * p.scale_log2, x[1] * p.scale_log2);
       r.a[kk][2 + i] = pack_h2(x[2] * p.scale_log2, x[3] * p.scale_log2);
     }
-  if (warp < KS) {
+  {
     const uint4* b0 = rotation_b(p, warp, lane);
 #pragma unroll
     for (int k2 = 0; k2 < KS / 2; ++k2) {
@@ -454,9 +473,14 @@ __device__ __forceinline__ void packed_part(const Params& p, unsigned char* smem
   const int lq = STATIC ? static_cast<int>(*p.from_ptr) : p.lq;
   const int ls = min(p.sinks, lq);
   // the history (and, where the last split's CTA takes the exact copies too, EXACT_TOKENS more) in equal parts, cut
-  // at the nearest multiples of 16 WARPS; the last split ends at the history's end
+  // at the nearest multiples of 16 (whole tiles, dealt to the warps in turn); the last split ends at the history's end
   const i64 span = lq + (p.fold && p.num_splits > 1 ? EXACT_TOKENS : 0);
-  auto cut = [&](int s) { return static_cast<int>((span * s / p.num_splits + 8 * WARPS) & ~(16 * WARPS - 1)); };
+  auto cut = [&](int s) {  // (in 32 bits where they hold the product: a 64-bit division is a long subroutine)
+    const i64 x = span * s;
+    const i64 c = x < 0xffffffffll ? static_cast<i64>(static_cast<u32>(x) / static_cast<u32>(p.num_splits))
+                                   : x / p.num_splits;
+    return static_cast<int>((c + 8) & ~15);
+  };
   const int start = max(min(cut(split), lq), ls);
   const int end = split == p.num_splits - 1 ? lq : min(cut(split + 1), lq);
   // the pair tables of this KV head, KR / VR copies (copy c of entry e at word e * R + c)
