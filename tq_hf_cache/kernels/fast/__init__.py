@@ -320,6 +320,16 @@ def exact_smem(d: int, rows: int, batch: int = 8, xbytes: int = 2, warps: int = 
     return max(exact, 4 * (rows * d * (1 + groups) + 2 * rows))
 
 
+def merge_splits(d: int, rows: int, smem: int, warps: int = 8) -> tuple[int, int]:
+    """(MSPLITS, shared memory): the splits' partials the merge stages in shared memory at a time (what fits in `smem`
+    after its own arrays: at least one, the shared memory grown to hold it where it does not fit), and the shared
+    memory that takes."""
+    groups = warps * 32 // (d // 4)
+    fixed = 4 * (rows * d * (1 + groups) + ((2 * rows + 3) & ~3))
+    per = 4 * rows * (d + 2)
+    return max(1, (smem - fixed) // per), max(smem, fixed + per)
+
+
 def exact_batch(d: int, rows: int, xbytes: int, smem: int, warps: int = 8) -> int:
     """Tokens of the exact copies the exact CTA stages at a time (XB): what fits in `smem` beside the query and the
     warps' maxima and sums, a multiple of 8 from 8 to 256."""
@@ -357,9 +367,11 @@ def decode(query, kv, pi, scale_log2, kp, kn, vp, vn, rk, rv, sk, sv, mask_args,
     xbytes, smem, w = rk.element_size(), packed_smem(df), df["WARPS"]
     df.update(XB=exact_batch(d, rows, xbytes, smem, w), XVEC=_vec(rk, rv, sk, sv),
               QV=int(_aligned(4 * query.element_size(), query)))
+    msplits, smem = merge_splits(d, rows, max(smem, exact_smem(d, rows, df["XB"], xbytes, w)), w)
+    df.update(MSPLITS=msplits)
     device = query.device
     try:
-        main = jit.kernel(source(), NAME, df, device, max(smem, exact_smem(d, rows, df["XB"], xbytes, w)))
+        main = jit.kernel(source(), NAME, df, device, smem)
     except jit.JitError as e:
         _disable(device.index if device.index is not None else torch.cuda.current_device(), str(e).splitlines()[0])
         return False

@@ -252,36 +252,44 @@ __device__ __forceinline__ void load_pair(const unsigned char* base, int i, floa
 }
 
 
-// R copies of each of N table entries (copy c of entry e at word e R + c), 16 bytes a store where R >= 4, in one round
-// trip: warp w stores the w-th part of the table in order (conflict-free), its lanes having loaded its entries one
-// each, and shuffles give each store its entry (a loop that stored each load's words waited for each load in turn,
-// and holding a load for every store takes registers the loop needs).
+// R copies of each of N table entries (copy c of entry e at word e R + c), 16 bytes a store where R >= 4: `load` the
+// entries into registers (issued with the CTA's other first loads: one round trip for all), then `store` them. Warp w
+// stores the w-th part of the table in order (conflict-free), its lanes having loaded its entries one each, and
+// shuffles give each store its entry (holding a load for every store would take registers the loop needs).
 template <int N, int R, int LOGR>
-__device__ __forceinline__ void fill_table(u32* dst, const u32* src, int tid) {
-  constexpr int W = R >= 4 ? 4 : 1, S = R / W, TOTAL = N * R / W, NT = WARPS * 32;
-  if constexpr (TOTAL % NT != 0 || TOTAL / NT == 1) {
-    for (int i = tid; i < TOTAL; i += NT) {
-      const u32 v = src[(W * i) >> LOGR];
-      if constexpr (W == 4) reinterpret_cast<uint4*>(dst)[i] = make_uint4(v, v, v, v);
-      else dst[i] = v;
-    }
-  } else {
-    constexpr int FPW = TOTAL / WARPS, EPW = FPW / S, LOADS = (EPW + 31) / 32;  // stores, entries, loads a warp
+struct TableFill {
+  static constexpr int W = R >= 4 ? 4 : 1, S = R / W, TOTAL = N * R / W, NT = WARPS * 32;
+  static constexpr bool SIMPLE = TOTAL <= NT;  // (powers of two: else a whole number of stores a thread)
+  static constexpr int FPW = TOTAL / WARPS, EPW = SIMPLE ? 1 : FPW / S;  // stores and entries a warp
+  static constexpr int LOADS = (EPW + 31) / 32;
+  u32 v[LOADS];
+  __device__ __forceinline__ void load(const u32* src, int tid) {
     const int warp = tid >> 5, lane = tid & 31;
-    u32 v[LOADS];
+    if constexpr (SIMPLE) {
+      v[0] = tid < TOTAL ? __ldg(src + ((W * tid) >> LOGR)) : 0u;
+    } else {
 #pragma unroll
-    for (int m = 0; m < LOADS; ++m)
-      v[m] = (EPW % 32 == 0 || lane + 32 * m < EPW) ? __ldg(src + warp * EPW + lane + 32 * m) : 0u;
-#pragma unroll
-    for (int k = 0; k < FPW / 32; ++k) {
-      const int e = (32 * k + lane) / S;  // the warp's entry of this lane's store
-      const u32 x = __shfl_sync(0xffffffffu, v[(32 * k) / S / 32], e % 32);
-      const int i = warp * FPW + 32 * k + lane;
-      if constexpr (W == 4) reinterpret_cast<uint4*>(dst)[i] = make_uint4(x, x, x, x);
-      else dst[i] = x;
+      for (int m = 0; m < LOADS; ++m)
+        v[m] = (EPW % 32 == 0 || lane + 32 * m < EPW) ? __ldg(src + warp * EPW + lane + 32 * m) : 0u;
     }
   }
-}
+  __device__ __forceinline__ void put(u32* dst, int i, u32 x) const {
+    if constexpr (W == 4) reinterpret_cast<uint4*>(dst)[i] = make_uint4(x, x, x, x);
+    else dst[i] = x;
+  }
+  __device__ __forceinline__ void store(u32* dst, int tid) const {
+    const int warp = tid >> 5, lane = tid & 31;
+    if constexpr (SIMPLE) {
+      if (tid < TOTAL) put(dst, tid, v[0]);
+    } else {
+#pragma unroll
+      for (int k = 0; k < FPW / 32; ++k) {
+        const int e = (32 * k + lane) / S;  // the warp's entry of this lane's store
+        put(dst, warp * FPW + 32 * k + lane, __shfl_sync(0xffffffffu, v[(32 * k) / S / 32], e % 32));
+      }
+    }
+  }
+};
 
 // ------------------------------------------------------------------------------------------------------------------
 // The exact copies, the partials and the merge. More -D: Q_DT / X_DT / O_DT (0 f16, 1 bf16, 2 f32: the query, the
@@ -468,9 +476,17 @@ __device__ __forceinline__ void packed_part(const Params& p, unsigned char* smem
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   const int g = lane >> 2, l4 = lane & 3;
 
-  QueryRot qr;
+  const int lq = STATIC ? static_cast<int>(*p.from_ptr) : p.lq;  // (used after the loads below are out)
+  // the pair tables of this KV head, KR / VR copies (copy c of entry e at word e * R + c)
+  const u32 ktb = shared_addr(smem) + STAGE_BYTES, vtb = ktb + KTAB_BYTES;
+  TableFill<KENT, KR, LOGKR> kfill;
+  TableFill<VENT, VR, LOGVR> vfill;
+  kfill.load(p.ktab + h * p.ktab_sh, tid);
+  vfill.load(p.vtab + h * p.vtab_sh, tid);
+  QueryRot qr;  // (the query's loads and Pi's with the tables': one round trip)
   rotation_load(p, bh, warp, lane, qr);
-  const int lq = STATIC ? static_cast<int>(*p.from_ptr) : p.lq;
+  kfill.store(reinterpret_cast<u32*>(smem + STAGE_BYTES), tid);
+  vfill.store(reinterpret_cast<u32*>(smem + STAGE_BYTES + KTAB_BYTES), tid);
   const int ls = min(p.sinks, lq);
   // the history (and, where the last split's CTA takes the exact copies too, EXACT_TOKENS more) in equal parts, cut
   // at the nearest multiples of 16 (whole tiles, dealt to the warps in turn); the last split ends at the history's end
@@ -483,14 +499,6 @@ __device__ __forceinline__ void packed_part(const Params& p, unsigned char* smem
   };
   const int start = max(min(cut(split), lq), ls);
   const int end = split == p.num_splits - 1 ? lq : min(cut(split + 1), lq);
-  // the pair tables of this KV head, KR / VR copies (copy c of entry e at word e * R + c)
-  const u32 ktb = shared_addr(smem) + STAGE_BYTES, vtb = ktb + KTAB_BYTES;
-  {
-    u32* ks = reinterpret_cast<u32*>(smem + STAGE_BYTES);
-    u32* vs = reinterpret_cast<u32*>(smem + STAGE_BYTES + KTAB_BYTES);
-    fill_table<KENT, KR, LOGKR>(ks, p.ktab + h * p.ktab_sh, tid);
-    fill_table<VENT, VR, LOGVR>(vs, p.vtab + h * p.vtab_sh, tid);
-  }
   const int live = p.group * p.nq;
   // the last 16-row tile inside the buffer (slots >= 16; even with NVEC, as the launcher checks: norm pairs)
   const int last_tb = p.slots - 16;
@@ -819,7 +827,6 @@ __device__ __forceinline__ void exact_part(const Params& p, unsigned char* smem,
     ls = min(ls, lq);
   }
   const int T = lq + lr;
-  load_query<ROWS>(p.qx, p.sqb, p.sqh, p.sqn, p.group, p.nq, p.scale_log2, b, h, live, qs);
 
   // token e < ls is sink e; else position lq + (e - ls), at ring slot (pos % ring, static) or pos - lq.
   // A step: the warp's XTPI tokens. Lane L ends with score L >> XSH of the step (row xr, token xu) and keeps the
@@ -857,6 +864,8 @@ __device__ __forceinline__ void exact_part(const Params& p, unsigned char* smem,
       }
     }
     cp_commit();
+    if (e0 == 0)  // (after the first batch's copies are out: both round trips at once)
+      load_query<ROWS>(p.qx, p.sqb, p.sqh, p.sqn, p.group, p.nq, p.scale_log2, b, h, live, qs);
     cp_wait<0>();
     __syncthreads();  // the batch (and, the first time, the query) in shared memory
     for (int t0 = warp; t0 < nb; t0 += WARPS * XTPI) {  // tokens t0 + WARPS u, u < XTPI
@@ -964,6 +973,9 @@ __device__ __forceinline__ void exact_part(const Params& p, unsigned char* smem,
 #define XPRE (ROWS <= 8)  // the exact partial's values loaded before the packed partials too
 // lanes a column of the pass over the splits
 #define MH (ROWS * NV * 4 <= WARPS * 32 ? 4 : ROWS * NV * 2 <= WARPS * 32 ? 2 : 1)
+#ifndef MSPLITS  // splits' partials staged in shared memory at a time (`fast.merge_splits`)
+#define MSPLITS 1
+#endif
 __device__ __forceinline__ void merge_last(const Params& p, unsigned char* smem, int bh) {
   float* ys = reinterpret_cast<float*>(smem);  // (ROWS, D) the merged packed partial, rotated
   float* red = ys + ROWS * D;                  // (CG, ROWS, D) the channel groups' parts of ys Pi
@@ -992,42 +1004,68 @@ __device__ __forceinline__ void merge_last(const Params& p, unsigned char* smem,
     for (int i = 0; i < EPT; ++i) exact_value(i);
   }
   // one pass over the splits, online, by MH adjacent lanes a column (each takes every MH-th split; shuffles combine
-  // them; each column of a row finds the same max and sum, its first writes them)
-  for (int it = tid; it < ROWS * NV * MH; it += WARPS * 32) {
-    const int r = it / MH / NV, cv = (it / MH) % NV, hf = it % MH;
-    const bool ok = r < live;
-    float M = NEG_INF, L = 0.0f, y[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-    if (ok) {
-#pragma unroll 16
-      for (int s = hf; s < ns; s += MH) {
-        const float m = __ldcg(p.ml + (base + s) * 2 * R + r), l = __ldcg(p.ml + (base + s) * 2 * R + R + r);
-        const float4 a = __ldcg(reinterpret_cast<const float4*>(p.acc + ((base + s) * R + r) * D) + cv);
-        const float Mn = fmaxf(M, m), Mu = Mn == NEG_INF ? 0.0f : Mn;
-        const float al = ex2(M - Mu), w = ex2(m - Mu);
-        L = L * al + w * l;
-        y[0] = y[0] * al + w * a.x; y[1] = y[1] * al + w * a.y; y[2] = y[2] * al + w * a.z; y[3] = y[3] * al + w * a.w;
-        M = Mn;
+  // them; each column of a row finds the same max and sum, its first writes them). The partials come into shared
+  // memory MSPLITS splits at a time, every copy in flight at once (read from L2 as they are used, a thread's splits
+  // took a round trip each).
+  constexpr int NIT = ROWS * NV * MH, IPT = (NIT + WARPS * 32 - 1) / (WARPS * 32);  // columns' parts, a thread's
+  float* sacc = mp + ((2 * ROWS + 3) & ~3);  // (MSPLITS, ROWS, D) the staged partials, then (MSPLITS, 2, ROWS)
+  float* sml = sacc + MSPLITS * ROWS * D;
+  float M[IPT], L[IPT], y[IPT][4];
+#pragma unroll
+  for (int i = 0; i < IPT; ++i) {
+    M[i] = NEG_INF; L[i] = 0.0f;
+    y[i][0] = y[i][1] = y[i][2] = y[i][3] = 0.0f;
+  }
+  for (int c0 = 0; c0 < ns; c0 += MSPLITS) {
+    const int n = min(MSPLITS, ns - c0);
+    const u32 sa = shared_addr(sacc), sm = shared_addr(sml);
+    const float* ga = p.acc + (base + c0) * R * D;
+    const float* gm = p.ml + (base + c0) * 2 * R;
+    for (int i = tid; i < n * R * D / 4; i += WARPS * 32) cp_async<16>(sa + 16 * i, ga + 4 * i);
+    for (int i = tid; i < n * 2 * R; i += WARPS * 32) cp_async<4>(sm + 4 * i, gm + i);
+    cp_commit();
+    cp_wait<0>();
+    __syncthreads();  // the chunk in shared memory
+#pragma unroll
+    for (int i = 0; i < IPT; ++i) {
+      const int it = tid + i * WARPS * 32, r = it / MH / NV, cv = (it / MH) % NV, hf = it % MH;
+      if (it >= NIT || r >= live) continue;
+      for (int s = hf; s < n; s += MH) {
+        const float m = sml[s * 2 * R + r], l = sml[s * 2 * R + R + r];
+        const float4 a = reinterpret_cast<const float4*>(sacc + (s * R + r) * D)[cv];
+        const float Mn = fmaxf(M[i], m), Mu = Mn == NEG_INF ? 0.0f : Mn;
+        const float al = ex2(M[i] - Mu), w = ex2(m - Mu);
+        L[i] = L[i] * al + w * l;
+        y[i][0] = y[i][0] * al + w * a.x; y[i][1] = y[i][1] * al + w * a.y;
+        y[i][2] = y[i][2] * al + w * a.z; y[i][3] = y[i][3] * al + w * a.w;
+        M[i] = Mn;
       }
     }
+    if (c0 + MSPLITS < ns) __syncthreads();  // read before the next chunk overwrites it
+  }
+#pragma unroll
+  for (int i = 0; i < IPT; ++i) {
+    const int it = tid + i * WARPS * 32, r = it / MH / NV, cv = (it / MH) % NV, hf = it % MH;
+    if (it >= NIT) continue;  // (NIT is a multiple of 32: whole warps)
 #pragma unroll
     for (int o = 1; o < MH; o <<= 1) {
-      const float Mo = __shfl_xor_sync(0xffffffffu, M, o), Lo = __shfl_xor_sync(0xffffffffu, L, o);
-      const float Mn = fmaxf(M, Mo), Mu = Mn == NEG_INF ? 0.0f : Mn;
-      const float al = ex2(M - Mu), ao = ex2(Mo - Mu);
-      L = L * al + Lo * ao;
+      const float Mo = __shfl_xor_sync(0xffffffffu, M[i], o), Lo = __shfl_xor_sync(0xffffffffu, L[i], o);
+      const float Mn = fmaxf(M[i], Mo), Mu = Mn == NEG_INF ? 0.0f : Mn;
+      const float al = ex2(M[i] - Mu), ao = ex2(Mo - Mu);
+      L[i] = L[i] * al + Lo * ao;
 #pragma unroll
-      for (int k = 0; k < 4; ++k) y[k] = y[k] * al + __shfl_xor_sync(0xffffffffu, y[k], o) * ao;
-      M = Mn;
+      for (int k = 0; k < 4; ++k) y[i][k] = y[i][k] * al + __shfl_xor_sync(0xffffffffu, y[i][k], o) * ao;
+      M[i] = Mn;
     }
-    if (!ok || hf != 0) continue;
+    if (r >= live || hf != 0) continue;
     if (cv == 0) {
-      mp[r] = M;
-      mp[ROWS + r] = L;
+      mp[r] = M[i];
+      mp[ROWS + r] = L[i];
     }
 #pragma unroll
     for (int k = 0; k < 4; ++k) {
       const int col = 4 * cv + k;
-      ys[r * D + (col % (D / VPLANES)) * VPLANES + col / (D / VPLANES)] = y[k];
+      ys[r * D + (col % (D / VPLANES)) * VPLANES + col / (D / VPLANES)] = y[i][k];
     }
   }
   __syncthreads();
