@@ -1018,12 +1018,14 @@ __device__ __forceinline__ void merge_last(const Params& p, unsigned char* smem,
   }
   for (int c0 = 0; c0 < ns; c0 += MSPLITS) {
     const int n = min(MSPLITS, ns - c0);
-    const u32 sa = shared_addr(sacc), sm = shared_addr(sml);
+    const u32 sa = shared_addr(sacc);
     const float* ga = p.acc + (base + c0) * R * D;
     const float* gm = p.ml + (base + c0) * 2 * R;
-    for (int i = tid; i < n * R * D / 4; i += WARPS * 32) cp_async<16>(sa + 16 * i, ga + 4 * i);
-    for (int i = tid; i < n * 2 * R; i += WARPS * 32) cp_async<4>(sm + 4 * i, gm + i);
+    for (int i = tid; i < n * R * D / 4; i += WARPS * 32) cp_async<16>(sa + 16 * i, ga + 4 * i);  // (.cg: L2)
     cp_commit();
+    // (from L2 too: other CTAs wrote them in this launch, and an L1 line of them, read by an earlier merge on this
+    // SM, could be stale; copies narrower than 16 bytes would go through L1)
+    for (int i = tid; i < n * 2 * R; i += WARPS * 32) sml[i] = __ldcg(gm + i);
     cp_wait<0>();
     __syncthreads();  // the chunk in shared memory
 #pragma unroll
