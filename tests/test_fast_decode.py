@@ -118,6 +118,24 @@ def test_sm90_a_mask_row_reads_two_words_a_step_within_the_budget(tmp_path):
         assert sum(ops.values()) * 2 // steps <= SASS_BUDGET[(5, 3)], ops
 
 
+@pytest.mark.skipif(not _nvrtc_ok(), reason="NVRTC missing")
+def test_sm90_the_timeline_study_instruments_the_kernel():
+    """benchmarks/studies/fast_decode_timeline.py edits the kernel's source at anchors: each is there once and the
+    instrumented kernel compiles (a kernel change that moves an anchor fails here, not on the GPU)."""
+    import importlib.util
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    path = os.path.join(root, "benchmarks", "studies", "fast_decode_timeline.py")
+    spec = importlib.util.spec_from_file_location("fast_decode_timeline", path)
+    study = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(study)
+    src = study.instrumented(fast.source())
+    assert all(after in src for _, after in study.EDITS)
+    df = fast.defines(128, 5, 3, 1, 1, 0, False, False, True, 16, True)
+    df.update(ROWS=4, Q_DT=1, X_DT=1, O_DT=1, MASK_ROW=1, TL_PTR=1 << 20)
+    assert jit.compile_cubin(src, fast.NAME, df, 90)
+
+
 @pytest.mark.parametrize("bits", [2, 3, 4, 5])
 @pytest.mark.parametrize("per_head", [False, True])
 def test_pair_table_entries_are_the_fp16_centroid_pairs(bits, per_head):

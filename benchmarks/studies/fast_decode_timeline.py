@@ -4,11 +4,13 @@ The kernel's source is instrumented in memory (timing only): each CTA's thread 0
 starts, when the last split's CTA is done with the exact copies, when its packed loop starts (after its prologue:
 query rotation, table fill, first copies) and when it arrives at the merge counter, with `%smid`; the merging CTA
 writes when its merge ends. Inside a split's CTA also: warp 0's first tile in the ring and its first tile computed, the
-last warp out of the loop, the warps' partials merged in shared memory; inside an exact copies' CTA: its first batch
-in shared memory, its tokens done, its warps' partials written. From three calls after two warm-ups per case, the
+last warp out of the loop, the warps' partials merged in shared memory, and warp 0's second tile in the ring and
+computed; inside an exact copies' CTA: its first batch in shared memory, its tokens done, its warps' partials
+written; inside the merging CTA: its merge begun (the arrival counter read), its pass over the splits and its
+rotation done. From three calls after two warm-ups per case, the
 last call's CTAs are summarized (min / median / max): when the exact copies' own CTAs arrive, or their time in the
 last splits' CTAs where those take them, the other splits' prologue and loop times and the parts of each, when each
-kind arrives, and the merge's length.
+kind arrives, and the merge's length and parts.
 Usage:
     python benchmarks/studies/fast_decode_timeline.py [--cases 1x4096,1x131072,8x32768] [--presets k5v3] --out F
 """
@@ -31,7 +33,7 @@ from tq_hf_cache.kernels import decode_attention as da  # noqa: E402
 from tq_hf_cache.kernels import fast  # noqa: E402
 
 SLOTS = 16  # int64 words a CTA writes: 0 start, 1 arrival, 2 loop start, 3 merge end, 4 SM id, 5 exact copies done,
-# 6-9 the parts of a CTA (EDITS)
+# 6-14 the parts of a CTA and of the merge (EDITS)
 
 _NOW = 'unsigned long long t_; asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t_));'
 _SLOT = "reinterpret_cast<unsigned long long*>(TL_PTR) + (static_cast<i64>(bh) * gridDim.y + blockIdx.y) * 16"
@@ -50,23 +52,27 @@ EDITS = [
     ("  if (threadIdx.x == 0) {\n    int before;",
      "  if (threadIdx.x == 0) { " + _NOW + " tl_[1] = t_; }\n  if (threadIdx.x == 0) {\n    int before;"),
     ("  merge_last(p, smem, bh);\n}",
-     "  merge_last(p, smem, bh);\n  __syncthreads();\n  if (threadIdx.x == 0) { " + _NOW + " tl_[3] = t_; }\n}"),
+     "  " + _at(12) + "\n  merge_last(p, smem, bh);\n  __syncthreads();\n  if (threadIdx.x == 0) { " + _NOW
+     + " tl_[3] = t_; }\n}"),
+    # inside the merge: 13 its pass over the splits done, 14 its rotation done
+    ("  __syncthreads();\n  {  // red[cg", "  __syncthreads();\n  " + _at(13) + "\n  {  // red[cg"),
+    ("  __syncthreads();\n\n  // out[r, x]", "  __syncthreads();\n  " + _at(14) + "\n\n  // out[r, x]"),
     ("    __syncthreads();  // the exact partial is out of shared memory\n",
      "    __syncthreads();  // the exact partial is out of shared memory\n    if (threadIdx.x == 0) { " + _NOW + " tl_[5] = t_; }\n"),
     ("  __syncthreads();  // the tables and the query fragments written\n",
      "  __syncthreads();  // the tables and the query fragments written\n"
      "  " + _at(2) + "\n"),
     # inside a split's CTA: 6 warp 0's first tile in the ring, 7 computed, 8 the last warp out of the loop, 9 the
-    # warps' partials merged in shared memory
+    # warps' partials merged in shared memory, 10 / 11 warp 0's second tile in the ring / computed
     ("  int stage = 0;\n  for (int t = t0; t < end; t += step) {",
      "  int stage = 0, tl_tile = 0;\n  for (int t = t0; t < end; t += step) {"),
     ("    cp_wait<STAGES - 1>();\n    __syncwarp();\n    compute(t, ring + stage * TILE_BYTES, mk);\n"
      "    __syncwarp();  // every lane is done with this stage before it is refilled\n",
      "    cp_wait<STAGES - 1>();\n    __syncwarp();\n"
-     "    " + _at(6, "tl_tile == 0 && threadIdx.x == 0") + "\n"
+     "    " + _at(6, "tl_tile == 0 && threadIdx.x == 0") + " " + _at(10, "tl_tile == 1 && threadIdx.x == 0") + "\n"
      "    compute(t, ring + stage * TILE_BYTES, mk);\n"
      "    __syncwarp();  // every lane is done with this stage before it is refilled\n"
-     "    " + _at(7, "tl_tile++ == 0 && threadIdx.x == 0") + "\n"),
+     "    " + _at(11, "tl_tile == 1 && threadIdx.x == 0") + " " + _at(7, "tl_tile++ == 0 && threadIdx.x == 0") + "\n"),
     ("  cp_wait<0>();\n\n  // merge the warps' partials",
      "  cp_wait<0>();\n  if (lane == 0) { " + _NOW + " atomicMax(reinterpret_cast<unsigned long long*>(" + _SLOT + ") + 8, t_); }"
      "\n\n  // merge the warps' partials"),
@@ -126,7 +132,11 @@ def one_call(q, kv, tl, b: int) -> dict:
         "packed_store_us": part(packed, 1, 9),
         "exact_first_batch_us": part(exact, 6, 0), "exact_tokens_us": part(exact, 7, 6),
         "exact_write_us": part(exact, 9, 7), "exact_store_us": part(exact, 1, 9),
+        "packed_second_tile_wait_us": part(packed[packed[:, 10] > 0], 10, 7),
+        "packed_second_tile_compute_us": part(packed[packed[:, 10] > 0], 11, 10),
         "merge_us": spread([(int(m[3]) - int(m[1])) / 1000 for m in merges]),
+        "merge_arrival_us": part(merges, 12, 1), "merge_splits_us": part(merges, 13, 12),
+        "merge_rotation_us": part(merges, 14, 13), "merge_output_us": part(merges, 3, 14),
         "call_us": round((int(merges[:, 3].max()) - t0) / 1000, 2),
     }
 
