@@ -255,7 +255,8 @@ def test_the_launcher_runs_without_a_gpu(monkeypatch):
         w = fast.warps(d, kb, vb, state.k_norms.dtype == torch.float32, state.v_norms.dtype == torch.float32, 1, (9, 0))
         splits, fold = fast.plan(b * 2, lq, torch.device("cpu"), warps=w)
         assert [x[:3] for x in done] == [(fast.NAME, (b * 2, splits + (not fold), 1), 32 * w)], done
-        assert done[0][3] >= max(fast.exact_smem(d, 4, warps=w), fast.query_bytes(d)), done
+        assert done[0][3] >= max(fast.exact_smem(d, 4, warps=w), fast.merge_splits(d, 4, 0, w)[1],
+                                 fast.query_bytes(d)), done
         assert done[0][4] == ctypes.sizeof(fast.Params), done
 
 

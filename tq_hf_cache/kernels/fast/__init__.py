@@ -312,18 +312,15 @@ _DT = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2}
 
 
 def exact_smem(d: int, rows: int, batch: int = 8, xbytes: int = 2, warps: int = 8) -> int:
-    """Dynamic shared memory of the exact copies' CTA (the query, the warps' maxima and sums, then a batch of `batch`
-    tokens' keys and values of `xbytes` bytes an element, later the warps' partials) and of the merge (the merged
-    partial, the channel groups' parts of its rotation, the max and sum), whichever is larger."""
-    groups = warps * 32 // (d // 4)
-    exact = 4 * (rows * d + 2 * warps * rows) + max(4 * warps * rows * d, batch * 2 * d * xbytes)
-    return max(exact, 4 * (rows * d * (1 + groups) + 2 * rows))
+    """Dynamic shared memory of the exact copies' CTA: the query, the warps' maxima and sums, then a batch of `batch`
+    tokens' keys and values of `xbytes` bytes an element, later the warps' partials (the merge's: `merge_splits`)."""
+    return 4 * (rows * d + 2 * warps * rows) + max(4 * warps * rows * d, batch * 2 * d * xbytes)
 
 
 def merge_splits(d: int, rows: int, smem: int, warps: int = 8) -> tuple[int, int]:
     """(MSPLITS, shared memory): the splits' partials the merge stages in shared memory at a time (what fits in `smem`
-    after its own arrays: at least one, the shared memory grown to hold it where it does not fit), and the shared
-    memory that takes."""
+    after its own arrays: the merged partial, the channel groups' parts of its rotation, the max and sum; at least
+    one, the shared memory grown to hold it where it does not fit), and the shared memory that takes."""
     groups = warps * 32 // (d // 4)
     fixed = 4 * (rows * d * (1 + groups) + ((2 * rows + 3) & ~3))
     per = 4 * rows * (d + 2)
