@@ -167,7 +167,7 @@ def test_splits_cover_the_history_in_whole_tiles(monkeypatch):
             if splits == most and splits > 1:  # limited by the history
                 assert bh * (splits + 1) <= 132, (w, bh, lq, splits)
             assert fast.plan(bh, lq, torch.device("cpu"), max_splits=2, warps=w)[0] <= 2
-            ranges = [fast.split_range(s, splits, lq, w, fold) for s in range(splits)]
+            ranges = [fast.split_range(s, splits, lq, fold) for s in range(splits)]
             assert ranges[0][0] == 0 and ranges[-1][1] == lq, (w, bh, lq, ranges)
             for (s0, e0), (s1, e1) in zip(ranges, ranges[1:]):  # in order, meeting (or empty past the history)
                 assert s0 % 16 == 0 and s0 <= s1 and e0 == min(s1, lq), (w, bh, lq, ranges)
@@ -424,7 +424,7 @@ def test_fast_kernel_one_mask_row_for_every_head(kbits, vbits, holes, launches, 
     if holes == "scattered":
         keep[1, 0, 0, :lq] = torch.rand(lq, generator=g) > 0.05
     elif holes == "a_stretch":
-        a, e = fast.split_range(1, 4, lq, 8, False)
+        a, e = fast.split_range(1, 4, lq, False)
         keep[1, 0, 0, a:e] = False
     mask = keep.to("cuda")
     out = _decode(q, state, mask, None)

@@ -146,7 +146,7 @@ def plan(batch_heads: int, packed_len: int, device: torch.device, max_splits: in
     return splits, fold
 
 
-def split_range(split: int, splits: int, packed_len: int, warps: int, fold: bool) -> tuple[int, int]:
+def split_range(split: int, splits: int, packed_len: int, fold: bool) -> tuple[int, int]:
     """The packed tokens [start, end) of a split, as the kernel places them: the history (and, where the last split's
     CTA takes the exact copies, EXACT_TOKENS more) cut in equal parts at the nearest multiples of 16 (whole tiles,
     dealt to the warps in turn: a split's warps differ by at most one tile, and so do the splits), the last ending at
