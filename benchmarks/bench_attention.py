@@ -149,9 +149,9 @@ def kernel_time(kv: PackedKV, b: int, **knobs) -> tuple[float, torch.Tensor]:
     return do_bench_cudagraph(lambda: da.decode_attention(q, kv, None, None, **knobs)), out
 
 
-def workspace_time(kv: PackedKV, b: int) -> float:
-    """The workspace path of one step (what layers without the fused kernel run): the packed keys and values
-    dequantized into bf16 buffers, then SDPA (the backend torch picks) over them; median ms of CUDA-graph replays."""
+def workspace_path(kv: PackedKV, b: int):
+    """The workspace path of one step (what layers without the fused kernel run) as a callable: the packed keys and
+    values dequantized into bf16 buffers, then SDPA (the backend torch picks) over them; run once."""
     lq = kv.k_packed.shape[2]
     kw = torch.empty(b, HKV, lq, D, device=DEV, dtype=torch.bfloat16)
     vw = torch.empty_like(kw)
@@ -164,7 +164,12 @@ def workspace_time(kv: PackedKV, b: int) -> float:
 
     step()
     torch.cuda.synchronize()
-    return do_bench_cudagraph(step)
+    return step
+
+
+def workspace_time(kv: PackedKV, b: int) -> float:
+    """The workspace path's median ms of CUDA-graph replays (`workspace_path`)."""
+    return do_bench_cudagraph(workspace_path(kv, b))
 
 
 def dequant_row(bits: int, bw: float, b: int = 1, t: int = 32768, **knobs) -> dict:

@@ -1,10 +1,13 @@
 """Per-layer decode attention on the H100: the explicit-layout kernel (`kernels.fast`) against the Triton kernel
-alone and cuDNN SDPA on bf16 K/V, Llama-3.1-8B shape (32 / 8 heads, head dim 128; --shape for others), one query.
+alone and cuDNN SDPA on bf16 K/V, Llama-3.1-8B shape (32 / 8 heads, head dim 128; --shape for others), one query;
+with --workspace 1 also the workspace path (dequantize K and V into bf16, then SDPA).
 
-Each case checks the fast output against the Triton kernel's (relative error), then times the three as CUDA-graph
-replays (`do_bench_cudagraph` medians), repetitions interleaved. Writes F (JSON) and F with .png (speed over SDPA).
+Each case checks the fast output against the Triton kernel's (relative error; against `reference.packed_attention`'s where
+the Triton kernel does not take the preset, such as head dim 256 at 4 bits), then times them as CUDA-graph replays
+(`do_bench_cudagraph` medians), repetitions interleaved. Writes F (JSON) and F with .png (speed over SDPA).
 Usage:
-    python benchmarks/studies/fast_decode_study.py [--presets k5v3,k4v4,k4v2] [--cases 1x4096,1x32768,...] --out F
+    python benchmarks/studies/fast_decode_study.py [--presets k5v3,k4v4,k4v2] [--cases 1x4096,1x32768,...]
+        [--shape llama-3.1-8b] [--workspace 0] --out F
     python benchmarks/studies/fast_decode_study.py --replot F      (the PNG again from the JSON)
 """
 
@@ -24,6 +27,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from triton.testing import do_bench_cudagraph  # noqa: E402
 
 import bench_attention as ba  # noqa: E402
+from tq_hf_cache import kernels, reference  # noqa: E402
 from tq_hf_cache.kernels import decode_attention as da  # noqa: E402
 
 
@@ -33,6 +37,7 @@ def main():
     ap.add_argument("--cases", default="1x4096,1x32768,1x131072,8x32768,8x131072")
     ap.add_argument("--shape", default="llama-3.1-8b")
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--workspace", type=int, default=0)
     ap.add_argument("--out")
     ap.add_argument("--replot")
     a = ap.parse_args()
@@ -50,24 +55,28 @@ def main():
             kv, nbytes = ba.packed_layer(b, t, kb, vb)
             q = torch.randn(b, ba.HQ, 1, ba.D, device="cuda", dtype=torch.bfloat16)
             fast_out = da.decode_attention(q, kv)
-            tri_out = da.decode_attention(q, kv, fast=False)
+            tri = kernels.decode_supports(ba.D, kb, vb, 1, ba.HQ // ba.HKV)
+            paths = {"sdpa": ba.cudnn_sdpa(b, t), "fast": lambda: da.decode_attention(q, kv)}
+            if tri:
+                paths["triton"] = lambda: da.decode_attention(q, kv, fast=False)
+            if a.workspace:
+                paths["workspace"] = ba.workspace_path(kv, b)
+            want = (paths["triton"]() if tri else reference.packed_attention(q, kv, None, None)).float()
             torch.cuda.synchronize()
-            err = ((fast_out.float() - tri_out.float()).norm() / tri_out.float().norm()).item()
-            sdpa = ba.cudnn_sdpa(b, t)
-            times = {"sdpa": [], "triton": [], "fast": []}
+            err = ((fast_out.float() - want).norm() / want.norm()).item()
+            times = {k: [] for k in paths}
             for _ in range(a.reps):
-                times["sdpa"].append(do_bench_cudagraph(sdpa))
-                times["triton"].append(do_bench_cudagraph(lambda: da.decode_attention(q, kv, fast=False)))
-                times["fast"].append(do_bench_cudagraph(lambda: da.decode_attention(q, kv)))
+                for k, f in paths.items():
+                    times[k].append(do_bench_cudagraph(f))
             med = {k: sorted(v)[len(v) // 2] for k, v in times.items()}
-            row = dict(preset=preset, batch=b, context=t, err_vs_triton=err, ms=med, all_ms=times,
-                       fast_vs_sdpa=med["sdpa"] / med["fast"], triton_vs_sdpa=med["sdpa"] / med["triton"],
-                       bytes=nbytes, fast_bw_frac=nbytes / (med["fast"] * 1e-3) / bw)
+            row = dict(preset=preset, batch=b, context=t, err_vs="triton" if tri else "reference", err=err, ms=med,
+                       all_ms=times, bytes=nbytes, fast_bw_frac=nbytes / (med["fast"] * 1e-3) / bw,
+                       **{f"{k}_vs_sdpa": med["sdpa"] / med[k] for k in med if k != "sdpa"})
             rows.append(row)
-            print(f"{preset} {b}x{t}: sdpa {med['sdpa']:.4f} triton {med['triton']:.4f} fast {med['fast']:.4f} ms "
-                  f"| fast {row['fast_vs_sdpa']:.2f}x sdpa, triton {row['triton_vs_sdpa']:.2f}x | "
-                  f"bw {row['fast_bw_frac']:.0%} | err {err:.1e}", flush=True)
-            kv = sdpa = None  # (freed before the next case allocates)
+            print(f"{preset} {b}x{t}: " + " ".join(f"{k} {v:.4f}" for k, v in med.items()) + " ms | "
+                  + " ".join(f"{k} {row[k + '_vs_sdpa']:.2f}x" for k in med if k != "sdpa") + " sdpa | "
+                  f"bw {row['fast_bw_frac']:.0%} | err vs {row['err_vs']} {err:.1e}", flush=True)
+            kv = paths = None  # (freed before the next case allocates)
             torch.cuda.empty_cache()
     result = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, copy_bw=bw, shape=a.shape,
                   when=time.strftime("%Y-%m-%d %H:%M"), rows=rows)
@@ -89,8 +98,12 @@ def plot(result: dict, path: str) -> None:
         rows = [r for r in result["rows"] if r["preset"] == preset]
         names = [f"{r['batch']}x{r['context'] // 1024}k" for r in rows]
         x = range(len(rows))
-        ax.bar([i - 0.2 for i in x], [r["fast_vs_sdpa"] for r in rows], 0.4, label="fast kernel (CUDA)")
-        ax.bar([i + 0.2 for i in x], [r["triton_vs_sdpa"] for r in rows], 0.4, label="Triton kernel")
+        others = [k for k in ("triton", "workspace") if any(f"{k}_vs_sdpa" in r for r in rows)]
+        w = 0.8 / (1 + len(others))
+        ax.bar([i - 0.4 + w / 2 for i in x], [r["fast_vs_sdpa"] for r in rows], w, label="fast kernel (CUDA)")
+        for j, k in enumerate(others, 1):
+            ax.bar([i - 0.4 + w * (j + 0.5) for i in x], [r.get(f"{k}_vs_sdpa", 0.0) for r in rows], w,
+                   label={"triton": "Triton kernel", "workspace": "dequantize + SDPA"}[k])
         ax.axhline(1.0, color="k", lw=0.8)
         ax.axhline(2.5, color="r", lw=0.8, ls="--", label="floor 2.5x")
         ax.set_xticks(list(x), names)

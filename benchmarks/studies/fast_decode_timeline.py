@@ -12,7 +12,8 @@ last call's CTAs are summarized (min / median / max): when the exact copies' own
 last splits' CTAs where those take them, the other splits' prologue and loop times and the parts of each, when each
 kind arrives, and the merge's length and parts.
 Usage:
-    python benchmarks/studies/fast_decode_timeline.py [--cases 1x4096,1x131072,8x32768] [--presets k5v3] --out F
+    python benchmarks/studies/fast_decode_timeline.py [--cases 1x4096,1x131072,8x32768] [--presets k5v3]
+        [--shape llama-3.1-8b] --out F
 """
 
 from __future__ import annotations
@@ -145,8 +146,10 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--cases", default="1x4096,1x131072,8x32768")
     ap.add_argument("--presets", default="k5v3")
+    ap.add_argument("--shape", default="llama-3.1-8b")
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
+    ba.HQ, ba.HKV, ba.D = ba.SHAPES[a.shape]
     tl = torch.zeros(1 << 20, dtype=torch.int64, device="cuda")
     src = instrumented(fast.source())
     fast.source = lambda: src

@@ -119,22 +119,31 @@ def _disable(idx: int, why: str) -> None:
                   f"instead", RuntimeWarning, stacklevel=3)
 
 
+def min_tokens(warps: int, head_dim: int) -> int:
+    """The fewest packed tokens a split takes: MIN_TOKENS_PER_SPLIT[warps] up to head dim 128, half that at 256 (a
+    tile is twice the work; H100, a Gemma 3 4B layer at 1 x 4k, k5v3: 20.1 against 23.5 us a call)."""
+    return MIN_TOKENS_PER_SPLIT[warps] * 128 // max(head_dim, 128)
+
+
 def plan(batch_heads: int, packed_len: int, device: torch.device, max_splits: int | None = None,
-         warps: int = 8) -> tuple[int, bool]:
-    """(splits, fold): the packed history's splits, one CTA of `warps` warps each, about WARPS_PER_SM warps per SM in
-    one wave, at least MIN_TOKENS_PER_SPLIT[warps] tokens a split, at most max_splits (what a caller's scratch holds);
-    and whether the last split's CTA takes the exact copies too. It does where one CTA fills an SM (16 warps) and the
-    splits are long (3 x EXACT_TOKENS or more): an SM of their own would idle most of the call (measured on the H100:
-    k5v3 about 1.5 / 8 / 12 us less at 1 x 128k / 8 x 32k / 8 x 128k; with two CTAs an SM, or short splits, it was
-    slower). Otherwise they have a CTA of their own, room for which is left where that costs little. Where the
-    history is what limits the splits, no two CTAs share an SM: at 1 x 8k, k4v4's 16 splits took 18.4 us, 15 of
-    them 14.7 (H100). The kernel places the splits' boundaries from the packed length it reads (`split_range`)."""
+         warps: int = 8, per_sm: int | None = None, head_dim: int = 128) -> tuple[int, bool]:
+    """(splits, fold): the packed history's splits, one CTA of `warps` warps each, as many as `per_sm` CTAs an SM
+    (`ctas_per_sm`; default WARPS_PER_SM // warps) hold in one wave, at least `min_tokens` a split, at most
+    max_splits (what a caller's scratch holds); and whether the last split's CTA takes the exact copies too. It does
+    where one CTA fills an SM (16 warps) and the splits are long (3 x EXACT_TOKENS or more): an SM of their own would
+    idle most of the call (measured on the H100: k5v3 about 1.5 / 8 / 12 us less at 1 x 128k / 8 x 32k / 8 x 128k;
+    with two CTAs an SM, or short splits, it was slower). Otherwise they have a CTA of their own, room for which is
+    left where that costs little. Where the history is what limits the splits, no two CTAs share an SM: at 1 x 8k,
+    k4v4's 16 splits took 18.4 us, 15 of them 14.7 (H100). Counting two CTAs an SM where only one fits (head dim
+    256, 16 query rows) made a second wave: 62 against 50 us at 1 x 32k (Gemma 3 12B, k5v3), 60 against 40 (Llama
+    3.1 8B, four queries). The kernel places the splits' boundaries from the packed length it reads
+    (`split_range`)."""
     from ..support import sm_count
 
     sms = sm_count(device)
-    slots = WARPS_PER_SM // warps * sms
+    slots = (WARPS_PER_SM // warps if per_sm is None else per_sm) * sms
     want = max(1, slots // batch_heads)  # one wave: a partial second one doubles the time
-    most = max(1, -(-max(packed_len, 1) // MIN_TOKENS_PER_SPLIT[warps]))
+    most = max(1, -(-max(packed_len, 1) // min_tokens(warps, head_dim)))
     fold = warps == 16 and want >= 2 and packed_len >= 3 * EXACT_TOKENS * want
     if not fold and want >= 8:
         want = (slots - batch_heads) // batch_heads

@@ -976,6 +976,16 @@ __device__ __forceinline__ void exact_part(const Params& p, unsigned char* smem,
 #ifndef MSPLITS  // splits' partials staged in shared memory at a time (`fast.merge_splits`)
 #define MSPLITS 1
 #endif
+// (M, L, y) and a partial (m, l, a) of the same row and channels, each scaled to its own max, merged in place
+__device__ __forceinline__ void combine(float& M, float& L, float (&y)[4], float m, float l, const float (&a)[4]) {
+  const float Mn = fmaxf(M, m), Mu = Mn == NEG_INF ? 0.0f : Mn;
+  const float al = ex2(M - Mu), w = ex2(m - Mu);
+  L = L * al + w * l;
+#pragma unroll
+  for (int k = 0; k < 4; ++k) y[k] = y[k] * al + w * a[k];
+  M = Mn;
+}
+
 __device__ __forceinline__ void merge_last(const Params& p, unsigned char* smem, int bh) {
   float* ys = reinterpret_cast<float*>(smem);  // (ROWS, D) the merged packed partial, rotated
   float* red = ys + ROWS * D;                  // (CG, ROWS, D) the channel groups' parts of ys Pi
@@ -1018,9 +1028,16 @@ __device__ __forceinline__ void merge_last(const Params& p, unsigned char* smem,
     M[i] = NEG_INF; L[i] = 0.0f;
     y[i][0] = y[i][1] = y[i][2] = y[i][3] = 0.0f;
   }
+  const u32 sa = shared_addr(sacc);
+  // thread part i's row r, its column's lane hf and its float4 column cv
+  auto column = [&](int i, int& it, int& r, int& hf, int& cv) {
+    it = tid + i * WARPS * 32;
+    r = it / (MH * NV);
+    hf = (it >> 3) % MH;
+    cv = (it & 7) + 8 * ((it / (8 * MH)) % (NV / 8));
+  };
   for (int c0 = 0; c0 < ns; c0 += MSPLITS) {
     const int n = min(MSPLITS, ns - c0);
-    const u32 sa = shared_addr(sacc);
     const float* ga = p.acc + (base + c0) * R * D;
     const float* gm = p.ml + (base + c0) * 2 * R;
     for (int i = tid; i < n * R * D / 4; i += WARPS * 32) cp_async<16>(sa + 16 * i, ga + 4 * i);  // (.cg: L2)
@@ -1032,36 +1049,29 @@ __device__ __forceinline__ void merge_last(const Params& p, unsigned char* smem,
     __syncthreads();  // the chunk in shared memory
 #pragma unroll
     for (int i = 0; i < IPT; ++i) {
-      const int it = tid + i * WARPS * 32, r = it / (MH * NV), hf = (it >> 3) % MH;
-      const int cv = (it & 7) + 8 * ((it / (8 * MH)) % (NV / 8));
+      int it, r, hf, cv;
+      column(i, it, r, hf, cv);
       if (it >= NIT || r >= live) continue;
       for (int s = hf; s < n; s += MH) {
-        const float m = sml[s * 2 * R + r], l = sml[s * 2 * R + R + r];
         const float4 a = reinterpret_cast<const float4*>(sacc + (s * R + r) * D)[cv];
-        const float Mn = fmaxf(M[i], m), Mu = Mn == NEG_INF ? 0.0f : Mn;
-        const float al = ex2(M[i] - Mu), w = ex2(m - Mu);
-        L[i] = L[i] * al + w * l;
-        y[i][0] = y[i][0] * al + w * a.x; y[i][1] = y[i][1] * al + w * a.y;
-        y[i][2] = y[i][2] * al + w * a.z; y[i][3] = y[i][3] * al + w * a.w;
-        M[i] = Mn;
+        const float av[4] = {a.x, a.y, a.z, a.w};
+        combine(M[i], L[i], y[i], sml[s * 2 * R + r], sml[s * 2 * R + R + r], av);
       }
     }
     if (c0 + MSPLITS < ns) __syncthreads();  // read before the next chunk overwrites it
   }
 #pragma unroll
   for (int i = 0; i < IPT; ++i) {
-    const int it = tid + i * WARPS * 32, r = it / (MH * NV), hf = (it >> 3) % MH;
-    const int cv = (it & 7) + 8 * ((it / (8 * MH)) % (NV / 8));
+    int it, r, hf, cv;
+    column(i, it, r, hf, cv);
     if (it >= NIT) continue;  // (NIT is a multiple of 32: whole warps)
 #pragma unroll
     for (int o = 8; o < 8 * MH; o <<= 1) {  // (a column's lanes)
-      const float Mo = __shfl_xor_sync(0xffffffffu, M[i], o), Lo = __shfl_xor_sync(0xffffffffu, L[i], o);
-      const float Mn = fmaxf(M[i], Mo), Mu = Mn == NEG_INF ? 0.0f : Mn;
-      const float al = ex2(M[i] - Mu), ao = ex2(Mo - Mu);
-      L[i] = L[i] * al + Lo * ao;
+      float yo[4];
 #pragma unroll
-      for (int k = 0; k < 4; ++k) y[i][k] = y[i][k] * al + __shfl_xor_sync(0xffffffffu, y[i][k], o) * ao;
-      M[i] = Mn;
+      for (int k = 0; k < 4; ++k) yo[k] = __shfl_xor_sync(0xffffffffu, y[i][k], o);
+      const float Mo = __shfl_xor_sync(0xffffffffu, M[i], o), Lo = __shfl_xor_sync(0xffffffffu, L[i], o);
+      combine(M[i], L[i], y[i], Mo, Lo, yo);
     }
     if (r >= live || hf != 0) continue;
     if (cv == 0) {
