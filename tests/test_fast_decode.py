@@ -253,15 +253,21 @@ def test_the_launcher_runs_without_a_gpu(monkeypatch):
     monkeypatch.setattr(torch.cuda, "device", lambda d: contextlib.nullcontext())
     monkeypatch.setattr(torch.cuda, "current_stream", lambda d=None: type("S", (), {"cuda_stream": 0})())
     monkeypatch.setattr(support, "sm_count", lambda d: 132)
-    for b, lq, kb, vb, d in ((1, 3000, 5, 3, 128), (3, 700, 4, 2, 64), (2, 900, 3, 3, 256), (40, 300, 4, 4, 128)):
-        state, _, _ = make_state(b, 2, lq, 9, 1, d, kb, vb, torch.bfloat16, lq, device="cpu")
-        q = torch.randn(b, 8, 1, d, dtype=torch.bfloat16)
+    # (the last: four queries of a GQA group of 4, 16 rows, one CTA an SM: the plan counts 132 CTAs, not 264)
+    for b, lq, kb, vb, d, n in ((1, 3000, 5, 3, 128, 1), (3, 700, 4, 2, 64, 1), (2, 900, 3, 3, 256, 1),
+                                (40, 300, 4, 4, 128, 1), (40, 2000, 5, 3, 128, 4)):
+        state, _, _ = make_state(b, 2, lq, 9, n, d, kb, vb, torch.bfloat16, lq, device="cpu")
+        q = torch.randn(b, 8, n, d, dtype=torch.bfloat16)
         done.clear()
         da.decode_attention(q, state)
-        w = fast.warps(d, kb, vb, state.k_norms.dtype == torch.float32, state.v_norms.dtype == torch.float32, 1, (9, 0))
-        splits, fold = fast.plan(b * 2, lq, torch.device("cpu"), warps=w, per_sm=fast.ctas_per_sm(d, 1, w), head_dim=d)
+        nqt, rows = (1, 4) if n == 1 else (2, 16)
+        w = fast.warps(d, kb, vb, state.k_norms.dtype == torch.float32, state.v_norms.dtype == torch.float32, nqt,
+                       (9, 0))
+        splits, fold = fast.plan(b * 2, lq, torch.device("cpu"), warps=w, per_sm=fast.ctas_per_sm(d, nqt, w),
+                                 head_dim=d)
+        assert n == 1 or splits < fast.plan(b * 2, lq, torch.device("cpu"), warps=w, head_dim=d)[0]
         assert [x[:3] for x in done] == [(fast.NAME, (b * 2, splits + (not fold), 1), 32 * w)], done
-        assert done[0][3] >= max(fast.exact_smem(d, 4, warps=w), fast.merge_splits(d, 4, 0, w)[1],
+        assert done[0][3] >= max(fast.exact_smem(d, rows, warps=w), fast.merge_splits(d, rows, 0, w)[1],
                                  fast.query_bytes(d)), done
         assert done[0][4] == ctypes.sizeof(fast.Params), done
 
