@@ -154,21 +154,20 @@ def test_pair_table_entries_are_the_fp16_centroid_pairs(bits, per_head):
 
 
 def test_splits_cover_the_history_in_whole_tiles(monkeypatch):
-    """One wave of split CTAs (about 16 warps an SM, or the CTAs an SM holds where given; one CTA an SM where the
-    history limits the splits), each split whole 16-token tiles, the splits tiling the history in order and differing
-    by at most a tile; where the last split's CTA takes the exact copies, that split is shorter by about
-    EXACT_TOKENS."""
+    """One wave of split CTAs (as many as an SM holds, `ctas_per_sm`; one CTA an SM where the history limits the
+    splits), each split whole 16-token tiles, the splits tiling the history in order and differing by at most a
+    tile; where the last split's CTA takes the exact copies, that split is shorter by about EXACT_TOKENS."""
     monkeypatch.setattr(support, "sm_count", lambda d: 132)
-    for w, per_sm, d in ((8, None, 128), (16, None, 128), (8, 1, 128), (8, 1, 256)):
+    for w, d, nq in ((8, 128, 1), (16, 128, 1), (8, 128, 2), (8, 256, 1)):
         for bh, lq in ((8, 131072), (64, 32768), (1, 100), (256, 4096), (8, 17), (8, 130944), (3, 5000), (1, 40000),
                        (8, 4096), (8, 8192), (4, 8192)):
-            splits, fold = fast.plan(bh, lq, torch.device("cpu"), warps=w, per_sm=per_sm, head_dim=d)
+            splits, fold = fast.plan(bh, lq, torch.device("cpu"), warps=w, head_dim=d, nq=nq)
             most = -(-lq // (fast.MIN_TOKENS_PER_SPLIT[w] * 128 // d))
-            ctas = 16 // w if per_sm is None else per_sm
-            assert 1 <= splits <= most and (bh * splits <= ctas * 132 or splits == 1), (w, per_sm, d, bh, lq)
+            ctas = 16 // w if (d, nq) == (128, 1) else 1  # (two CTAs of 8 warps fit at 128 registers a thread)
+            assert 1 <= splits <= most and (bh * splits <= ctas * 132 or splits == 1), (w, d, nq, bh, lq)
             if splits == most and splits > 1:  # limited by the history
                 assert bh * (splits + 1) <= 132, (w, bh, lq, splits)
-            assert fast.plan(bh, lq, torch.device("cpu"), max_splits=2, warps=w, per_sm=per_sm, head_dim=d)[0] <= 2
+            assert fast.plan(bh, lq, torch.device("cpu"), max_splits=2, warps=w, head_dim=d, nq=nq)[0] <= 2
             ranges = [fast.split_range(s, splits, lq, fold) for s in range(splits)]
             assert ranges[0][0] == 0 and ranges[-1][1] == lq, (w, bh, lq, ranges)
             for (s0, e0), (s1, e1) in zip(ranges, ranges[1:]):  # in order, meeting (or empty past the history)
@@ -188,9 +187,9 @@ def test_splits_cover_the_history_in_whole_tiles(monkeypatch):
     assert fast.plan(8, 8192, torch.device("cpu"), warps=8) == (15, False)  # not 16: 136 CTAs on 132 SMs
     assert fast.plan(8, 131072, torch.device("cpu"), warps=8) == (32, False)
     # one CTA an SM (head dim 256, or 16 query rows): one wave of them, not two
-    assert fast.plan(8, 32768, torch.device("cpu"), warps=8, per_sm=1) == (15, False)
-    assert fast.plan(8, 131072, torch.device("cpu"), warps=8, per_sm=1, head_dim=256) == (15, False)
-    assert fast.plan(4, 4096, torch.device("cpu"), warps=8, per_sm=1, head_dim=256) == (16, False)  # 256 a split
+    assert fast.plan(8, 32768, torch.device("cpu"), warps=8, nq=2) == (15, False)
+    assert fast.plan(8, 131072, torch.device("cpu"), warps=8, head_dim=256) == (15, False)
+    assert fast.plan(4, 4096, torch.device("cpu"), warps=8, head_dim=256) == (16, False)  # 256 tokens a split
 
 
 def test_sixteen_warps_where_two_ctas_would_hold_fewer_table_copies():
@@ -263,9 +262,8 @@ def test_the_launcher_runs_without_a_gpu(monkeypatch):
         nqt, rows = (1, 4) if n == 1 else (2, 16)
         w = fast.warps(d, kb, vb, state.k_norms.dtype == torch.float32, state.v_norms.dtype == torch.float32, nqt,
                        (9, 0))
-        splits, fold = fast.plan(b * 2, lq, torch.device("cpu"), warps=w, per_sm=fast.ctas_per_sm(d, nqt, w),
-                                 head_dim=d)
-        assert n == 1 or splits < fast.plan(b * 2, lq, torch.device("cpu"), warps=w, head_dim=d)[0]
+        splits, fold = fast.plan(b * 2, lq, torch.device("cpu"), warps=w, head_dim=d, nq=nqt)
+        assert n == 1 or splits < fast.plan(b * 2, lq, torch.device("cpu"), warps=w, head_dim=d)[0]  # (two CTAs)
         assert [x[:3] for x in done] == [(fast.NAME, (b * 2, splits + (not fold), 1), 32 * w)], done
         assert done[0][3] >= max(fast.exact_smem(d, rows, warps=w), fast.merge_splits(d, rows, 0, w)[1],
                                  fast.query_bytes(d)), done

@@ -878,11 +878,10 @@ def decode_attention(
     use_fast, fold = fast_ok, False
     if use_fast:
         most = None if kv.scratch is None else kv.scratch.numel() // (b * hkv * rows * (d + 2)) - 1
-        nqt = 1 if group * n <= 8 else 2  # query n-tiles
+        nqt = _fast.query_tiles(group * n)
         warps = _fast.warps(d, kcb.bits, vcb.bits, kv.k_norms.dtype == torch.float32,
                             kv.v_norms.dtype == torch.float32, nqt, torch.cuda.get_device_capability(query.device))
-        num_splits, fold = _fast.plan(b * hkv, split_len, query.device, most, warps,
-                                      _fast.ctas_per_sm(d, nqt, warps), d)
+        num_splits, fold = _fast.plan(b * hkv, split_len, query.device, most, warps, d, nqt)
     num_splits, tok_per_split = _split_plan(b * hkv, split_len, query.device, num_splits, block_n, per_sm)
     slots = b * hkv * (num_splits + 1)
     need = slots * rows * (d + 2)

@@ -24,7 +24,6 @@ from .. import _common as C
 from . import jit
 
 NAME = "tq_decode"
-WARPS_PER_SM = 16  # two CTAs of 8 warps, or one of 16 (`warps`)
 HEAD_DIMS = (64, 128, 256)
 BITS = (2, 3, 4, 5)  # pair tables up to 4^5 entries
 MAX_ROWS = 16  # query heads per KV head x queries: two query n-tiles
@@ -88,6 +87,11 @@ def max_rows(head_dim: int) -> int:
     return MAX_ROWS if head_dim <= 128 else 8
 
 
+def query_tiles(rows: int) -> int:
+    """The query n-tiles of 8 rows a CTA holds for `rows` query rows per KV head (the source's NQ)."""
+    return 1 if rows <= 8 else 2
+
+
 def machine_ok(device: torch.device) -> bool:
     """Whether the kernel can run on this device (CUDA, sm_80+, NVRTC found, not turned off by the environment)."""
     if device.type != "cuda" or os.environ.get(ENV, "1") == "0":
@@ -126,9 +130,9 @@ def min_tokens(warps: int, head_dim: int) -> int:
 
 
 def plan(batch_heads: int, packed_len: int, device: torch.device, max_splits: int | None = None,
-         warps: int = 8, per_sm: int | None = None, head_dim: int = 128) -> tuple[int, bool]:
-    """(splits, fold): the packed history's splits, one CTA of `warps` warps each, as many as `per_sm` CTAs an SM
-    (`ctas_per_sm`; default WARPS_PER_SM // warps) hold in one wave, at least `min_tokens` a split, at most
+         warps: int = 8, head_dim: int = 128, nq: int = 1) -> tuple[int, bool]:
+    """(splits, fold): the packed history's splits, one CTA of `warps` warps each, as many as `ctas_per_sm` CTAs an
+    SM hold in one wave (at head dim `head_dim`, `nq` query n-tiles), at least `min_tokens` a split, at most
     max_splits (what a caller's scratch holds); and whether the last split's CTA takes the exact copies too. It does
     where one CTA fills an SM (16 warps) and the splits are long (3 x EXACT_TOKENS or more): an SM of their own would
     idle most of the call (measured on the H100: k5v3 about 1.5 / 8 / 12 us less at 1 x 128k / 8 x 32k / 8 x 128k;
@@ -141,7 +145,7 @@ def plan(batch_heads: int, packed_len: int, device: torch.device, max_splits: in
     from ..support import sm_count
 
     sms = sm_count(device)
-    slots = (WARPS_PER_SM // warps if per_sm is None else per_sm) * sms
+    slots = ctas_per_sm(head_dim, nq, warps) * sms
     want = max(1, slots // batch_heads)  # one wave: a partial second one doubles the time
     most = max(1, -(-max(packed_len, 1) // min_tokens(warps, head_dim)))
     fold = warps == 16 and want >= 2 and packed_len >= 3 * EXACT_TOKENS * want
@@ -366,7 +370,7 @@ def decode(query, kv, pi, scale_log2, kp, kn, vp, vn, rk, rv, sk, sv, mask_args,
     kind = {0: 0, 1: 1, 2: 2, 3: 1, 4: 2}[mask_kind]
     mdt = _MASK_DT[m_arg.dtype] if mask_kind else 0
     kb, vb, kn32, vn32 = kv.k_codebook.bits, kv.v_codebook.bits, kn.dtype == torch.float32, vn.dtype == torch.float32
-    df = defines(d, kb, vb, 1 if group * n <= 8 else 2, kind, mdt, kn32, vn32, kv.static, vec,
+    df = defines(d, kb, vb, query_tiles(group * n), kind, mdt, kn32, vn32, kv.static, vec,
                  _norms_vec(kn, vn) and kp.shape[2] % 2 == 0, torch.cuda.get_device_capability(query.device))
     df.update(Q_DT=_DT[query.dtype], X_DT=_DT[rk.dtype], O_DT=_DT[out.dtype], ROWS=rows,
               MASK_ROW=int(_mask_row(mask_kind, m_arg, ms, kp.shape[2])))
