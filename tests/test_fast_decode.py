@@ -190,6 +190,29 @@ def test_splits_cover_the_history_in_whole_tiles(monkeypatch):
     assert fast.plan(8, 32768, torch.device("cpu"), warps=8, nq=2) == (15, False)
     assert fast.plan(8, 131072, torch.device("cpu"), warps=8, head_dim=256) == (15, False)
     assert fast.plan(4, 4096, torch.device("cpu"), warps=8, head_dim=256) == (16, False)  # 256 tokens a split
+    # fewer than 8 splits: room for the exact copies' CTAs where the splits are short (SmolLM2's 32 KV heads, head
+    # dim 64, at 1 x 4k; Llama's 8 x 4k), not where they are long (1 x 8k; 8 x 8k)
+    assert fast.plan(32, 4096, torch.device("cpu"), warps=16, head_dim=64) == (3, False)
+    assert fast.plan(32, 8192, torch.device("cpu"), warps=16, head_dim=64) == (4, False)
+    assert fast.plan(64, 4096, torch.device("cpu"), warps=8) == (3, False)
+    assert fast.plan(64, 8192, torch.device("cpu"), warps=8) == (4, False)
+
+
+def test_sixteen_warps_where_they_fold_the_exact_copies_into_more_of_the_gpu(monkeypatch):
+    """`choose` takes one CTA of 16 warps an SM instead of the layout's two of 8 where the 16 fold the exact copies
+    into long splits and keep at least 5 % more of the SMs on the history: SmolLM2's 32 KV heads (head dim 64) at
+    1 x 32k and 1 x 128k; not where the two CTAs of 8 fill the GPU as well (Llama's 8 KV heads at 1 x 128k, 8 x 16k),
+    nor at short histories, nor where one CTA of 8 warps fills an SM (head dim 256)."""
+    monkeypatch.setattr(support, "sm_count", lambda d: 132)
+    cpu = torch.device("cpu")
+    assert fast.choose(32, 131072, cpu, None, 64, 1, 8) == (16, 4, True)
+    assert fast.choose(32, 32768, cpu, None, 64, 1, 8) == (16, 4, True)
+    assert fast.choose(32, 4096, cpu, None, 64, 1, 8) == (8, 7, False)
+    assert fast.choose(256, 32768, cpu, None, 64, 1, 8) == (8, 1, False)
+    assert fast.choose(8, 131072, cpu, None, 128, 1, 8) == (8, 32, False)
+    assert fast.choose(64, 16384, cpu, None, 128, 1, 8) == (8, 4, False)
+    assert fast.choose(4, 131072, cpu, None, 256, 1, 8) == (8, 32, False)
+    assert fast.choose(8, 131072, cpu, None, 128, 1, 16) == (16, 16, True)  # (the layout's 16 stay)
 
 
 def test_sixteen_warps_where_two_ctas_would_hold_fewer_table_copies():
@@ -251,10 +274,12 @@ def test_the_launcher_runs_without_a_gpu(monkeypatch):
     monkeypatch.setattr(da, "fast_serves", lambda *a, **k: True)
     monkeypatch.setattr(torch.cuda, "device", lambda d: contextlib.nullcontext())
     monkeypatch.setattr(torch.cuda, "current_stream", lambda d=None: type("S", (), {"cuda_stream": 0})())
-    monkeypatch.setattr(support, "sm_count", lambda d: 132)
-    # (the last: four queries of a GQA group of 4, 16 rows, one CTA an SM: the plan counts 132 CTAs, not 264)
-    for b, lq, kb, vb, d, n in ((1, 3000, 5, 3, 128, 1), (3, 700, 4, 2, 64, 1), (2, 900, 3, 3, 256, 1),
-                                (40, 300, 4, 4, 128, 1), (40, 2000, 5, 3, 128, 4)):
+    # (four queries of a GQA group of 4, 16 rows, one CTA an SM: the plan counts 132 CTAs, not 264; on 8 SMs, k4v4 at
+    # head dim 64 takes 16 warps where the layout's are 8: `choose`)
+    for b, lq, kb, vb, d, n, sms in ((1, 3000, 5, 3, 128, 1, 132), (3, 700, 4, 2, 64, 1, 132),
+                                     (2, 900, 3, 3, 256, 1, 132), (40, 300, 4, 4, 128, 1, 132),
+                                     (40, 2000, 5, 3, 128, 4, 132), (1, 30000, 4, 4, 64, 1, 8)):
+        monkeypatch.setattr(support, "sm_count", lambda dev, s=sms: s)
         state, _, _ = make_state(b, 2, lq, 9, n, d, kb, vb, torch.bfloat16, lq, device="cpu")
         q = torch.randn(b, 8, n, d, dtype=torch.bfloat16)
         done.clear()
@@ -262,7 +287,8 @@ def test_the_launcher_runs_without_a_gpu(monkeypatch):
         nqt, rows = (1, 4) if n == 1 else (2, 16)
         w = fast.warps(d, kb, vb, state.k_norms.dtype == torch.float32, state.v_norms.dtype == torch.float32, nqt,
                        (9, 0))
-        splits, fold = fast.plan(b * 2, lq, torch.device("cpu"), warps=w, head_dim=d, nq=nqt)
+        w, splits, fold = fast.choose(b * 2, lq, torch.device("cpu"), None, d, nqt, w)
+        assert (w, splits, fold) == (16, 4, True) or sms == 132, (w, splits, fold)
         assert n == 1 or splits < fast.plan(b * 2, lq, torch.device("cpu"), warps=w, head_dim=d)[0]  # (two CTAs)
         assert [x[:3] for x in done] == [(fast.NAME, (b * 2, splits + (not fold), 1), 32 * w)], done
         assert done[0][3] >= max(fast.exact_smem(d, rows, warps=w), fast.merge_splits(d, rows, 0, w)[1],

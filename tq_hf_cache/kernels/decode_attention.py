@@ -881,7 +881,7 @@ def decode_attention(
         nqt = _fast.query_tiles(group * n)
         warps = _fast.warps(d, kcb.bits, vcb.bits, kv.k_norms.dtype == torch.float32,
                             kv.v_norms.dtype == torch.float32, nqt, torch.cuda.get_device_capability(query.device))
-        num_splits, fold = _fast.plan(b * hkv, split_len, query.device, most, warps, d, nqt)
+        warps, num_splits, fold = _fast.choose(b * hkv, split_len, query.device, most, d, nqt, warps)
     num_splits, tok_per_split = _split_plan(b * hkv, split_len, query.device, num_splits, block_n, per_sm)
     slots = b * hkv * (num_splits + 1)
     need = slots * rows * (d + 2)
@@ -905,7 +905,7 @@ def decode_attention(
     out = _output(query, out)
     scale_log2 = (d**-0.5 if scale is None else float(scale)) * LOG2E
     if use_fast and _fast.decode(qv, kv, pi, scale_log2, kp, kn, vp, vn, rk, rv, sk, sv, (mask_kind, m_arg, ms), acc,
-                                 ml, counters, lens, (lq, lr, ring), num_splits, fold, rows, out):
+                                 ml, counters, lens, (lq, lr, ring), num_splits, fold, rows, out, warps):
         return out
     (kt, kt_sh), (vt, vt_sh) = lookup_table(kcb, hkv, query.device), lookup_table(vcb, hkv, query.device)
     kplanes, vplanes = planes(kcb.bits), planes(vcb.bits)

@@ -137,11 +137,14 @@ def plan(batch_heads: int, packed_len: int, device: torch.device, max_splits: in
     where one CTA fills an SM (16 warps) and the splits are long (3 x EXACT_TOKENS or more): an SM of their own would
     idle most of the call (measured on the H100: k5v3 about 1.5 / 8 / 12 us less at 1 x 128k / 8 x 32k / 8 x 128k;
     with two CTAs an SM, or short splits, it was slower). Otherwise they have a CTA of their own, room for which is
-    left where that costs little. Where the history is what limits the splits, no two CTAs share an SM: at 1 x 8k,
-    k4v4's 16 splits took 18.4 us, 15 of them 14.7 (H100). Counting two CTAs an SM where only one fits (head dim
-    256, 16 query rows) made a second wave: 62 against 50 us at 1 x 32k (Gemma 3 12B, k5v3), 60 against 40 (Llama
-    3.1 8B, four queries). The kernel places the splits' boundaries from the packed length it reads
-    (`split_range`)."""
+    left in the wave where that costs little: at 8 or more splits, or where one split fewer costs less than the exact
+    copies' CTAs waiting for a second wave (history < EXACT_TOKENS / 4 x splits x (splits - 1): that wait took as
+    long as 560-810 packed tokens of a split on the H100; SmolLM2-1.7B's 32 KV heads, k5v3: 3 splits 11.9 us at
+    1 x 4k, 4 of them 13.9; at 1 x 12k 23.3 and 22.6; Llama 3.1 8B at 8 x 4k, k4v4: 28.2 and 30.8). Where the
+    history is what limits the splits, no two CTAs share an SM: at 1 x 8k, k4v4's 16 splits took 18.4 us, 15 of
+    them 14.7 (H100). Counting two CTAs an SM where only one fits (head dim 256, 16 query rows) made a second wave: 62
+    against 50 us at 1 x 32k (Gemma 3 12B, k5v3), 60 against 40 (Llama 3.1 8B, four queries). The kernel places the
+    splits' boundaries from the packed length it reads (`split_range`)."""
     from ..support import sm_count
 
     sms = sm_count(device)
@@ -149,14 +152,28 @@ def plan(batch_heads: int, packed_len: int, device: torch.device, max_splits: in
     want = max(1, slots // batch_heads)  # one wave: a partial second one doubles the time
     most = max(1, -(-max(packed_len, 1) // min_tokens(warps, head_dim)))
     fold = warps == 16 and want >= 2 and packed_len >= 3 * EXACT_TOKENS * want
-    if not fold and want >= 8:
-        want = (slots - batch_heads) // batch_heads
+    if not fold and (want >= 8 or packed_len < EXACT_TOKENS // 4 * want * (want - 1)):
+        want = (slots - batch_heads) // batch_heads  # room for the exact copies' CTAs in the wave
     splits = min(want, most)
     if not fold and splits == most and batch_heads * (splits + 1) > sms:
         splits = max(1, min(splits, sms // batch_heads - 1))
     if max_splits is not None:
         splits = max(1, min(splits, max_splits))
     return splits, fold
+
+
+def choose(batch_heads: int, packed_len: int, device: torch.device, max_splits: int | None, head_dim: int, nq: int,
+           warps: int) -> tuple[int, int, bool]:
+    """(warps, splits, fold): `plan` for the layout's `warps`, or for one CTA of 16 warps an SM where the layout
+    chose two of 8 and 16 fold the exact copies into long splits with at least 5 % more of the SMs on the history
+    (the two CTAs of 8 leave slots to the exact copies' CTAs). SmolLM2-1.7B's 32 KV heads at 1 x 128k, k4v4 (H100):
+    4 splits of 16 warps, folded, 129 us a call; 7 of 8 warps and the exact copies' CTAs 148."""
+    splits, fold = plan(batch_heads, packed_len, device, max_splits, warps, head_dim, nq)
+    if warps == 8 and ctas_per_sm(head_dim, nq, 8) == 2 and not fold:
+        s16, f16 = plan(batch_heads, packed_len, device, max_splits, 16, head_dim, nq)
+        if f16 and 40 * s16 > 21 * splits:  # s16 / SMs against splits / (2 SMs), 5 % more
+            return 16, s16, f16
+    return warps, splits, fold
 
 
 def split_range(split: int, splits: int, packed_len: int, fold: bool) -> tuple[int, int]:
@@ -313,8 +330,10 @@ def _norms_vec(*norms: torch.Tensor) -> bool:
 
 
 def defines(d: int, kb: int, vb: int, nq: int, mask_kind: int, mask_dt: int, kn_f32: bool, vn_f32: bool,
-            static: bool, vec: int, nvec: bool, capability: tuple[int, int] = (9, 0)) -> dict[str, int]:
-    w = warps(d, kb, vb, kn_f32, vn_f32, nq, capability)
+            static: bool, vec: int, nvec: bool, capability: tuple[int, int] = (9, 0),
+            w: int | None = None) -> dict[str, int]:
+    """The packed kernel's defines; `w` warps a CTA (default: `warps`, the layout's choice)."""
+    w = w or warps(d, kb, vb, kn_f32, vn_f32, nq, capability)
     st, kr, vr = layout(d, kb, vb, kn_f32, vn_f32, nq, capability, w)
     return dict(D=d, KB=kb, VB=vb, NQ=nq, MASK_KIND=mask_kind, MASK_DT=mask_dt, KN_F32=int(kn_f32),
                 VN_F32=int(vn_f32), KR=kr, VR=vr, STATIC=int(static), VEC=vec, NVEC=int(nvec), STAGES=st, WARPS=w,
@@ -355,8 +374,9 @@ def _mask_row(mask_kind: int, m_arg: torch.Tensor, strides, slots: int) -> bool:
 
 
 def decode(query, kv, pi, scale_log2, kp, kn, vp, vn, rk, rv, sk, sv, mask_args, acc, ml, counters, lens, lengths,
-           num_splits: int, fold: bool, rows: int, out) -> bool:
-    """The whole decode attention of `..decode_attention.decode_attention` (its prepared arguments) into `out`.
+           num_splits: int, fold: bool, rows: int, out, w: int | None = None) -> bool:
+    """The whole decode attention of `..decode_attention.decode_attention` (its prepared arguments) into `out`, in CTAs
+    of `w` warps (`choose`'s; default the layout's).
     Returns False, having launched nothing, when the kernels cannot be used here (and turns them off on this
     device, with a warning, when they fail to build or load)."""
     b, hq, n, d = query.shape
@@ -371,7 +391,7 @@ def decode(query, kv, pi, scale_log2, kp, kn, vp, vn, rk, rv, sk, sv, mask_args,
     mdt = _MASK_DT[m_arg.dtype] if mask_kind else 0
     kb, vb, kn32, vn32 = kv.k_codebook.bits, kv.v_codebook.bits, kn.dtype == torch.float32, vn.dtype == torch.float32
     df = defines(d, kb, vb, query_tiles(group * n), kind, mdt, kn32, vn32, kv.static, vec,
-                 _norms_vec(kn, vn) and kp.shape[2] % 2 == 0, torch.cuda.get_device_capability(query.device))
+                 _norms_vec(kn, vn) and kp.shape[2] % 2 == 0, torch.cuda.get_device_capability(query.device), w)
     df.update(Q_DT=_DT[query.dtype], X_DT=_DT[rk.dtype], O_DT=_DT[out.dtype], ROWS=rows,
               MASK_ROW=int(_mask_row(mask_kind, m_arg, ms, kp.shape[2])))
     xbytes, smem, w = rk.element_size(), packed_smem(df), df["WARPS"]

@@ -133,13 +133,14 @@ __device__ __forceinline__ void load_span(const unsigned char* row, int start, u
     const u32* p = reinterpret_cast<const u32*>(row + start);
 #pragma unroll
     for (int i = 0; i < NW; ++i) w[i] = p[i];
-  } else {  // a span that starts inside a word: whole words of the row (clamped to it), then realigned
+  } else {  // a span that starts inside a word: whole words, then realigned (the last word may lie past the row: the
+           // next row or part of a tile in the ring, in shared memory; its bits go unused)
     const u32* p = reinterpret_cast<const u32*>(row);
     const int a = start >> 2;
     const u32 sh = (start & 3) * 8;
     u32 raw[NW + 1];
 #pragma unroll
-    for (int i = 0; i <= NW; ++i) raw[i] = p[min(a + i, ROWB / 4 - 1)];
+    for (int i = 0; i <= NW; ++i) raw[i] = p[a + i];
 #pragma unroll
     for (int i = 0; i < NW; ++i) w[i] = shf_r(raw[i], raw[i + 1], sh);
   }
@@ -215,6 +216,9 @@ struct MaskTile {
 #define VNB (VN_F32 ? 4 : 2)
 #define TILE_BYTES (((16 * (KPT + VPT + KNB + VNB)) + 15) / 16 * 16)
 #define STAGE_BYTES (WARPS * STAGES * TILE_BYTES)
+#ifndef QREG
+#define QREG (D == 64)
+#endif
 #define CHUNK ((VEC >= 16 && KPT % 16 == 0 && VPT % 16 == 0) ? 16 : (VEC >= 8 && KPT % 8 == 0 && VPT % 8 == 0) ? 8 : 4)
 
 template <int N>
@@ -562,6 +566,7 @@ __device__ __forceinline__ void packed_part(const Params& p, unsigned char* smem
     }
   };
 
+  u32 qa[QREG ? KS : 1][4];  // head dim 64: the query's fragments in registers (16), not an LDS.128 a k-step and tile
   auto compute = [&](int t, const unsigned char* st, const MaskTile& mk) {
     const int tb = min(t, last_tb);
     const int t0 = tb + 2 * l4;
@@ -589,8 +594,12 @@ __device__ __forceinline__ void packed_part(const Params& p, unsigned char* smem
 #pragma unroll
     for (int ks = 0; ks < KS; ++ks) {
       u32 a0, a1, a2, a3;
-      asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];" : "=r"(a0), "=r"(a1), "=r"(a2), "=r"(a3)
-                   : "r"(qsm + (ks * 32 + lane) * 16));
+      if constexpr (QREG) {
+        a0 = qa[ks][0]; a1 = qa[ks][1]; a2 = qa[ks][2]; a3 = qa[ks][3];
+      } else {
+        asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];" : "=r"(a0), "=r"(a1), "=r"(a2), "=r"(a3)
+                     : "r"(qsm + (ks * 32 + lane) * 16));
+      }
 #pragma unroll
       for (int n = 0; n < 2; ++n) {
         const u32 b0 = lds(ktb + pair_offset<KB, LOGKR>(kw[n], 2 * ks, klane));
@@ -699,6 +708,11 @@ __device__ __forceinline__ void packed_part(const Params& p, unsigned char* smem
   }
   rotation_store(p, qr, qsm, warp, lane);
   __syncthreads();  // the tables and the query fragments written
+  if constexpr (QREG)
+#pragma unroll
+    for (int ks = 0; ks < KS; ++ks)
+      asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];" : "=r"(qa[ks][0]), "=r"(qa[ks][1]), "=r"(qa[ks][2]),
+                   "=r"(qa[ks][3]) : "r"(qsm + (ks * 32 + lane) * 16));
   MaskTile mk, mk_next;
   if (t0 < end) load_mask(t0, mk);
   int stage = 0;
