@@ -420,6 +420,18 @@ def test_fast_kernel_with_the_exact_copies_in_the_last_split(case, launches, mon
 
 
 @gpu
+def test_fast_kernel_in_the_sixteen_warps_choose_takes_over_the_layouts_eight(launches, monkeypatch):
+    """k4v4 at head dim 64 (the layout's two CTAs of 8 warps an SM) on a GPU taken as 16 SMs, over a history long
+    enough that `choose` takes one CTA of 16 warps, the exact copies folded into the last split."""
+    monkeypatch.setattr(support, "sm_count", lambda d: 16)
+    plans, real = [], fast.choose
+    monkeypatch.setattr(fast, "choose", lambda *a, **k: plans.append(real(*a, **k)) or plans[-1])
+    case = (4, 4, 64, 2, 1, 25000, 30, torch.bfloat16, "bool", 2, False)
+    test_fast_kernel_matches_the_oracle_and_the_triton_kernel(case, launches)
+    assert plans[0] == (16, 4, True), plans
+
+
+@gpu
 @pytest.mark.parametrize("d,group,n,mask_kind", [(128, 4, 16, None), (128, 4, 13, "bool"), (256, 2, 9, "additive"),
                                                  (64, 8, 5, None)])
 def test_more_query_rows_than_the_kernel_holds_go_in_chunks_of_queries(d, group, n, mask_kind, launches):
