@@ -70,7 +70,7 @@ class Params(ctypes.Structure):
         ("out", ctypes.c_void_p), ("sob", ctypes.c_int64), ("son", ctypes.c_int64), ("soh", ctypes.c_int64),
         ("counters", ctypes.c_void_p),
         ("lr", ctypes.c_int32), ("ring", ctypes.c_int32), ("scale_log2", ctypes.c_float),
-        ("pif", ctypes.c_void_p),
+        ("pif", ctypes.c_void_p), ("pih", ctypes.c_void_p),
     ]
 
 
@@ -200,6 +200,7 @@ def pair_table(codebook, heads: int, device: torch.device) -> tuple[torch.Tensor
 
 
 _PIF: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+_PIH: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
 def pi_fragments(pi: torch.Tensor) -> torch.Tensor:
@@ -218,13 +219,22 @@ def pi_fragments(pi: torch.Tensor) -> torch.Tensor:
     return f.contiguous().view(torch.int32).squeeze(-1).contiguous()
 
 
-def _fragments(rotation, pi: torch.Tensor) -> torch.Tensor:
-    """`pi_fragments`, made once per rotation and device."""
-    per = _PIF.setdefault(rotation, {})
+def _per_rotation(store, rotation, pi: torch.Tensor, make) -> torch.Tensor:
+    """make(pi), made once per rotation and device."""
+    per = store.setdefault(rotation, {})
     t = per.get(pi.device)
     if t is None:
-        t = per[pi.device] = pi_fragments(pi)
+        t = per[pi.device] = make(pi)
     return t
+
+
+def _fragments(rotation, pi: torch.Tensor) -> torch.Tensor:
+    return _per_rotation(_PIF, rotation, pi, pi_fragments)
+
+
+def _halves(rotation, pi: torch.Tensor) -> torch.Tensor:
+    """Pi as fp16 (the merge's rotation back: half the bytes of fp32 on the call's last CTA)."""
+    return _per_rotation(_PIH, rotation, pi, lambda x: x.to(torch.float16).contiguous())
 
 
 def prepare(rotation, k_codebook, v_codebook, heads: int, device: torch.device) -> None:
@@ -234,7 +244,9 @@ def prepare(rotation, k_codebook, v_codebook, heads: int, device: torch.device) 
         if cb.bits in BITS:
             pair_table(cb, heads, device)
     pi = rotation.matrix
-    _fragments(rotation, pi if pi.device == device else pi.to(device))
+    pi = pi if pi.device == device else pi.to(device)
+    _fragments(rotation, pi)
+    _halves(rotation, pi)
 
 
 _MASK_DT = {torch.uint8: 0, torch.float16: 1, torch.bfloat16: 2, torch.float32: 3}
@@ -408,7 +420,7 @@ def decode(query, kv, pi, scale_log2, kp, kn, vp, vn, rk, rv, sk, sv, mask_args,
     lq, lr, ring = lengths
     pi = pi.contiguous()
     (kt, kt_sh), (vt, vt_sh) = pair_table(kv.k_codebook, hkv, device), pair_table(kv.v_codebook, hkv, device)
-    pif = _fragments(kv.rotation, pi)
+    pif, pih = _fragments(kv.rotation, pi), _halves(kv.rotation, pi)
     ln, fr = lens if lens is not None else (acc, acc)
     m_ptr = m_arg.data_ptr() if mask_kind else 0
     m_strides = tuple(ms) if mask_kind else (0, 0, 0, 0)
@@ -422,7 +434,7 @@ def decode(query, kv, pi, scale_log2, kp, kn, vp, vn, rk, rv, sk, sv, mask_args,
         query.data_ptr(), *query.stride()[:3], pi.data_ptr(),
         sk.data_ptr(), sk.stride(0), sk.stride(1), sv.data_ptr(), sv.stride(0), sv.stride(1),
         rk.data_ptr(), rk.stride(0), rk.stride(1), rv.data_ptr(), rv.stride(0), rv.stride(1),
-        out.data_ptr(), *out.stride()[:3], counters.data_ptr(), lr, ring, scale_log2, pif.data_ptr())
+        out.data_ptr(), *out.stride()[:3], counters.data_ptr(), lr, ring, scale_log2, pif.data_ptr(), pih.data_ptr())
     with torch.cuda.device(device):  # the kernel belongs to this device's context: make it current for the launch
         grid = (b * hkv, num_splits + (0 if fold else 1), 1)  # (the exact copies' own CTA unless folded)
         main.launch(grid, 32 * w, params, torch.cuda.current_stream(device).cuda_stream)

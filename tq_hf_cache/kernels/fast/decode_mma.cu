@@ -52,6 +52,7 @@ struct Params {
   int lr, ring;
   float scale_log2;
   const uint4* pif;                   // (D / 8, 32, D / 16, 2) half2: Pi in the rotation MMA's B fragment order
+  const uint2* pih;                   // (D, D / 4) Pi as fp16, four of a row a load: the merge's rotation (PIH)
 };
 
 #ifndef WARPS  // 8, or 16 in one CTA an SM (where two CTAs of 8 would hold fewer copies of the tables)
@@ -984,6 +985,9 @@ __device__ __forceinline__ void exact_part(const Params& p, unsigned char* smem,
 #define PRE (ROWS <= 4 ? (CPG < 16 ? CPG : 16) : ROWS <= 8 ? (CPG < 8 ? CPG : 8) : 0)
 #define UNROLL (PRE > 0 ? PRE : (CPG < 8 ? CPG : 8))
 #define EPT ((ROWS * D + WARPS * 32 - 1) / (WARPS * 32))  // output elements a thread writes
+#ifndef PIH  // 1: the merge rotates by Pi's fp16 copy (half the bytes from L2 on the call's last CTA), else its fp32
+#define PIH 1
+#endif
 #define XPRE (ROWS <= 8)  // the exact partial's values loaded before the packed partials too
 // lanes a column of the pass over the splits
 #define MH (ROWS * NV * 4 <= WARPS * 32 ? 4 : ROWS * NV * 2 <= WARPS * 32 ? 2 : 1)
@@ -1009,11 +1013,25 @@ __device__ __forceinline__ void merge_last(const Params& p, unsigned char* smem,
   const int live = p.group * p.nq, R = p.rows, ns = p.num_splits;
   const i64 base = static_cast<i64>(bh) * (ns + 1), ex = base + ns;
   const int xv = tid % NV, cg = tid / NV;
-  const float4* pi4 = reinterpret_cast<const float4*>(p.pi);
-  float4 w0[UNROLL];
+#if PIH
+  typedef uint2 PiRow;  // Pi[c, 4 xv .. 4 xv + 3]
+  const PiRow* pir = p.pih;
+#else
+  typedef float4 PiRow;
+  const PiRow* pir = reinterpret_cast<const float4*>(p.pi);
+#endif
+  auto pi4 = [](const PiRow& v) {
+#if PIH
+    return make_float4(h2f(static_cast<u16>(v.x & 0xffff)), h2f(static_cast<u16>(v.x >> 16)),
+                       h2f(static_cast<u16>(v.y & 0xffff)), h2f(static_cast<u16>(v.y >> 16)));
+#else
+    return v;
+#endif
+  };
+  PiRow w0[UNROLL];
   if constexpr (PRE > 0) {
 #pragma unroll
-    for (int k = 0; k < PRE; ++k) w0[k] = __ldg(pi4 + (cg * CPG + k) * NV + xv);
+    for (int k = 0; k < PRE; ++k) w0[k] = __ldg(pir + (cg * CPG + k) * NV + xv);
   }
   float xa[EPT], xm[EPT], xl[EPT];
   auto exact_value = [&](int i) {  // the exact partial at this thread's output element i
@@ -1108,7 +1126,7 @@ __device__ __forceinline__ void merge_last(const Params& p, unsigned char* smem,
       float4 w[UNROLL];
 #pragma unroll
       for (int k = 0; k < UNROLL; ++k)
-        w[k] = PRE > 0 && c0 == 0 ? w0[k] : __ldg(pi4 + (cg * CPG + c0 + k) * NV + xv);
+        w[k] = pi4(PRE > 0 && c0 == 0 ? w0[k] : __ldg(pir + (cg * CPG + c0 + k) * NV + xv));
 #pragma unroll
       for (int k = 0; k < UNROLL; ++k)
 #pragma unroll
