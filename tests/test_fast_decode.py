@@ -213,6 +213,25 @@ def test_sixteen_warps_where_they_fold_the_exact_copies_into_more_of_the_gpu(mon
     assert fast.choose(64, 16384, cpu, None, 128, 1, 8) == (8, 4, False)
     assert fast.choose(4, 131072, cpu, None, 256, 1, 8) == (8, 32, False)
     assert fast.choose(8, 131072, cpu, None, 128, 1, 16) == (16, 16, True)  # (the layout's 16 stay)
+    assert fast.choose(32, 131072, cpu, 4, 64, 1, 8) == (8, 4, False)  # (a caller's scratch cuts the splits)
+    monkeypatch.setattr(support, "sm_count", lambda d: 20)  # 20 folded splits of 16 warps against 39 of 8: under 5 %
+    assert fast.choose(1, 131072, cpu, None, 64, 1, 8) == (8, 39, False)
+    assert fast.plan(1, 131072, cpu, None, 16, 64, 1) == (20, True)
+
+
+def test_pi_halves_are_made_once_per_rotation_and_device():
+    """The merge's fp16 Pi (`_halves`) is Pi rounded to fp16, made once per rotation and device (and by `prepare`,
+    outside any CUDA graph), like the query rotation's fragments."""
+    from tq_hf_cache.codebook import theoretical_codebook
+    from tq_hf_cache.rotation import make_rotation
+
+    rot = make_rotation(128, 3)
+    pi = rot.matrix
+    fast._PIH.pop(rot, None)
+    fast.prepare(rot, theoretical_codebook(4, 128), theoretical_codebook(3, 128), 2, pi.device)
+    h = fast._PIH[rot][pi.device]
+    assert h.dtype == torch.float16 and h.is_contiguous() and torch.equal(h, pi.to(torch.float16))
+    assert fast._halves(rot, pi) is h and fast._fragments(rot, pi) is fast._PIF[rot][pi.device]
 
 
 def test_sixteen_warps_where_two_ctas_would_hold_fewer_table_copies():

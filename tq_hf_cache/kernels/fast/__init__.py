@@ -166,12 +166,13 @@ def choose(batch_heads: int, packed_len: int, device: torch.device, max_splits: 
            warps: int) -> tuple[int, int, bool]:
     """(warps, splits, fold): `plan` for the layout's `warps`, or for one CTA of 16 warps an SM where the layout
     chose two of 8 and 16 fold the exact copies into long splits with at least 5 % more of the SMs on the history
-    (the two CTAs of 8 leave slots to the exact copies' CTAs). SmolLM2-1.7B's 32 KV heads at 1 x 128k, k4v4 (H100):
-    4 splits of 16 warps, folded, 129 us a call; 7 of 8 warps and the exact copies' CTAs 148."""
+    (the two CTAs of 8 leave slots to the exact copies' CTAs), neither cut by max_splits. SmolLM2-1.7B's 32 KV heads
+    at 1 x 128k, k4v4 (H100): 4 splits of 16 warps, folded, 129 us a call; 7 of 8 warps and the exact copies' CTAs
+    148."""
     splits, fold = plan(batch_heads, packed_len, device, max_splits, warps, head_dim, nq)
-    if warps == 8 and ctas_per_sm(head_dim, nq, 8) == 2 and not fold:
+    if warps == 8 and ctas_per_sm(head_dim, nq, 8) == 2 and not fold and (max_splits is None or splits < max_splits):
         s16, f16 = plan(batch_heads, packed_len, device, max_splits, 16, head_dim, nq)
-        if f16 and 40 * s16 > 21 * splits:  # s16 / SMs against splits / (2 SMs), 5 % more
+        if f16 and s16 >= 2 and 40 * s16 > 21 * splits:  # s16 / SMs against splits / (2 SMs), 5 % more
             return 16, s16, f16
     return warps, splits, fold
 
@@ -397,7 +398,7 @@ def decode(query, kv, pi, scale_log2, kp, kn, vp, vn, rk, rv, sk, sv, mask_args,
     mask_kind, m_arg, ms = mask_args
     vec = _vec(kp, vp)
     if (vec == 0 or query.dtype not in _DT or rk.dtype not in _DT or pi.dtype != torch.float32
-            or acc.data_ptr() % 16 or pi.data_ptr() % 16):  # (the merge reads both four floats at a time)
+            or acc.data_ptr() % 16 or pi.data_ptr() % 16):  # (16-byte reads: the partials; Pi without PIH)
         return False
     kind = {0: 0, 1: 1, 2: 2, 3: 1, 4: 2}[mask_kind]
     mdt = _MASK_DT[m_arg.dtype] if mask_kind else 0

@@ -509,7 +509,8 @@ __device__ __forceinline__ void packed_part(const Params& p, unsigned char* smem
   const int last_tb = p.slots - 16;
 
   // Q's A registers of k-step s (rows g, g + 8; channels l4 D/4 + 4s + {0, 1} (a0, a1) and + {2, 3} (a2, a3)) in
-  // shared memory after the tables, in fragment order (k-step, lane: 4 words): one LDS.128 each in the loop
+  // shared memory after the tables, in fragment order (k-step, lane: 4 words): one LDS.128 each in the loop, or
+  // (QREG) once before it
   const u32 qsm = shared_addr(smem) + STAGE_BYTES + KTAB_BYTES + VTAB_BYTES;
 
   const unsigned char* kbase = p.kp + b * p.skpb + h * p.skph;
