@@ -387,9 +387,9 @@ def _mask_row(mask_kind: int, m_arg: torch.Tensor, strides, slots: int) -> bool:
 
 
 def decode(query, kv, pi, scale_log2, kp, kn, vp, vn, rk, rv, sk, sv, mask_args, acc, ml, counters, lens, lengths,
-           num_splits: int, fold: bool, rows: int, out, w: int | None = None) -> bool:
+           num_splits: int, fold: bool, rows: int, out, w: int) -> bool:
     """The whole decode attention of `..decode_attention.decode_attention` (its prepared arguments) into `out`, in CTAs
-    of `w` warps (`choose`'s; default the layout's).
+    of `w` warps (`choose`'s).
     Returns False, having launched nothing, when the kernels cannot be used here (and turns them off on this
     device, with a warning, when they fail to build or load)."""
     b, hq, n, d = query.shape
