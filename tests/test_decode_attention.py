@@ -42,12 +42,14 @@ def codebook(bits, d):
     return theoretical_codebook(bits, d)
 
 
-def make_state(b, hkv, lq, lr, n, d, kbits, vbits, dtype, seed, per_head=False, device=DEVICE, sinks=0):
+def make_state(b, hkv, lq, lr, n, d, kbits, vbits, dtype, seed, per_head=False, device=DEVICE, sinks=0,
+               rotation="auto"):
     """A random dynamic-layer `PackedKV` (packed [0, lq), then lr residual and n new tokens in the ring) laid out as
     a TurboQuantLayer's views give it (slices of bigger buffers, poisoned past the live part), plus the oracle's
-    K, V. With `sinks`, the first packed tokens also have exact copies (attention sinks), which the oracle uses."""
+    K, V. With `sinks`, the first packed tokens also have exact copies (attention sinks), which the oracle uses;
+    `rotation` is make_rotation's kind."""
     g = torch.Generator().manual_seed(seed)
-    rot = make_rotation(d, seed % 1000)
+    rot = make_rotation(d, seed % 1000, rotation)
     kcb, vcb = codebook(kbits, d), codebook(vbits, d)
     if per_head:  # calibrated-style per-KV-head codebooks: perturbed, still sorted
         kcb = Codebook.from_centroids(kcb.centroids * (1 + 0.2 * torch.rand(hkv, 1, generator=g)), kbits)

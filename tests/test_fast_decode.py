@@ -219,19 +219,31 @@ def test_sixteen_warps_where_they_fold_the_exact_copies_into_more_of_the_gpu(mon
     assert fast.plan(1, 131072, cpu, None, 16, 64, 1) == (20, True)
 
 
-def test_pi_halves_are_made_once_per_rotation_and_device():
-    """The merge's fp16 Pi (`_halves`) is Pi rounded to fp16, made once per rotation and device (and by `prepare`,
-    outside any CUDA graph), like the query rotation's fragments."""
+@pytest.mark.parametrize("d", [64, 128, 256])
+def test_prepare_makes_a_rotations_kernel_operands_once(d):
+    """`prepare` (outside any CUDA graph) makes what the kernel reads of a rotation, once per rotation and device: a
+    Hadamard rotation's signs as bit words (the kernel's butterflies need nothing else), a dense rotation's Pi in the
+    query rotation's fragment order and rounded to fp16 for the merge."""
     from tq_hf_cache.codebook import theoretical_codebook
     from tq_hf_cache.rotation import make_rotation
 
-    rot = make_rotation(128, 3)
+    cbs = theoretical_codebook(4, d), theoretical_codebook(3, d)
+    had = make_rotation(d, 3)
+    assert fast.hadamard(had)
+    fast.prepare(had, *cbs, 2, had.signs.device)
+    w = fast._SGN[had][had.signs.device]
+    neg = [bool((int(w[c // 32]) >> (c % 32)) & 1) for c in range(d)]
+    assert w.dtype == torch.int32 and w.shape == (d // 32,) and neg == (had.signs < 0).tolist()
+    assert fast._signs(had, had.signs.device) is w and had not in fast._PIH and had not in fast._PIF
+    if d == 256:  # (dense rotations: head dims up to 128)
+        return
+    rot = make_rotation(d, 3, "orthogonal")
+    assert not fast.hadamard(rot)
     pi = rot.matrix
-    fast._PIH.pop(rot, None)
-    fast.prepare(rot, theoretical_codebook(4, 128), theoretical_codebook(3, 128), 2, pi.device)
+    fast.prepare(rot, *cbs, 2, pi.device)
     h = fast._PIH[rot][pi.device]
     assert h.dtype == torch.float16 and h.is_contiguous() and torch.equal(h, pi.to(torch.float16))
-    assert fast._halves(rot, pi) is h and fast._fragments(rot, pi) is fast._PIF[rot][pi.device]
+    assert fast._halves(rot, pi) is h and fast._fragments(rot, pi) is fast._PIF[rot][pi.device] and rot not in fast._SGN
 
 
 def test_sixteen_warps_where_two_ctas_would_hold_fewer_table_copies():
@@ -391,17 +403,28 @@ GPU_CASES = [
 
 def _gpu_id(c):
     return f"k{c[0]}v{c[1]}-d{c[2]}-g{c[3]}-n{c[4]}-lq{c[5]}-lr{c[6]}-{str(c[7])[6:]}-{c[8]}-sinks{c[9]}" + \
-        ("-ph" if c[10] else "")
+        ("-ph" if c[10] else "") + "".join(f"-{x}" for x in c[11:])
+
+
+# a dense rotation (rotation="orthogonal"): the query and the merge rotate by Pi, not by butterflies
+DENSE_CASES = [
+    (5, 3, 128, 4, 1, 3001, 9, torch.bfloat16, "bool", 4, False),
+    (4, 4, 64, 2, 3, 1500, 2, torch.float16, None, 0, True),
+    (4, 2, 128, 8, 2, 700, 5, torch.float16, "additive", 2, False),
+]
 
 
 @gpu
-@pytest.mark.parametrize("case", GPU_CASES, ids=_gpu_id)
+@pytest.mark.parametrize("case", GPU_CASES + [(*c, "orthogonal") for c in DENSE_CASES], ids=_gpu_id)
 def test_fast_kernel_matches_the_oracle_and_the_triton_kernel(case, launches):
-    kbits, vbits, d, group, n, lq, lr, dtype, mask_kind, sinks, per_head = case
+    kbits, vbits, d, group, n, lq, lr, dtype, mask_kind, sinks, per_head = case[:11]
+    rotation = case[11] if len(case) > 11 else "auto"
     seed = fresh_seed()
     b, hkv = 2, 2
     hq = hkv * group
-    state, kf, vf = make_state(b, hkv, lq, lr, n, d, kbits, vbits, dtype, seed, per_head, sinks=sinks)
+    state, kf, vf = make_state(b, hkv, lq, lr, n, d, kbits, vbits, dtype, seed, per_head, sinks=sinks,
+                               rotation=rotation)
+    assert fast.hadamard(state.rotation) == (rotation == "auto"), rotation
     q = make_query(b, hq, n, d, dtype, seed)
     t = lq + lr + n
     mask = None if mask_kind is None else padding_mask(b, 1, n, t, [min(4, lq), 0], mask_kind)

@@ -56,7 +56,7 @@ EDITS = [
      "  " + _at(12) + "\n  merge_last(p, smem, bh);\n  __syncthreads();\n  if (threadIdx.x == 0) { " + _NOW
      + " tl_[3] = t_; }\n}"),
     # inside the merge: 13 its pass over the splits done, 14 its rotation done
-    ("  __syncthreads();\n  {  // red[cg", "  __syncthreads();\n  " + _at(13) + "\n  {  // red[cg"),
+    ("  __syncthreads();\n#if HAD\n  for (int r = warp;", "  __syncthreads();\n  " + _at(13) + "\n#if HAD\n  for (int r = warp;"),
     ("  __syncthreads();\n\n  // out[r, x]", "  __syncthreads();\n  " + _at(14) + "\n\n  // out[r, x]"),
     ("    __syncthreads();  // the exact partial is out of shared memory\n",
      "    __syncthreads();  // the exact partial is out of shared memory\n    if (threadIdx.x == 0) { " + _NOW + " tl_[5] = t_; }\n"),

@@ -70,7 +70,7 @@ class Params(ctypes.Structure):
         ("out", ctypes.c_void_p), ("sob", ctypes.c_int64), ("son", ctypes.c_int64), ("soh", ctypes.c_int64),
         ("counters", ctypes.c_void_p),
         ("lr", ctypes.c_int32), ("ring", ctypes.c_int32), ("scale_log2", ctypes.c_float),
-        ("pif", ctypes.c_void_p), ("pih", ctypes.c_void_p),
+        ("pif", ctypes.c_void_p), ("pih", ctypes.c_void_p), ("sgn", ctypes.c_void_p),
     ]
 
 
@@ -220,6 +220,27 @@ def pi_fragments(pi: torch.Tensor) -> torch.Tensor:
     return f.contiguous().view(torch.int32).squeeze(-1).contiguous()
 
 
+_SGN: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def hadamard(rotation) -> bool:
+    """Whether the kernel rotates by butterflies (the source's HAD): Pi = H diag(s) / sqrt(D), no matrix read."""
+    return rotation.kind == "hadamard" and rotation.signs is not None
+
+
+def sign_words(signs: torch.Tensor) -> torch.Tensor:
+    """A Hadamard rotation's signs as the kernel's `sgn`: int32 (D / 32,), bit b of word w set where s_(32 w + b) is
+    -1."""
+    neg = (signs.reshape(-1, 32) < 0).to(torch.int64) << torch.arange(32, device=signs.device)
+    w = neg.sum(-1)
+    return w.where(w < 2**31, w - 2**32).to(torch.int32).contiguous()
+
+
+def _signs(rotation, device: torch.device) -> torch.Tensor:
+    signs = rotation.signs if rotation.signs.device == device else rotation.signs.to(device)
+    return _per_rotation(_SGN, rotation, signs, sign_words)
+
+
 def _per_rotation(store, rotation, pi: torch.Tensor, make) -> torch.Tensor:
     """make(pi), made once per rotation and device."""
     per = store.setdefault(rotation, {})
@@ -244,6 +265,9 @@ def prepare(rotation, k_codebook, v_codebook, heads: int, device: torch.device) 
     for cb in (k_codebook, v_codebook):
         if cb.bits in BITS:
             pair_table(cb, heads, device)
+    if hadamard(rotation):
+        _signs(rotation, device)
+        return
     pi = rotation.matrix
     pi = pi if pi.device == device else pi.to(device)
     _fragments(rotation, pi)
@@ -362,11 +386,12 @@ def exact_smem(d: int, rows: int, batch: int = 8, xbytes: int = 2, warps: int = 
     return 4 * (rows * d + 2 * warps * rows) + max(4 * warps * rows * d, batch * 2 * d * xbytes)
 
 
-def merge_splits(d: int, rows: int, smem: int, warps: int = 8) -> tuple[int, int]:
+def merge_splits(d: int, rows: int, smem: int, warps: int = 8, had: bool = False) -> tuple[int, int]:
     """(MSPLITS, shared memory): the splits' partials the merge stages in shared memory at a time (what fits in `smem`
-    after its own arrays: the merged partial, the channel groups' parts of its rotation, the max and sum; at least
-    one, the shared memory grown to hold it where it does not fit), and the shared memory that takes."""
-    groups = warps * 32 // (d // 4)
+    after its own arrays: the merged partial, the channel groups' parts of its rotation (one where `had`: the
+    butterflies), the max and sum; at least one, the shared memory grown to hold it where it does not fit), and the
+    shared memory that takes."""
+    groups = 1 if had else warps * 32 // (d // 4)
     fixed = 4 * (rows * d * (1 + groups) + ((2 * rows + 3) & ~3))
     per = 4 * rows * (d + 2)
     return max(1, (smem - fixed) // per), max(smem, fixed + per)
@@ -397,20 +422,20 @@ def decode(query, kv, pi, scale_log2, kp, kn, vp, vn, rk, rv, sk, sv, mask_args,
     group = hq // hkv
     mask_kind, m_arg, ms = mask_args
     vec = _vec(kp, vp)
-    if (vec == 0 or query.dtype not in _DT or rk.dtype not in _DT or pi.dtype != torch.float32
-            or acc.data_ptr() % 16 or pi.data_ptr() % 16):  # (16-byte reads: the partials; Pi without PIH)
+    had = hadamard(kv.rotation)
+    if vec == 0 or query.dtype not in _DT or rk.dtype not in _DT or acc.data_ptr() % 16:  # (16-byte partial reads)
         return False
     kind = {0: 0, 1: 1, 2: 2, 3: 1, 4: 2}[mask_kind]
     mdt = _MASK_DT[m_arg.dtype] if mask_kind else 0
     kb, vb, kn32, vn32 = kv.k_codebook.bits, kv.v_codebook.bits, kn.dtype == torch.float32, vn.dtype == torch.float32
     df = defines(d, kb, vb, query_tiles(group * n), kind, mdt, kn32, vn32, kv.static, vec,
                  _norms_vec(kn, vn) and kp.shape[2] % 2 == 0, torch.cuda.get_device_capability(query.device), w)
-    df.update(Q_DT=_DT[query.dtype], X_DT=_DT[rk.dtype], O_DT=_DT[out.dtype], ROWS=rows,
+    df.update(Q_DT=_DT[query.dtype], X_DT=_DT[rk.dtype], O_DT=_DT[out.dtype], ROWS=rows, HAD=int(had),
               MASK_ROW=int(_mask_row(mask_kind, m_arg, ms, kp.shape[2])))
     xbytes, smem, w = rk.element_size(), packed_smem(df), df["WARPS"]
     df.update(XB=exact_batch(d, rows, xbytes, smem, w), XVEC=_vec(rk, rv, sk, sv),
               QV=int(_aligned(4 * query.element_size(), query)))
-    msplits, smem = merge_splits(d, rows, max(smem, exact_smem(d, rows, df["XB"], xbytes, w)), w)
+    msplits, smem = merge_splits(d, rows, max(smem, exact_smem(d, rows, df["XB"], xbytes, w)), w, had)
     df.update(MSPLITS=msplits)
     device = query.device
     try:
@@ -419,9 +444,12 @@ def decode(query, kv, pi, scale_log2, kp, kn, vp, vn, rk, rv, sk, sv, mask_args,
         _disable(device.index if device.index is not None else torch.cuda.current_device(), str(e).splitlines()[0])
         return False
     lq, lr, ring = lengths
-    pi = pi.contiguous()
     (kt, kt_sh), (vt, vt_sh) = pair_table(kv.k_codebook, hkv, device), pair_table(kv.v_codebook, hkv, device)
-    pif, pih = _fragments(kv.rotation, pi), _halves(kv.rotation, pi)
+    if had:
+        sgn, rot = _signs(kv.rotation, device).data_ptr(), (0, 0, 0)
+    else:
+        pi = pi.contiguous()
+        sgn, rot = 0, (pi.data_ptr(), _fragments(kv.rotation, pi).data_ptr(), _halves(kv.rotation, pi).data_ptr())
     ln, fr = lens if lens is not None else (acc, acc)
     m_ptr = m_arg.data_ptr() if mask_kind else 0
     m_strides = tuple(ms) if mask_kind else (0, 0, 0, 0)
@@ -432,10 +460,10 @@ def decode(query, kv, pi, scale_log2, kp, kn, vp, vn, rk, rv, sk, sv, mask_args,
         kt.data_ptr(), kt_sh, vt.data_ptr(), vt_sh,
         m_ptr, *m_strides, acc.data_ptr(), ml.data_ptr(), ln.data_ptr(), fr.data_ptr(),
         hkv, group, n, rows, lq, kv.sinks, num_splits, m_elt, kp.shape[2], int(fold),
-        query.data_ptr(), *query.stride()[:3], pi.data_ptr(),
+        query.data_ptr(), *query.stride()[:3], rot[0],
         sk.data_ptr(), sk.stride(0), sk.stride(1), sv.data_ptr(), sv.stride(0), sv.stride(1),
         rk.data_ptr(), rk.stride(0), rk.stride(1), rv.data_ptr(), rv.stride(0), rv.stride(1),
-        out.data_ptr(), *out.stride()[:3], counters.data_ptr(), lr, ring, scale_log2, pif.data_ptr(), pih.data_ptr())
+        out.data_ptr(), *out.stride()[:3], counters.data_ptr(), lr, ring, scale_log2, rot[1], rot[2], sgn)
     with torch.cuda.device(device):  # the kernel belongs to this device's context: make it current for the launch
         grid = (b * hkv, num_splits + (0 if fold else 1), 1)  # (the exact copies' own CTA unless folded)
         main.launch(grid, 32 * w, params, torch.cuda.current_stream(device).cuda_stream)

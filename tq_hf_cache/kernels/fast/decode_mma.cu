@@ -53,6 +53,7 @@ struct Params {
   float scale_log2;
   const uint4* pif;                   // (D / 8, 32, D / 16, 2) half2: Pi in the rotation MMA's B fragment order
   const uint2* pih;                   // (D, D / 4) Pi as fp16, four of a row a load: the merge's rotation (PIH)
+  const u32* sgn;                     // HAD: (D / 32) the signs s of Pi = H diag(s) / sqrt(D), bit c set: s_c = -1
 };
 
 #ifndef WARPS  // 8, or 16 in one CTA an SM (where two CTAs of 8 would hold fewer copies of the tables)
@@ -474,6 +475,122 @@ __device__ __forceinline__ void rotation_store(const Params& p, const QueryRot& 
   }
 }
 
+#ifndef HAD  // 1: Pi = H diag(s) / sqrt(D), a randomized Hadamard transform (`p.sgn`): the query and the merge rotate
+             // by butterflies across a warp and read no Pi; else by Pi, a dense matrix (`pif`, `pih`)
+#define HAD 0
+#endif
+#ifndef PIH  // 1: the merge rotates by Pi's fp16 copy (half the bytes from L2 on the call's last CTA), else its fp32
+#define PIH 1
+#endif
+
+// x <- H x, the unnormalized Walsh-Hadamard transform of a D-vector held by a warp, lane L holding channels
+// L DPL + i in x[i]: log2(DPL) butterfly stages in registers, then five across lanes (one shuffle a value each)
+__device__ __forceinline__ void fwht_warp(float (&x)[DPL], int lane) {
+#pragma unroll
+  for (int h = 1; h < DPL; h <<= 1)
+#pragma unroll
+    for (int i = 0; i < DPL; ++i)
+      if (!(i & h)) {
+        const float a = x[i], b = x[i + h];
+        x[i] = a + b;
+        x[i + h] = a - b;
+      }
+#pragma unroll
+  for (int m = 1; m < 32; m <<= 1) {
+    const bool up = lane & m;
+#pragma unroll
+    for (int i = 0; i < DPL; ++i) {
+      const float y = __shfl_xor_sync(0xffffffffu, x[i], m);
+      x[i] = up ? y - x[i] : x[i] + y;
+    }
+  }
+}
+
+// The word of `p.sgn` that holds this lane's signs (channels lane DPL + i)
+__device__ __forceinline__ u32 lane_signs(const Params& p, int lane) { return __ldg(p.sgn + ((lane * DPL) >> 5)); }
+
+// x[i] *= scale s_c for this lane's channels c = lane DPL + i, their signs in `w` (`lane_signs`)
+__device__ __forceinline__ void signs_scale(u32 w, float (&x)[DPL], int lane, float scale) {
+  w >>= (lane * DPL) & 31;
+#pragma unroll
+  for (int i = 0; i < DPL; ++i) x[i] = __uint_as_float(__float_as_uint(x[i] * scale) ^ (((w >> i) & 1u) << 31));
+}
+
+// HAD: the query rotated by butterflies instead (scale_log2 Pi q = scale_log2 H (s * q) / sqrt(D)), stored as the
+// same A fragments. Warp w rotates rows w, w + WARPS (zeros from G n on); `load` requests a row's DPL elements a lane
+// as raw words (converted in `store`, after the tables are stored: one round trip with theirs).
+#define HROWS (16 / WARPS)
+#define QCE (DPL < 4 ? DPL : 4)                               // query elements a load (QV)
+#define QWPL (Q_DT == 2 ? QCE : QCE / 2)                      // 32-bit words a load (QV)
+#define QW (QV ? DPL / QCE * QWPL : DPL)                      // registers a lane's elements arrive in
+struct QueryHad {
+  u32 w[HROWS][QW];
+  u32 sg;  // the lane's signs
+};
+
+__device__ __forceinline__ void had_load(const Params& p, int bh, int warp, int lane, QueryHad& r) {
+  const int b = bh / p.hkv, h = bh % p.hkv, live = p.group * p.nq;
+  r.sg = lane_signs(p, lane);
+#pragma unroll
+  for (int j = 0; j < HROWS; ++j) {
+    const int row = warp + WARPS * j;
+    if (row >= live) {
+#pragma unroll
+      for (int k = 0; k < QW; ++k) r.w[j][k] = 0u;
+      continue;
+    }
+    const i64 o = b * p.sqb + static_cast<i64>(h * p.group + row / p.nq) * p.sqh +
+                  static_cast<i64>(row % p.nq) * p.sqn + lane * DPL;  // (elements)
+    if constexpr (QV) {
+      const unsigned char* src = reinterpret_cast<const unsigned char*>(p.qx) + o * (Q_DT == 2 ? 4 : 2);
+#pragma unroll
+      for (int c = 0; c < DPL / QCE; ++c) {
+        const unsigned char* s = src + c * QWPL * 4;
+        if constexpr (QWPL == 4) {
+          const uint4 v = *reinterpret_cast<const uint4*>(s);
+          r.w[j][4 * c] = v.x; r.w[j][4 * c + 1] = v.y; r.w[j][4 * c + 2] = v.z; r.w[j][4 * c + 3] = v.w;
+        } else if constexpr (QWPL == 2) {
+          const uint2 v = *reinterpret_cast<const uint2*>(s);
+          r.w[j][2 * c] = v.x; r.w[j][2 * c + 1] = v.y;
+        } else {
+          r.w[j][c] = *reinterpret_cast<const u32*>(s);
+        }
+      }
+    } else {
+#pragma unroll
+      for (int k = 0; k < DPL; ++k)
+        r.w[j][k] = Q_DT == 2 ? reinterpret_cast<const u32*>(p.qx)[o + k] : reinterpret_cast<const u16*>(p.qx)[o + k];
+    }
+  }
+}
+
+__device__ __forceinline__ float q_elt(u32 bits) {  // a 16-bit query element in the low half of `bits`
+  return Q_DT == 0 ? h2f(static_cast<u16>(bits & 0xffff)) : __uint_as_float(bits << 16);
+}
+
+__device__ __forceinline__ void had_store(const Params& p, const QueryHad& r, u32 qsm, int warp, int lane) {
+#pragma unroll
+  for (int j = 0; j < HROWS; ++j) {
+    const int row = warp + WARPS * j;
+    float x[DPL];
+#pragma unroll
+    for (int i = 0; i < DPL; ++i) {
+      if constexpr (Q_DT == 2) x[i] = __uint_as_float(r.w[j][i]);
+      else if constexpr (QV) x[i] = q_elt(r.w[j][i / 2] >> (16 * (i & 1)));
+      else x[i] = q_elt(r.w[j][i]);
+    }
+    signs_scale(r.sg, x, lane, p.scale_log2 * rsqrtf(static_cast<float>(D)));
+    fwht_warp(x, lane);
+    // channel c = lane DPL + i is lane l4 = c / (D / 4)'s k-step (c % (D / 4)) / 4, register pair (c % 4) / 2
+#pragma unroll
+    for (int i = 0; i < DPL; i += 2) {
+      const int rem = (lane & 7) * DPL + i, s = rem >> 2, k2 = (rem >> 1) & 1;
+      const u32 addr = qsm + ((s * 32 + (row & 7) * 4 + (lane >> 3)) * 4 + 2 * k2 + (row >> 3)) * 4;
+      asm volatile("st.shared.b32 [%0], %1;" ::"r"(addr), "r"(pack_h2(x[i], x[i + 1])) : "memory");
+    }
+  }
+}
+
 // One split of the packed history (the sinks excluded; `fast.split_range` places the splits alike, sinks aside), the
 // warps interleaved by 16-token tiles; the CTA's partial goes to slot `split` in the rotated domain, by planes.
 __device__ __forceinline__ void packed_part(const Params& p, unsigned char* smem, int split, int bh) {
@@ -488,8 +605,13 @@ __device__ __forceinline__ void packed_part(const Params& p, unsigned char* smem
   TableFill<VENT, VR, LOGVR> vfill;
   kfill.load(p.ktab + h * p.ktab_sh, tid);
   vfill.load(p.vtab + h * p.vtab_sh, tid);
+#if HAD
+  QueryHad qr;  // (the query's loads with the tables': one round trip)
+  had_load(p, bh, warp, lane, qr);
+#else
   QueryRot qr;  // (the query's loads and Pi's with the tables': one round trip)
   rotation_load(p, bh, warp, lane, qr);
+#endif
   kfill.store(reinterpret_cast<u32*>(smem + STAGE_BYTES), tid);
   vfill.store(reinterpret_cast<u32*>(smem + STAGE_BYTES + KTAB_BYTES), tid);
   const int ls = min(p.sinks, lq);
@@ -708,7 +830,11 @@ __device__ __forceinline__ void packed_part(const Params& p, unsigned char* smem
     if (t0 + s * step < end) issue(t0 + s * step, s);
     cp_commit();
   }
+#if HAD
+  had_store(p, qr, qsm, warp, lane);
+#else
   rotation_store(p, qr, qsm, warp, lane);
+#endif
   __syncthreads();  // the tables and the query fragments written
   if constexpr (QREG)
 #pragma unroll
@@ -833,8 +959,10 @@ __device__ __forceinline__ void exact_part(const Params& p, unsigned char* smem,
   const int b = bh / p.hkv, h = bh % p.hkv;
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   const int live = p.group * p.nq;
-  for (int i = tid; i < D * D / 32; i += WARPS * 32)  // Pi's 128-byte lines, read by the merge: into L2 now
-    asm volatile("prefetch.global.L2 [%0];" ::"l"(p.pi + 32 * i));
+#if !HAD
+  for (int i = tid; i < D * D / (PIH ? 64 : 32); i += WARPS * 32)  // Pi's 128-byte lines, read by the merge: into L2
+    asm volatile("prefetch.global.L2 [%0];" ::"l"(PIH ? static_cast<const void*>(p.pih + 16 * i) : p.pi + 32 * i));
+#endif
   int lq = p.lq, lr = p.lr, ls = p.sinks;
   if (STATIC) {
     const int T = static_cast<int>(*p.len_ptr);
@@ -979,16 +1107,13 @@ __device__ __forceinline__ void exact_part(const Params& p, unsigned char* smem,
 // rows of Pi, the exact partial) is issued first, the maxima and sums take one pass, and the partials are read from
 // L2 (.cg: other CTAs wrote them) four channels a load, 16 loads in flight.
 #define NV (D / 4)                 // float4 columns of a row
-#define CG (WARPS * 32 / NV)       // channel groups of the rotation (thread (cg, xv) = (tid / NV, tid % NV))
+#define CG (HAD ? 1 : WARPS * 32 / NV)  // channel groups of the rotation (thread (cg, xv) = (tid / NV, tid % NV))
 #define CPG (D / CG)               // channels a group sums
 // rows of Pi a thread loads before the partials (fewer where its ROWS accumulators need the registers), and in each
 // later step of the rotation
 #define PRE (ROWS <= 4 ? (CPG < 16 ? CPG : 16) : ROWS <= 8 ? (CPG < 8 ? CPG : 8) : 0)
 #define UNROLL (PRE > 0 ? PRE : (CPG < 8 ? CPG : 8))
 #define EPT ((ROWS * D + WARPS * 32 - 1) / (WARPS * 32))  // output elements a thread writes
-#ifndef PIH  // 1: the merge rotates by Pi's fp16 copy (half the bytes from L2 on the call's last CTA), else its fp32
-#define PIH 1
-#endif
 #define XPRE (ROWS <= 8)  // the exact partial's values loaded before the packed partials too
 // lanes a column of the pass over the splits
 #define MH (ROWS * NV * 4 <= WARPS * 32 ? 4 : ROWS * NV * 2 <= WARPS * 32 ? 2 : 1)
@@ -1030,7 +1155,10 @@ __device__ __forceinline__ void merge_last(const Params& p, unsigned char* smem,
 #endif
   };
   PiRow w0[UNROLL];
-  if constexpr (PRE > 0) {
+#if HAD
+  const u32 sg = lane_signs(p, lane);
+#endif
+  if constexpr (PRE > 0 && !HAD) {
 #pragma unroll
     for (int k = 0; k < PRE; ++k) w0[k] = __ldg(pir + (cg * CPG + k) * NV + xv);
   }
@@ -1118,6 +1246,17 @@ __device__ __forceinline__ void merge_last(const Params& p, unsigned char* smem,
     }
   }
   __syncthreads();
+#if HAD
+  for (int r = warp; r < live; r += WARPS) {  // red[r] = ys[r] Pi = H ys[r] * s / sqrt(D), a warp a row
+    float x[DPL];
+#pragma unroll
+    for (int i = 0; i < DPL; ++i) x[i] = ys[r * D + lane * DPL + i];
+    fwht_warp(x, lane);
+    signs_scale(sg, x, lane, rsqrtf(static_cast<float>(D)));
+#pragma unroll
+    for (int i = 0; i < DPL; ++i) red[r * D + lane * DPL + i] = x[i];
+  }
+#else
   {  // red[cg, r, 4 xv ..] = sum over the group's channels c of ys[r, c] Pi[c, 4 xv ..]
     float4 y[ROWS];
 #pragma unroll
@@ -1141,6 +1280,7 @@ __device__ __forceinline__ void merge_last(const Params& p, unsigned char* smem,
     for (int r = 0; r < ROWS; ++r)
       if (r < live) reinterpret_cast<float4*>(red + (cg * ROWS + r) * D)[xv] = y[r];
   }
+#endif
   __syncthreads();
 
   // out[r, x] = (wp (ys Pi)[r, x] + we acc_e[r, x]) / (wp Lp + we l_e)
