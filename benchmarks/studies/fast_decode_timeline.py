@@ -79,14 +79,18 @@ EDITS = [
      "\n\n  // merge the warps' partials"),
     ("  __syncthreads();\n  store_partial<RQ, true>(",
      "  __syncthreads();\n  " + _at(9) + "\n  store_partial<RQ, true>("),
-    # inside an exact copies' CTA: 6 its first batch in shared memory, 7 its tokens done, 9 its warps' partials
-    ("    __syncthreads();  // the batch (and, the first time, the query) in shared memory\n",
-     "    __syncthreads();  // the batch (and, the first time, the query) in shared memory\n"
+    # inside an exact copies' CTA (on tensor cores: fp16 / bf16 copies): 6 its first batch in shared memory, 7 its
+    # tokens done, 9 its warps' partials
+    ("    __syncthreads();  // the batch (and, the first time, the query's fragments) in shared memory\n",
+     "    __syncthreads();  // the batch (and, the first time, the query's fragments) in shared memory\n"
      "    " + _at(6, "e0 == 0 && threadIdx.x == 0") + "\n"),
-    ("#pragma unroll\n  for (int o = 1 << XSH; o < (XTPI << XSH); o <<= 1) l_x +=",
-     "  " + _at(7) + "\n#pragma unroll\n  for (int o = 1 << XSH; o < (XTPI << XSH); o <<= 1) l_x +="),
-    ("  __syncthreads();\n  store_partial<ROWS, false>(",
-     "  __syncthreads();\n  " + _at(9) + "\n  store_partial<ROWS, false>("),
+    ("#pragma unroll\n  for (int i = 0; i < NMROWS; ++i) {\n    l_i[i] += __shfl_xor_sync(0xffffffffu, l_i[i], 1);\n"
+     "    l_i[i] += __shfl_xor_sync(0xffffffffu, l_i[i], 2);\n    if (l4 == 0) {",
+     "  " + _at(7) + "\n#pragma unroll\n  for (int i = 0; i < NMROWS; ++i) {\n"
+     "    l_i[i] += __shfl_xor_sync(0xffffffffu, l_i[i], 1);\n    l_i[i] += __shfl_xor_sync(0xffffffffu, l_i[i], 2);\n"
+     "    if (l4 == 0) {"),
+    ("  __syncthreads();\n  store_partial<RQ, false>(",
+     "  __syncthreads();\n  " + _at(9) + "\n  store_partial<RQ, false>("),
 ]
 
 

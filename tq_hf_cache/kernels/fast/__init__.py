@@ -380,10 +380,21 @@ def defines(d: int, kb: int, vb: int, nq: int, mask_kind: int, mask_dt: int, kn_
 _DT = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2}
 
 
-def exact_smem(d: int, rows: int, batch: int = 8, xbytes: int = 2, warps: int = 8) -> int:
+def _exact_fixed(d: int, rows: int, xbytes: int, warps: int) -> tuple[int, int, int]:
+    """(bytes before the batch, bytes a staged token, tokens a tile) of the exact copies' CTA: on tensor cores (fp16 /
+    bf16 copies: the warps' maxima and sums of 8 or 16 rows, the query's fragments; key and value rows padded by 16
+    bytes) or, for fp32 copies, by warps (the query in fp32, the maxima and sums of `rows`)."""
+    if xbytes == 2:
+        return 8 * warps * (8 if rows <= 8 else 16) + 32 * d, 2 * (2 * d + 16), 16
+    return 4 * (rows * d + 2 * warps * rows), 2 * d * xbytes, 8
+
+
+def exact_smem(d: int, rows: int, batch: int = 16, xbytes: int = 2, warps: int = 8) -> int:
     """Dynamic shared memory of the exact copies' CTA: the query, the warps' maxima and sums, then a batch of `batch`
     tokens' keys and values of `xbytes` bytes an element, later the warps' partials (the merge's: `merge_splits`)."""
-    return 4 * (rows * d + 2 * warps * rows) + max(4 * warps * rows * d, batch * 2 * d * xbytes)
+    fixed, per, _ = _exact_fixed(d, rows, xbytes, warps)
+    partial_rows = (8 if rows <= 8 else 16) if xbytes == 2 else rows
+    return fixed + max(4 * warps * partial_rows * d, batch * per)
 
 
 def merge_splits(d: int, rows: int, smem: int, warps: int = 8, had: bool = False) -> tuple[int, int]:
@@ -399,9 +410,9 @@ def merge_splits(d: int, rows: int, smem: int, warps: int = 8, had: bool = False
 
 def exact_batch(d: int, rows: int, xbytes: int, smem: int, warps: int = 8) -> int:
     """Tokens of the exact copies the exact CTA stages at a time (XB): what fits in `smem` beside the query and the
-    warps' maxima and sums, a multiple of 8 from 8 to 256."""
-    room = smem - 4 * (rows * d + 2 * warps * rows)
-    return max(8, min(256, room // (2 * d * xbytes) // 8 * 8))
+    warps' maxima and sums, whole tiles (16 tokens on tensor cores, else 8) up to 256."""
+    fixed, per, tile = _exact_fixed(d, rows, xbytes, warps)
+    return max(tile, min(256, (smem - fixed) // per // tile * tile))
 
 
 def _mask_row(mask_kind: int, m_arg: torch.Tensor, strides, slots: int) -> bool:

@@ -950,7 +950,7 @@ __device__ __forceinline__ void xreduce(float* v, int lane) {
     }
   }
 }
-__device__ __forceinline__ void exact_part(const Params& p, unsigned char* smem, int bh) {
+__device__ __forceinline__ void exact_simt(const Params& p, unsigned char* smem, int bh) {
   float* qs = reinterpret_cast<float*>(smem);  // (ROWS, D) the query, scaled for exp2
   float* wm = qs + ROWS * D;                   // (WARPS, ROWS)
   float* wl = wm + WARPS * ROWS;               // (WARPS, ROWS)
@@ -1099,6 +1099,239 @@ __device__ __forceinline__ void exact_part(const Params& p, unsigned char* smem,
   }
   __syncthreads();
   store_partial<ROWS, false>(wm, wl, wacc, p, static_cast<i64>(bh) * (p.num_splits + 1) + p.num_splits, live);
+}
+
+// The exact copies on tensor cores where they are fp16 or bf16 (XMMA): S = Q K^T and O^T = V^T P^T by mma.m16n8k16
+// in the copies' type, in the packed part's fragment layout (the scores' C registers are P^T's B registers), with the
+// key and value fragments read by ldmatrix (the values' transposed) from rows of XSTRIDE bytes: 16 bytes of padding
+// put the 8 rows of a matrix in distinct banks. Warp w takes the 16-token tiles w, w + WARPS, ... of each batch;
+// the query's A fragments (scaled for exp2, in the copies' type) are stored once in fragment order.
+#define XMMA (X_DT != 2)
+#define XSTRIDE (D * 2 + 16)
+
+__device__ __forceinline__ void mma_x(float (&c)[4], u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
+#if X_DT == 1
+  asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+#else
+  mma(c, a0, a1, a2, a3, b0, b1);
+#endif
+}
+
+__device__ __forceinline__ u32 pack_x(float lo, float hi) {  // two values in the copies' 16-bit type
+#if X_DT == 1
+  u32 r;
+  asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+  return r;
+#else
+  return pack_h2(lo, hi);
+#endif
+}
+
+template <bool TRANS>
+__device__ __forceinline__ void ldsm4(u32 addr, u32 (&r)[4]) {
+  if constexpr (TRANS)
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr));
+  else
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr));
+}
+
+__device__ __forceinline__ void exact_mma(const Params& p, unsigned char* smem, int bh_) {
+  int bh;  // (opaque: values derived from it here and in the packed part after it in the last split's CTA are not
+           // kept from one to the other, which would spill in the packed loop)
+  asm volatile("mov.b32 %0, %1;" : "=r"(bh) : "r"(bh_));
+  constexpr int RQ = 8 * NQ;
+  float* wm = reinterpret_cast<float*>(smem);   // (WARPS, RQ)
+  float* wl = wm + WARPS * RQ;                  // (WARPS, RQ)
+  const u32 qf = shared_addr(wl + WARPS * RQ);  // (KS, 32 lanes, 4 words) the query's A fragments
+  unsigned char* xs = reinterpret_cast<unsigned char*>(wl + WARPS * RQ) + 32 * D;  // XB key rows, then XB value rows
+  float* wa = reinterpret_cast<float*>(xs);     // after the batches: (WARPS, RQ, D) the warps' partials
+  const int b = bh / p.hkv, h = bh % p.hkv;
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, l4 = lane & 3;
+  const int live = p.group * p.nq;
+  int lq = p.lq, lr = p.lr, ls = p.sinks;
+  if (STATIC) {
+    const int T = static_cast<int>(*p.len_ptr);
+    lq = static_cast<int>(*p.from_ptr);
+    lr = T - lq;
+    ls = min(ls, lq);
+  }
+  const int T = lq + lr;
+  // token e < ls is sink e; else position lq + (e - ls), at ring slot (pos % ring, static) or pos - lq
+  auto row_of = [&](int ee, bool value) -> const unsigned char* {
+    if (ee < ls) {
+      const i64 o = b * (value ? p.ssvb : p.sskb) + h * (value ? p.ssvh : p.sskh) + static_cast<i64>(ee) * D;
+      return reinterpret_cast<const unsigned char*>(value ? p.sv : p.sk) + o * 2;
+    }
+    const int pos = lq + ee - ls;
+    const int slot = STATIC ? pos % p.ring : pos - lq;
+    const i64 o = b * (value ? p.srvb : p.srkb) + h * (value ? p.srvh : p.srkh) + static_cast<i64>(slot) * D;
+    return reinterpret_cast<const unsigned char*>(value ? p.rv : p.rk) + o * 2;
+  };
+  float acc[KS][NQ][4];
+#pragma unroll
+  for (int j = 0; j < KS; ++j)
+#pragma unroll
+    for (int n = 0; n < NQ; ++n) acc[j][n][0] = acc[j][n][1] = acc[j][n][2] = acc[j][n][3] = 0.0f;
+  float m_i[NMROWS], l_i[NMROWS];
+#pragma unroll
+  for (int i = 0; i < NMROWS; ++i) { m_i[i] = NEG_INF; l_i[i] = 0.0f; }
+
+  const u32 xk = shared_addr(xs), xv = xk + XB * XSTRIDE;
+  const int ne = ls + lr;
+  for (int e0 = 0; e0 < ne; e0 += XB) {
+    const int nb = min(XB, ne - e0);
+    constexpr int CPR = D * 2 / (XVEC > 0 ? XVEC : 4);  // copies a row
+    for (int c = tid; c < nb * 2 * CPR; c += WARPS * 32) {
+      const int e = c / (2 * CPR), v = (c / CPR) & 1, k = c % CPR;
+      const unsigned char* src = row_of(e0 + e, v);
+      const u32 dst = (v ? xv : xk) + e * XSTRIDE;
+      if constexpr (XVEC > 0) {
+        cp_async<XVEC>(dst + k * XVEC, src + k * XVEC);
+      } else {  // rows not 4-byte aligned: two bytes at a time
+        const u16* s16 = reinterpret_cast<const u16*>(src);
+        const u32 w0 = s16[2 * k] | (static_cast<u32>(s16[2 * k + 1]) << 16);
+        asm volatile("st.shared.b32 [%0], %1;" ::"r"(dst + 4 * k), "r"(w0) : "memory");
+      }
+    }
+    // the value rows past the batch up to its last tile's end: zeros (stale shared memory could hold NaN: 0 x NaN)
+    for (int i = nb * D / 8 + tid; i < ((nb + 15) & ~15) * D / 8; i += WARPS * 32)
+      asm volatile("st.shared.v4.b32 [%0], {%1, %1, %1, %1};" ::"r"(xv + (i / (D / 8)) * XSTRIDE + (i % (D / 8)) * 16),
+                   "r"(0u) : "memory");
+    cp_commit();
+    if (e0 == 0) {  // (after the first batch's copies are out: both round trips at once) the query's fragments: word
+                    // (ks, lane (g, l4), j) = rows g + 8 (j & 1), channels 16 ks + 2 l4 + 8 (j >> 1) + {0, 1}
+      constexpr int NI = KS * 128 / (WARPS * 32);  // words a thread (all its loads out before any is used)
+      u32 raw[NI][2];
+#pragma unroll
+      for (int n = 0; n < NI; ++n) {
+        const int i = n * WARPS * 32 + tid, j = i & 3, ln = (i >> 2) & 31, ks = i >> 7;
+        const int r = (ln >> 2) + 8 * (j & 1), c = 16 * ks + 2 * (ln & 3) + 8 * (j >> 1);
+        raw[n][0] = raw[n][1] = 0u;
+        if (r < live) {
+          const i64 o = b * p.sqb + static_cast<i64>(h * p.group + r / p.nq) * p.sqh +
+                        static_cast<i64>(r % p.nq) * p.sqn + c;
+#pragma unroll
+          for (int k = 0; k < 2; ++k)
+            raw[n][k] = Q_DT == 2 ? reinterpret_cast<const u32*>(p.qx)[o + k] : reinterpret_cast<const u16*>(p.qx)[o + k];
+        }
+      }
+#pragma unroll
+      for (int n = 0; n < NI; ++n) {
+        float x[2];
+#pragma unroll
+        for (int k = 0; k < 2; ++k) x[k] = (Q_DT == 2 ? __uint_as_float(raw[n][k]) : q_elt(raw[n][k])) * p.scale_log2;
+        asm volatile("st.shared.b32 [%0], %1;" ::"r"(qf + 4 * (n * WARPS * 32 + tid)), "r"(pack_x(x[0], x[1]))
+                     : "memory");
+      }
+    }
+    cp_wait<0>();
+    __syncthreads();  // the batch (and, the first time, the query's fragments) in shared memory
+    for (int t = 16 * warp; t < nb; t += 16 * WARPS) {
+      float sc[2][4] = {{0.0f, 0.0f, 0.0f, 0.0f}, {0.0f, 0.0f, 0.0f, 0.0f}};
+#pragma unroll
+      for (int kp = 0; kp < KS / 2; ++kp) {  // k-steps 2 kp, 2 kp + 1: one ldmatrix.x4 an n-tile
+        u32 a[2][4];
+#pragma unroll
+        for (int u = 0; u < 2; ++u)
+          asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];" : "=r"(a[u][0]), "=r"(a[u][1]), "=r"(a[u][2]),
+                       "=r"(a[u][3]) : "r"(qf + ((2 * kp + u) * 32 + lane) * 16));
+#pragma unroll
+        for (int n = 0; n < 2; ++n) {
+          u32 kb[4];  // matrix lane / 8: tokens t + 8 n + (0..7), channels 32 kp + 8 (lane / 8) + (0..7)
+          ldsm4<false>(xk + (t + 8 * n + (lane & 7)) * XSTRIDE + 64 * kp + 16 * (lane >> 3), kb);
+          mma_x(sc[n], a[0][0], a[0][1], a[0][2], a[0][3], kb[0], kb[1]);
+          mma_x(sc[n], a[1][0], a[1][1], a[1][2], a[1][3], kb[2], kb[3]);
+        }
+      }
+      // this lane's tokens j: t + 2 l4 + (j & 1) + 8 (j >> 1); row i's score is sc[j >> 1][2 i + (j & 1)]
+      float alpha[NMROWS];
+      u32 pb[NMROWS][2];
+#pragma unroll
+      for (int i = 0; i < NMROWS; ++i) {
+        const int r = g + 8 * i, qi = r % p.nq;
+        const bool rok = r < live;
+        float x[4], mx = NEG_INF;
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          const int e = t + 2 * l4 + (j & 1) + 8 * (j >> 1), ee = e0 + e;
+          const int pos = ee < ls ? ee : lq + ee - ls;
+          float v = sc[j >> 1][2 * i + (j & 1)];
+#if MASK_KIND == 0
+          const bool ok = pos <= T - p.nq + qi;
+#else
+          const bool ok = true;
+          if (e < nb && rok)  // (row r: query qi of head h G + r / n)
+            v += mask_value(p.mask + (b * p.smb + static_cast<i64>(h * p.group + r / p.nq) * p.smh +
+                                      static_cast<i64>(qi) * p.smi) * p.mask_elt, static_cast<i64>(pos) * p.smt);
+#endif
+          x[j] = (e < nb && rok && ok) ? v : NEG_INF;
+          mx = fmaxf(mx, x[j]);
+        }
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+        const float m_new = fmaxf(m_i[i], mx);
+        const float m_use = m_new == NEG_INF ? 0.0f : m_new;
+        alpha[i] = ex2(m_i[i] - m_use);
+        m_i[i] = m_new;
+        float pv[4], sum = 0.0f;
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          pv[j] = ex2(x[j] - m_use);
+          sum += pv[j];
+        }
+        l_i[i] = l_i[i] * alpha[i] + sum;
+        pb[i][0] = pack_x(pv[0], pv[1]);
+        pb[i][1] = pack_x(pv[2], pv[3]);
+      }
+      bool moved = false;
+#pragma unroll
+      for (int i = 0; i < NMROWS; ++i) moved |= alpha[i] != 1.0f;
+      if (__any_sync(0xffffffffu, moved)) {  // (as the packed part: query 8 n + 2 l4 (+ 1)'s alpha)
+#pragma unroll
+        for (int n = 0; n < NQ; ++n) {
+          const float a0 = __shfl_sync(0xffffffffu, alpha[n], 8 * l4);
+          const float a1 = __shfl_sync(0xffffffffu, alpha[n], 8 * l4 + 4);
+#pragma unroll
+          for (int mt = 0; mt < KS; ++mt) {
+            acc[mt][n][0] *= a0; acc[mt][n][1] *= a1; acc[mt][n][2] *= a0; acc[mt][n][3] *= a1;
+          }
+        }
+      }
+#pragma unroll
+      for (int mt = 0; mt < KS; ++mt) {  // matrix lane / 8: tokens t + 8 (lane / 16) + (0..7), channels 16 mt +
+        u32 va[4];                        // 8 (lane / 8 % 2) + (0..7), transposed: V^T's A registers
+        ldsm4<true>(xv + (t + 8 * (lane >> 4) + (lane & 7)) * XSTRIDE + 32 * mt + 16 * ((lane >> 3) & 1), va);
+#pragma unroll
+        for (int n = 0; n < NQ; ++n) mma_x(acc[mt][n], va[0], va[1], va[2], va[3], pb[n][0], pb[n][1]);
+      }
+    }
+    __syncthreads();  // the batch read before the next one (or the warps' partials) overwrites it
+  }
+#pragma unroll
+  for (int i = 0; i < NMROWS; ++i) {
+    l_i[i] += __shfl_xor_sync(0xffffffffu, l_i[i], 1);
+    l_i[i] += __shfl_xor_sync(0xffffffffu, l_i[i], 2);
+    if (l4 == 0) {
+      wm[warp * RQ + g + 8 * i] = m_i[i];
+      wl[warp * RQ + g + 8 * i] = l_i[i];
+    }
+  }
+#pragma unroll
+  for (int mt = 0; mt < KS; ++mt)
+#pragma unroll
+    for (int n = 0; n < NQ; ++n) {  // O[query 8 n + 2 l4 (+ 1)][channel 16 mt + g (+ 8)]
+      float* a = wa + (warp * RQ + 8 * n + 2 * l4) * D + 16 * mt + g;
+      a[0] = acc[mt][n][0];
+      a[D] = acc[mt][n][1];
+      a[8] = acc[mt][n][2];
+      a[D + 8] = acc[mt][n][3];
+    }
+  __syncthreads();
+  store_partial<RQ, false>(wm, wl, wa, p, static_cast<i64>(bh) * (p.num_splits + 1) + p.num_splits, live);
 }
 
 // By the last CTA of a (batch, KV head) to store its partial: the packed partials merged in the rotated domain and
@@ -1319,6 +1552,14 @@ __device__ __forceinline__ void merge_last(const Params& p, unsigned char* smem,
 // launch). The (batch, KV head) is the grid's x, so that CTAs go out split by split: where two CTAs share an SM the
 // first one placed runs faster, and each (batch, KV head) gets both kinds (and where the grid is more than the GPU
 // holds at once, the CTAs that wait are the last splits of every one).
+__device__ __forceinline__ void exact_part(const Params& p, unsigned char* smem, int bh) {
+#if XMMA
+  exact_mma(p, smem, bh);
+#else
+  exact_simt(p, smem, bh);
+#endif
+}
+
 extern "C" __global__ void __launch_bounds__(WARPS * 32, MIN_CTAS) tq_decode(const Params p) {
   extern __shared__ __align__(16) unsigned char smem[];
   __shared__ int last;
