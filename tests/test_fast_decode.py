@@ -83,7 +83,7 @@ def main_loops(sass: str, function: str = fast.NAME) -> list[collections.Counter
 @pytest.mark.parametrize("kb,vb", sorted(SASS_BUDGET))
 def test_sm90_main_loop_within_its_instruction_budget(kb, vb, tmp_path):
     df = fast.defines(128, kb, vb, 1, 0, 0, False, False, False, 16, True)
-    df.update(ROWS=4, Q_DT=1, X_DT=1, O_DT=1)
+    df.update(ROWS=4, Q_DT=1, X_DT=1, O_DT=1, HAD=1)  # (the default rotation at head dim 128: Hadamard)
     cubin = tmp_path / "k.cubin"
     cubin.write_bytes(jit.compile_cubin(fast.source(), fast.NAME, df, 90))
     res = subprocess.run([_cuobjdump(), "-res-usage", str(cubin)], capture_output=True, text=True, check=True).stdout
@@ -106,7 +106,7 @@ def test_sm90_a_mask_row_reads_two_words_a_step_within_the_budget(tmp_path):
     """A decode step's mask (one bool row for every head) costs the loop two 16-bit loads a step and a test per
     token, not the general path's per-row loads: the loop stays within the no-mask budget."""
     df = fast.defines(128, 5, 3, 1, 1, 0, False, False, True, 16, True)
-    df.update(ROWS=4, Q_DT=1, X_DT=1, O_DT=1, MASK_ROW=1)
+    df.update(ROWS=4, Q_DT=1, X_DT=1, O_DT=1, MASK_ROW=1, HAD=1)
     cubin = tmp_path / "k.cubin"
     cubin.write_bytes(jit.compile_cubin(fast.source(), fast.NAME, df, 90))
     loops = main_loops(subprocess.run([_cuobjdump(), "-sass", str(cubin)], capture_output=True, text=True,

@@ -1,7 +1,9 @@
 // Decode attention over TurboQuant-packed keys and values (sm_80+, tuned for sm_90), in one launch: `tq_decode`
 // computes, per (batch, KV head), the packed history's split-K partials on tensor cores (mma.sync m16n8k16), each CTA
-// rotating the query itself (`QueryRot`: one round trip, overlapped with its table fill), and the exact copies'
-// partial in parallel CTAs; the last CTA to finish merges them, rotates the values back once and writes the output.
+// rotating the query itself (by butterflies where the rotation is a randomized Hadamard transform, `HAD`, else by Pi
+// on tensor cores, `QueryRot`: one round trip, overlapped with its table fill), and the exact copies' partial in
+// parallel CTAs (on tensor cores for fp16 / bf16 copies, `exact_mma`); the last CTA to finish merges them, rotates
+// the values back once and writes the output.
 //
 // Compiled at first use by NVRTC (no headers) with -D: D, KB, VB (bits), NQ (query n-tiles: 8 * NQ >= G * n),
 // MASK_KIND (0 none, 1 bool / 2 additive per row), MASK_DT (0 u8, 1 f16, 2 bf16, 3 f32), MASK_ROW (1: a bool mask
