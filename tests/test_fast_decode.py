@@ -235,8 +235,6 @@ def test_prepare_makes_a_rotations_kernel_operands_once(d):
     neg = [bool((int(w[c // 32]) >> (c % 32)) & 1) for c in range(d)]
     assert w.dtype == torch.int32 and w.shape == (d // 32,) and neg == (had.signs < 0).tolist()
     assert fast._signs(had, had.signs.device) is w and had not in fast._PIH and had not in fast._PIF
-    if d == 256:  # (dense rotations: head dims up to 128)
-        return
     rot = make_rotation(d, 3, "orthogonal")
     assert not fast.hadamard(rot)
     pi = rot.matrix
@@ -294,13 +292,13 @@ def test_the_launcher_runs_without_a_gpu(monkeypatch):
     done = []
 
     class Stub:
-        def __init__(self, name, smem):
-            self.name, self.smem = name, smem
+        def __init__(self, name, df, smem):
+            self.name, self.df, self.smem = name, df, smem
 
         def launch(self, grid, block, params, stream):
-            done.append((self.name, grid, block, self.smem, ctypes.sizeof(params)))
+            done.append((self.name, grid, block, self.smem, ctypes.sizeof(params), self.df))
 
-    monkeypatch.setattr(jit, "kernel", lambda src, name, df, device, smem=0: Stub(name, smem))
+    monkeypatch.setattr(jit, "kernel", lambda src, name, df, device, smem=0: Stub(name, df, smem))
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d=None: (9, 0))
     monkeypatch.setattr(da, "fast_serves", lambda *a, **k: True)
     monkeypatch.setattr(torch.cuda, "device", lambda d: contextlib.nullcontext())
@@ -322,7 +320,9 @@ def test_the_launcher_runs_without_a_gpu(monkeypatch):
         assert (w, splits, fold) == (16, 4, True) or sms == 132, (w, splits, fold)
         assert n == 1 or splits < fast.plan(b * 2, lq, torch.device("cpu"), warps=w, head_dim=d)[0]  # (two CTAs)
         assert [x[:3] for x in done] == [(fast.NAME, (b * 2, splits + (not fold), 1), 32 * w)], done
-        assert done[0][3] >= max(fast.exact_smem(d, rows, warps=w), fast.merge_splits(d, rows, 0, w)[1],
+        df = done[0][5]  # (a Hadamard rotation: the butterflies, one channel group in the merge)
+        assert df["HAD"] == 1 and df["XB"] % 16 == 0, df
+        assert done[0][3] >= max(fast.exact_smem(d, rows, df["XB"], 2, w), fast.merge_splits(d, rows, 0, w, True)[1],
                                  fast.query_bytes(d)), done
         assert done[0][4] == ctypes.sizeof(fast.Params), done
 
@@ -398,6 +398,7 @@ GPU_CASES = [
     (4, 4, 256, 2, 1, 1000, 300, torch.bfloat16, None, 2, False),
     (5, 2, 64, 2, 2, 3333, 40, torch.bfloat16, "additive", 2, True),  # 16 warps at head dim 64
     (4, 4, 128, 2, 1, 2222, 7, torch.float16, None, 0, False),  # 2 rows: four lanes a column in the merge
+    (4, 2, 128, 4, 1, 1800, 33, torch.float32, "bool", 2, False),  # fp32 query and copies: the exact copies by warps
 ]
 
 
@@ -411,6 +412,7 @@ DENSE_CASES = [
     (5, 3, 128, 4, 1, 3001, 9, torch.bfloat16, "bool", 4, False),
     (4, 4, 64, 2, 3, 1500, 2, torch.float16, None, 0, True),
     (4, 2, 128, 8, 2, 700, 5, torch.float16, "additive", 2, False),
+    (5, 3, 256, 2, 1, 2049, 7, torch.bfloat16, None, 4, False),  # two k-steps of Pi a warp, four channel groups
 ]
 
 
@@ -448,6 +450,7 @@ def test_fast_kernel_matches_the_oracle_and_the_triton_kernel(case, launches):
 FOLD_CASES = [
     (5, 3, 128, 4, 1, 13000, 40, torch.bfloat16, "bool", 3, False),
     (5, 5, 64, 2, 1, 12500, 0, torch.float16, None, 0, True),
+    (5, 3, 128, 4, 1, 13000, 40, torch.bfloat16, "bool", 3, False, "orthogonal"),
 ]
 
 

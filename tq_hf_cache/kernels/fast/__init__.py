@@ -237,8 +237,13 @@ def sign_words(signs: torch.Tensor) -> torch.Tensor:
 
 
 def _signs(rotation, device: torch.device) -> torch.Tensor:
-    signs = rotation.signs if rotation.signs.device == device else rotation.signs.to(device)
-    return _per_rotation(_SGN, rotation, signs, sign_words)
+    """sign_words of the rotation's signs on `device`, made once per rotation and device (a copy of them to another
+    device, on every call, would fail under CUDA-graph capture)."""
+    per = _SGN.setdefault(rotation, {})
+    t = per.get(device)
+    if t is None:
+        t = per[device] = sign_words(rotation.signs.to(device))
+    return t
 
 
 def _per_rotation(store, rotation, pi: torch.Tensor, make) -> torch.Tensor:
