@@ -32,8 +32,9 @@ gpu = pytest.mark.skipif(not CUDA, reason="needs CUDA")
 # kernel (ptxas rematerializes lane addresses in the loop when registers run short: 1062 for k5v3 in one build whose
 # loop alone was unchanged), so the budget is checked for the configuration the benchmarks run. What a 16-token step costs: per code pair a shift and a LOP3 (the pair's bits and the lane's
 # table copy; the table base rides in the LDS) and an LDS (64); the codes and norms read from the warp's cp.async ring
-# (16-29 LDS); a PRMT per value register (32); 24 HMMA; 32 FMUL of the rescale, which runs only when a running max
-# moves; about 20 instructions to issue the next tile's copies. ncu at 1 x 128k: ALU pipe 52 % of cycles, issue
+# (16-29 LDS); a PRMT per value register (32); 24 HMMA; 32 FMUL of the rescale, which runs when any of the warp's
+# alphas is not 1 (every step where the CTA holds fewer than 8 live rows: a row past them has alpha 0); about 20
+# instructions to issue the next tile's copies. ncu at 1 x 128k: ALU pipe 52 % of cycles, issue
 # slots 50 %; cutting 6 % of the count gained 6-9 %, cutting 8-15 % more (byte-addressed 4-bit tables) gained 0-4 %:
 # past this point a warp's dependent chain per tile, not the count, sets the time (docs/performance.md). The issue's
 # aim, 2 thread-instructions per K/V element (512 a tile at head dim 128), is not met (850-926 today: the shift per
