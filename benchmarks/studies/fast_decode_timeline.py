@@ -6,8 +6,8 @@ query rotation, table fill, first copies) and when it arrives at the merge count
 writes when its merge ends. Inside a split's CTA also: warp 0's first tile in the ring and its first tile computed, the
 last warp out of the loop, the warps' partials merged in shared memory, and warp 0's second tile in the ring and
 computed; inside an exact copies' CTA: its first batch in shared memory, its tokens done, its warps' partials
-written; inside the merging CTA: its merge begun (the arrival counter read), its pass over the splits and its
-rotation done. From three calls after two warm-ups per case, the
+written; inside the merging CTA: its merge begun (the arrival counter read), its first chunk of the splits' partials
+in shared memory, its pass over the splits and its rotation done. From three calls after two warm-ups per case, the
 last call's CTAs are summarized (min / median / max): when the exact copies' own CTAs arrive, or their time in the
 last splits' CTAs where those take them, the other splits' prologue and loop times and the parts of each, when each
 kind arrives, and the merge's length and parts.
@@ -34,7 +34,7 @@ from tq_hf_cache.kernels import decode_attention as da  # noqa: E402
 from tq_hf_cache.kernels import fast  # noqa: E402
 
 SLOTS = 16  # int64 words a CTA writes: 0 start, 1 arrival, 2 loop start, 3 merge end, 4 SM id, 5 exact copies done,
-# 6-14 the parts of a CTA and of the merge (EDITS)
+# 6-15 the parts of a CTA and of the merge (EDITS)
 
 _NOW = 'unsigned long long t_; asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t_));'
 _SLOT = "reinterpret_cast<unsigned long long*>(TL_PTR) + (static_cast<i64>(bh) * gridDim.y + blockIdx.y) * 16"
@@ -55,7 +55,11 @@ EDITS = [
     ("  merge_last(p, smem, bh);\n}",
      "  " + _at(12) + "\n  merge_last(p, smem, bh);\n  __syncthreads();\n  if (threadIdx.x == 0) { " + _NOW
      + " tl_[3] = t_; }\n}"),
-    # inside the merge: 13 its pass over the splits done, 14 its rotation done
+    # inside the merge: 15 its first chunk of the splits' partials in shared memory, 13 its pass over the splits done,
+    # 14 its rotation done
+    ("    cp_wait<0>();\n    __syncthreads();  // the chunk in shared memory\n",
+     "    cp_wait<0>();\n    __syncthreads();  // the chunk in shared memory\n    " + _at(15, "c0 == 0 && threadIdx.x == 0")
+     + "\n"),
     ("  __syncthreads();\n#if HAD\n  for (int r = warp;", "  __syncthreads();\n  " + _at(13) + "\n#if HAD\n  for (int r = warp;"),
     ("  __syncthreads();\n\n  // out[r, x]", "  __syncthreads();\n  " + _at(14) + "\n\n  // out[r, x]"),
     ("    __syncthreads();  // the exact partial is out of shared memory\n",
@@ -141,6 +145,7 @@ def one_call(q, kv, tl, b: int) -> dict:
         "packed_second_tile_compute_us": part(packed[packed[:, 10] > 0], 11, 10),
         "merge_us": spread([(int(m[3]) - int(m[1])) / 1000 for m in merges]),
         "merge_arrival_us": part(merges, 12, 1), "merge_splits_us": part(merges, 13, 12),
+        "merge_partials_in_us": part(merges, 15, 12),
         "merge_rotation_us": part(merges, 14, 13), "merge_output_us": part(merges, 3, 14),
         "call_us": round((int(merges[:, 3].max()) - t0) / 1000, 2),
     }
