@@ -906,6 +906,32 @@ __device__ __forceinline__ void packed_part(const Params& p, unsigned char* smem
 #define XVEC 16
 #endif
 #define XBYTES (X_DT == 2 ? 4 : 2)
+
+// The packed tokens lq, the exact copies' ring tokens lr and sinks ls of this call (a static cache's, read on the
+// device)
+__device__ __forceinline__ void exact_lengths(const Params& p, int& lq, int& lr, int& ls) {
+  lq = p.lq; lr = p.lr; ls = p.sinks;
+  if (STATIC) {
+    const int T = static_cast<int>(*p.len_ptr);
+    lq = static_cast<int>(*p.from_ptr);
+    lr = T - lq;
+    ls = min(ls, lq);
+  }
+}
+
+// Exact token ee's key or value row: ee < ls is sink ee; else position lq + (ee - ls), at ring slot pos % ring
+// (static) or pos - lq
+__device__ __forceinline__ const unsigned char* exact_row(const Params& p, int b, int h, int lq, int ls, int ee,
+                                                          bool value) {
+  if (ee < ls) {
+    const i64 o = b * (value ? p.ssvb : p.sskb) + h * (value ? p.ssvh : p.sskh) + static_cast<i64>(ee) * D;
+    return reinterpret_cast<const unsigned char*>(value ? p.sv : p.sk) + o * XBYTES;
+  }
+  const int pos = lq + ee - ls;
+  const int slot = STATIC ? pos % p.ring : pos - lq;
+  const i64 o = b * (value ? p.srvb : p.srkb) + h * (value ? p.srvh : p.srkh) + static_cast<i64>(slot) * D;
+  return reinterpret_cast<const unsigned char*>(value ? p.rv : p.rk) + o * XBYTES;
+}
 // Tokens a warp takes a step in the exact part: ROWS x XTPI scores fill at most a warp's lanes once reduced, and the
 // keys and values of a step take at most 64 registers
 #define XTPI_CAP(a, b) ((a) < (b) ? (a) : (b))
@@ -965,16 +991,10 @@ __device__ __forceinline__ void exact_simt(const Params& p, unsigned char* smem,
   for (int i = tid; i < D * D / (PIH ? 64 : 32); i += WARPS * 32)  // Pi's 128-byte lines, read by the merge: into L2
     asm volatile("prefetch.global.L2 [%0];" ::"l"(PIH ? static_cast<const void*>(p.pih + 16 * i) : p.pi + 32 * i));
 #endif
-  int lq = p.lq, lr = p.lr, ls = p.sinks;
-  if (STATIC) {
-    const int T = static_cast<int>(*p.len_ptr);
-    lq = static_cast<int>(*p.from_ptr);
-    lr = T - lq;
-    ls = min(ls, lq);
-  }
+  int lq, lr, ls;
+  exact_lengths(p, lq, lr, ls);
   const int T = lq + lr;
 
-  // token e < ls is sink e; else position lq + (e - ls), at ring slot (pos % ring, static) or pos - lq.
   // A step: the warp's XTPI tokens. Lane L ends with score L >> XSH of the step (row xr, token xu) and keeps the
   // online softmax's max of that row and its sum over its own tokens (the row's lanes add theirs at the end); every
   // lane keeps the accumulator of its DPL channels for every row.
@@ -984,16 +1004,8 @@ __device__ __forceinline__ void exact_simt(const Params& p, unsigned char* smem,
   for (int r = 0; r < ROWS; ++r)
 #pragma unroll
     for (int k = 0; k < DPL; ++k) a[r][k] = 0.0f;
-  auto row_of = [&](int ee, bool value) -> const unsigned char* {  // token ee's key or value row
-    if (ee < ls) {
-      const i64 o = b * (value ? p.ssvb : p.sskb) + h * (value ? p.ssvh : p.sskh) + static_cast<i64>(ee) * D;
-      return reinterpret_cast<const unsigned char*>(value ? p.sv : p.sk) + o * XBYTES;
-    }
-    const int pos = lq + ee - ls;
-    const int slot = STATIC ? pos % p.ring : pos - lq;
-    const i64 o = b * (value ? p.srvb : p.srkb) + h * (value ? p.srvh : p.srkh) + static_cast<i64>(slot) * D;
-    return reinterpret_cast<const unsigned char*>(value ? p.rv : p.rk) + o * XBYTES;
-  };
+  auto row_of = [&](int ee, bool value) { return exact_row(p, b, h, lq, ls, ee, value); };
+
   const int ne = ls + lr;
   for (int e0 = 0; e0 < ne; e0 += XB) {
     const int nb = min(XB, ne - e0);
@@ -1154,25 +1166,11 @@ __device__ __forceinline__ void exact_mma(const Params& p, unsigned char* smem, 
   const int b = bh / p.hkv, h = bh % p.hkv;
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, l4 = lane & 3;
   const int live = p.group * p.nq;
-  int lq = p.lq, lr = p.lr, ls = p.sinks;
-  if (STATIC) {
-    const int T = static_cast<int>(*p.len_ptr);
-    lq = static_cast<int>(*p.from_ptr);
-    lr = T - lq;
-    ls = min(ls, lq);
-  }
+  int lq, lr, ls;
+  exact_lengths(p, lq, lr, ls);
   const int T = lq + lr;
-  // token e < ls is sink e; else position lq + (e - ls), at ring slot (pos % ring, static) or pos - lq
-  auto row_of = [&](int ee, bool value) -> const unsigned char* {
-    if (ee < ls) {
-      const i64 o = b * (value ? p.ssvb : p.sskb) + h * (value ? p.ssvh : p.sskh) + static_cast<i64>(ee) * D;
-      return reinterpret_cast<const unsigned char*>(value ? p.sv : p.sk) + o * 2;
-    }
-    const int pos = lq + ee - ls;
-    const int slot = STATIC ? pos % p.ring : pos - lq;
-    const i64 o = b * (value ? p.srvb : p.srkb) + h * (value ? p.srvh : p.srkh) + static_cast<i64>(slot) * D;
-    return reinterpret_cast<const unsigned char*>(value ? p.rv : p.rk) + o * 2;
-  };
+  auto row_of = [&](int ee, bool value) { return exact_row(p, b, h, lq, ls, ee, value); };
+
   float acc[KS][NQ][4];
 #pragma unroll
   for (int j = 0; j < KS; ++j)
