@@ -242,7 +242,8 @@ def test_prepare_makes_a_rotations_kernel_operands_once(d):
     fast.prepare(rot, *cbs, 2, pi.device)
     h = fast._PIH[rot][pi.device]
     assert h.dtype == torch.float16 and h.is_contiguous() and torch.equal(h, pi.to(torch.float16))
-    assert fast._halves(rot, pi) is h and fast._fragments(rot, pi) is fast._PIF[rot][pi.device] and rot not in fast._SGN
+    assert fast._halves(rot, pi.device) is h and fast._fragments(rot, pi.device) is fast._PIF[rot][pi.device]
+    assert rot not in fast._SGN
 
 
 def test_sixteen_warps_where_two_ctas_would_hold_fewer_table_copies():

@@ -236,32 +236,27 @@ def sign_words(signs: torch.Tensor) -> torch.Tensor:
     return w.where(w < 2**31, w - 2**32).to(torch.int32).contiguous()
 
 
-def _signs(rotation, device: torch.device) -> torch.Tensor:
-    """sign_words of the rotation's signs on `device`, made once per rotation and device (a copy of them to another
-    device, on every call, would fail under CUDA-graph capture)."""
-    per = _SGN.setdefault(rotation, {})
+def _per_rotation(store, rotation, device: torch.device, make) -> torch.Tensor:
+    """make(), made once per rotation and device (looked up first: a copy of the rotation to another device on every
+    call would cost a transfer, and fail under CUDA-graph capture)."""
+    per = store.setdefault(rotation, {})
     t = per.get(device)
     if t is None:
-        t = per[device] = sign_words(rotation.signs.to(device))
+        t = per[device] = make()
     return t
 
 
-def _per_rotation(store, rotation, pi: torch.Tensor, make) -> torch.Tensor:
-    """make(pi), made once per rotation and device."""
-    per = store.setdefault(rotation, {})
-    t = per.get(pi.device)
-    if t is None:
-        t = per[pi.device] = make(pi)
-    return t
+def _signs(rotation, device: torch.device) -> torch.Tensor:
+    return _per_rotation(_SGN, rotation, device, lambda: sign_words(rotation.signs.to(device)))
 
 
-def _fragments(rotation, pi: torch.Tensor) -> torch.Tensor:
-    return _per_rotation(_PIF, rotation, pi, pi_fragments)
+def _fragments(rotation, device: torch.device) -> torch.Tensor:
+    return _per_rotation(_PIF, rotation, device, lambda: pi_fragments(rotation.matrix.to(device)))
 
 
-def _halves(rotation, pi: torch.Tensor) -> torch.Tensor:
+def _halves(rotation, device: torch.device) -> torch.Tensor:
     """Pi as fp16 (the merge's rotation back: half the bytes of fp32 on the call's last CTA)."""
-    return _per_rotation(_PIH, rotation, pi, lambda x: x.to(torch.float16).contiguous())
+    return _per_rotation(_PIH, rotation, device, lambda: rotation.matrix.to(device, torch.float16).contiguous())
 
 
 def prepare(rotation, k_codebook, v_codebook, heads: int, device: torch.device) -> None:
@@ -272,11 +267,9 @@ def prepare(rotation, k_codebook, v_codebook, heads: int, device: torch.device) 
             pair_table(cb, heads, device)
     if hadamard(rotation):
         _signs(rotation, device)
-        return
-    pi = rotation.matrix
-    pi = pi if pi.device == device else pi.to(device)
-    _fragments(rotation, pi)
-    _halves(rotation, pi)
+    else:
+        _fragments(rotation, device)
+        _halves(rotation, device)
 
 
 _MASK_DT = {torch.uint8: 0, torch.float16: 1, torch.bfloat16: 2, torch.float32: 3}
@@ -385,20 +378,20 @@ def defines(d: int, kb: int, vb: int, nq: int, mask_kind: int, mask_dt: int, kn_
 _DT = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2}
 
 
-def _exact_fixed(d: int, rows: int, xbytes: int, warps: int) -> tuple[int, int, int]:
-    """(bytes before the batch, bytes a staged token, tokens a tile) of the exact copies' CTA: on tensor cores (fp16 /
-    bf16 copies: the warps' maxima and sums of 8 or 16 rows, the query's fragments; key and value rows padded by 16
-    bytes) or, for fp32 copies, by warps (the query in fp32, the maxima and sums of `rows`)."""
+def _exact_fixed(d: int, rows: int, xbytes: int, warps: int) -> tuple[int, int, int, int]:
+    """(bytes before the batch, bytes a staged token, tokens a tile, partial rows a warp) of the exact copies' CTA: on
+    tensor cores (fp16 / bf16 copies: the warps' maxima and sums of 8 or 16 rows, the query's fragments; key and value
+    rows padded by 16 bytes) or, for fp32 copies, by warps (the query in fp32, the maxima and sums of `rows`)."""
     if xbytes == 2:
-        return 8 * warps * (8 if rows <= 8 else 16) + 32 * d, 2 * (2 * d + 16), 16
-    return 4 * (rows * d + 2 * warps * rows), 2 * d * xbytes, 8
+        rq = 8 * query_tiles(rows)
+        return 8 * warps * rq + 32 * d, 2 * (2 * d + 16), 16, rq
+    return 4 * (rows * d + 2 * warps * rows), 2 * d * xbytes, 8, rows
 
 
 def exact_smem(d: int, rows: int, batch: int = 16, xbytes: int = 2, warps: int = 8) -> int:
     """Dynamic shared memory of the exact copies' CTA: the query, the warps' maxima and sums, then a batch of `batch`
     tokens' keys and values of `xbytes` bytes an element, later the warps' partials (the merge's: `merge_splits`)."""
-    fixed, per, _ = _exact_fixed(d, rows, xbytes, warps)
-    partial_rows = (8 if rows <= 8 else 16) if xbytes == 2 else rows
+    fixed, per, _, partial_rows = _exact_fixed(d, rows, xbytes, warps)
     return fixed + max(4 * warps * partial_rows * d, batch * per)
 
 
@@ -416,7 +409,7 @@ def merge_splits(d: int, rows: int, smem: int, warps: int = 8, had: bool = False
 def exact_batch(d: int, rows: int, xbytes: int, smem: int, warps: int = 8) -> int:
     """Tokens of the exact copies the exact CTA stages at a time (XB): what fits in `smem` beside the query and the
     warps' maxima and sums, whole tiles (16 tokens on tensor cores, else 8) up to 256."""
-    fixed, per, tile = _exact_fixed(d, rows, xbytes, warps)
+    fixed, per, tile, _ = _exact_fixed(d, rows, xbytes, warps)
     return max(tile, min(256, (smem - fixed) // per // tile * tile))
 
 
@@ -465,7 +458,8 @@ def decode(query, kv, pi, scale_log2, kp, kn, vp, vn, rk, rv, sk, sv, mask_args,
         sgn, rot = _signs(kv.rotation, device).data_ptr(), (0, 0, 0)
     else:
         pi = pi.contiguous()
-        sgn, rot = 0, (pi.data_ptr(), _fragments(kv.rotation, pi).data_ptr(), _halves(kv.rotation, pi).data_ptr())
+        frag, half = _fragments(kv.rotation, device), _halves(kv.rotation, device)
+        sgn, rot = 0, (pi.data_ptr(), frag.data_ptr(), half.data_ptr())
     ln, fr = lens if lens is not None else (acc, acc)
     m_ptr = m_arg.data_ptr() if mask_kind else 0
     m_strides = tuple(ms) if mask_kind else (0, 0, 0, 0)
