@@ -32,9 +32,8 @@ gpu = pytest.mark.skipif(not CUDA, reason="needs CUDA")
 # kernel (ptxas rematerializes lane addresses in the loop when registers run short: 1062 for k5v3 in one build whose
 # loop alone was unchanged), so the budget is checked for the configuration the benchmarks run. What a 16-token step costs: per code pair a shift and a LOP3 (the pair's bits and the lane's
 # table copy; the table base rides in the LDS) and an LDS (64); the codes and norms read from the warp's cp.async ring
-# (16-29 LDS); a PRMT per value register (32); 24 HMMA; 32 FMUL of the rescale, which runs when any of the warp's
-# alphas is not 1 (every step where the CTA holds fewer than 8 live rows: a row past them has alpha 0); about 20
-# instructions to issue the next tile's copies. ncu at 1 x 128k: ALU pipe 52 % of cycles, issue
+# (16-29 LDS); a PRMT per value register (32); 24 HMMA; 32 FMUL of the rescale, which runs only when a finite running
+# max moves; about 20 instructions to issue the next tile's copies. ncu at 1 x 128k: ALU pipe 52 % of cycles, issue
 # slots 50 %; cutting 6 % of the count gained 6-9 %, cutting 8-15 % more (byte-addressed 4-bit tables) gained 0-4 %:
 # past this point a warp's dependent chain per tile, not the count, sets the time (docs/performance.md). The issue's
 # aim, 2 thread-instructions per K/V element (512 a tile at head dim 128), is not met (850-926 today: the shift per
@@ -220,6 +219,26 @@ def test_sixteen_warps_where_they_fold_the_exact_copies_into_more_of_the_gpu(mon
     assert fast.plan(1, 131072, cpu, None, 16, 64, 1) == (20, True)
 
 
+def test_exact_copies_take_the_ctas_the_splits_leave_free(monkeypatch):
+    """`exact_parts`: one exact copies' CTA where the splits fill the GPU, the last split's CTA takes them or two CTAs
+    share an SM; up to EXACT_PARTS side by side where SMs are free, at least EXACT_PART_TOKENS tokens a part, within
+    the caller's scratch."""
+    monkeypatch.setattr(support, "sm_count", lambda dev: 132)
+    cpu = torch.device("cpu")
+    # Gemma 3 4B at 1 x 4k: 4 KV heads x 16 splits of one 8-warp CTA an SM leave 64 SMs; 132 exact tokens
+    assert fast.exact_parts(4, 16, False, 132, cpu, 256, 1, 8) == 3
+    assert fast.exact_parts(4, 16, False, 132, cpu, 256, 1, 8, most=2) == 2
+    assert fast.exact_parts(4, 16, False, 1000, cpu, 256, 1, 8) == fast.EXACT_PARTS
+    assert fast.exact_parts(4, 16, False, fast.EXACT_PART_TOKENS, cpu, 256, 1, 8) == 1
+    assert fast.exact_parts(4, 16, True, 132, cpu, 256, 1, 8) == 1  # folded into the last split's CTA
+    # Llama at 1 x 4k: 8 KV heads x 15 splits of 16 warps leave 4 SMs, fewer than a CTA a head
+    assert fast.exact_parts(8, 15, False, 132, cpu, 128, 1, 16) == 1
+    # two 8-warp CTAs an SM at head dim 128: 8 heads x 8 splits leave 192 slots, but a part would share an SM
+    assert fast.exact_parts(8, 8, False, 132, cpu, 128, 1, 8) == 1
+    # one CTA an SM at head dim 128 (16 query rows): 2 heads x 8 splits leave 114 SMs
+    assert fast.exact_parts(2, 8, False, 132, cpu, 128, 2, 8) == 3
+
+
 @pytest.mark.parametrize("d", [64, 128, 256])
 def test_prepare_makes_a_rotations_kernel_operands_once(d):
     """`prepare` (outside any CUDA graph) makes what the kernel reads of a rotation, once per rotation and device: a
@@ -321,9 +340,10 @@ def test_the_launcher_runs_without_a_gpu(monkeypatch):
         w, splits, fold = fast.choose(b * 2, lq, torch.device("cpu"), None, d, nqt, w)
         assert (w, splits, fold) == (16, 4, True) or sms == 132, (w, splits, fold)
         assert n == 1 or splits < fast.plan(b * 2, lq, torch.device("cpu"), warps=w, head_dim=d)[0]  # (two CTAs)
-        assert [x[:3] for x in done] == [(fast.NAME, (b * 2, splits + (not fold), 1), 32 * w)], done
+        parts = fast.exact_parts(b * 2, splits, fold, state.sinks + 9, torch.device("cpu"), d, nqt, w)
+        assert [x[:3] for x in done] == [(fast.NAME, (b * 2, splits + (0 if fold else parts), 1), 32 * w)], done
         df = done[0][5]  # (a Hadamard rotation: the butterflies, one channel group in the merge)
-        assert df["HAD"] == 1 and df["XB"] % 16 == 0, df
+        assert df["HAD"] == 1 and df["XB"] % 16 == 0 and df["NXMAX"] == parts, df
         assert done[0][3] >= max(fast.exact_smem(d, rows, df["XB"], 2, w), fast.merge_splits(d, rows, 0, w, True)[1],
                                  fast.query_bytes(d)), done
         assert done[0][4] == ctypes.sizeof(fast.Params), done

@@ -87,7 +87,7 @@ EDITS = [
     # tokens done, 9 its warps' partials
     ("    __syncthreads();  // the batch (and, the first time, the query's fragments) in shared memory\n",
      "    __syncthreads();  // the batch (and, the first time, the query's fragments) in shared memory\n"
-     "    " + _at(6, "e0 == 0 && threadIdx.x == 0") + "\n"),
+     "    " + _at(6, "e0 == e_lo && threadIdx.x == 0") + "\n"),
     ("#pragma unroll\n  for (int i = 0; i < NMROWS; ++i) {\n    l_i[i] += __shfl_xor_sync(0xffffffffu, l_i[i], 1);\n"
      "    l_i[i] += __shfl_xor_sync(0xffffffffu, l_i[i], 2);\n    if (l4 == 0) {",
      "  " + _at(7) + "\n#pragma unroll\n  for (int i = 0; i < NMROWS; ++i) {\n"

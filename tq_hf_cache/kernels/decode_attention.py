@@ -875,15 +875,18 @@ def decode_attention(
     block_m, rows, sc = _rows(group, n, d)
     stages, per_sm, plan_prefetch = decode_plan(d, kcb.bits, vcb.bits, kv.key_split is not None, b * hkv * split_len)
     kp, vp = _packed(kv.k_packed), _packed(kv.v_packed)
-    use_fast, fold = fast_ok, False
+    use_fast, fold, parts = fast_ok, False, 1
     if use_fast:
         most = None if kv.scratch is None else kv.scratch.numel() // (b * hkv * rows * (d + 2)) - 1
         nqt = _fast.query_tiles(group * n)
         warps = _fast.warps(d, kcb.bits, vcb.bits, kv.k_norms.dtype == torch.float32,
                             kv.v_norms.dtype == torch.float32, nqt, torch.cuda.get_device_capability(query.device))
         warps, num_splits, fold = _fast.choose(b * hkv, split_len, query.device, most, d, nqt, warps)
+        exact = kv.sinks + (ring if kv.static else lr)  # (at most: a static cache's ring is read on the device)
+        parts = _fast.exact_parts(b * hkv, num_splits, fold, exact, query.device, d, nqt, warps,
+                                  None if most is None else most + 1 - num_splits)
     num_splits, tok_per_split = _split_plan(b * hkv, split_len, query.device, num_splits, block_n, per_sm)
-    slots = b * hkv * (num_splits + 1)
+    slots = b * hkv * (num_splits + parts)
     need = slots * rows * (d + 2)
     if kv.scratch is None:
         scratch, counters = _scratch(query.device, need, b * hkv)
@@ -905,7 +908,7 @@ def decode_attention(
     out = _output(query, out)
     scale_log2 = (d**-0.5 if scale is None else float(scale)) * LOG2E
     if use_fast and _fast.decode(qv, kv, pi, scale_log2, kp, kn, vp, vn, rk, rv, sk, sv, (mask_kind, m_arg, ms), acc,
-                                 ml, counters, lens, (lq, lr, ring), num_splits, fold, rows, out, warps):
+                                 ml, counters, lens, (lq, lr, ring), num_splits, fold, rows, out, warps, parts):
         return out
     (kt, kt_sh), (vt, vt_sh) = lookup_table(kcb, hkv, query.device), lookup_table(vcb, hkv, query.device)
     kplanes, vplanes = planes(kcb.bits), planes(vcb.bits)

@@ -70,7 +70,7 @@ class Params(ctypes.Structure):
         ("out", ctypes.c_void_p), ("sob", ctypes.c_int64), ("son", ctypes.c_int64), ("soh", ctypes.c_int64),
         ("counters", ctypes.c_void_p),
         ("lr", ctypes.c_int32), ("ring", ctypes.c_int32), ("scale_log2", ctypes.c_float),
-        ("pif", ctypes.c_void_p), ("pih", ctypes.c_void_p), ("sgn", ctypes.c_void_p),
+        ("pif", ctypes.c_void_p), ("pih", ctypes.c_void_p), ("sgn", ctypes.c_void_p), ("nx", ctypes.c_int32),
     ]
 
 
@@ -175,6 +175,28 @@ def choose(batch_heads: int, packed_len: int, device: torch.device, max_splits: 
         if f16 and s16 >= 2 and 40 * s16 > 21 * splits:  # s16 / SMs against splits / (2 SMs), 5 % more
             return 16, s16, f16
     return warps, splits, fold
+
+
+EXACT_PARTS = 4  # the most CTAs the exact copies are cut among (the source's NXMAX)
+EXACT_PART_TOKENS = 48  # the fewest exact tokens a part takes (`exact_parts`)
+
+
+def exact_parts(batch_heads: int, splits: int, fold: bool, exact_tokens: int, device: torch.device, head_dim: int,
+                nq: int, warps: int, most: int | None = None) -> int:
+    """The CTAs the exact copies (sinks and ring, at most `exact_tokens` a (batch, KV head)) are cut among, each a
+    part of whole 16-token tiles: one where the last split's CTA takes them (`fold`) or where two CTAs share an SM;
+    else as many as the SMs the splits and one exact CTA a head leave free allow, at most EXACT_PARTS, at least
+    EXACT_PART_TOKENS tokens a part, and at most `most` (what a caller's scratch holds beside the splits). Where one
+    exact CTA holds the call up (a small grid: its copy of the exact rows into one SM ends after the splits), the
+    parts run side by side. H100, 1 x 4k: Gemma 3 4B (4 KV heads, 16 splits, 3 parts) k3v3 12.4 -> 10.8 us, k5v3
+    11.3 -> 12.0, k4v4 11.7 either way; Llama 3.1 8B k4v4 (two CTAs of 8 warps an SM) 10.6 -> 11.0, so not there."""
+    from ..support import sm_count
+
+    if fold or ctas_per_sm(head_dim, nq, warps) > 1:
+        return 1
+    free = sm_count(device) - batch_heads * (splits + 1)
+    n = 1 + max(0, min(EXACT_PARTS - 1, free // batch_heads, (exact_tokens - 1) // EXACT_PART_TOKENS))
+    return max(1, min(n, most)) if most is not None else n
 
 
 def split_range(split: int, splits: int, packed_len: int, fold: bool) -> tuple[int, int]:
@@ -421,9 +443,9 @@ def _mask_row(mask_kind: int, m_arg: torch.Tensor, strides, slots: int) -> bool:
 
 
 def decode(query, kv, pi, scale_log2, kp, kn, vp, vn, rk, rv, sk, sv, mask_args, acc, ml, counters, lens, lengths,
-           num_splits: int, fold: bool, rows: int, out, w: int) -> bool:
+           num_splits: int, fold: bool, rows: int, out, w: int, parts: int = 1) -> bool:
     """The whole decode attention of `..decode_attention.decode_attention` (its prepared arguments) into `out`, in CTAs
-    of `w` warps (`choose`'s).
+    of `w` warps (`choose`'s), the exact copies cut among `parts` CTAs (`exact_parts`).
     Returns False, having launched nothing, when the kernels cannot be used here (and turns them off on this
     device, with a warning, when they fail to build or load)."""
     b, hq, n, d = query.shape
@@ -439,7 +461,7 @@ def decode(query, kv, pi, scale_log2, kp, kn, vp, vn, rk, rv, sk, sv, mask_args,
     kb, vb, kn32, vn32 = kv.k_codebook.bits, kv.v_codebook.bits, kn.dtype == torch.float32, vn.dtype == torch.float32
     df = defines(d, kb, vb, query_tiles(group * n), kind, mdt, kn32, vn32, kv.static, vec,
                  _norms_vec(kn, vn) and kp.shape[2] % 2 == 0, torch.cuda.get_device_capability(query.device), w)
-    df.update(Q_DT=_DT[query.dtype], X_DT=_DT[rk.dtype], O_DT=_DT[out.dtype], ROWS=rows, HAD=int(had),
+    df.update(Q_DT=_DT[query.dtype], X_DT=_DT[rk.dtype], O_DT=_DT[out.dtype], ROWS=rows, HAD=int(had), NXMAX=parts,
               MASK_ROW=int(_mask_row(mask_kind, m_arg, ms, kp.shape[2])))
     xbytes, smem, w = rk.element_size(), packed_smem(df), df["WARPS"]
     df.update(XB=exact_batch(d, rows, xbytes, smem, w), XVEC=_vec(rk, rv, sk, sv),
@@ -473,8 +495,8 @@ def decode(query, kv, pi, scale_log2, kp, kn, vp, vn, rk, rv, sk, sv, mask_args,
         query.data_ptr(), *query.stride()[:3], rot[0],
         sk.data_ptr(), sk.stride(0), sk.stride(1), sv.data_ptr(), sv.stride(0), sv.stride(1),
         rk.data_ptr(), rk.stride(0), rk.stride(1), rv.data_ptr(), rv.stride(0), rv.stride(1),
-        out.data_ptr(), *out.stride()[:3], counters.data_ptr(), lr, ring, scale_log2, rot[1], rot[2], sgn)
+        out.data_ptr(), *out.stride()[:3], counters.data_ptr(), lr, ring, scale_log2, rot[1], rot[2], sgn, parts)
     with torch.cuda.device(device):  # the kernel belongs to this device's context: make it current for the launch
-        grid = (b * hkv, num_splits + (0 if fold else 1), 1)  # (the exact copies' own CTA unless folded)
+        grid = (b * hkv, num_splits + (0 if fold else parts), 1)  # (the exact copies' own CTAs unless folded)
         main.launch(grid, 32 * w, params, torch.cuda.current_stream(device).cuda_stream)
     return True

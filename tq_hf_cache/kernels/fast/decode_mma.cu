@@ -56,6 +56,8 @@ struct Params {
   const uint4* pif;                   // (D / 8, 32, D / 16, 2) half2: Pi in the rotation MMA's B fragment order
   const uint2* pih;                   // (D, D / 4) Pi as fp16, four of a row a load: the merge's rotation (PIH)
   const u32* sgn;                     // HAD: (D / 32) the signs s of Pi = H diag(s) / sqrt(D), bit c set: s_c = -1
+  int nx;                             // the exact copies' partials a (batch, KV head): slots num_splits ..; their
+                                      // own CTAs (but one where fold), each a part of the tokens
 };
 
 #ifndef WARPS  // 8, or 16 in one CTA an SM (where two CTAs of 8 would hold fewer copies of the tables)
@@ -748,6 +750,7 @@ __device__ __forceinline__ void packed_part(const Params& p, unsigned char* smem
     for (int j = 0; j < 4; ++j) tok_ok[j] = tok_ok[j] && ((mk.bytes >> (8 * j)) & 0xffu);
 #endif
     float alpha[NMROWS];
+    bool moved = false;
     u32 pb[NMROWS][2];
 #pragma unroll
     for (int i = 0; i < NMROWS; ++i) {
@@ -767,6 +770,7 @@ __device__ __forceinline__ void packed_part(const Params& p, unsigned char* smem
       const float m_new = fmaxf(m_i[i], mx);
       const float m_use = m_new == NEG_INF ? 0.0f : m_new;
       alpha[i] = ex2(m_i[i] - m_use);
+      moved |= m_i[i] != NEG_INF && m_new != m_i[i];
       m_i[i] = m_new;
       float pv[4], sum = 0.0f;
 #pragma unroll
@@ -779,11 +783,9 @@ __device__ __forceinline__ void packed_part(const Params& p, unsigned char* smem
       pb[i][0] = pack_h2(pv[0], pv[1]);
       pb[i][1] = pack_h2(pv[2], pv[3]);
     }
-    // rescale the accumulators when a running max moved: acc column 2 l4 (+1) of query n-tile n is query
-    // 8 n + 2 l4 (+1), whose alpha lives in lanes 4 (2 l4 (+1)) (S row g = that query, i = n)
-    bool moved = false;
-#pragma unroll
-    for (int i = 0; i < NMROWS; ++i) moved |= alpha[i] != 1.0f;
+    // rescale the accumulators when a finite running max moved (a row that has seen no token, or a row past the
+    // live ones, has an accumulator of zeros: its alpha of 0 needs no rescale): acc column 2 l4 (+1) of query n-tile
+    // n is query 8 n + 2 l4 (+1), whose alpha lives in lanes 4 (2 l4 (+1)) (S row g = that query, i = n)
     if (__any_sync(0xffffffffu, moved)) {
 #pragma unroll
       for (int n = 0; n < NQ; ++n) {
@@ -892,7 +894,7 @@ __device__ __forceinline__ void packed_part(const Params& p, unsigned char* smem
       a[PSTRIDE + 8] = acc[mt][n][3];
     }
   __syncthreads();
-  store_partial<RQ, true>(wm, wl, wa, p, static_cast<i64>(bh) * (p.num_splits + 1) + split, live);
+  store_partial<RQ, true>(wm, wl, wa, p, static_cast<i64>(bh) * (p.num_splits + p.nx) + split, live);
 }
 
 // The exact copies (sinks, then the ring) with the unrotated query, in batches of XB tokens copied whole into shared
@@ -978,7 +980,15 @@ __device__ __forceinline__ void xreduce(float* v, int lane) {
     }
   }
 }
-__device__ __forceinline__ void exact_simt(const Params& p, unsigned char* smem, int bh) {
+// A dense rotation's Pi, read by the merge (its fp16 rows where PIH): into L2 now, 128-byte lines
+__device__ __forceinline__ void prefetch_pi(const Params& p, int tid) {
+#if !HAD
+  for (int i = tid; i < D * D / (PIH ? 64 : 32); i += WARPS * 32)
+    asm volatile("prefetch.global.L2 [%0];" ::"l"(PIH ? static_cast<const void*>(p.pih + 16 * i) : p.pi + 32 * i));
+#endif
+}
+
+__device__ __forceinline__ void exact_simt(const Params& p, unsigned char* smem, int bh, int x, int nx) {
   float* qs = reinterpret_cast<float*>(smem);  // (ROWS, D) the query, scaled for exp2
   float* wm = qs + ROWS * D;                   // (WARPS, ROWS)
   float* wl = wm + WARPS * ROWS;               // (WARPS, ROWS)
@@ -987,10 +997,7 @@ __device__ __forceinline__ void exact_simt(const Params& p, unsigned char* smem,
   const int b = bh / p.hkv, h = bh % p.hkv;
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   const int live = p.group * p.nq;
-#if !HAD
-  for (int i = tid; i < D * D / (PIH ? 64 : 32); i += WARPS * 32)  // Pi's 128-byte lines, read by the merge: into L2
-    asm volatile("prefetch.global.L2 [%0];" ::"l"(PIH ? static_cast<const void*>(p.pih + 16 * i) : p.pi + 32 * i));
-#endif
+  prefetch_pi(p, tid);
   int lq, lr, ls;
   exact_lengths(p, lq, lr, ls);
   const int T = lq + lr;
@@ -1005,9 +1012,10 @@ __device__ __forceinline__ void exact_simt(const Params& p, unsigned char* smem,
 #pragma unroll
     for (int k = 0; k < DPL; ++k) a[r][k] = 0.0f;
   auto row_of = [&](int ee, bool value) { return exact_row(p, b, h, lq, ls, ee, value); };
-
-  const int ne = ls + lr;
-  for (int e0 = 0; e0 < ne; e0 += XB) {
+  // part x of the ls + lr exact tokens (nx parts, cut at whole 16-token tiles)
+  const int ne_all = ls + lr, e_lo = min(((ne_all * x) / nx + 8) & ~15, ne_all);
+  const int ne = x == nx - 1 ? ne_all : min(((ne_all * (x + 1)) / nx + 8) & ~15, ne_all);
+  for (int e0 = e_lo; e0 < ne; e0 += XB) {
     const int nb = min(XB, ne - e0);
     constexpr int CPR = D * XBYTES / (XVEC > 0 ? XVEC : 4);  // copies a row
     for (int c = tid; c < nb * 2 * CPR; c += WARPS * 32) {
@@ -1022,7 +1030,7 @@ __device__ __forceinline__ void exact_simt(const Params& p, unsigned char* smem,
       }
     }
     cp_commit();
-    if (e0 == 0)  // (after the first batch's copies are out: both round trips at once)
+    if (e0 == e_lo)  // (after the first batch's copies are out: both round trips at once)
       load_query<ROWS>(p.qx, p.sqb, p.sqh, p.sqn, p.group, p.nq, p.scale_log2, b, h, live, qs);
     cp_wait<0>();
     __syncthreads();  // the batch (and, the first time, the query) in shared memory
@@ -1112,7 +1120,7 @@ __device__ __forceinline__ void exact_simt(const Params& p, unsigned char* smem,
     }
   }
   __syncthreads();
-  store_partial<ROWS, false>(wm, wl, wacc, p, static_cast<i64>(bh) * (p.num_splits + 1) + p.num_splits, live);
+  store_partial<ROWS, false>(wm, wl, wacc, p, static_cast<i64>(bh) * (p.num_splits + p.nx) + p.num_splits + x, live);
 }
 
 // The exact copies on tensor cores where they are fp16 or bf16 (XMMA): S = Q K^T and O^T = V^T P^T by mma.m16n8k16
@@ -1153,10 +1161,11 @@ __device__ __forceinline__ void ldsm4(u32 addr, u32 (&r)[4]) {
                  : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr));
 }
 
-__device__ __forceinline__ void exact_mma(const Params& p, unsigned char* smem, int bh_) {
+__device__ __forceinline__ void exact_mma(const Params& p, unsigned char* smem, int bh_, int x, int nx) {
   int bh;  // (opaque: values derived from it here and in the packed part after it in the last split's CTA are not
            // kept from one to the other, which would spill in the packed loop)
   asm volatile("mov.b32 %0, %1;" : "=r"(bh) : "r"(bh_));
+  static_assert(XB % 16 == 0, "the exact copies' batches are whole 16-token tiles");
   constexpr int RQ = 8 * NQ;
   float* wm = reinterpret_cast<float*>(smem);   // (WARPS, RQ)
   float* wl = wm + WARPS * RQ;                  // (WARPS, RQ)
@@ -1180,21 +1189,48 @@ __device__ __forceinline__ void exact_mma(const Params& p, unsigned char* smem, 
 #pragma unroll
   for (int i = 0; i < NMROWS; ++i) { m_i[i] = NEG_INF; l_i[i] = 0.0f; }
 
+  prefetch_pi(p, tid);
   const u32 xk = shared_addr(xs), xv = xk + XB * XSTRIDE;
-  const int ne = ls + lr;
-  for (int e0 = 0; e0 < ne; e0 += XB) {
+  // the (batch, KV head)'s sink and ring rows (keys, values): a token's row is one of them plus its slot's 2 D bytes
+  const unsigned char* sinkb[2] = {
+      reinterpret_cast<const unsigned char*>(p.sk) + (b * p.sskb + h * p.sskh) * 2,
+      reinterpret_cast<const unsigned char*>(p.sv) + (b * p.ssvb + h * p.ssvh) * 2};
+  const unsigned char* ringb[2] = {
+      reinterpret_cast<const unsigned char*>(p.rk) + (b * p.srkb + h * p.srkh) * 2,
+      reinterpret_cast<const unsigned char*>(p.rv) + (b * p.srvb + h * p.srvh) * 2};
+  const int r0 = STATIC ? lq % p.ring : 0;
+  // part x of the ls + lr exact tokens (nx parts, cut at whole 16-token tiles)
+  const int ne_all = ls + lr, e_lo = min(((ne_all * x) / nx + 8) & ~15, ne_all);
+  const int ne = x == nx - 1 ? ne_all : min(((ne_all * (x + 1)) / nx + 8) & ~15, ne_all);
+  for (int e0 = e_lo; e0 < ne; e0 += XB) {
     const int nb = min(XB, ne - e0);
     constexpr int CPR = D * 2 / (XVEC > 0 ? XVEC : 4);  // copies a row
-    for (int c = tid; c < nb * 2 * CPR; c += WARPS * 32) {
-      const int e = c / (2 * CPR), v = (c / CPR) & 1, k = c % CPR;
-      const unsigned char* src = row_of(e0 + e, v);
-      const u32 dst = (v ? xv : xk) + e * XSTRIDE;
-      if constexpr (XVEC > 0) {
-        cp_async<XVEC>(dst + k * XVEC, src + k * XVEC);
-      } else {  // rows not 4-byte aligned: two bytes at a time
-        const u16* s16 = reinterpret_cast<const u16*>(src);
-        const u32 w0 = s16[2 * k] | (static_cast<u32>(s16[2 * k + 1]) << 16);
-        asm volatile("st.shared.b32 [%0], %1;" ::"r"(dst + 4 * k), "r"(w0) : "memory");
+    if constexpr (XVEC > 0 && (WARPS * 32) % CPR == 0) {  // a thread copies piece k of every (WARPS 32 / CPR)-th row
+      const int k = tid % CPR;
+      for (int rr = tid / CPR; rr < 2 * nb; rr += WARPS * 32 / CPR) {  // row rr: token rr / 2's key or value
+        const int e = rr >> 1, v = rr & 1, ee = e0 + e;
+        const unsigned char* src;
+        if (ee < ls) {
+          src = sinkb[v] + static_cast<i64>(ee) * (2 * D);
+        } else {  // (a static ring: position lq's slot r0, then in turn; the ring holds lr <= ring of them)
+          int slot = ee - ls + r0;
+          if (STATIC && slot >= p.ring) slot -= p.ring;
+          src = ringb[v] + static_cast<i64>(slot) * (2 * D);
+        }
+        cp_async<XVEC>((v ? xv : xk) + e * XSTRIDE + k * XVEC, src + k * XVEC);
+      }
+    } else {
+      for (int c = tid; c < nb * 2 * CPR; c += WARPS * 32) {
+        const int e = c / (2 * CPR), v = (c / CPR) & 1, k = c % CPR;
+        const unsigned char* src = row_of(e0 + e, v);
+        const u32 dst = (v ? xv : xk) + e * XSTRIDE;
+        if constexpr (XVEC > 0) {
+          cp_async<XVEC>(dst + k * XVEC, src + k * XVEC);
+        } else {  // rows not 4-byte aligned: two bytes at a time
+          const u16* s16 = reinterpret_cast<const u16*>(src);
+          const u32 w0 = s16[2 * k] | (static_cast<u32>(s16[2 * k + 1]) << 16);
+          asm volatile("st.shared.b32 [%0], %1;" ::"r"(dst + 4 * k), "r"(w0) : "memory");
+        }
       }
     }
     // the value rows past the batch up to its last tile's end: zeros (stale shared memory could hold NaN: 0 x NaN)
@@ -1202,7 +1238,7 @@ __device__ __forceinline__ void exact_mma(const Params& p, unsigned char* smem, 
       asm volatile("st.shared.v4.b32 [%0], {%1, %1, %1, %1};" ::"r"(xv + (i / (D / 8)) * XSTRIDE + (i % (D / 8)) * 16),
                    "r"(0u) : "memory");
     cp_commit();
-    if (e0 == 0) {  // (after the first batch's copies are out: both round trips at once) the query's fragments: word
+    if (e0 == e_lo) {  // (after the first batch's copies are out: both round trips at once) the query's fragments: word
                     // (ks, lane (g, l4), j) = rows g + 8 (j & 1), channels 16 ks + 2 l4 + 8 (j >> 1) + {0, 1}
       constexpr int NI = KS * 128 / (WARPS * 32);  // words a thread (all its loads out before any is used)
       u32 raw[NI][2];
@@ -1249,6 +1285,7 @@ __device__ __forceinline__ void exact_mma(const Params& p, unsigned char* smem, 
       }
       // this lane's tokens j: t + 2 l4 + (j & 1) + 8 (j >> 1); row i's score is sc[j >> 1][2 i + (j & 1)]
       float alpha[NMROWS];
+      bool moved = false;
       u32 pb[NMROWS][2];
 #pragma unroll
       for (int i = 0; i < NMROWS; ++i) {
@@ -1276,6 +1313,7 @@ __device__ __forceinline__ void exact_mma(const Params& p, unsigned char* smem, 
         const float m_new = fmaxf(m_i[i], mx);
         const float m_use = m_new == NEG_INF ? 0.0f : m_new;
         alpha[i] = ex2(m_i[i] - m_use);
+        moved |= m_i[i] != NEG_INF && m_new != m_i[i];
         m_i[i] = m_new;
         float pv[4], sum = 0.0f;
 #pragma unroll
@@ -1287,9 +1325,6 @@ __device__ __forceinline__ void exact_mma(const Params& p, unsigned char* smem, 
         pb[i][0] = pack_x(pv[0], pv[1]);
         pb[i][1] = pack_x(pv[2], pv[3]);
       }
-      bool moved = false;
-#pragma unroll
-      for (int i = 0; i < NMROWS; ++i) moved |= alpha[i] != 1.0f;
       if (__any_sync(0xffffffffu, moved)) {  // (as the packed part: query 8 n + 2 l4 (+ 1)'s alpha)
 #pragma unroll
         for (int n = 0; n < NQ; ++n) {
@@ -1331,7 +1366,7 @@ __device__ __forceinline__ void exact_mma(const Params& p, unsigned char* smem, 
       a[D + 8] = acc[mt][n][3];
     }
   __syncthreads();
-  store_partial<RQ, false>(wm, wl, wa, p, static_cast<i64>(bh) * (p.num_splits + 1) + p.num_splits, live);
+  store_partial<RQ, false>(wm, wl, wa, p, static_cast<i64>(bh) * (p.num_splits + p.nx) + p.num_splits + x, live);
 }
 
 // By the last CTA of a (batch, KV head) to store its partial: the packed partials merged in the rotated domain and
@@ -1348,6 +1383,9 @@ __device__ __forceinline__ void exact_mma(const Params& p, unsigned char* smem, 
 #define UNROLL (PRE > 0 ? PRE : (CPG < 8 ? CPG : 8))
 #define EPT ((ROWS * D + WARPS * 32 - 1) / (WARPS * 32))  // output elements a thread writes
 #define XPRE (ROWS <= 8)  // the exact partial's values loaded before the packed partials too
+#ifndef NXMAX  // the most exact copies' parts (`fast.exact_parts`)
+#define NXMAX 1
+#endif
 // lanes a column of the pass over the splits
 #define MH (ROWS * NV * 4 <= WARPS * 32 ? 4 : ROWS * NV * 2 <= WARPS * 32 ? 2 : 1)
 #ifndef MSPLITS  // splits' partials staged in shared memory at a time (`fast.merge_splits`)
@@ -1370,7 +1408,7 @@ __device__ __forceinline__ void merge_last(const Params& p, unsigned char* smem,
   const int b = bh / p.hkv, h = bh % p.hkv;
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   const int live = p.group * p.nq, R = p.rows, ns = p.num_splits;
-  const i64 base = static_cast<i64>(bh) * (ns + 1), ex = base + ns;
+  const i64 base = static_cast<i64>(bh) * (ns + p.nx), ex = base + ns;
   const int xv = tid % NV, cg = tid / NV;
 #if PIH
   typedef uint2 PiRow;  // Pi[c, 4 xv .. 4 xv + 3]
@@ -1396,12 +1434,26 @@ __device__ __forceinline__ void merge_last(const Params& p, unsigned char* smem,
     for (int k = 0; k < PRE; ++k) w0[k] = __ldg(pir + (cg * CPG + k) * NV + xv);
   }
   float xa[EPT], xm[EPT], xl[EPT];
-  auto exact_value = [&](int i) {  // the exact partial at this thread's output element i
+  auto exact_value = [&](int i) {  // the exact partials (nx parts, combined) at this thread's output element i
     const int e = tid + i * WARPS * 32, r = e / D;
-    const bool ok = e < ROWS * D && r < live;
-    xa[i] = ok ? __ldcg(p.acc + (ex * R + r) * D + e % D) : 0.0f;
-    xm[i] = ok ? __ldcg(p.ml + ex * 2 * R + r) : NEG_INF;
-    xl[i] = ok ? __ldcg(p.ml + ex * 2 * R + R + r) : 0.0f;
+    float a[NXMAX], m[NXMAX], l[NXMAX];
+#pragma unroll
+    for (int x = 0; x < NXMAX; ++x) {  // (every load out before any is used)
+      const bool ok = x < p.nx && e < ROWS * D && r < live;
+      const i64 s = ex + x;
+      a[x] = ok ? __ldcg(p.acc + (s * R + r) * D + e % D) : 0.0f;
+      m[x] = ok ? __ldcg(p.ml + s * 2 * R + r) : NEG_INF;
+      l[x] = ok ? __ldcg(p.ml + s * 2 * R + R + r) : 0.0f;
+    }
+    xa[i] = a[0]; xm[i] = m[0]; xl[i] = l[0];
+#pragma unroll
+    for (int x = 1; x < NXMAX; ++x) {
+      const float M = fmaxf(xm[i], m[x]), Mu = M == NEG_INF ? 0.0f : M;
+      const float al = ex2(xm[i] - Mu), w = ex2(m[x] - Mu);
+      xa[i] = xa[i] * al + w * a[x];
+      xl[i] = xl[i] * al + w * l[x];
+      xm[i] = M;
+    }
   };
   if constexpr (XPRE) {
 #pragma unroll
@@ -1552,11 +1604,12 @@ __device__ __forceinline__ void merge_last(const Params& p, unsigned char* smem,
 // launch). The (batch, KV head) is the grid's x, so that CTAs go out split by split: where two CTAs share an SM the
 // first one placed runs faster, and each (batch, KV head) gets both kinds (and where the grid is more than the GPU
 // holds at once, the CTAs that wait are the last splits of every one).
-__device__ __forceinline__ void exact_part(const Params& p, unsigned char* smem, int bh) {
+// part x of nx of the exact copies (the last split's CTA, where it takes them: 0 of 1)
+__device__ __forceinline__ void exact_part(const Params& p, unsigned char* smem, int bh, int x, int nx) {
 #if XMMA
-  exact_mma(p, smem, bh);
+  exact_mma(p, smem, bh, x, nx);
 #else
-  exact_simt(p, smem, bh);
+  exact_simt(p, smem, bh, x, nx);
 #endif
 }
 
@@ -1564,10 +1617,10 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, MIN_CTAS) tq_decode(con
   extern __shared__ __align__(16) unsigned char smem[];
   __shared__ int last;
   const int bh = blockIdx.x, split = blockIdx.y;
-  if (split == p.num_splits) {
-    exact_part(p, smem, bh);
+  if (split >= p.num_splits) {
+    exact_part(p, smem, bh, split - p.num_splits, p.nx);
   } else if (p.fold && split == p.num_splits - 1) {  // (its own copy of the packed part: the loop carries nothing
-    exact_part(p, smem, bh);                          // of the exact part's registers)
+    exact_part(p, smem, bh, 0, 1);                    // of the exact part's registers)
     __syncthreads();  // the exact partial is out of shared memory
     packed_part(p, smem, split, bh);
   } else {
@@ -1577,7 +1630,7 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, MIN_CTAS) tq_decode(con
   if (threadIdx.x == 0) {
     int before;  // acq_rel: releases this CTA's partials, and acquires all the others' for the last CTA
     asm volatile("atom.acq_rel.gpu.global.add.s32 %0, [%1], 1;" : "=r"(before) : "l"(p.counters + bh) : "memory");
-    last = before == p.num_splits - p.fold;
+    last = before == p.num_splits + (p.fold ? 0 : p.nx) - 1;
     if (last) atomicExch(p.counters + bh, 0);
   }
   __syncthreads();
