@@ -119,6 +119,19 @@ def test_sm90_a_mask_row_reads_two_words_a_step_within_the_budget(tmp_path):
 
 
 @pytest.mark.skipif(not _nvrtc_ok(), reason="NVRTC missing")
+@pytest.mark.parametrize("xdt,d", [(2, 128), (2, 256), (0, 64), (1, 256)])
+def test_sm90_the_exact_parts_compile_with_the_launchers_batch(xdt, d):
+    """Each exact part compiles with the batch `exact_batch` gives it: whole 8-token tiles for fp32 copies (the warps'
+    path), whole 16-token tiles on tensor cores (a check meant for one must not stop the other from building)."""
+    df = fast.defines(d, 4, 2, 1, 1, 0, False, False, False, 16, True)
+    xbytes = 4 if xdt == 2 else 2
+    xb = fast.exact_batch(d, 4, xbytes, fast.packed_smem(df), df["WARPS"])
+    assert xb % (8 if xdt == 2 else 16) == 0, xb
+    df.update(ROWS=4, Q_DT=xdt, X_DT=xdt, O_DT=xdt, HAD=1, XB=xb, XVEC=16, QV=1, MSPLITS=8, NXMAX=2)
+    assert jit.compile_cubin(fast.source(), fast.NAME, df, 90)
+
+
+@pytest.mark.skipif(not _nvrtc_ok(), reason="NVRTC missing")
 def test_sm90_the_timeline_study_instruments_the_kernel():
     """benchmarks/studies/fast_decode_timeline.py edits the kernel's source at anchors: each is there once and the
     instrumented kernel compiles (a kernel change that moves an anchor fails here, not on the GPU)."""

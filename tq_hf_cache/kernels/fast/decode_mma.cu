@@ -1165,7 +1165,7 @@ __device__ __forceinline__ void exact_mma(const Params& p, unsigned char* smem, 
   int bh;  // (opaque: values derived from it here and in the packed part after it in the last split's CTA are not
            // kept from one to the other, which would spill in the packed loop)
   asm volatile("mov.b32 %0, %1;" : "=r"(bh) : "r"(bh_));
-  static_assert(XB % 16 == 0, "the exact copies' batches are whole 16-token tiles");
+  static_assert(!XMMA || XB % 16 == 0, "the exact copies' batches are whole 16-token tiles");
   constexpr int RQ = 8 * NQ;
   float* wm = reinterpret_cast<float*>(smem);   // (WARPS, RQ)
   float* wl = wm + WARPS * RQ;                  // (WARPS, RQ)
