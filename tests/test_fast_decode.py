@@ -250,6 +250,9 @@ def test_exact_copies_take_the_ctas_the_splits_leave_free(monkeypatch):
     assert fast.exact_parts(8, 8, False, 132, cpu, 128, 1, 8) == 1
     # one CTA an SM at head dim 128 (16 query rows): 2 heads x 8 splits leave 114 SMs
     assert fast.exact_parts(2, 8, False, 132, cpu, 128, 2, 8) == 3
+    # the last split's CTA takes the exact copies as one part: a launch asking for more is refused before it starts
+    with pytest.raises(ValueError, match="one part, not 2"):
+        fast.decode(*[None] * 18, num_splits=4, fold=True, rows=4, out=None, w=16, parts=2)
 
 
 @pytest.mark.parametrize("d", [64, 128, 256])
@@ -434,6 +437,12 @@ GPU_CASES = [
     (5, 2, 64, 2, 2, 3333, 40, torch.bfloat16, "additive", 2, True),  # 16 warps at head dim 64
     (4, 4, 128, 2, 1, 2222, 7, torch.float16, None, 0, False),  # 2 rows: four lanes a column in the merge
     (4, 2, 128, 4, 1, 1800, 33, torch.float32, "bool", 2, False),  # fp32 query and copies: the exact copies by warps
+    # the exact copies in parts (`fast.exact_parts`, one CTA an SM): fp32 by warps in 4 parts; 2 parts, the second
+    # from the sinks into the ring; four causal queries in 3 parts; an additive mask in 2 parts
+    (4, 2, 256, 2, 1, 1000, 300, torch.float32, None, 2, False),
+    (3, 3, 256, 2, 1, 600, 21, torch.bfloat16, "bool", 40, False),
+    (5, 3, 128, 4, 4, 1200, 100, torch.bfloat16, None, 2, False),
+    (4, 2, 256, 4, 2, 900, 70, torch.float16, "additive", 3, False),
 ]
 
 
@@ -448,6 +457,7 @@ DENSE_CASES = [
     (4, 4, 64, 2, 3, 1500, 2, torch.float16, None, 0, True),
     (4, 2, 128, 8, 2, 700, 5, torch.float16, "additive", 2, False),
     (5, 3, 256, 2, 1, 2049, 7, torch.bfloat16, None, 4, False),  # two k-steps of Pi a warp, four channel groups
+    (4, 4, 256, 2, 1, 1000, 120, torch.bfloat16, None, 2, False),  # the exact copies in 3 parts
 ]
 
 

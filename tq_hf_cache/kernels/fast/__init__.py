@@ -448,6 +448,8 @@ def decode(query, kv, pi, scale_log2, kp, kn, vp, vn, rk, rv, sk, sv, mask_args,
     of `w` warps (`choose`'s), the exact copies cut among `parts` CTAs (`exact_parts`).
     Returns False, having launched nothing, when the kernels cannot be used here (and turns them off on this
     device, with a warning, when they fail to build or load)."""
+    if fold and parts != 1:
+        raise ValueError(f"the exact copies folded into the last split's CTA are one part, not {parts}")
     b, hq, n, d = query.shape
     hkv = kp.shape[1]
     group = hq // hkv

@@ -38,7 +38,7 @@ struct Params {
   const u32* ktab; i64 ktab_sh;       // (heads', 4^KB) half2 pair tables, head stride in entries (0: shared)
   const u32* vtab; i64 vtab_sh;
   const unsigned char* mask; i64 smb, smh, smi, smt;  // element strides
-  float* acc; float* ml;              // partials: acc (slots, R, D), ml (slots, 2, R); slot = bh (splits + 1) + s
+  float* acc; float* ml;              // partials: acc (slots, R, D), ml (slots, 2, R); slot = bh (splits + nx) + s
   const i64* len_ptr; const i64* from_ptr;
   int hkv, group, nq, rows, lq, sinks, num_splits, mask_elt, slots;
   int fold;                           // 1: the last split's CTA takes the exact copies; 0: CTA num_splits does
@@ -900,7 +900,7 @@ __device__ __forceinline__ void packed_part(const Params& p, unsigned char* smem
 // The exact copies (sinks, then the ring) with the unrotated query, in batches of XB tokens copied whole into shared
 // memory first (cp.async, XVEC bytes a copy: one round trip a batch, where loads by the warps that use them took one
 // per few tokens), then by warps (an online softmax each, XTPI tokens a step: one update per row for all of them);
-// the partial goes to slot num_splits.
+// part x's partial goes to slot num_splits + x.
 #ifndef XB
 #define XB 64
 #endif
@@ -1597,9 +1597,10 @@ __device__ __forceinline__ void merge_last(const Params& p, unsigned char* smem,
   }
 }
 
-// Grid (batch x KV heads, num_splits + !fold): CTA s < num_splits of a (batch, KV head) takes split s of the packed
-// history; the exact copies have CTA num_splits of their own, or, where the plan folds them (a GPU full of long
-// splits: no SM to spare), the last split's CTA takes them first, its split shorter by EXACT_TOKENS. Each CTA stores
+// Grid (batch x KV heads, num_splits + (fold ? 0 : nx)): CTA s < num_splits of a (batch, KV head) takes split s of the
+// packed history; the exact copies have CTAs num_splits .. num_splits + nx - 1 of their own (part x each), or, where
+// the plan folds them (a GPU full of long splits: no SM to spare), the last split's CTA takes them first, its split
+// shorter by EXACT_TOKENS. Each CTA stores
 // its partials, and the last to do so merges them all (one counter per (batch, KV head), left at zero for the next
 // launch). The (batch, KV head) is the grid's x, so that CTAs go out split by split: where two CTAs share an SM the
 // first one placed runs faster, and each (batch, KV head) gets both kinds (and where the grid is more than the GPU
