@@ -344,6 +344,12 @@ __device__ __forceinline__ void load_query(const void* q, i64 sqb, i64 sqh, i64 
 // 16-warp CTA's epilogue on the H100.
 #define PSTRIDE (D + 4)
 
+// The first partial slot of a (batch, KV head): its packed splits' come first (+ 0 .. num_splits - 1), then the exact
+// copies' nx parts
+__device__ __forceinline__ i64 partial_base(const Params& p, int bh) {
+  return static_cast<i64>(bh) * (p.num_splits + p.nx);
+}
+
 // The CTA's partial from its warps' (max, sum, accumulator) in shared memory (RQ rows each): (M, l) to ml and the
 // accumulator rescaled to M to acc, at `slot`. PACKED: the packed part's (rows of PSTRIDE in the order above,
 // rotated: stored by planes, the channel order the merge reads); else the exact part's (rows of D in channel order).
@@ -894,7 +900,7 @@ __device__ __forceinline__ void packed_part(const Params& p, unsigned char* smem
       a[PSTRIDE + 8] = acc[mt][n][3];
     }
   __syncthreads();
-  store_partial<RQ, true>(wm, wl, wa, p, static_cast<i64>(bh) * (p.num_splits + p.nx) + split, live);
+  store_partial<RQ, true>(wm, wl, wa, p, partial_base(p, bh) + split, live);
 }
 
 // The exact copies (sinks, then the ring) with the unrotated query, in batches of XB tokens copied whole into shared
@@ -919,6 +925,12 @@ __device__ __forceinline__ void exact_lengths(const Params& p, int& lq, int& lr,
     lr = T - lq;
     ls = min(ls, lq);
   }
+}
+
+// Part x of nx of the ne exact tokens, [lo, hi): cut at the nearest multiples of 16 (whole tiles), the last ending at ne
+__device__ __forceinline__ void exact_range(int ne, int x, int nx, int& lo, int& hi) {
+  lo = min(((ne * x) / nx + 8) & ~15, ne);
+  hi = x == nx - 1 ? ne : min(((ne * (x + 1)) / nx + 8) & ~15, ne);
 }
 
 // Exact token ee's key or value row: ee < ls is sink ee; else position lq + (ee - ls), at ring slot pos % ring
@@ -1012,9 +1024,8 @@ __device__ __forceinline__ void exact_simt(const Params& p, unsigned char* smem,
 #pragma unroll
     for (int k = 0; k < DPL; ++k) a[r][k] = 0.0f;
   auto row_of = [&](int ee, bool value) { return exact_row(p, b, h, lq, ls, ee, value); };
-  // part x of the ls + lr exact tokens (nx parts, cut at whole 16-token tiles)
-  const int ne_all = ls + lr, e_lo = min(((ne_all * x) / nx + 8) & ~15, ne_all);
-  const int ne = x == nx - 1 ? ne_all : min(((ne_all * (x + 1)) / nx + 8) & ~15, ne_all);
+  int e_lo, ne;
+  exact_range(ls + lr, x, nx, e_lo, ne);
   for (int e0 = e_lo; e0 < ne; e0 += XB) {
     const int nb = min(XB, ne - e0);
     constexpr int CPR = D * XBYTES / (XVEC > 0 ? XVEC : 4);  // copies a row
@@ -1120,7 +1131,7 @@ __device__ __forceinline__ void exact_simt(const Params& p, unsigned char* smem,
     }
   }
   __syncthreads();
-  store_partial<ROWS, false>(wm, wl, wacc, p, static_cast<i64>(bh) * (p.num_splits + p.nx) + p.num_splits + x, live);
+  store_partial<ROWS, false>(wm, wl, wacc, p, partial_base(p, bh) + p.num_splits + x, live);
 }
 
 // The exact copies on tensor cores where they are fp16 or bf16 (XMMA): S = Q K^T and O^T = V^T P^T by mma.m16n8k16
@@ -1199,9 +1210,8 @@ __device__ __forceinline__ void exact_mma(const Params& p, unsigned char* smem, 
       reinterpret_cast<const unsigned char*>(p.rk) + (b * p.srkb + h * p.srkh) * 2,
       reinterpret_cast<const unsigned char*>(p.rv) + (b * p.srvb + h * p.srvh) * 2};
   const int r0 = STATIC ? lq % p.ring : 0;
-  // part x of the ls + lr exact tokens (nx parts, cut at whole 16-token tiles)
-  const int ne_all = ls + lr, e_lo = min(((ne_all * x) / nx + 8) & ~15, ne_all);
-  const int ne = x == nx - 1 ? ne_all : min(((ne_all * (x + 1)) / nx + 8) & ~15, ne_all);
+  int e_lo, ne;
+  exact_range(ls + lr, x, nx, e_lo, ne);
   for (int e0 = e_lo; e0 < ne; e0 += XB) {
     const int nb = min(XB, ne - e0);
     constexpr int CPR = D * 2 / (XVEC > 0 ? XVEC : 4);  // copies a row
@@ -1366,7 +1376,7 @@ __device__ __forceinline__ void exact_mma(const Params& p, unsigned char* smem, 
       a[D + 8] = acc[mt][n][3];
     }
   __syncthreads();
-  store_partial<RQ, false>(wm, wl, wa, p, static_cast<i64>(bh) * (p.num_splits + p.nx) + p.num_splits + x, live);
+  store_partial<RQ, false>(wm, wl, wa, p, partial_base(p, bh) + p.num_splits + x, live);
 }
 
 // By the last CTA of a (batch, KV head) to store its partial: the packed partials merged in the rotated domain and
@@ -1408,7 +1418,7 @@ __device__ __forceinline__ void merge_last(const Params& p, unsigned char* smem,
   const int b = bh / p.hkv, h = bh % p.hkv;
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   const int live = p.group * p.nq, R = p.rows, ns = p.num_splits;
-  const i64 base = static_cast<i64>(bh) * (ns + p.nx), ex = base + ns;
+  const i64 base = partial_base(p, bh), ex = base + ns;
   const int xv = tid % NV, cg = tid / NV;
 #if PIH
   typedef uint2 PiRow;  // Pi[c, 4 xv .. 4 xv + 3]
