@@ -232,6 +232,24 @@ def test_sixteen_warps_where_they_fold_the_exact_copies_into_more_of_the_gpu(mon
     assert fast.plan(1, 131072, cpu, None, 16, 64, 1) == (20, True)
 
 
+def test_eight_warps_at_head_dim_64_where_the_sms_cut_the_sixteen_warp_splits(monkeypatch):
+    """`choose` takes two CTAs of 8 warps an SM instead of the layout's one of 16 (5-bit keys) at head dim 64 where
+    the SMs, not the history, cut the unfolded 16-warp splits: SmolLM2's 32 KV heads at 1 x 4k (7 splits of 8 warps
+    for 3 of 16) and 8 x 4k; not over longer histories (1 x 16k, 8 x 32k), nor where the history cuts them (2 KV
+    heads at 1 x 4k: 16 splits of 16 warps), nor where 16 warps fold the exact copies (1 x 32k), nor at head dim 128
+    (Llama's 8 KV heads)."""
+    monkeypatch.setattr(support, "sm_count", lambda d: 132)
+    cpu = torch.device("cpu")
+    assert fast.choose(32, 4096, cpu, None, 64, 1, 16) == (8, 7, False)
+    assert fast.choose(256, 4096, cpu, None, 64, 1, 16) == (8, 1, False)
+    assert fast.choose(2, 4096, cpu, None, 64, 1, 16) == (16, 16, False)
+    assert fast.choose(32, 32768, cpu, None, 64, 1, 16) == (16, 4, True)
+    assert fast.choose(256, 32768, cpu, None, 64, 1, 16) == (16, 1, False)  # (long: the 16 warps' table copies)
+    assert fast.choose(32, 16384, cpu, None, 64, 1, 16) == (16, 4, False)
+    assert fast.choose(8, 4096, cpu, None, 128, 1, 16) == (16, 15, False)
+    assert fast.choose(32, 4096, cpu, 3, 64, 1, 16) == (8, 3, False)  # (a caller's scratch cuts the splits)
+
+
 def test_exact_copies_take_the_ctas_the_splits_leave_free(monkeypatch):
     """`exact_parts`: one exact copies' CTA where the splits fill the GPU, the last split's CTA takes them or two CTAs
     share an SM; up to EXACT_PARTS side by side where SMs are free, at least EXACT_PART_TOKENS tokens a part, within

@@ -29,6 +29,7 @@ BITS = (2, 3, 4, 5)  # pair tables up to 4^5 entries
 MAX_ROWS = 16  # query heads per KV head x queries: two query n-tiles
 MIN_TOKENS_PER_SPLIT = {16: 256, 8: 512}  # by warps a CTA (`plan`)
 EXACT_TOKENS = 2048  # packed tokens the exact copies count as where the last split's CTA takes them (`plan`)
+SHORT_TOKENS = 8192  # the longest history `choose` takes two CTAs of 8 warps for at head dim 64 over the layout's 16
 ENV = "TQ_HF_CACHE_FAST_DECODE"  # "0" turns the kernel off (the Triton kernel serves)
 
 _SOURCE: str | None = None
@@ -168,8 +169,15 @@ def choose(batch_heads: int, packed_len: int, device: torch.device, max_splits: 
     chose two of 8 and 16 fold the exact copies into long splits with at least 5 % more of the SMs on the history
     (the two CTAs of 8 leave slots to the exact copies' CTAs), neither cut by max_splits. SmolLM2-1.7B's 32 KV heads
     at 1 x 128k, k4v4 (H100): 4 splits of 16 warps, folded, 129 us a call; 7 of 8 warps and the exact copies' CTAs
-    148."""
+    148. And for two CTAs of 8 an SM where the layout chose 16 at head dim 64, the SMs (not the history) cut the
+    16-warp splits (unfolded) and the history is short (at most SHORT_TOKENS): twice the CTAs a wave. SmolLM2-1.7B
+    k5v3 (H100): 1 x 4k 11.9 -> 11.4 us, 1 x 8k 17.7 -> 16.0, 8 x 4k 49.9 -> 43.7; longer, the 16-warp layout's table
+    copies pay: 1 x 16k 25.3 -> 25.7, 8 x 32k 256.7 -> 270.5. At head dim 128 (Llama 3.1 8B) 8 warps were slower or
+    level (1 x 4k 10.6 -> 11.6, 8 x 4k 25.5 -> 26.8)."""
     splits, fold = plan(batch_heads, packed_len, device, max_splits, warps, head_dim, nq)
+    if (warps == 16 and head_dim == 64 and not fold and ctas_per_sm(head_dim, nq, 8) == 2
+            and packed_len <= SHORT_TOKENS and splits < -(-max(packed_len, 1) // min_tokens(16, head_dim))):
+        return (8, *plan(batch_heads, packed_len, device, max_splits, 8, head_dim, nq))
     if warps == 8 and ctas_per_sm(head_dim, nq, 8) == 2 and not fold and (max_splits is None or splits < max_splits):
         s16, f16 = plan(batch_heads, packed_len, device, max_splits, 16, head_dim, nq)
         if f16 and s16 >= 2 and 40 * s16 > 21 * splits:  # s16 / SMs against splits / (2 SMs), 5 % more
