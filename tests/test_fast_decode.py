@@ -250,6 +250,24 @@ def test_eight_warps_at_head_dim_64_where_the_sms_cut_the_sixteen_warp_splits(mo
     assert fast.choose(32, 4096, cpu, 3, 64, 1, 16) == (8, 3, False)  # (a caller's scratch cuts the splits)
 
 
+def test_eight_warp_ctas_take_256_tokens_a_split_over_short_histories_with_an_sm_each(monkeypatch):
+    """`choose`: 8-warp CTAs take at least 256 tokens a split (not 512) over histories up to SHORT_TOKENS at head dims
+    up to 128, where every split and one exact copies' CTA a head keep an SM each: Llama's 8 KV heads at 1 x 4k take
+    15 splits (not 8), at 1 x 2k 8 (not 4); not at 2 x 4k (15 splits would put two CTAs on an SM: 7 stay), not at
+    head dim 256, not over longer histories, and never past a caller's scratch."""
+    monkeypatch.setattr(support, "sm_count", lambda d: 132)
+    cpu = torch.device("cpu")
+    assert fast.plan(8, 3968, cpu, None, 8, 128, 1) == (8, False)
+    assert fast.choose(8, 3968, cpu, None, 128, 1, 8) == (8, 15, False)
+    assert fast.choose(8, 1920, cpu, None, 128, 1, 8) == (8, 8, False)
+    assert fast.choose(16, 3968, cpu, None, 128, 1, 8) == (8, 7, False)
+    assert fast.choose(4, 3968, cpu, None, 256, 1, 8) == (8, 16, False)
+    assert fast.choose(8, 8064, cpu, None, 128, 1, 8) == (8, 15, False)
+    assert fast.choose(2, 16384, cpu, None, 128, 1, 8) == (8, *fast.plan(2, 16384, cpu, None, 8, 128, 1))
+    assert fast.choose(8, 3968, cpu, 4, 128, 1, 8) == (8, 4, False)
+    assert fast.choose(8, 3968, cpu, None, 128, 1, 16) == (16, 15, False)  # (the layout's 16 warps stay)
+
+
 def test_exact_copies_take_the_ctas_the_splits_leave_free(monkeypatch):
     """`exact_parts`: one exact copies' CTA where the splits fill the GPU, the last split's CTA takes them or two CTAs
     share an SM; up to EXACT_PARTS side by side where SMs are free, at least EXACT_PART_TOKENS tokens a part, within
