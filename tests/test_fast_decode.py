@@ -236,8 +236,8 @@ def test_eight_warps_at_head_dim_64_where_the_sms_cut_the_sixteen_warp_splits(mo
     """`choose` takes two CTAs of 8 warps an SM instead of the layout's one of 16 (5-bit keys) at head dim 64 where
     the SMs, not the history, cut the unfolded 16-warp splits: SmolLM2's 32 KV heads at 1 x 4k (7 splits of 8 warps
     for 3 of 16) and 8 x 4k; not over longer histories (1 x 16k, 8 x 32k), nor where the history cuts them (2 KV
-    heads at 1 x 4k: 16 splits of 16 warps), nor where 16 warps fold the exact copies (1 x 32k), nor at head dim 128
-    (Llama's 8 KV heads)."""
+    heads at 1 x 4k: 16 splits of 16 warps, also where a caller's scratch holds fewer), nor at head dim 128 (Llama's 8
+    KV heads)."""
     monkeypatch.setattr(support, "sm_count", lambda d: 132)
     cpu = torch.device("cpu")
     assert fast.choose(32, 4096, cpu, None, 64, 1, 16) == (8, 7, False)
@@ -248,13 +248,15 @@ def test_eight_warps_at_head_dim_64_where_the_sms_cut_the_sixteen_warp_splits(mo
     assert fast.choose(32, 16384, cpu, None, 64, 1, 16) == (16, 4, False)
     assert fast.choose(8, 4096, cpu, None, 128, 1, 16) == (16, 15, False)
     assert fast.choose(32, 4096, cpu, 3, 64, 1, 16) == (8, 3, False)  # (a caller's scratch cuts the splits)
+    assert fast.choose(2, 4096, cpu, 8, 64, 1, 16) == (16, 8, False)  # (the scratch, not the SMs, cuts them)
 
 
 def test_eight_warp_ctas_take_256_tokens_a_split_over_short_histories_with_an_sm_each(monkeypatch):
-    """`choose`: 8-warp CTAs take at least 256 tokens a split (not 512) over histories up to SHORT_TOKENS at head dims
-    up to 128, where every split and one exact copies' CTA a head keep an SM each: Llama's 8 KV heads at 1 x 4k take
-    15 splits (not 8), at 1 x 2k 8 (not 4); not at 2 x 4k (15 splits would put two CTAs on an SM: 7 stay), not at
-    head dim 256, not over longer histories, and never past a caller's scratch."""
+    """`choose`: 8-warp CTAs take at least 256 tokens a split (not 512) over histories up to SHORT_TOKENS at head dim
+    128, where every split and one exact copies' CTA a head keep an SM each: Llama's 8 KV heads at 1 x 4k take 15
+    splits (not 8), at 1 x 2k 8 (not 4); not at 2 x 4k (15 splits would put two CTAs on an SM: 7 stay), not at head
+    dims 256 and 64, not with two query n-tiles (one CTA an SM), not past SHORT_TOKENS, and never past a caller's
+    scratch."""
     monkeypatch.setattr(support, "sm_count", lambda d: 132)
     cpu = torch.device("cpu")
     assert fast.plan(8, 3968, cpu, None, 8, 128, 1) == (8, False)
@@ -262,8 +264,10 @@ def test_eight_warp_ctas_take_256_tokens_a_split_over_short_histories_with_an_sm
     assert fast.choose(8, 1920, cpu, None, 128, 1, 8) == (8, 8, False)
     assert fast.choose(16, 3968, cpu, None, 128, 1, 8) == (8, 7, False)
     assert fast.choose(4, 3968, cpu, None, 256, 1, 8) == (8, 16, False)
-    assert fast.choose(8, 8064, cpu, None, 128, 1, 8) == (8, 15, False)
-    assert fast.choose(2, 16384, cpu, None, 128, 1, 8) == (8, *fast.plan(2, 16384, cpu, None, 8, 128, 1))
+    assert fast.choose(2, 1024, cpu, None, 64, 1, 8) == (8, 2, False)  # (4 with 256 tokens a split)
+    assert fast.choose(2, 1024, cpu, None, 128, 2, 8) == (8, 2, False)  # (one CTA an SM: 4 with 256)
+    assert fast.choose(2, 8192, cpu, None, 128, 1, 8) == (8, 32, False)
+    assert fast.choose(2, 8208, cpu, None, 128, 1, 8) == (8, 17, False)  # (33 with 256 tokens a split)
     assert fast.choose(8, 3968, cpu, 4, 128, 1, 8) == (8, 4, False)
     assert fast.choose(8, 3968, cpu, None, 128, 1, 16) == (16, 15, False)  # (the layout's 16 warps stay)
 

@@ -354,7 +354,7 @@ __device__ __forceinline__ i64 partial_base(const Params& p, int bh) {
 // accumulator rescaled to M to acc, at `slot`. PACKED: the packed part's (rows of PSTRIDE in the order above,
 // rotated: stored by planes, the channel order the merge reads); else the exact part's (rows of D in channel order).
 // Four positions a thread, one LDS.128 from each warp's row: the shared-memory pipe, not the arithmetic, bounds
-// this (one position a thread issued four times the maxima's and sums' loads: 0.2-0.35 us more a 1 x 4k call, H100).
+// this, and four positions load the warps' maxima and sums once for four values (0.2-0.35 us a 1 x 4k call, H100).
 template <int RQ, bool PACKED>
 __device__ __forceinline__ void store_partial(const float* wm, const float* wl, const float* wa, const Params& p,
                                               i64 slot, int live) {
