@@ -130,28 +130,33 @@ def min_tokens(warps: int, head_dim: int) -> int:
     return MIN_TOKENS_PER_SPLIT[warps] * 128 // max(head_dim, 128)
 
 
+def most_splits(packed_len: int, least: int) -> int:
+    """The most splits of a packed history of `packed_len` tokens, each at least `least` tokens (one where empty)."""
+    return max(1, -(-max(packed_len, 1) // least))
+
+
 def plan(batch_heads: int, packed_len: int, device: torch.device, max_splits: int | None = None,
          warps: int = 8, head_dim: int = 128, nq: int = 1, least: int | None = None) -> tuple[int, bool]:
-    """(splits, fold): the packed history's splits, one CTA of `warps` warps each, as many as `ctas_per_sm` CTAs an
-    SM hold in one wave (at head dim `head_dim`, `nq` query n-tiles), at least `least` (default `min_tokens`) tokens
-    a split, at most max_splits (what a caller's scratch holds); and whether the last split's CTA takes the exact
-    copies too. It does where one CTA fills an SM (16 warps) and the splits are long (3 x EXACT_TOKENS or more): an SM of their own would
-    idle most of the call (measured on the H100: k5v3 about 1.5 / 8 / 12 us less at 1 x 128k / 8 x 32k / 8 x 128k;
-    with two CTAs an SM, or short splits, it was slower). Otherwise they have a CTA of their own, room for which is
-    left in the wave where that costs little: at 8 or more splits, or where one split fewer costs less than the exact
-    copies' CTAs waiting for a second wave (history < EXACT_TOKENS / 4 x splits x (splits - 1): that wait took as
-    long as 560-810 packed tokens of a split on the H100; SmolLM2-1.7B's 32 KV heads, k5v3: 3 splits 11.9 us at
-    1 x 4k, 4 of them 13.9; at 1 x 12k 23.3 and 22.6; Llama 3.1 8B at 8 x 4k, k4v4: 28.2 and 30.8). Where the
-    history is what limits the splits, no two CTAs share an SM: at 1 x 8k, k4v4's 16 splits took 18.4 us, 15 of
-    them 14.7 (H100). Counting two CTAs an SM where only one fits (head dim 256, 16 query rows) made a second wave: 62
-    against 50 us at 1 x 32k (Gemma 3 12B, k5v3), 60 against 40 (Llama 3.1 8B, four queries). The kernel places the
+    """(splits, fold): the packed history's splits, one CTA of `warps` warps each, as many as `ctas_per_sm` CTAs an SM
+    hold in one wave (at head dim `head_dim`, `nq` query n-tiles), at least `least` (default `min_tokens`) tokens a
+    split, at most max_splits (what a caller's scratch holds); and whether the last split's CTA takes the exact copies
+    too. It does where one CTA fills an SM (16 warps) and the splits are long (3 x EXACT_TOKENS or more): an SM of their
+    own would idle most of the call (measured on the H100: k5v3 about 1.5 / 8 / 12 us less at
+    1 x 128k / 8 x 32k / 8 x 128k; with two CTAs an SM, or short splits, it was slower). Otherwise they have a CTA of
+    their own, room for which is left in the wave where that costs little: at 8 or more splits, or where one split fewer
+    costs less than the exact copies' CTAs waiting for a second wave (history < EXACT_TOKENS / 4 x splits x (splits -
+    1): that wait took as long as 560-810 packed tokens of a split on the H100; SmolLM2-1.7B's 32 KV heads, k5v3: 3
+    splits 11.9 us at 1 x 4k, 4 of them 13.9; at 1 x 12k 23.3 and 22.6; Llama 3.1 8B at 8 x 4k, k4v4: 28.2 and 30.8).
+    Where the history is what limits the splits, no two CTAs share an SM: at 1 x 8k, k4v4's 16 splits took 18.4 us, 15
+    of them 14.7 (H100). Counting two CTAs an SM where only one fits (head dim 256, 16 query rows) made a second wave:
+    62 against 50 us at 1 x 32k (Gemma 3 12B, k5v3), 60 against 40 (Llama 3.1 8B, four queries). The kernel places the
     splits' boundaries from the packed length it reads (`split_range`)."""
     from ..support import sm_count
 
     sms = sm_count(device)
     slots = ctas_per_sm(head_dim, nq, warps) * sms
     want = max(1, slots // batch_heads)  # one wave: a partial second one doubles the time
-    most = max(1, -(-max(packed_len, 1) // (least or min_tokens(warps, head_dim))))
+    most = most_splits(packed_len, least or min_tokens(warps, head_dim))
     fold = warps == 16 and want >= 2 and packed_len >= 3 * EXACT_TOKENS * want
     if not fold and (want >= 8 or packed_len < EXACT_TOKENS // 4 * want * (want - 1)):
         want = (slots - batch_heads) // batch_heads  # room for the exact copies' CTAs in the wave
@@ -175,17 +180,17 @@ def choose(batch_heads: int, packed_len: int, device: torch.device, max_splits: 
     copies pay: 1 x 16k 25.3 -> 25.7, 8 x 32k 256.7 -> 270.5. At head dim 128 (Llama 3.1 8B) 8 warps were slower or
     level (1 x 4k 10.6 -> 11.6, 8 x 4k 25.5 -> 26.8). And 8-warp CTAs take at least the 16-warp ones' tokens a split
     (256, not 512) over short histories at head dim 128, two of them an SM, where every split and one exact copies'
-    CTA a head still have an SM each: Llama 3.1 8B (H100) k4v4 1 x 4k 10.15 -> 9.26 us (15 splits, not 8), 1 x 2k 9.89 -> 8.17,
-    1 x 1k 9.36 -> 7.78, k4v2 1 x 4k 9.71 -> 8.92; with two CTAs an SM (2 x 4k: 15 splits, not 7) slower, 10.78 ->
-    11.49, and at head dim 256 mixed (Gemma 3 4B 1 x 4k: k5v3 11.61 -> 10.47, k3v3 10.76 -> 11.22); head dim 64
-    with few KV heads was not measured."""
+    CTA a head still have an SM each: Llama 3.1 8B (H100) k4v4 1 x 4k 10.15 -> 9.26 us (15 splits, not 8), 1 x 2k
+    9.89 -> 8.17, 1 x 1k 9.36 -> 7.78, k4v2 1 x 4k 9.71 -> 8.92; with two CTAs an SM (2 x 4k: 15 splits, not 7)
+    slower, 10.78 -> 11.49, and at head dim 256 mixed (Gemma 3 4B 1 x 4k: k5v3 11.61 -> 10.47, k3v3 10.76 ->
+    11.22); head dim 64 with few KV heads was not measured."""
     from ..support import sm_count
 
     splits, fold = plan(batch_heads, packed_len, device, max_splits, warps, head_dim, nq)
     short = packed_len <= SHORT_TOKENS and ctas_per_sm(head_dim, nq, 8) == 2
     if warps == 16 and head_dim == 64 and short:
         free = plan(batch_heads, packed_len, device, None, 16, head_dim, nq)  # (what the SMs cut, not a scratch)
-        if not free[1] and free[0] < -(-max(packed_len, 1) // min_tokens(16, head_dim)):
+        if not free[1] and free[0] < most_splits(packed_len, min_tokens(16, head_dim)):
             return (8, *plan(batch_heads, packed_len, device, max_splits, 8, head_dim, nq))
     if warps == 8 and head_dim == 128 and short:
         s, f = plan(batch_heads, packed_len, device, max_splits, 8, head_dim, nq, min_tokens(16, head_dim))
