@@ -399,7 +399,7 @@ def test_the_launcher_runs_without_a_gpu(monkeypatch):
         parts = fast.exact_parts(b * 2, splits, fold, state.sinks + 9, torch.device("cpu"), d, nqt, w)
         assert [x[:3] for x in done] == [(fast.NAME, (b * 2, splits + (0 if fold else parts), 1), 32 * w)], done
         df = done[0][5]  # (a Hadamard rotation: the butterflies, one channel group in the merge)
-        assert df["HAD"] == 1 and df["XB"] % 16 == 0 and df["NXMAX"] == parts, df
+        assert df["HAD"] == 1 and df["XB"] % 16 == 0 and df["NXMAX"] == parts and df["MDIRECT"] == (d <= 128), df
         assert done[0][3] >= max(fast.exact_smem(d, rows, df["XB"], 2, w), fast.merge_splits(d, rows, 0, w, True)[1],
                                  fast.query_bytes(d)), done
         assert done[0][4] == ctypes.sizeof(fast.Params), done
@@ -483,6 +483,8 @@ GPU_CASES = [
     (3, 3, 256, 2, 1, 600, 21, torch.bfloat16, "bool", 40, False),
     (5, 3, 128, 4, 4, 1200, 100, torch.bfloat16, None, 2, False),
     (4, 2, 256, 4, 2, 900, 70, torch.float16, "additive", 3, False),
+    # more splits than the merge reads straight into registers in one round trip (`fast.merge_direct`): staged
+    (4, 4, 128, 4, 1, 20000, 5, torch.bfloat16, None, 2, False),
 ]
 
 

@@ -52,14 +52,14 @@ EDITS = [
      "tl_[4] = s_; }\n"),
     ("  if (threadIdx.x == 0) {\n    int before;",
      "  if (threadIdx.x == 0) { " + _NOW + " tl_[1] = t_; }\n  if (threadIdx.x == 0) {\n    int before;"),
-    ("  merge_last(p, smem, bh);\n}",
-     "  " + _at(12) + "\n  merge_last(p, smem, bh);\n  __syncthreads();\n  if (threadIdx.x == 0) { " + _NOW
+    ("  merge_last(p, smem, bh, bq);\n}",
+     "  " + _at(12) + "\n  merge_last(p, smem, bh, bq);\n  __syncthreads();\n  if (threadIdx.x == 0) { " + _NOW
      + " tl_[3] = t_; }\n}"),
-    # inside the merge: 15 its first chunk of the splits' partials in shared memory, 13 its pass over the splits done,
-    # 14 its rotation done
-    ("    cp_wait<0>();\n    __syncthreads();  // the chunk in shared memory\n",
-     "    cp_wait<0>();\n    __syncthreads();  // the chunk in shared memory\n    " + _at(15, "c0 == 0 && threadIdx.x == 0")
-     + "\n"),
+    # inside the merge: 15 its first chunk of the splits' partials in shared memory (where it stages them), 13 its
+    # pass over the splits done, 14 its rotation done
+    ("      cp_wait<0>();\n      __syncthreads();  // the chunk in shared memory\n",
+     "      cp_wait<0>();\n      __syncthreads();  // the chunk in shared memory\n      "
+     + _at(15, "c0 == 0 && threadIdx.x == 0") + "\n"),
     ("  __syncthreads();\n#if HAD\n  for (int r = warp;", "  __syncthreads();\n  " + _at(13) + "\n#if HAD\n  for (int r = warp;"),
     ("  __syncthreads();\n\n  // out[r, x]", "  __syncthreads();\n  " + _at(14) + "\n\n  // out[r, x]"),
     ("    __syncthreads();  // the exact partial is out of shared memory\n",

@@ -359,7 +359,7 @@ template <int RQ, bool PACKED>
 __device__ __forceinline__ void store_partial(const float* wm, const float* wl, const float* wa, const Params& p,
                                               i64 slot, int live) {
   constexpr int S = PACKED ? PSTRIDE : D;
-  const int R = p.rows;
+  constexpr int R = ROWS;
   for (int e = 4 * threadIdx.x; e < R * D; e += 4 * WARPS * 32) {
     const int r = e / D, i = e % D;  // i: the first of the thread's four positions in a row of wa
     float M = NEG_INF;
@@ -1404,6 +1404,9 @@ __device__ __forceinline__ void exact_mma(const Params& p, unsigned char* smem, 
 #endif
 // lanes a column of the pass over the splits
 #define MH (ROWS * NV * 4 <= WARPS * 32 ? 4 : ROWS * NV * 2 <= WARPS * 32 ? 2 : 1)
+#ifndef MDIRECT  // 1: the pass reads a thread's splits straight into registers where one round trip holds them
+#define MDIRECT 0    // (`fast.merge_direct`)
+#endif
 #ifndef MSPLITS  // splits' partials staged in shared memory at a time (`fast.merge_splits`)
 #define MSPLITS 1
 #endif
@@ -1417,13 +1420,13 @@ __device__ __forceinline__ void combine(float& M, float& L, float (&y)[4], float
   M = Mn;
 }
 
-__device__ __forceinline__ void merge_last(const Params& p, unsigned char* smem, int bh) {
+__device__ __forceinline__ void merge_last(const Params& p, unsigned char* smem, int bh, int bq) {
   float* ys = reinterpret_cast<float*>(smem);  // (ROWS, D) the merged packed partial, rotated
   float* red = ys + ROWS * D;                  // (CG, ROWS, D) the channel groups' parts of ys Pi
   float* mp = red + CG * ROWS * D;             // (ROWS) the packed max, then (ROWS) the packed sum
-  const int b = bh / p.hkv, h = bh % p.hkv;
+  const int b = bq, h = bh - bq * p.hkv;
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
-  const int live = p.group * p.nq, R = p.rows, ns = p.num_splits;
+  const int live = p.group * p.nq, R = ROWS, ns = p.num_splits;
   const i64 base = partial_base(p, bh), ex = base + ns;
   const int xv = tid % NV, cg = tid / NV;
 #if PIH
@@ -1476,11 +1479,11 @@ __device__ __forceinline__ void merge_last(const Params& p, unsigned char* smem,
     for (int i = 0; i < EPT; ++i) exact_value(i);
   }
   // one pass over the splits, online, by MH lanes 8 apart a column (each takes every MH-th split; shuffles combine
-  // them; each column of a row finds the same max and sum, its first writes them): a quarter warp reads 128
-  // contiguous bytes of one split's row, where adjacent lanes of a column read rows 2 KB apart, one bank, 4-way
-  // conflicts (0.24 us of a 16-warp merge of 15 splits, H100). The partials come into shared
-  // memory MSPLITS splits at a time, every copy in flight at once (read from L2 as they are used, a thread's splits
-  // took a round trip each).
+  // them; each column of a row finds the same max and sum, its first writes them), a quarter warp reading 128
+  // contiguous bytes of one split's row. MDIRECT, where a thread's splits are at most MLD: its loads all out at once
+  // into registers. Else the partials come into shared memory MSPLITS splits at a time, every copy in flight at once
+  // (adjacent lanes of a column read rows 2 KB apart there, one bank, 4-way conflicts: 0.24 us of a 16-warp merge of
+  // 15 splits, H100).
   constexpr int NIT = ROWS * NV * MH, IPT = (NIT + WARPS * 32 - 1) / (WARPS * 32);  // columns' parts, a thread's
   float* sacc = mp + ((2 * ROWS + 3) & ~3);  // (MSPLITS, ROWS, D) the staged partials, then (MSPLITS, 2, ROWS)
   float* sml = sacc + MSPLITS * ROWS * D;
@@ -1498,29 +1501,60 @@ __device__ __forceinline__ void merge_last(const Params& p, unsigned char* smem,
     hf = (it >> 3) % MH;
     cv = (it & 7) + 8 * ((it / (8 * MH)) % (NV / 8));
   };
-  for (int c0 = 0; c0 < ns; c0 += MSPLITS) {
-    const int n = min(MSPLITS, ns - c0);
-    const float* ga = p.acc + (base + c0) * R * D;
-    const float* gm = p.ml + (base + c0) * 2 * R;
-    for (int i = tid; i < n * R * D / 4; i += WARPS * 32) cp_async<16>(sa + 16 * i, ga + 4 * i);  // (.cg: L2)
-    cp_commit();
-    // (from L2 too: other CTAs wrote them in this launch, and an L1 line of them, read by an earlier merge on this
-    // SM, could be stale; copies narrower than 16 bytes would go through L1)
-    for (int i = tid; i < n * 2 * R; i += WARPS * 32) sml[i] = __ldcg(gm + i);
-    cp_wait<0>();
-    __syncthreads();  // the chunk in shared memory
+  constexpr int MLD = IPT == 1 ? 8 : 4;  // splits a thread's column part loads at once on the direct path
+  if (MDIRECT && ns <= MH * MLD) {
+    // straight from L2 into registers (.cg), every load out before any is used, at constant offsets from one base
+    // (an instruction each): one round trip, no copies through shared memory and no barrier
 #pragma unroll
     for (int i = 0; i < IPT; ++i) {
       int it, r, hf, cv;
       column(i, it, r, hf, cv);
       if (it >= NIT || r >= live) continue;
-      for (int s = hf; s < n; s += MH) {
-        const float4 a = reinterpret_cast<const float4*>(sacc + (s * R + r) * D)[cv];
-        const float av[4] = {a.x, a.y, a.z, a.w};
-        combine(M[i], L[i], y[i], sml[s * 2 * R + r], sml[s * 2 * R + R + r], av);
+      const float4* ga = reinterpret_cast<const float4*>(p.acc + (base + hf) * (ROWS * D)) + r * NV + cv;
+      const float* gm = p.ml + (base + hf) * (2 * ROWS) + r;
+      float4 a[MLD];
+      float m[MLD], l[MLD];
+#pragma unroll
+      for (int k = 0; k < MLD; ++k) {
+        if (hf + k * MH < ns) {
+          a[k] = __ldcg(ga + k * MH * ROWS * NV);
+          m[k] = __ldcg(gm + k * MH * 2 * ROWS);
+          l[k] = __ldcg(gm + k * MH * 2 * ROWS + ROWS);
+        }
+      }
+#pragma unroll
+      for (int k = 0; k < MLD; ++k) {
+        if (hf + k * MH < ns) {
+          const float av[4] = {a[k].x, a[k].y, a[k].z, a[k].w};
+          combine(M[i], L[i], y[i], m[k], l[k], av);
+        }
       }
     }
-    if (c0 + MSPLITS < ns) __syncthreads();  // read before the next chunk overwrites it
+  } else {
+    for (int c0 = 0; c0 < ns; c0 += MSPLITS) {
+      const int n = min(MSPLITS, ns - c0);
+      const float* ga = p.acc + (base + c0) * R * D;
+      const float* gm = p.ml + (base + c0) * 2 * R;
+      for (int i = tid; i < n * R * D / 4; i += WARPS * 32) cp_async<16>(sa + 16 * i, ga + 4 * i);  // (.cg: L2)
+      cp_commit();
+      // (from L2 too: other CTAs wrote them in this launch, and an L1 line of them, read by an earlier merge on this
+      // SM, could be stale; copies narrower than 16 bytes would go through L1)
+      for (int i = tid; i < n * 2 * R; i += WARPS * 32) sml[i] = __ldcg(gm + i);
+      cp_wait<0>();
+      __syncthreads();  // the chunk in shared memory
+#pragma unroll
+      for (int i = 0; i < IPT; ++i) {
+        int it, r, hf, cv;
+        column(i, it, r, hf, cv);
+        if (it >= NIT || r >= live) continue;
+        for (int s = hf; s < n; s += MH) {
+          const float4 a = reinterpret_cast<const float4*>(sacc + (s * R + r) * D)[cv];
+          const float av[4] = {a.x, a.y, a.z, a.w};
+          combine(M[i], L[i], y[i], sml[s * 2 * R + r], sml[s * 2 * R + R + r], av);
+        }
+      }
+      if (c0 + MSPLITS < ns) __syncthreads();  // read before the next chunk overwrites it
+    }
   }
 #pragma unroll
   for (int i = 0; i < IPT; ++i) {
@@ -1599,7 +1633,9 @@ __device__ __forceinline__ void merge_last(const Params& p, unsigned char* smem,
     const float num = (wp == 0.0f ? 0.0f : wp * y) + we * xa[i];
     const float den = wp * mp[ROWS + r] + we * xl[i];
     const float o = den > 0.0f ? num / den : (den == den ? 0.0f : den);
-    const i64 oi = b * p.sob + static_cast<i64>(r % p.nq) * p.son + static_cast<i64>(h * p.group + r / p.nq) * p.soh + x;
+    int qn = 0, qh = r;  // query r % nq of head h G + r / nq (no division in a decode step's one query)
+    if (p.nq != 1) qn = r % p.nq, qh = r / p.nq;
+    const i64 oi = b * p.sob + static_cast<i64>(qn) * p.son + static_cast<i64>(h * p.group + qh) * p.soh + x;
     if constexpr (O_DT == 0) {
       reinterpret_cast<u16*>(p.out)[oi] = static_cast<u16>(pack_h2(o, 0.0f) & 0xffff);
     } else if constexpr (O_DT == 1) {
@@ -1634,6 +1670,8 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, MIN_CTAS) tq_decode(con
   extern __shared__ __align__(16) unsigned char smem[];
   __shared__ int last;
   const int bh = blockIdx.x, split = blockIdx.y;
+  __shared__ int bq;  // the batch row bh / hkv for the merge, found at entry (a division off its chain)
+  if (threadIdx.x == 0) bq = bh / p.hkv;
   if (split >= p.num_splits) {
     exact_part(p, smem, bh, split - p.num_splits, p.nx);
   } else if (p.fold && split == p.num_splits - 1) {  // (its own copy of the packed part: the loop carries nothing
@@ -1652,5 +1690,5 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32, MIN_CTAS) tq_decode(con
   }
   __syncthreads();
   if (!last) return;
-  merge_last(p, smem, bh);
+  merge_last(p, smem, bh, bq);
 }
