@@ -455,12 +455,13 @@ def merge_splits(d: int, rows: int, smem: int, warps: int = 8, had: bool = False
 
 
 def merge_direct(d: int) -> bool:
-    """Whether the merge reads each thread's splits straight from L2 into registers (the source's MDIRECT) where one
-    round trip holds them, instead of staging every split's partial in shared memory: at head dims up to 128. H100,
-    1 x 4k, in one run: Llama 3.1 8B k5v3 10.04 -> 9.56 us (SDPA 9.87), k4v4 9.28 -> 9.10, k4v2 8.95 -> 8.69,
-    SmolLM2-1.7B k4v4 10.28 -> 10.16; at head dim 256 slower (Gemma 3 4B k5v3 11.42 -> 11.68, 12B 12.05 -> 12.27);
-    where a thread has more splits than one round trip takes, staging them was faster (Llama k4v4 1 x 128k, 33
-    splits: 61.4 against 61.8)."""
+    """Whether the merge reads each thread's splits straight from L2 into registers (the source's MDIRECT, 8 splits'
+    loads in flight at a time) instead of staging every split's partial in shared memory first: at head dims up to
+    128. H100, 1 x 4k, in one run (us): Llama 3.1 8B k5v3 9.80 -> 9.40 (SDPA 9.73), k4v4 9.21 -> 9.01, k4v2 8.79 ->
+    8.58; SmolLM2-1.7B k5v3 11.33 -> 11.19, k4v4 10.47 -> 10.40; 1 x 32k k5v3 22.27 -> 21.80; slower where a thread
+    has more than 8 splits (Llama k4v4 1 x 128k, 33 splits of 8 warps: 61.11 -> 61.65) and, in an earlier build, at
+    head dim 256 (Gemma 3 4B k5v3 11.42 -> 11.68, 12B 12.05 -> 12.27). Either path alone is faster than both in one
+    build with a branch between them (Llama k5v3 9.75)."""
     return d <= 128
 
 

@@ -1404,8 +1404,8 @@ __device__ __forceinline__ void exact_mma(const Params& p, unsigned char* smem, 
 #endif
 // lanes a column of the pass over the splits
 #define MH (ROWS * NV * 4 <= WARPS * 32 ? 4 : ROWS * NV * 2 <= WARPS * 32 ? 2 : 1)
-#ifndef MDIRECT  // 1: the pass reads a thread's splits straight into registers where one round trip holds them
-#define MDIRECT 0    // (`fast.merge_direct`)
+#ifndef MDIRECT  // 1: the pass reads a thread's splits straight into registers (`fast.merge_direct`), 0: staged in
+#define MDIRECT 0    // shared memory
 #endif
 #ifndef MSPLITS  // splits' partials staged in shared memory at a time (`fast.merge_splits`)
 #define MSPLITS 1
@@ -1480,8 +1480,8 @@ __device__ __forceinline__ void merge_last(const Params& p, unsigned char* smem,
   }
   // one pass over the splits, online, by MH lanes 8 apart a column (each takes every MH-th split; shuffles combine
   // them; each column of a row finds the same max and sum, its first writes them), a quarter warp reading 128
-  // contiguous bytes of one split's row. MDIRECT, where a thread's splits are at most MLD: its loads all out at once
-  // into registers. Else the partials come into shared memory MSPLITS splits at a time, every copy in flight at once
+  // contiguous bytes of one split's row. MDIRECT: a thread's loads out MLD splits at a time, into registers. Else
+  // the partials come into shared memory MSPLITS splits at a time, every copy in flight at once
   // (adjacent lanes of a column read rows 2 KB apart there, one bank, 4-way conflicts: 0.24 us of a 16-warp merge of
   // 15 splits, H100).
   constexpr int NIT = ROWS * NV * MH, IPT = (NIT + WARPS * 32 - 1) / (WARPS * 32);  // columns' parts, a thread's
@@ -1502,9 +1502,9 @@ __device__ __forceinline__ void merge_last(const Params& p, unsigned char* smem,
     cv = (it & 7) + 8 * ((it / (8 * MH)) % (NV / 8));
   };
   constexpr int MLD = IPT == 1 ? 8 : 4;  // splits a thread's column part loads at once on the direct path
-  if (MDIRECT && ns <= MH * MLD) {
-    // straight from L2 into registers (.cg), every load out before any is used, at constant offsets from one base
-    // (an instruction each): one round trip, no copies through shared memory and no barrier
+  if (MDIRECT) {
+    // straight from L2 into registers (.cg), MLD splits' loads out before any is used, at constant offsets from one
+    // base (an instruction each): a round trip per MLD splits, no copies through shared memory and no barrier
 #pragma unroll
     for (int i = 0; i < IPT; ++i) {
       int it, r, hf, cv;
@@ -1512,21 +1512,23 @@ __device__ __forceinline__ void merge_last(const Params& p, unsigned char* smem,
       if (it >= NIT || r >= live) continue;
       const float4* ga = reinterpret_cast<const float4*>(p.acc + (base + hf) * (ROWS * D)) + r * NV + cv;
       const float* gm = p.ml + (base + hf) * (2 * ROWS) + r;
-      float4 a[MLD];
-      float m[MLD], l[MLD];
+      for (int s0 = hf; s0 < ns; s0 += MH * MLD, ga += MLD * MH * ROWS * NV, gm += MLD * MH * 2 * ROWS) {
+        float4 a[MLD];
+        float m[MLD], l[MLD];
 #pragma unroll
-      for (int k = 0; k < MLD; ++k) {
-        if (hf + k * MH < ns) {
-          a[k] = __ldcg(ga + k * MH * ROWS * NV);
-          m[k] = __ldcg(gm + k * MH * 2 * ROWS);
-          l[k] = __ldcg(gm + k * MH * 2 * ROWS + ROWS);
+        for (int k = 0; k < MLD; ++k) {
+          if (s0 + k * MH < ns) {
+            a[k] = __ldcg(ga + k * MH * ROWS * NV);
+            m[k] = __ldcg(gm + k * MH * 2 * ROWS);
+            l[k] = __ldcg(gm + k * MH * 2 * ROWS + ROWS);
+          }
         }
-      }
 #pragma unroll
-      for (int k = 0; k < MLD; ++k) {
-        if (hf + k * MH < ns) {
-          const float av[4] = {a[k].x, a[k].y, a[k].z, a[k].w};
-          combine(M[i], L[i], y[i], m[k], l[k], av);
+        for (int k = 0; k < MLD; ++k) {
+          if (s0 + k * MH < ns) {
+            const float av[4] = {a[k].x, a[k].y, a[k].z, a[k].w};
+            combine(M[i], L[i], y[i], m[k], l[k], av);
+          }
         }
       }
     }
