@@ -6,11 +6,11 @@ query rotation, table fill, first copies) and when it arrives at the merge count
 writes when its merge ends. Inside a split's CTA also: warp 0's first tile in the ring and its first tile computed, the
 last warp out of the loop, the warps' partials merged in shared memory, and warp 0's second tile in the ring and
 computed; inside an exact copies' CTA: its first batch in shared memory, its tokens done, its warps' partials
-written; inside the merging CTA: its merge begun (the arrival counter read), its first chunk of the splits' partials
-in shared memory, its pass over the splits and its rotation done. From three calls after two warm-ups per case, the
-last call's CTAs are summarized (min / median / max): when the exact copies' own CTAs arrive, or their time in the
-last splits' CTAs where those take them, the other splits' prologue and loop times and the parts of each, when each
-kind arrives, and the merge's length and parts.
+written; inside the merging CTA: its merge begun (the arrival counter read), its first chunk of the splits'
+partials in shared memory (where it stages them), its pass over the splits and its rotation done. From three calls
+after two warm-ups per case, the last call's CTAs are summarized (min / median / max): when the exact copies' own CTAs
+arrive, or their time in the last splits' CTAs where those take them, the other splits' prologue and loop times and
+the parts of each, when each kind arrives, and the merge's length and parts.
 Usage:
     python benchmarks/studies/fast_decode_timeline.py [--cases 1x4096,1x131072,8x32768] [--presets k5v3]
         [--shape llama-3.1-8b] --out F
@@ -125,7 +125,8 @@ def one_call(q, kv, tl, b: int) -> dict:
     last = x[x[:, 5] > 0]  # the last splits' CTAs, where they take the exact copies too
     merges = x[x[:, 3] > 0]
     start, loop, arrive = us(packed[:, 0]), us(packed[:, 2]), us(packed[:, 1])
-    part = lambda rows, a, b: spread([(int(r[a]) - int(r[b])) / 1000 for r in rows])  # noqa: E731
+    def part(rows, a, b):  # (a stamp a CTA does not reach stays 0: the merge's staged partials on the direct path)
+        return spread([(int(r[a]) - int(r[b])) / 1000 for r in rows if r[a] > 0 and r[b] > 0])
     return {
         "ctas": int(x.shape[0]), "sms": len(set(x[:, 4].tolist())),
         "exact_cta_arrive_us": spread(us(exact[:, 1])),
