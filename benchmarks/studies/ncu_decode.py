@@ -1,12 +1,14 @@
-"""Nsight Compute counters of one decode attention call (Llama-3.1-8B layer, one query): the Triton kernel (before)
-and the explicit-layout kernel (after) on the same packed layer, for the issue's questions: achieved DRAM throughput,
-warps per scheduler (active, eligible, issuing) and the top stall reasons (cycles a warp spends stalled per issued
-instruction, by reason).
+"""Nsight Compute counters of one decode attention call (Llama-3.1-8B layer, --shape for others, one query): the
+Triton kernel (before) and the explicit-layout kernel (after) on the same packed layer, for the issue's questions:
+achieved DRAM throughput, warps per scheduler (active, eligible, issuing) and the top stall reasons (cycles a warp
+spends stalled per issued instruction, by reason); with --shared also the instructions executed and the
+shared-memory loads' instructions, wavefronts and bank conflicts.
 
 `--kernel fast|triton` runs the workload (three calls; ncu takes the third); without it, the script runs ncu on
 both, with the SM clock left alone (`--clock-control none`), and writes F (JSON).
 Usage:
-    python benchmarks/studies/ncu_decode.py [--case 1x131072] [--preset k5v3] --out F
+    python benchmarks/studies/ncu_decode.py [--case 1x131072] [--preset k5v3] [--shape llama-3.1-8b] [--shared]
+        --out F
 """
 
 from __future__ import annotations
@@ -38,9 +40,14 @@ METRICS = {
     **{f"stall_{s}": f"smsp__average_warps_issue_stalled_{s}_per_issue_active.ratio" for s in STALLS},
 }
 KERNELS = {"fast": "tq_decode", "triton": "_decode_kernel"}
+# --shared: the shared-memory loads' instructions, wavefronts and bank conflicts too
+SHARED = {"inst_executed": "smsp__inst_executed.sum",
+          "shared_ld_instructions": "smsp__inst_executed_op_shared_ld.sum",
+          "shared_ld_wavefronts": "l1tex__data_pipe_lsu_wavefronts_mem_shared_op_ld.sum",
+          "shared_ld_bank_conflicts": "l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_ld.sum"}
 
 
-def workload(kind: str, case: str, preset: str) -> None:
+def workload(kind: str, case: str, preset: str, shape: str) -> None:
     import torch
 
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
@@ -48,6 +55,7 @@ def workload(kind: str, case: str, preset: str) -> None:
     import bench_attention as ba
     from tq_hf_cache.kernels import decode_attention as da
 
+    ba.HQ, ba.HKV, ba.D = ba.SHAPES[shape]
     b, t = map(int, case.split("x"))
     kb, vb, _ = ba.parse_preset(preset)
     kv, _ = ba.packed_layer(b, t, kb, vb)
@@ -57,10 +65,11 @@ def workload(kind: str, case: str, preset: str) -> None:
     torch.cuda.synchronize()
 
 
-def profile(kind: str, case: str, preset: str) -> dict:
+def profile(kind: str, case: str, preset: str, shape: str, metrics: dict) -> dict:
     cmd = ["ncu", "--clock-control", "none", "--kernel-name", KERNELS[kind], "--launch-skip", "2", "--launch-count",
-           "1", "--csv", "--page", "raw", "--metrics", ",".join(METRICS.values()),
-           sys.executable, os.path.abspath(__file__), "--kernel", kind, "--case", case, "--preset", preset]
+           "1", "--csv", "--page", "raw", "--metrics", ",".join(metrics.values()),
+           sys.executable, os.path.abspath(__file__), "--kernel", kind, "--case", case, "--preset", preset,
+           "--shape", shape]
     res = subprocess.run(cmd, capture_output=True, text=True)
     lines = [ln for ln in res.stdout.splitlines() if ln.startswith('"')]
     if res.returncode or len(lines) < 3:
@@ -70,7 +79,7 @@ def profile(kind: str, case: str, preset: str) -> dict:
     raw = dict(zip(head, vals))
     unit = dict(zip(head, units))
     out = {}
-    for name, metric in METRICS.items():
+    for name, metric in metrics.items():
         v = raw.get(metric, "").replace(",", "")
         try:
             x = float(v)
@@ -98,17 +107,21 @@ def main():
     ap.add_argument("--kernel", choices=sorted(KERNELS))
     ap.add_argument("--case", default="1x131072")
     ap.add_argument("--preset", default="k5v3")
+    ap.add_argument("--shape", default="llama-3.1-8b")
+    ap.add_argument("--shared", action="store_true", help="also the shared-memory loads' wavefronts and conflicts")
     ap.add_argument("--out")
     a = ap.parse_args()
     if a.kernel:
-        workload(a.kernel, a.case, a.preset)
+        workload(a.kernel, a.case, a.preset, a.shape)
         return
     import torch
 
-    result = dict(what=f"ncu of one decode attention call, {a.case}, {a.preset}, Llama-3.1-8B layer, one query",
+    metrics = {**METRICS, **(SHARED if a.shared else {})}
+    result = dict(what=f"ncu of one decode attention call, {a.case}, {a.preset}, {a.shape} layer, one query",
                   device=torch.cuda.get_device_name(), torch=torch.__version__, when=time.strftime("%Y-%m-%d %H:%M"),
                   command=" ".join(["python", "benchmarks/studies/ncu_decode.py"] + sys.argv[1:]),
-                  before=profile("triton", a.case, a.preset), after=profile("fast", a.case, a.preset))
+                  before=profile("triton", a.case, a.preset, a.shape, metrics),
+                  after=profile("fast", a.case, a.preset, a.shape, metrics))
     for k in ("before", "after"):
         r = result[k]
         print(f"{k} ({r['kernel']}): {r['duration_us']} us, DRAM {r['dram_throughput_pct']} %, warps/scheduler "
