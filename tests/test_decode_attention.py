@@ -362,18 +362,27 @@ def _left_padded_batch(seed, lengths=(37, 29, 41)):
 
 @pytest.mark.parametrize("preset,head_dim", [("k4v4", 64), ("k3v3", 64), ("k5v3", 256)])
 def test_turboquant_generate_matches_sdpa_on_the_same_cache(preset, head_dim, count_paths, monkeypatch):
+    """One layer: its keys and values come from the tokens alone, so both caches hold the same bits. (A second
+    layer's come from the first one's outputs, which differ by float rounding between the two attentions; a code
+    near a quantizer boundary then flips now and then, a legitimate difference of about 1e-3 in the scores.)"""
     monkeypatch.setattr(tq_hf_cache.kernels.support, "WIDE_MIN_KEY_ROWS", 0)  # head dim 256: the kernel at any length
-    model = _llama(head_dim=head_dim)
-    ids, mask = _left_padded_batch(fresh_seed())
+    model = _llama(head_dim=head_dim, layers=1)
+    seed = fresh_seed()
+    ids, mask = _left_padded_batch(seed)
     a, ca = _generate(model, "sdpa", ids, mask, preset=preset)
     b, cb = _generate(model, attention.NAME, ids, mask, preset=preset)
     steps = b.sequences.shape[1] - ids.shape[1]  # 10, or fewer when every row hits end-of-sequence early
-    assert count_paths["fused"] == 2 * (steps - 1)  # 2 layers x the decode steps after the prefill
-    assert count_paths["filled"] == 2 * 2 * (steps - 1)  # sdpa read keys and values of the same steps densely
-    assert torch.equal(a.sequences, b.sequences)
-    worst = max((x - y).abs().max().item() for x, y in zip(a.scores, b.scores))
-    assert worst < 1e-4, worst
-    assert ca.layers[0].quantized_length == cb.layers[0].quantized_length > 0
+    assert count_paths["fused"] == steps - 1  # the decode steps after the prefill
+    assert count_paths["filled"] == 2 * (steps - 1)  # sdpa read keys and values of the same steps densely
+    assert torch.equal(a.sequences, b.sequences), f"seed {seed}"
+    for x, y in zip(ca.layers, cb.layers):
+        px, py = x.packed_kv(), y.packed_kv()
+        for name in ("k_packed", "k_norms", "v_packed", "v_norms", "ring_k", "ring_v"):
+            assert torch.equal(getattr(px, name), getattr(py, name)), f"seed {seed}: the caches' {name} differ"
+    diffs = [(x - y).abs().max().item() for x, y in zip(a.scores, b.scores)]
+    lengths = [(x.quantized_length, y.quantized_length) for x, y in zip(ca.layers, cb.layers)]
+    assert max(diffs) < 1e-4, f"seed {seed}: worst score difference by step {diffs}, quantized lengths {lengths}"
+    assert all(x == y > 0 for x, y in lengths), f"seed {seed}: quantized lengths {lengths}"
 
 
 @pytest.mark.parametrize("row_group_bytes", [None, 1])
