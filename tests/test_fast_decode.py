@@ -169,7 +169,7 @@ def test_pair_table_entries_are_the_fp16_centroid_pairs(bits, per_head):
 def test_splits_cover_the_history_in_whole_tiles(monkeypatch):
     """One wave of split CTAs (as many as an SM holds, `ctas_per_sm`; one CTA an SM where the history limits the
     splits), each split whole 16-token tiles, the splits tiling the history in order and differing by at most a
-    tile; where the last split's CTA takes the exact copies, that split is shorter by about EXACT_TOKENS."""
+    tile; where the last split's CTA takes the exact copies, that split is shorter by about the tokens they count as."""
     monkeypatch.setattr(support, "sm_count", lambda d: 132)
     for w, d, nq in ((8, 128, 1), (16, 128, 1), (8, 128, 2), (8, 256, 1)):
         for bh, lq in ((8, 131072), (64, 32768), (1, 100), (256, 4096), (8, 17), (8, 130944), (3, 5000), (1, 40000),
@@ -187,13 +187,13 @@ def test_splits_cover_the_history_in_whole_tiles(monkeypatch):
                 assert s0 % 16 == 0 and s0 <= s1 and e0 == min(s1, lq), (w, bh, lq, ranges)
             full, last = max(e - s for s, e in ranges[:-1]) if splits > 1 else lq, max(0, lq - ranges[-1][0])
             if fold:
-                assert full - 16 - fast.EXACT_TOKENS <= last < full, (w, bh, lq, ranges)
+                assert full - 16 - fold <= last < full, (w, bh, lq, ranges)
             elif splits > 1:
                 sizes = [e - s for s, e in ranges[:-1]]
                 assert max(sizes) - min(sizes) <= 16 and last <= full + 16, (w, bh, lq, ranges)
     # folded only with 16 warps and long splits: Llama-3.1-8B's 8 KV heads at 1 x 128k and 8 x 32k
-    assert fast.plan(8, 130944, torch.device("cpu"), warps=16) == (16, True)
-    assert fast.plan(64, 32768, torch.device("cpu"), warps=16) == (2, True)
+    assert fast.plan(8, 130944, torch.device("cpu"), warps=16) == (16, fast.EXACT_TOKENS)
+    assert fast.plan(64, 32768, torch.device("cpu"), warps=16) == (2, fast.EXACT_TOKENS)
     assert fast.plan(8, 32768, torch.device("cpu"), warps=16) == (15, False)
     assert fast.plan(8, 4096, torch.device("cpu"), warps=16) == (15, False)  # one CTA an SM, exact copies' too
     assert fast.plan(8, 4096, torch.device("cpu"), warps=8) == (8, False)
@@ -218,37 +218,44 @@ def test_sixteen_warps_where_they_fold_the_exact_copies_into_more_of_the_gpu(mon
     nor at short histories, nor where one CTA of 8 warps fills an SM (head dim 256)."""
     monkeypatch.setattr(support, "sm_count", lambda d: 132)
     cpu = torch.device("cpu")
-    assert fast.choose(32, 131072, cpu, None, 64, 1, 8) == (16, 4, True)
-    assert fast.choose(32, 32768, cpu, None, 64, 1, 8) == (16, 4, True)
+    assert fast.choose(32, 131072, cpu, None, 64, 1, 8) == (16, 4, fast.EXACT_TOKENS)
+    assert fast.choose(32, 32768, cpu, None, 64, 1, 8) == (16, 4, fast.EXACT_TOKENS)
     assert fast.choose(32, 4096, cpu, None, 64, 1, 8) == (8, 7, False)
     assert fast.choose(256, 32768, cpu, None, 64, 1, 8) == (8, 1, False)
     assert fast.choose(8, 131072, cpu, None, 128, 1, 8) == (8, 32, False)
     assert fast.choose(64, 16384, cpu, None, 128, 1, 8) == (8, 4, False)
     assert fast.choose(4, 131072, cpu, None, 256, 1, 8) == (8, 32, False)
-    assert fast.choose(8, 131072, cpu, None, 128, 1, 16) == (16, 16, True)  # (the layout's 16 stay)
+    assert fast.choose(8, 131072, cpu, None, 128, 1, 16) == (16, 16, fast.EXACT_TOKENS)  # (the layout's 16 stay)
     assert fast.choose(32, 131072, cpu, 4, 64, 1, 8) == (8, 4, False)  # (a caller's scratch cuts the splits)
     monkeypatch.setattr(support, "sm_count", lambda d: 20)  # 20 folded splits of 16 warps against 39 of 8: under 5 %
     assert fast.choose(1, 131072, cpu, None, 64, 1, 8) == (8, 39, False)
-    assert fast.plan(1, 131072, cpu, None, 16, 64, 1) == (20, True)
+    assert fast.plan(1, 131072, cpu, None, 16, 64, 1) == (20, fast.EXACT_TOKENS)
 
 
-def test_eight_warps_at_head_dim_64_where_the_sms_cut_the_sixteen_warp_splits(monkeypatch):
-    """`choose` takes two CTAs of 8 warps an SM instead of the layout's one of 16 (5-bit keys) at head dim 64 where
-    the SMs, not the history, cut the unfolded 16-warp splits: SmolLM2's 32 KV heads at 1 x 4k (7 splits of 8 warps
-    for 3 of 16) and 8 x 4k; not over longer histories (1 x 16k, 8 x 32k), nor where the history cuts them (2 KV
-    heads at 1 x 4k: 16 splits of 16 warps, also where a caller's scratch holds fewer), nor at head dim 128 (Llama's 8
-    KV heads)."""
+def test_head_dim_64_folds_the_exact_copies_into_sixteen_warp_splits_the_sms_cut(monkeypatch):
+    """At head dim 64, where the layout chose one CTA of 16 warps an SM (5-bit keys) and the SMs, not the history, cut
+    the unfolded 16-warp splits, `choose` takes a split an SM, the last taking the exact copies as SHORT_FOLD_TOKENS
+    tokens: SmolLM2's 32 KV heads at 1 x 4k, 1 x 16k (not 3 or 4 splits and 32 exact copies' CTAs); where that leaves
+    fewer than two splits a head (8 x 4k) or a last split with no history (1 x 3k), or a caller's scratch holds
+    fewer, two CTAs of 8 warps an SM over short histories; not where the history cuts the splits (2 KV heads at 1 x
+    4k), nor past the long splits `plan` folds itself (1 x 32k), nor at head dim 128 (Llama's 8 KV heads)."""
     monkeypatch.setattr(support, "sm_count", lambda d: 132)
     cpu = torch.device("cpu")
-    assert fast.choose(32, 4096, cpu, None, 64, 1, 16) == (8, 7, False)
+    short = fast.SHORT_FOLD_TOKENS
+    assert fast.choose(32, 4096, cpu, None, 64, 1, 16) == (16, 4, short)
+    assert fast.choose(32, 16384, cpu, None, 64, 1, 16) == (16, 4, short)
+    assert fast.choose(64, 4096, cpu, None, 64, 1, 16) == (16, 2, short)
+    assert fast.choose(32, 3 * short, cpu, None, 64, 1, 16) == (8, 3, False)
     assert fast.choose(256, 4096, cpu, None, 64, 1, 16) == (8, 1, False)
     assert fast.choose(2, 4096, cpu, None, 64, 1, 16) == (16, 16, False)
-    assert fast.choose(32, 32768, cpu, None, 64, 1, 16) == (16, 4, True)
+    assert fast.choose(32, 32768, cpu, None, 64, 1, 16) == (16, 4, fast.EXACT_TOKENS)
     assert fast.choose(256, 32768, cpu, None, 64, 1, 16) == (16, 1, False)  # (long: the 16 warps' table copies)
-    assert fast.choose(32, 16384, cpu, None, 64, 1, 16) == (16, 4, False)
     assert fast.choose(8, 4096, cpu, None, 128, 1, 16) == (16, 15, False)
     assert fast.choose(32, 4096, cpu, 3, 64, 1, 16) == (8, 3, False)  # (a caller's scratch cuts the splits)
     assert fast.choose(2, 4096, cpu, 8, 64, 1, 16) == (16, 8, False)  # (the scratch, not the SMs, cuts them)
+    for s in range(4):
+        a, e = fast.split_range(s, 4, 4096, short)
+        assert (a, e) == ((4096 + short) // 4 * s, min(4096, (4096 + short) // 4 * (s + 1))), (s, a, e)
 
 
 def test_eight_warp_ctas_take_256_tokens_a_split_over_short_histories_with_an_sm_each(monkeypatch):
@@ -394,7 +401,7 @@ def test_the_launcher_runs_without_a_gpu(monkeypatch):
         w = fast.warps(d, kb, vb, state.k_norms.dtype == torch.float32, state.v_norms.dtype == torch.float32, nqt,
                        (9, 0))
         w, splits, fold = fast.choose(b * 2, lq, torch.device("cpu"), None, d, nqt, w)
-        assert (w, splits, fold) == (16, 4, True) or sms == 132, (w, splits, fold)
+        assert (w, splits, fold) == (16, 4, fast.EXACT_TOKENS) or sms == 132, (w, splits, fold)
         assert n == 1 or splits < fast.plan(b * 2, lq, torch.device("cpu"), warps=w, head_dim=d)[0]  # (two CTAs)
         parts = fast.exact_parts(b * 2, splits, fold, state.sinks + 9, torch.device("cpu"), d, nqt, w)
         assert [x[:3] for x in done] == [(fast.NAME, (b * 2, splits + (0 if fold else parts), 1), 32 * w)], done
@@ -548,7 +555,7 @@ def test_fast_kernel_with_the_exact_copies_in_the_last_split(case, launches, mon
     plans, real = [], fast.plan
     monkeypatch.setattr(fast, "plan", lambda *a, **k: plans.append(real(*a, **k)) or plans[-1])
     test_fast_kernel_matches_the_oracle_and_the_triton_kernel(case, launches)
-    assert plans[0] == (2, True), plans
+    assert plans[0] == (2, fast.EXACT_TOKENS), plans
 
 
 @gpu
@@ -560,7 +567,21 @@ def test_fast_kernel_in_the_sixteen_warps_choose_takes_over_the_layouts_eight(la
     monkeypatch.setattr(fast, "choose", lambda *a, **k: plans.append(real(*a, **k)) or plans[-1])
     case = (4, 4, 64, 2, 1, 25000, 30, torch.bfloat16, "bool", 2, False)
     test_fast_kernel_matches_the_oracle_and_the_triton_kernel(case, launches)
-    assert plans[0] == (16, 4, True), plans
+    assert plans[0] == (16, 4, fast.EXACT_TOKENS), plans
+
+
+@gpu
+@pytest.mark.parametrize("lq", [5000, 1100])
+def test_fast_kernel_with_the_exact_copies_folded_into_splits_the_sms_cut(lq, launches, monkeypatch):
+    """k5v3 at head dim 64 (one CTA of 16 warps an SM) on a GPU taken as 8 SMs: the SMs cut the splits, so `choose`
+    folds the exact copies into the last of 2 splits a head as SHORT_FOLD_TOKENS tokens (at 1100 that split keeps
+    44 tokens of the history)."""
+    monkeypatch.setattr(support, "sm_count", lambda d: 8)
+    plans, real = [], fast.choose
+    monkeypatch.setattr(fast, "choose", lambda *a, **k: plans.append(real(*a, **k)) or plans[-1])
+    case = (5, 3, 64, 1, 1, lq, 30, torch.bfloat16, "bool", 4, False)
+    test_fast_kernel_matches_the_oracle_and_the_triton_kernel(case, launches)
+    assert plans[0] == (16, 2, fast.SHORT_FOLD_TOKENS), plans
 
 
 @gpu

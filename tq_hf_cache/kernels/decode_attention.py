@@ -875,7 +875,7 @@ def decode_attention(
     block_m, rows, sc = _rows(group, n, d)
     stages, per_sm, plan_prefetch = decode_plan(d, kcb.bits, vcb.bits, kv.key_split is not None, b * hkv * split_len)
     kp, vp = _packed(kv.k_packed), _packed(kv.v_packed)
-    use_fast, fold, parts = fast_ok, False, 1
+    use_fast, fold, parts = fast_ok, 0, 1
     if use_fast:
         most = None if kv.scratch is None else kv.scratch.numel() // (b * hkv * rows * (d + 2)) - 1
         nqt = _fast.query_tiles(group * n)

@@ -29,6 +29,7 @@ BITS = (2, 3, 4, 5)  # pair tables up to 4^5 entries
 MAX_ROWS = 16  # query heads per KV head x queries: two query n-tiles
 MIN_TOKENS_PER_SPLIT = {16: 256, 8: 512}  # by warps a CTA (`plan`)
 EXACT_TOKENS = 2048  # packed tokens the exact copies count as where the last split's CTA takes them (`plan`)
+SHORT_FOLD_TOKENS = 1024  # the same where `choose` folds them into 16-warp splits the SMs cut at head dim 64
 SHORT_TOKENS = 8192  # the longest history `choose` takes its short-history plans for (more, shorter splits)
 ENV = "TQ_HF_CACHE_FAST_DECODE"  # "0" turns the kernel off (the Triton kernel serves)
 
@@ -58,7 +59,7 @@ class Params(ctypes.Structure):
         ("smt", ctypes.c_int64),
         ("acc", ctypes.c_void_p), ("ml", ctypes.c_void_p),
         ("len_ptr", ctypes.c_void_p), ("from_ptr", ctypes.c_void_p),
-        ("hkv", ctypes.c_int32), ("group", ctypes.c_int32), ("nq", ctypes.c_int32), ("rows", ctypes.c_int32),
+        ("hkv", ctypes.c_int32), ("group", ctypes.c_int32), ("nq", ctypes.c_int32),
         ("lq", ctypes.c_int32), ("sinks", ctypes.c_int32),
         ("num_splits", ctypes.c_int32), ("mask_elt", ctypes.c_int32), ("slots", ctypes.c_int32),
         ("fold", ctypes.c_int32),
@@ -136,11 +137,11 @@ def most_splits(packed_len: int, least: int) -> int:
 
 
 def plan(batch_heads: int, packed_len: int, device: torch.device, max_splits: int | None = None,
-         warps: int = 8, head_dim: int = 128, nq: int = 1, least: int | None = None) -> tuple[int, bool]:
+         warps: int = 8, head_dim: int = 128, nq: int = 1, least: int | None = None) -> tuple[int, int]:
     """(splits, fold): the packed history's splits, one CTA of `warps` warps each, as many as `ctas_per_sm` CTAs an SM
     hold in one wave (at head dim `head_dim`, `nq` query n-tiles), at least `least` (default `min_tokens`) tokens a
-    split, at most max_splits (what a caller's scratch holds); and whether the last split's CTA takes the exact copies
-    too. It does where one CTA fills an SM (16 warps) and the splits are long (3 x EXACT_TOKENS or more): an SM of their
+    split, at most max_splits (what a caller's scratch holds); and the packed tokens the exact copies count as where the
+    last split's CTA takes them too (EXACT_TOKENS; 0: they have CTAs of their own). It does where one CTA fills an SM (16 warps) and the splits are long (3 x EXACT_TOKENS or more): an SM of their
     own would idle most of the call (measured on the H100: k5v3 about 1.5 / 8 / 12 us less at
     1 x 128k / 8 x 32k / 8 x 128k; with two CTAs an SM, or short splits, it was slower). Otherwise they have a CTA of
     their own, room for which is left in the wave where that costs little: at 8 or more splits, or where one split fewer
@@ -165,19 +166,23 @@ def plan(batch_heads: int, packed_len: int, device: torch.device, max_splits: in
         splits = max(1, min(splits, sms // batch_heads - 1))
     if max_splits is not None:
         splits = max(1, min(splits, max_splits))
-    return splits, fold
+    return splits, EXACT_TOKENS if fold else 0
 
 
 def choose(batch_heads: int, packed_len: int, device: torch.device, max_splits: int | None, head_dim: int, nq: int,
-           warps: int) -> tuple[int, int, bool]:
+           warps: int) -> tuple[int, int, int]:
     """(warps, splits, fold): `plan` for the layout's `warps`, or for one CTA of 16 warps an SM where the layout
     chose two of 8 and 16 fold the exact copies into long splits with at least 5 % more of the SMs on the history
     (the two CTAs of 8 leave slots to the exact copies' CTAs), neither cut by max_splits. SmolLM2-1.7B's 32 KV heads
     at 1 x 128k, k4v4 (H100): 4 splits of 16 warps, folded, 129 us a call; 7 of 8 warps and the exact copies' CTAs
-    148. And for two CTAs of 8 an SM where the layout chose 16 at head dim 64, the SMs (not the history) cut the
-    16-warp splits (unfolded) and the history is short (at most SHORT_TOKENS): twice the CTAs a wave. SmolLM2-1.7B
-    k5v3 (H100): 1 x 4k 11.9 -> 11.4 us, 1 x 8k 17.7 -> 16.0, 8 x 4k 49.9 -> 43.7; longer, the 16-warp layout's table
-    copies pay: 1 x 16k 25.3 -> 25.7, 8 x 32k 256.7 -> 270.5. At head dim 128 (Llama 3.1 8B) 8 warps were slower or
+    148. Where the layout chose 16 at head dim 64 (5-bit keys) and the SMs, not the history, cut the unfolded
+    16-warp splits, a split an SM with the exact copies folded into the last one as SHORT_FOLD_TOKENS tokens, where that
+    leaves at least two splits a head and the last one some of the history: no second wave for the exact copies'
+    CTAs, and all 32 copies of the key tables. SmolLM2-1.7B k5v3 (H100, against 7 splits of 8 warps or 4 unfolded of
+    16 and 32 exact copies' CTAs): 1 x 4k 11.55 -> 11.09-11.26 us, 1 x 8k 15.88 -> 14.72-14.78, 1 x 16k 25.13 ->
+    21.94-22.44. Otherwise two CTAs of 8 an SM there where the history is short (at most SHORT_TOKENS): twice the
+    CTAs a wave (8 x 4k 49.9 -> 43.7 us); longer, the 16-warp layout's table copies pay (8 x 32k 256.7 against 270.5
+    with 8 warps). At head dim 128 (Llama 3.1 8B) 8 warps were slower or
     level (1 x 4k 10.6 -> 11.6, 8 x 4k 25.5 -> 26.8). And 8-warp CTAs take at least the 16-warp ones' tokens a split
     (256, not 512) over short histories at head dim 128, two of them an SM, where every split and one exact copies'
     CTA a head still have an SM each: Llama 3.1 8B (H100) k4v4 1 x 4k 10.15 -> 9.26 us (15 splits, not 8), 1 x 2k
@@ -188,10 +193,14 @@ def choose(batch_heads: int, packed_len: int, device: torch.device, max_splits: 
 
     splits, fold = plan(batch_heads, packed_len, device, max_splits, warps, head_dim, nq)
     short = packed_len <= SHORT_TOKENS and ctas_per_sm(head_dim, nq, 8) == 2
-    if warps == 16 and head_dim == 64 and short:
+    if warps == 16 and head_dim == 64:
         free = plan(batch_heads, packed_len, device, None, 16, head_dim, nq)  # (what the SMs cut, not a scratch)
         if not free[1] and free[0] < most_splits(packed_len, min_tokens(16, head_dim)):
-            return (8, *plan(batch_heads, packed_len, device, max_splits, 8, head_dim, nq))
+            s = sm_count(device) // batch_heads  # one CTA an SM, the exact copies in the last one
+            if s >= 2 and packed_len > (s - 1) * SHORT_FOLD_TOKENS and (max_splits is None or s <= max_splits):
+                return 16, s, SHORT_FOLD_TOKENS
+            if short:
+                return (8, *plan(batch_heads, packed_len, device, max_splits, 8, head_dim, nq))
     if warps == 8 and head_dim == 128 and short:
         s, f = plan(batch_heads, packed_len, device, max_splits, 8, head_dim, nq, min_tokens(16, head_dim))
         if s > splits and batch_heads * (s + 1) <= sm_count(device):
@@ -207,7 +216,7 @@ EXACT_PARTS = 4  # the most CTAs the exact copies are cut among (the source's NX
 EXACT_PART_TOKENS = 48  # the fewest exact tokens a part takes (`exact_parts`)
 
 
-def exact_parts(batch_heads: int, splits: int, fold: bool, exact_tokens: int, device: torch.device, head_dim: int,
+def exact_parts(batch_heads: int, splits: int, fold: int, exact_tokens: int, device: torch.device, head_dim: int,
                 nq: int, warps: int, most: int | None = None) -> int:
     """The CTAs the exact copies (sinks and ring, at most `exact_tokens` a (batch, KV head)) are cut among, each a
     part of whole 16-token tiles: one where the last split's CTA takes them (`fold`) or where two CTAs share an SM;
@@ -225,12 +234,12 @@ def exact_parts(batch_heads: int, splits: int, fold: bool, exact_tokens: int, de
     return max(1, min(n, most)) if most is not None else n
 
 
-def split_range(split: int, splits: int, packed_len: int, fold: bool) -> tuple[int, int]:
+def split_range(split: int, splits: int, packed_len: int, fold: int) -> tuple[int, int]:
     """The packed tokens [start, end) of a split, as the kernel places them: the history (and, where the last split's
-    CTA takes the exact copies, EXACT_TOKENS more) cut in equal parts at the nearest multiples of 16 (whole tiles,
+    CTA takes the exact copies, `fold` tokens more) cut in equal parts at the nearest multiples of 16 (whole tiles,
     dealt to the warps in turn: a split's warps differ by at most one tile, and so do the splits), the last ending at
     the history's end. Splits past the history are empty."""
-    span, per = packed_len + (EXACT_TOKENS if fold and splits > 1 else 0), 16
+    span, per = packed_len + (fold if splits > 1 else 0), 16
     cut = lambda s: (span * s // splits + per // 2) // per * per  # noqa: E731
     return min(cut(split), packed_len), (packed_len if split == splits - 1 else min(cut(split + 1), packed_len))
 
@@ -419,8 +428,7 @@ def defines(d: int, kb: int, vb: int, nq: int, mask_kind: int, mask_dt: int, kn_
     w = w or warps(d, kb, vb, kn_f32, vn_f32, nq, capability)
     st, kr, vr = layout(d, kb, vb, kn_f32, vn_f32, nq, capability, w)
     return dict(D=d, KB=kb, VB=vb, NQ=nq, MASK_KIND=mask_kind, MASK_DT=mask_dt, KN_F32=int(kn_f32),
-                VN_F32=int(vn_f32), KR=kr, VR=vr, STATIC=int(static), VEC=vec, NVEC=int(nvec), STAGES=st, WARPS=w,
-                EXACT_TOKENS=EXACT_TOKENS)
+                VN_F32=int(vn_f32), KR=kr, VR=vr, STATIC=int(static), VEC=vec, NVEC=int(nvec), STAGES=st, WARPS=w)
 
 
 _DT = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2}
@@ -480,9 +488,10 @@ def _mask_row(mask_kind: int, m_arg: torch.Tensor, strides, slots: int) -> bool:
 
 
 def decode(query, kv, pi, scale_log2, kp, kn, vp, vn, rk, rv, sk, sv, mask_args, acc, ml, counters, lens, lengths,
-           num_splits: int, fold: bool, rows: int, out, w: int, parts: int = 1) -> bool:
+           num_splits: int, fold: int, rows: int, out, w: int, parts: int = 1) -> bool:
     """The whole decode attention of `..decode_attention.decode_attention` (its prepared arguments) into `out`, in CTAs
-    of `w` warps (`choose`'s), the exact copies cut among `parts` CTAs (`exact_parts`).
+    of `w` warps (`choose`'s), the exact copies cut among `parts` CTAs (`exact_parts`) or, where `fold` > 0, taken by
+    the last split's CTA and counted as `fold` packed tokens in placing the splits (`split_range`).
     Returns False, having launched nothing, when the kernels cannot be used here (and turns them off on this
     device, with a warning, when they fail to build or load)."""
     if fold and parts != 1:
@@ -530,7 +539,7 @@ def decode(query, kv, pi, scale_log2, kp, kn, vp, vn, rk, rv, sk, sv, mask_args,
         vp.data_ptr(), vp.stride(0), vp.stride(1), vn.data_ptr(), vn.stride(0), vn.stride(1),
         kt.data_ptr(), kt_sh, vt.data_ptr(), vt_sh,
         m_ptr, *m_strides, acc.data_ptr(), ml.data_ptr(), ln.data_ptr(), fr.data_ptr(),
-        hkv, group, n, rows, lq, kv.sinks, num_splits, m_elt, kp.shape[2], int(fold),
+        hkv, group, n, lq, kv.sinks, num_splits, m_elt, kp.shape[2], fold,
         query.data_ptr(), *query.stride()[:3], rot[0],
         sk.data_ptr(), sk.stride(0), sk.stride(1), sv.data_ptr(), sv.stride(0), sv.stride(1),
         rk.data_ptr(), rk.stride(0), rk.stride(1), rv.data_ptr(), rv.stride(0), rv.stride(1),

@@ -9,8 +9,7 @@
 // MASK_KIND (0 none, 1 bool / 2 additive per row), MASK_DT (0 u8, 1 f16, 2 bf16, 3 f32), MASK_ROW (1: a bool mask
 // whose one row serves all the CTA's rows, contiguous and 2-byte aligned), KN_F32, VN_F32 (norm
 // dtypes), KR, VR (copies of each pair table), STATIC, VEC (widest load, bytes), NVEC (norms loaded in pairs),
-// STAGES, WARPS (8 or 16), EXACT_TOKENS (packed tokens the exact copies count as in placing the splits), and those of
-// the exact part below.
+// STAGES, WARPS (8 or 16), and those of the exact part below.
 //
 // Registers, not shared memory, carry the codes into the MMA operands, with no reshuffle:
 // - Scores S = Q K^T (M = 16 query rows, N = 8 tokens, K = 16 channels). Lane (g = lane / 4, l4 = lane % 4) holds,
@@ -38,11 +37,11 @@ struct Params {
   const u32* ktab; i64 ktab_sh;       // (heads', 4^KB) half2 pair tables, head stride in entries (0: shared)
   const u32* vtab; i64 vtab_sh;
   const unsigned char* mask; i64 smb, smh, smi, smt;  // element strides
-  float* acc; float* ml;              // partials: acc (slots, R, D), ml (slots, 2, R); slot = bh (splits + nx) + s
+  float* acc; float* ml;              // partials: acc (slots, ROWS, D), ml (slots, 2, ROWS); slot = bh (splits + nx) + s
   const i64* len_ptr; const i64* from_ptr;
-  int hkv, group, nq, rows, lq, sinks, num_splits, mask_elt, slots;
-  int fold;                           // 1: the last split's CTA takes the exact copies; 0: CTA num_splits does
-  // the exact copies and the merge
+  int hkv, group, nq, lq, sinks, num_splits, mask_elt, slots;
+  int fold;  // > 0: the last split's CTA takes the exact copies, which count as `fold` packed tokens in placing the
+             // splits; 0: they have CTAs num_splits .. of their own
   const void* qx; i64 sqb, sqh, sqn;  // (B, Hq, n, D) the query as given, element strides
   const float* pi;                    // (D, D) the rotation
   const void* sk; i64 sskb, sskh;     // exact copies: sinks and ring, (B, Hkv, slots, D), token stride D
@@ -359,8 +358,7 @@ template <int RQ, bool PACKED>
 __device__ __forceinline__ void store_partial(const float* wm, const float* wl, const float* wa, const Params& p,
                                               i64 slot, int live) {
   constexpr int S = PACKED ? PSTRIDE : D;
-  constexpr int R = ROWS;
-  for (int e = 4 * threadIdx.x; e < R * D; e += 4 * WARPS * 32) {
+  for (int e = 4 * threadIdx.x; e < ROWS * D; e += 4 * WARPS * 32) {
     const int r = e / D, i = e % D;  // i: the first of the thread's four positions in a row of wa
     float M = NEG_INF;
     if (r < live) {
@@ -382,11 +380,11 @@ __device__ __forceinline__ void store_partial(const float* wm, const float* wl, 
     for (int k = 0; k < 4; ++k) {
       const int x = PACKED ? ((i + k) % 8) * (D / 8) + (i + k) / 8 : i + k;  // its channel
       const int col = PACKED ? (x % VPLANES) * (D / VPLANES) + x / VPLANES : x;
-      p.acc[(slot * R + r) * D + col] = a[k];
+      p.acc[(slot * ROWS + r) * D + col] = a[k];
     }
     if (i == 0) {
-      p.ml[slot * 2 * R + r] = M;
-      p.ml[slot * 2 * R + R + r] = l;
+      p.ml[slot * 2 * ROWS + r] = M;
+      p.ml[slot * 2 * ROWS + ROWS + r] = l;
     }
   }
 }
@@ -631,9 +629,9 @@ __device__ __forceinline__ void packed_part(const Params& p, unsigned char* smem
   kfill.store(reinterpret_cast<u32*>(smem + STAGE_BYTES), tid);
   vfill.store(reinterpret_cast<u32*>(smem + STAGE_BYTES + KTAB_BYTES), tid);
   const int ls = min(p.sinks, lq);
-  // the history (and, where the last split's CTA takes the exact copies too, EXACT_TOKENS more) in equal parts, cut
+  // the history (and, where the last split's CTA takes the exact copies too, p.fold tokens more) in equal parts, cut
   // at the nearest multiples of 16 (whole tiles, dealt to the warps in turn); the last split ends at the history's end
-  const i64 span = lq + (p.fold && p.num_splits > 1 ? EXACT_TOKENS : 0);
+  const i64 span = lq + (p.num_splits > 1 ? p.fold : 0);
   auto cut = [&](int s) {  // (in 32 bits where they hold the product: a 64-bit division is a long subroutine)
     const i64 x = span * s;
     const i64 c = x < 0xffffffffll ? static_cast<i64>(static_cast<u32>(x) / static_cast<u32>(p.num_splits))
@@ -1426,7 +1424,7 @@ __device__ __forceinline__ void merge_last(const Params& p, unsigned char* smem,
   float* mp = red + CG * ROWS * D;             // (ROWS) the packed max, then (ROWS) the packed sum
   const int b = bq, h = bh - bq * p.hkv;
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
-  const int live = p.group * p.nq, R = ROWS, ns = p.num_splits;
+  const int live = p.group * p.nq, ns = p.num_splits;
   const i64 base = partial_base(p, bh), ex = base + ns;
   const int xv = tid % NV, cg = tid / NV;
 #if PIH
@@ -1460,9 +1458,9 @@ __device__ __forceinline__ void merge_last(const Params& p, unsigned char* smem,
     for (int x = 0; x < NXMAX; ++x) {  // (every load out before any is used)
       const bool ok = x < p.nx && e < ROWS * D && r < live;
       const i64 s = ex + x;
-      a[x] = ok ? __ldcg(p.acc + (s * R + r) * D + e % D) : 0.0f;
-      m[x] = ok ? __ldcg(p.ml + s * 2 * R + r) : NEG_INF;
-      l[x] = ok ? __ldcg(p.ml + s * 2 * R + R + r) : 0.0f;
+      a[x] = ok ? __ldcg(p.acc + (s * ROWS + r) * D + e % D) : 0.0f;
+      m[x] = ok ? __ldcg(p.ml + s * 2 * ROWS + r) : NEG_INF;
+      l[x] = ok ? __ldcg(p.ml + s * 2 * ROWS + ROWS + r) : 0.0f;
     }
     xa[i] = a[0]; xm[i] = m[0]; xl[i] = l[0];
 #pragma unroll
@@ -1535,13 +1533,13 @@ __device__ __forceinline__ void merge_last(const Params& p, unsigned char* smem,
   } else {
     for (int c0 = 0; c0 < ns; c0 += MSPLITS) {
       const int n = min(MSPLITS, ns - c0);
-      const float* ga = p.acc + (base + c0) * R * D;
-      const float* gm = p.ml + (base + c0) * 2 * R;
-      for (int i = tid; i < n * R * D / 4; i += WARPS * 32) cp_async<16>(sa + 16 * i, ga + 4 * i);  // (.cg: L2)
+      const float* ga = p.acc + (base + c0) * ROWS * D;
+      const float* gm = p.ml + (base + c0) * 2 * ROWS;
+      for (int i = tid; i < n * ROWS * D / 4; i += WARPS * 32) cp_async<16>(sa + 16 * i, ga + 4 * i);  // (.cg: L2)
       cp_commit();
       // (from L2 too: other CTAs wrote them in this launch, and an L1 line of them, read by an earlier merge on this
       // SM, could be stale; copies narrower than 16 bytes would go through L1)
-      for (int i = tid; i < n * 2 * R; i += WARPS * 32) sml[i] = __ldcg(gm + i);
+      for (int i = tid; i < n * 2 * ROWS; i += WARPS * 32) sml[i] = __ldcg(gm + i);
       cp_wait<0>();
       __syncthreads();  // the chunk in shared memory
 #pragma unroll
@@ -1550,9 +1548,9 @@ __device__ __forceinline__ void merge_last(const Params& p, unsigned char* smem,
         column(i, it, r, hf, cv);
         if (it >= NIT || r >= live) continue;
         for (int s = hf; s < n; s += MH) {
-          const float4 a = reinterpret_cast<const float4*>(sacc + (s * R + r) * D)[cv];
+          const float4 a = reinterpret_cast<const float4*>(sacc + (s * ROWS + r) * D)[cv];
           const float av[4] = {a.x, a.y, a.z, a.w};
-          combine(M[i], L[i], y[i], sml[s * 2 * R + r], sml[s * 2 * R + R + r], av);
+          combine(M[i], L[i], y[i], sml[s * 2 * ROWS + r], sml[s * 2 * ROWS + ROWS + r], av);
         }
       }
       if (c0 + MSPLITS < ns) __syncthreads();  // read before the next chunk overwrites it
@@ -1654,7 +1652,7 @@ __device__ __forceinline__ void merge_last(const Params& p, unsigned char* smem,
 // Grid (batch x KV heads, num_splits + (fold ? 0 : nx)): CTA s < num_splits of a (batch, KV head) takes split s of the
 // packed history; the exact copies have CTAs num_splits .. num_splits + nx - 1 of their own (part x each), or, where
 // the plan folds them (a GPU full of long splits: no SM to spare), the last split's CTA takes them first, its split
-// shorter by EXACT_TOKENS. Each CTA stores
+// shorter by p.fold tokens. Each CTA stores
 // its partials, and the last to do so merges them all (one counter per (batch, KV head), left at zero for the next
 // launch). The (batch, KV head) is the grid's x, so that CTAs go out split by split: where two CTAs share an SM the
 // first one placed runs faster, and each (batch, KV head) gets both kinds (and where the grid is more than the GPU
