@@ -140,18 +140,19 @@ def plan(batch_heads: int, packed_len: int, device: torch.device, max_splits: in
          warps: int = 8, head_dim: int = 128, nq: int = 1, least: int | None = None) -> tuple[int, int]:
     """(splits, fold): the packed history's splits, one CTA of `warps` warps each, as many as `ctas_per_sm` CTAs an SM
     hold in one wave (at head dim `head_dim`, `nq` query n-tiles), at least `least` (default `min_tokens`) tokens a
-    split, at most max_splits (what a caller's scratch holds); and the packed tokens the exact copies count as where the
-    last split's CTA takes them too (EXACT_TOKENS; 0: they have CTAs of their own). It does where one CTA fills an SM (16 warps) and the splits are long (3 x EXACT_TOKENS or more): an SM of their
-    own would idle most of the call (measured on the H100: k5v3 about 1.5 / 8 / 12 us less at
-    1 x 128k / 8 x 32k / 8 x 128k; with two CTAs an SM, or short splits, it was slower). Otherwise they have a CTA of
-    their own, room for which is left in the wave where that costs little: at 8 or more splits, or where one split fewer
-    costs less than the exact copies' CTAs waiting for a second wave (history < EXACT_TOKENS / 4 x splits x (splits -
-    1): that wait took as long as 560-810 packed tokens of a split on the H100; SmolLM2-1.7B's 32 KV heads, k5v3: 3
-    splits 11.9 us at 1 x 4k, 4 of them 13.9; at 1 x 12k 23.3 and 22.6; Llama 3.1 8B at 8 x 4k, k4v4: 28.2 and 30.8).
-    Where the history is what limits the splits, no two CTAs share an SM: at 1 x 8k, k4v4's 16 splits took 18.4 us, 15
-    of them 14.7 (H100). Counting two CTAs an SM where only one fits (head dim 256, 16 query rows) made a second wave:
-    62 against 50 us at 1 x 32k (Gemma 3 12B, k5v3), 60 against 40 (Llama 3.1 8B, four queries). The kernel places the
-    splits' boundaries from the packed length it reads (`split_range`)."""
+    split, at most max_splits (what a caller's scratch holds); and the packed tokens the exact copies count as where
+    the last split's CTA takes them too (EXACT_TOKENS; 0: they have CTAs of their own). It does where one CTA fills
+    an SM (16 warps) and the splits are long (3 x EXACT_TOKENS or more): an SM of their own would idle most of the
+    call (measured on the H100: k5v3 about 1.5 / 8 / 12 us less at 1 x 128k / 8 x 32k / 8 x 128k; with two CTAs an
+    SM, or short splits, it was slower). Otherwise they have a CTA of their own, room for which is left in the wave
+    where that costs little: at 8 or more splits, or where one split fewer costs less than the exact copies' CTAs
+    waiting for a second wave (history < EXACT_TOKENS / 4 x splits x (splits - 1): that wait took as long as 560-810
+    packed tokens of a split on the H100; SmolLM2-1.7B's 32 KV heads, k5v3: 3 splits 11.9 us at 1 x 4k, 4 of them
+    13.9; at 1 x 12k 23.3 and 22.6; Llama 3.1 8B at 8 x 4k, k4v4: 28.2 and 30.8). Where the history is what limits
+    the splits, no two CTAs share an SM: at 1 x 8k, k4v4's 16 splits took 18.4 us, 15 of them 14.7 (H100). Counting
+    two CTAs an SM where only one fits (head dim 256, 16 query rows) made a second wave: 62 against 50 us at 1 x 32k
+    (Gemma 3 12B, k5v3), 60 against 40 (Llama 3.1 8B, four queries). The kernel places the splits' boundaries from
+    the packed length it reads (`split_range`)."""
     from ..support import sm_count
 
     sms = sm_count(device)
@@ -171,24 +172,24 @@ def plan(batch_heads: int, packed_len: int, device: torch.device, max_splits: in
 
 def choose(batch_heads: int, packed_len: int, device: torch.device, max_splits: int | None, head_dim: int, nq: int,
            warps: int) -> tuple[int, int, int]:
-    """(warps, splits, fold): `plan` for the layout's `warps`, or for one CTA of 16 warps an SM where the layout
-    chose two of 8 and 16 fold the exact copies into long splits with at least 5 % more of the SMs on the history
-    (the two CTAs of 8 leave slots to the exact copies' CTAs), neither cut by max_splits. SmolLM2-1.7B's 32 KV heads
-    at 1 x 128k, k4v4 (H100): 4 splits of 16 warps, folded, 129 us a call; 7 of 8 warps and the exact copies' CTAs
-    148. Where the layout chose 16 at head dim 64 (5-bit keys) and the SMs, not the history, cut the unfolded
-    16-warp splits, a split an SM with the exact copies folded into the last one as SHORT_FOLD_TOKENS tokens, where that
+    """(warps, splits, fold): `plan` for the layout's `warps`, or for one CTA of 16 warps an SM where the layout chose
+    two of 8 and 16 fold the exact copies into long splits with at least 5 % more of the SMs on the history (the two
+    CTAs of 8 leave slots to the exact copies' CTAs), neither cut by max_splits. SmolLM2-1.7B's 32 KV heads at 1 x
+    128k, k4v4 (H100): 4 splits of 16 warps, folded, 129 us a call; 7 of 8 warps and the exact copies' CTAs 148.
+    Where the layout chose 16 at head dim 64 (5-bit keys) and the SMs, not the history, cut the unfolded 16-warp
+    splits, a split an SM with the exact copies folded into the last one as SHORT_FOLD_TOKENS tokens, where that
     leaves at least two splits a head and the last one some of the history: no second wave for the exact copies'
     CTAs, and all 32 copies of the key tables. SmolLM2-1.7B k5v3 (H100, against 7 splits of 8 warps or 4 unfolded of
-    16 and 32 exact copies' CTAs): 1 x 4k 11.55 -> 11.09-11.26 us, 1 x 8k 15.88 -> 14.72-14.78, 1 x 16k 25.13 ->
-    21.94-22.44. Otherwise two CTAs of 8 an SM there where the history is short (at most SHORT_TOKENS): twice the
-    CTAs a wave (8 x 4k 49.9 -> 43.7 us); longer, the 16-warp layout's table copies pay (8 x 32k 256.7 against 270.5
-    with 8 warps). At head dim 128 (Llama 3.1 8B) 8 warps were slower or
-    level (1 x 4k 10.6 -> 11.6, 8 x 4k 25.5 -> 26.8). And 8-warp CTAs take at least the 16-warp ones' tokens a split
-    (256, not 512) over short histories at head dim 128, two of them an SM, where every split and one exact copies'
-    CTA a head still have an SM each: Llama 3.1 8B (H100) k4v4 1 x 4k 10.15 -> 9.26 us (15 splits, not 8), 1 x 2k
-    9.89 -> 8.17, 1 x 1k 9.36 -> 7.78, k4v2 1 x 4k 9.71 -> 8.92; with two CTAs an SM (2 x 4k: 15 splits, not 7)
-    slower, 10.78 -> 11.49, and at head dim 256 mixed (Gemma 3 4B 1 x 4k: k5v3 11.61 -> 10.47, k3v3 10.76 ->
-    11.22); head dim 64 with few KV heads was not measured."""
+    16 and 32 exact copies' CTAs): 1 x 4k 11.32-11.45 -> 10.94-11.23 us, 1 x 8k 15.72 -> 14.59, 1 x 16k 24.54 ->
+    21.99, 2 x 4k 18.27 -> 15.68; 768 tokens instead of 1024 were slower but at one 1 x 4k row. Otherwise two CTAs
+    of 8 an SM there where the history is short (at most SHORT_TOKENS): twice the CTAs a wave (8 x 4k 49.9 -> 43.7
+    us); longer, the 16-warp layout's table copies pay (8 x 32k 256.7 against 270.5 with 8 warps). At head dim 128
+    (Llama 3.1 8B) 8 warps were slower or level (1 x 4k 10.6 -> 11.6, 8 x 4k 25.5 -> 26.8). And 8-warp CTAs take at
+    least the 16-warp ones' tokens a split (256, not 512) over short histories at head dim 128, two of them an SM,
+    where every split and one exact copies' CTA a head still have an SM each: Llama 3.1 8B (H100) k4v4 1 x 4k 10.15
+    -> 9.26 us (15 splits, not 8), 1 x 2k 9.89 -> 8.17, 1 x 1k 9.36 -> 7.78, k4v2 1 x 4k 9.71 -> 8.92; with two CTAs
+    an SM (2 x 4k: 15 splits, not 7) slower, 10.78 -> 11.49, and at head dim 256 mixed (Gemma 3 4B 1 x 4k: k5v3
+    11.61 -> 10.47, k3v3 10.76 -> 11.22); head dim 64 with few KV heads was not measured."""
     from ..support import sm_count
 
     splits, fold = plan(batch_heads, packed_len, device, max_splits, warps, head_dim, nq)
