@@ -81,14 +81,16 @@ def test_a_centred_cache_reads_the_same_on_every_path_and_holds_its_keys_closer(
     model.set_attn_implementation("sdpa")
     fp_cache = DynamicCache(config=cfg)
     fp = chunked_logits(model, fp_cache, ids, 280, step=3)
-    logits, err = {}, {}
+    logits, err, triton_len = {}, {}, 292  # (the Triton kernel interpreted on a CPU: 4 steps, not 8)
     for centred in (False, True):
-        for impl, backend in (("sdpa", "auto"), ("turboquant", "auto"), ("turboquant", "torch"), ("turboquant", "triton")):
+        for impl, backend in (("turboquant", "triton"), ("turboquant", "auto"), ("turboquant", "torch"),
+                              ("sdpa", "auto")):
             monkeypatch.setattr(ops, "FUSED_BACKEND", backend)
             model.set_attn_implementation(impl)
             cache = TurboQuantCache("k4v4", config=cfg, residual_length=16, key_centering=centred)
-            logits[centred, impl, backend] = chunked_logits(model, cache, ids, 280, step=3)  # 3-token steps: causal bias rows
-        k, k_fp = cache.layers[1].keys, fp_cache.layers[1].keys
+            n = triton_len if backend == "triton" else ids.shape[1]
+            logits[centred, impl, backend] = chunked_logits(model, cache, ids[:, :n], 280, step=3)  # causal bias rows
+        k, k_fp = cache.layers[1].keys, fp_cache.layers[1].keys  # (the sdpa run's cache)
         err[centred] = float((k - k_fp).norm() / k_fp.norm())
     assert err[True] < err[False] / 5, err  # the mean no longer takes the quantizer's range
     for centred in (False, True):
@@ -97,7 +99,7 @@ def test_a_centred_cache_reads_the_same_on_every_path_and_holds_its_keys_closer(
                                    msg=f"fused op (the C kernels on a CPU) vs workspace, centred={centred}")
         torch.testing.assert_close(logits[centred, "turboquant", "torch"], ref, atol=TOL, rtol=TOL,
                                    msg=f"fused op's torch math vs workspace, centred={centred}")
-        torch.testing.assert_close(logits[centred, "turboquant", "triton"], ref, atol=2e-3, rtol=2e-3,
+        torch.testing.assert_close(logits[centred, "turboquant", "triton"], ref[:, :triton_len], atol=2e-3, rtol=2e-3,
                                    msg=f"Triton kernel vs workspace, centred={centred}")
     assert (logits[True, "sdpa", "auto"] - fp).abs().max() < (logits[False, "sdpa", "auto"] - fp).abs().max()
 
