@@ -194,21 +194,21 @@ def test_splits_cover_the_history_in_whole_tiles(monkeypatch):
     # folded only with 16 warps and long splits: Llama-3.1-8B's 8 KV heads at 1 x 128k and 8 x 32k
     assert fast.plan(8, 130944, torch.device("cpu"), warps=16) == (16, fast.EXACT_TOKENS)
     assert fast.plan(64, 32768, torch.device("cpu"), warps=16) == (2, fast.EXACT_TOKENS)
-    assert fast.plan(8, 32768, torch.device("cpu"), warps=16) == (15, False)
-    assert fast.plan(8, 4096, torch.device("cpu"), warps=16) == (15, False)  # one CTA an SM, exact copies' too
-    assert fast.plan(8, 4096, torch.device("cpu"), warps=8) == (8, False)
-    assert fast.plan(8, 8192, torch.device("cpu"), warps=8) == (15, False)  # not 16: 136 CTAs on 132 SMs
-    assert fast.plan(8, 131072, torch.device("cpu"), warps=8) == (32, False)
+    assert fast.plan(8, 32768, torch.device("cpu"), warps=16) == (15, 0)
+    assert fast.plan(8, 4096, torch.device("cpu"), warps=16) == (15, 0)  # one CTA an SM, exact copies' too
+    assert fast.plan(8, 4096, torch.device("cpu"), warps=8) == (8, 0)
+    assert fast.plan(8, 8192, torch.device("cpu"), warps=8) == (15, 0)  # not 16: 136 CTAs on 132 SMs
+    assert fast.plan(8, 131072, torch.device("cpu"), warps=8) == (32, 0)
     # one CTA an SM (head dim 256, or 16 query rows): one wave of them, not two
-    assert fast.plan(8, 32768, torch.device("cpu"), warps=8, nq=2) == (15, False)
-    assert fast.plan(8, 131072, torch.device("cpu"), warps=8, head_dim=256) == (15, False)
-    assert fast.plan(4, 4096, torch.device("cpu"), warps=8, head_dim=256) == (16, False)  # 256 tokens a split
+    assert fast.plan(8, 32768, torch.device("cpu"), warps=8, nq=2) == (15, 0)
+    assert fast.plan(8, 131072, torch.device("cpu"), warps=8, head_dim=256) == (15, 0)
+    assert fast.plan(4, 4096, torch.device("cpu"), warps=8, head_dim=256) == (16, 0)  # 256 tokens a split
     # fewer than 8 splits: room for the exact copies' CTAs where the splits are short (SmolLM2's 32 KV heads, head
     # dim 64, at 1 x 4k; Llama's 8 x 4k), not where they are long (1 x 8k; 8 x 8k)
-    assert fast.plan(32, 4096, torch.device("cpu"), warps=16, head_dim=64) == (3, False)
-    assert fast.plan(32, 8192, torch.device("cpu"), warps=16, head_dim=64) == (4, False)
-    assert fast.plan(64, 4096, torch.device("cpu"), warps=8) == (3, False)
-    assert fast.plan(64, 8192, torch.device("cpu"), warps=8) == (4, False)
+    assert fast.plan(32, 4096, torch.device("cpu"), warps=16, head_dim=64) == (3, 0)
+    assert fast.plan(32, 8192, torch.device("cpu"), warps=16, head_dim=64) == (4, 0)
+    assert fast.plan(64, 4096, torch.device("cpu"), warps=8) == (3, 0)
+    assert fast.plan(64, 8192, torch.device("cpu"), warps=8) == (4, 0)
 
 
 def test_sixteen_warps_where_they_fold_the_exact_copies_into_more_of_the_gpu(monkeypatch):
@@ -220,15 +220,15 @@ def test_sixteen_warps_where_they_fold_the_exact_copies_into_more_of_the_gpu(mon
     cpu = torch.device("cpu")
     assert fast.choose(32, 131072, cpu, None, 64, 1, 8) == (16, 4, fast.EXACT_TOKENS)
     assert fast.choose(32, 32768, cpu, None, 64, 1, 8) == (16, 4, fast.EXACT_TOKENS)
-    assert fast.choose(32, 4096, cpu, None, 64, 1, 8) == (8, 7, False)
-    assert fast.choose(256, 32768, cpu, None, 64, 1, 8) == (8, 1, False)
-    assert fast.choose(8, 131072, cpu, None, 128, 1, 8) == (8, 32, False)
-    assert fast.choose(64, 16384, cpu, None, 128, 1, 8) == (8, 4, False)
-    assert fast.choose(4, 131072, cpu, None, 256, 1, 8) == (8, 32, False)
+    assert fast.choose(32, 4096, cpu, None, 64, 1, 8) == (8, 7, 0)
+    assert fast.choose(256, 32768, cpu, None, 64, 1, 8) == (8, 1, 0)
+    assert fast.choose(8, 131072, cpu, None, 128, 1, 8) == (8, 32, 0)
+    assert fast.choose(64, 16384, cpu, None, 128, 1, 8) == (8, 4, 0)
+    assert fast.choose(4, 131072, cpu, None, 256, 1, 8) == (8, 32, 0)
     assert fast.choose(8, 131072, cpu, None, 128, 1, 16) == (16, 16, fast.EXACT_TOKENS)  # (the layout's 16 stay)
-    assert fast.choose(32, 131072, cpu, 4, 64, 1, 8) == (8, 4, False)  # (a caller's scratch cuts the splits)
+    assert fast.choose(32, 131072, cpu, 4, 64, 1, 8) == (8, 4, 0)  # (a caller's scratch cuts the splits)
     monkeypatch.setattr(support, "sm_count", lambda d: 20)  # 20 folded splits of 16 warps against 39 of 8: under 5 %
-    assert fast.choose(1, 131072, cpu, None, 64, 1, 8) == (8, 39, False)
+    assert fast.choose(1, 131072, cpu, None, 64, 1, 8) == (8, 39, 0)
     assert fast.plan(1, 131072, cpu, None, 16, 64, 1) == (20, fast.EXACT_TOKENS)
 
 
@@ -245,14 +245,14 @@ def test_head_dim_64_folds_the_exact_copies_into_sixteen_warp_splits_the_sms_cut
     assert fast.choose(32, 4096, cpu, None, 64, 1, 16) == (16, 4, short)
     assert fast.choose(32, 16384, cpu, None, 64, 1, 16) == (16, 4, short)
     assert fast.choose(64, 4096, cpu, None, 64, 1, 16) == (16, 2, short)
-    assert fast.choose(32, 3 * short, cpu, None, 64, 1, 16) == (8, 3, False)
-    assert fast.choose(256, 4096, cpu, None, 64, 1, 16) == (8, 1, False)
-    assert fast.choose(2, 4096, cpu, None, 64, 1, 16) == (16, 16, False)
+    assert fast.choose(32, 3 * short, cpu, None, 64, 1, 16) == (8, 3, 0)
+    assert fast.choose(256, 4096, cpu, None, 64, 1, 16) == (8, 1, 0)
+    assert fast.choose(2, 4096, cpu, None, 64, 1, 16) == (16, 16, 0)
     assert fast.choose(32, 32768, cpu, None, 64, 1, 16) == (16, 4, fast.EXACT_TOKENS)
-    assert fast.choose(256, 32768, cpu, None, 64, 1, 16) == (16, 1, False)  # (long: the 16 warps' table copies)
-    assert fast.choose(8, 4096, cpu, None, 128, 1, 16) == (16, 15, False)
-    assert fast.choose(32, 4096, cpu, 3, 64, 1, 16) == (8, 3, False)  # (a caller's scratch cuts the splits)
-    assert fast.choose(2, 4096, cpu, 8, 64, 1, 16) == (16, 8, False)  # (the scratch, not the SMs, cuts them)
+    assert fast.choose(256, 32768, cpu, None, 64, 1, 16) == (16, 1, 0)  # (long: the 16 warps' table copies)
+    assert fast.choose(8, 4096, cpu, None, 128, 1, 16) == (16, 15, 0)
+    assert fast.choose(32, 4096, cpu, 3, 64, 1, 16) == (8, 3, 0)  # (a caller's scratch cuts the splits)
+    assert fast.choose(2, 4096, cpu, 8, 64, 1, 16) == (16, 8, 0)  # (the scratch, not the SMs, cuts them)
     for s in range(4):
         a, e = fast.split_range(s, 4, 4096, short)
         assert (a, e) == ((4096 + short) // 4 * s, min(4096, (4096 + short) // 4 * (s + 1))), (s, a, e)
@@ -266,17 +266,17 @@ def test_eight_warp_ctas_take_256_tokens_a_split_over_short_histories_with_an_sm
     scratch."""
     monkeypatch.setattr(support, "sm_count", lambda d: 132)
     cpu = torch.device("cpu")
-    assert fast.plan(8, 3968, cpu, None, 8, 128, 1) == (8, False)
-    assert fast.choose(8, 3968, cpu, None, 128, 1, 8) == (8, 15, False)
-    assert fast.choose(8, 1920, cpu, None, 128, 1, 8) == (8, 8, False)
-    assert fast.choose(16, 3968, cpu, None, 128, 1, 8) == (8, 7, False)
-    assert fast.choose(4, 3968, cpu, None, 256, 1, 8) == (8, 16, False)
-    assert fast.choose(2, 1024, cpu, None, 64, 1, 8) == (8, 2, False)  # (4 with 256 tokens a split)
-    assert fast.choose(2, 1024, cpu, None, 128, 2, 8) == (8, 2, False)  # (one CTA an SM: 4 with 256)
-    assert fast.choose(2, 8192, cpu, None, 128, 1, 8) == (8, 32, False)
-    assert fast.choose(2, 8208, cpu, None, 128, 1, 8) == (8, 17, False)  # (33 with 256 tokens a split)
-    assert fast.choose(8, 3968, cpu, 4, 128, 1, 8) == (8, 4, False)
-    assert fast.choose(8, 3968, cpu, None, 128, 1, 16) == (16, 15, False)  # (the layout's 16 warps stay)
+    assert fast.plan(8, 3968, cpu, None, 8, 128, 1) == (8, 0)
+    assert fast.choose(8, 3968, cpu, None, 128, 1, 8) == (8, 15, 0)
+    assert fast.choose(8, 1920, cpu, None, 128, 1, 8) == (8, 8, 0)
+    assert fast.choose(16, 3968, cpu, None, 128, 1, 8) == (8, 7, 0)
+    assert fast.choose(4, 3968, cpu, None, 256, 1, 8) == (8, 16, 0)
+    assert fast.choose(2, 1024, cpu, None, 64, 1, 8) == (8, 2, 0)  # (4 with 256 tokens a split)
+    assert fast.choose(2, 1024, cpu, None, 128, 2, 8) == (8, 2, 0)  # (one CTA an SM: 4 with 256)
+    assert fast.choose(2, 8192, cpu, None, 128, 1, 8) == (8, 32, 0)
+    assert fast.choose(2, 8208, cpu, None, 128, 1, 8) == (8, 17, 0)  # (33 with 256 tokens a split)
+    assert fast.choose(8, 3968, cpu, 4, 128, 1, 8) == (8, 4, 0)
+    assert fast.choose(8, 3968, cpu, None, 128, 1, 16) == (16, 15, 0)  # (the layout's 16 warps stay)
 
 
 def test_exact_copies_take_the_ctas_the_splits_leave_free(monkeypatch):
