@@ -234,16 +234,19 @@ def test_sixteen_warps_where_they_fold_the_exact_copies_into_more_of_the_gpu(mon
 
 def test_head_dim_64_folds_the_exact_copies_into_sixteen_warp_splits_the_sms_cut(monkeypatch):
     """At head dim 64, where the layout chose one CTA of 16 warps an SM (5-bit keys) and the SMs, not the history, cut
-    the unfolded 16-warp splits, `choose` takes a split an SM, the last taking the exact copies as SHORT_FOLD_TOKENS
-    tokens: SmolLM2's 32 KV heads at 1 x 4k, 1 x 16k (not 3 or 4 splits and 32 exact copies' CTAs); where that leaves
+    the unfolded 16-warp splits, `choose` takes a split an SM, the last taking the exact copies as `short_fold` tokens
+    (fewer up to SHORT_TOKENS): SmolLM2's 32 KV heads at 1 x 4k, 1 x 16k (not 3 or 4 splits and 32 exact copies'
+    CTAs); where that leaves
     fewer than two splits a head (8 x 4k) or a last split with no history (1 x 3k), or a caller's scratch holds
     fewer, two CTAs of 8 warps an SM over short histories; not where the history cuts the splits (2 KV heads at 1 x
     4k), nor past the long splits `plan` folds itself (1 x 32k), nor at head dim 128 (Llama's 8 KV heads)."""
     monkeypatch.setattr(support, "sm_count", lambda d: 132)
     cpu = torch.device("cpu")
-    short = fast.SHORT_FOLD_TOKENS
+    short, longer = fast.SHORT_FOLD_TOKENS
+    assert short < longer and fast.short_fold(fast.SHORT_TOKENS) == short
+    assert fast.short_fold(fast.SHORT_TOKENS + 1) == longer
     assert fast.choose(32, 4096, cpu, None, 64, 1, 16) == (16, 4, short)
-    assert fast.choose(32, 16384, cpu, None, 64, 1, 16) == (16, 4, short)
+    assert fast.choose(32, 16384, cpu, None, 64, 1, 16) == (16, 4, longer)
     assert fast.choose(64, 4096, cpu, None, 64, 1, 16) == (16, 2, short)
     assert fast.choose(32, 3 * short, cpu, None, 64, 1, 16) == (8, 3, 0)
     assert fast.choose(256, 4096, cpu, None, 64, 1, 16) == (8, 1, 0)
@@ -574,14 +577,15 @@ def test_fast_kernel_in_the_sixteen_warps_choose_takes_over_the_layouts_eight(la
 @pytest.mark.parametrize("lq", [5000, 1100])
 def test_fast_kernel_with_the_exact_copies_folded_into_splits_the_sms_cut(lq, launches, monkeypatch):
     """k5v3 at head dim 64 (one CTA of 16 warps an SM) on a GPU taken as 8 SMs: the SMs cut the splits, so `choose`
-    folds the exact copies into the last of 2 splits a head as SHORT_FOLD_TOKENS tokens (at 1100 that split keeps
-    44 tokens of the history)."""
+    folds the exact copies into the last of 2 splits a head as `short_fold` tokens (at 1100 that split keeps 108
+    tokens of the history)."""
     monkeypatch.setattr(support, "sm_count", lambda d: 8)
     plans, real = [], fast.choose
     monkeypatch.setattr(fast, "choose", lambda *a, **k: plans.append(real(*a, **k)) or plans[-1])
     case = (5, 3, 64, 1, 1, lq, 30, torch.bfloat16, "bool", 4, False)
     test_fast_kernel_matches_the_oracle_and_the_triton_kernel(case, launches)
-    assert plans[0] == (16, 2, fast.SHORT_FOLD_TOKENS), plans
+    assert plans[0] == (16, 2, fast.short_fold(lq)), plans
+    assert fast.split_range(1, 2, lq, plans[0][2])[0] == (992 if lq == 1100 else 2944)
 
 
 @gpu

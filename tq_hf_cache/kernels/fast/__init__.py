@@ -29,8 +29,9 @@ BITS = (2, 3, 4, 5)  # pair tables up to 4^5 entries
 MAX_ROWS = 16  # query heads per KV head x queries: two query n-tiles
 MIN_TOKENS_PER_SPLIT = {16: 256, 8: 512}  # by warps a CTA (`plan`)
 EXACT_TOKENS = 2048  # packed tokens the exact copies count as where the last split's CTA takes them (`plan`)
-SHORT_FOLD_TOKENS = 1024  # the same where `choose` folds them into 16-warp splits the SMs cut at head dim 64
 SHORT_TOKENS = 8192  # the longest history `choose` takes its short-history plans for (more, shorter splits)
+SHORT_FOLD_TOKENS = (896, 1024)  # the same where `choose` folds them into 16-warp splits the SMs cut at head dim 64:
+# up to SHORT_TOKENS packed tokens, and past them (`short_fold`)
 ENV = "TQ_HF_CACHE_FAST_DECODE"  # "0" turns the kernel off (the Triton kernel serves)
 
 _SOURCE: str | None = None
@@ -177,7 +178,7 @@ def choose(batch_heads: int, packed_len: int, device: torch.device, max_splits: 
     CTAs of 8 leave slots to the exact copies' CTAs), neither cut by max_splits. SmolLM2-1.7B's 32 KV heads at 1 x
     128k, k4v4 (H100): 4 splits of 16 warps, folded, 129 us a call; 7 of 8 warps and the exact copies' CTAs 148.
     Where the layout chose 16 at head dim 64 (5-bit keys) and the SMs, not the history, cut the unfolded 16-warp
-    splits, a split an SM with the exact copies folded into the last one as SHORT_FOLD_TOKENS tokens, where that
+    splits, a split an SM with the exact copies folded into the last one as `short_fold` tokens, where that
     leaves at least two splits a head and the last one some of the history: no second wave for the exact copies'
     CTAs, and all 32 copies of the key tables. SmolLM2-1.7B k5v3 (H100, against 7 splits of 8 warps or 4 unfolded of
     16 and 32 exact copies' CTAs): 1 x 4k 11.32-11.45 -> 10.94-11.23 us, 1 x 8k 15.72 -> 14.59, 1 x 16k 24.54 ->
@@ -198,8 +199,9 @@ def choose(batch_heads: int, packed_len: int, device: torch.device, max_splits: 
         free = plan(batch_heads, packed_len, device, None, 16, head_dim, nq)  # (what the SMs cut, not a scratch)
         if not free[1] and free[0] < most_splits(packed_len, min_tokens(16, head_dim)):
             s = sm_count(device) // batch_heads  # one CTA an SM, the exact copies in the last one
-            if s >= 2 and packed_len > (s - 1) * SHORT_FOLD_TOKENS and (max_splits is None or s <= max_splits):
-                return 16, s, SHORT_FOLD_TOKENS
+            f = short_fold(packed_len)
+            if s >= 2 and packed_len > (s - 1) * f and (max_splits is None or s <= max_splits):
+                return 16, s, f
             if short:
                 return (8, *plan(batch_heads, packed_len, device, max_splits, 8, head_dim, nq))
     if warps == 8 and head_dim == 128 and short:
@@ -211,6 +213,14 @@ def choose(batch_heads: int, packed_len: int, device: torch.device, max_splits: 
         if f16 and s16 >= 2 and 40 * s16 > 21 * splits:  # s16 / SMs against splits / (2 SMs), 5 % more
             return 16, s16, f16
     return warps, splits, fold
+
+
+def short_fold(packed_len: int) -> int:
+    """The packed tokens the exact copies count as where `choose` folds them into 16-warp splits the SMs cut
+    (SHORT_FOLD_TOKENS): fewer over short histories. SmolLM2-1.7B's 32 KV heads, k5v3 (H100, two runs, us), 896
+    tokens against 1024: 1 x 4k 10.92-11.30 against 11.18-11.39 in all six rows, 2 x 4k 15.50 / 15.63 against 15.68 /
+    15.77, 1 x 8k 14.81 / 15.08 against 14.99 / 15.01, and 1 x 16k slower, 22.66 / 22.67 against 22.27 / 22.19."""
+    return SHORT_FOLD_TOKENS[0] if packed_len <= SHORT_TOKENS else SHORT_FOLD_TOKENS[1]
 
 
 EXACT_PARTS = 4  # the most CTAs the exact copies are cut among (the source's NXMAX)
