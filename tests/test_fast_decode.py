@@ -236,10 +236,10 @@ def test_head_dim_64_folds_the_exact_copies_into_sixteen_warp_splits_the_sms_cut
     """At head dim 64, where the layout chose one CTA of 16 warps an SM (5-bit keys) and the SMs, not the history, cut
     the unfolded 16-warp splits, `choose` takes a split an SM, the last taking the exact copies as `short_fold` tokens
     (fewer up to SHORT_TOKENS): SmolLM2's 32 KV heads at 1 x 4k, 1 x 16k (not 3 or 4 splits and 32 exact copies'
-    CTAs); where that leaves
-    fewer than two splits a head (8 x 4k) or a last split with no history (1 x 3k), or a caller's scratch holds
-    fewer, two CTAs of 8 warps an SM over short histories; not where the history cuts the splits (2 KV heads at 1 x
-    4k), nor past the long splits `plan` folds itself (1 x 32k), nor at head dim 128 (Llama's 8 KV heads)."""
+    CTAs); where that leaves fewer than two splits a head (8 x 4k) or a last split with no history (1 x 2.7k), or a
+    caller's scratch holds fewer, two CTAs of 8 warps an SM over short histories; not where the history cuts the
+    splits (2 KV heads at 1 x 4k), nor past the long splits `plan` folds itself (1 x 32k), nor at head dim 128
+    (Llama's 8 KV heads)."""
     monkeypatch.setattr(support, "sm_count", lambda d: 132)
     cpu = torch.device("cpu")
     short, longer = fast.SHORT_FOLD_TOKENS
