@@ -173,6 +173,7 @@ def test_eval_checks_its_output_paths_before_any_work(args, message, tmp_path, c
     assert not [p for p in tmp_path.rglob("*") if p.name.endswith(".tmp")]
 
 
+@pytest.mark.slow
 def test_bench_decode_tp_mode_over_two_ranks_and_its_merge(tmp_path):
     """benchmarks/bench_decode.py --tp on CPU over 2 gloo ranks (rows that run there): each rank holds half the KV
     heads, rank 0 writes both ranks' bytes, the ranks exit, and --plot_tp merges world sizes into one JSON and a PNG

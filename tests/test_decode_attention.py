@@ -598,7 +598,7 @@ def test_single_split_single_launch_and_counters_reset():
 
 
 @needs_triton
-@pytest.mark.parametrize("preset,group,n", [("k4v4", 4, 1), ("k3v3", 2, 3)])
+@pytest.mark.parametrize("preset,group,n", [pytest.param("k4v4", 4, 1, marks=pytest.mark.slow), ("k3v3", 2, 3)])
 def test_layer_steps_through_the_kernel_across_settles_and_growth(preset, group, n):
     """A TurboQuantLayer's decode steps: the kernel on the PackedKV its update returns against the oracle on the
     dense keys and values the same LazyKVs fill, over steps that cross a residual settle (FLUSH_BLOCK) and a

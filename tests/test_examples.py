@@ -94,6 +94,7 @@ def test_long_context(smollm2, monkeypatch, capsys):
     assert "x less with TurboQuantCache" in out
 
 
+@pytest.mark.slow
 def test_multi_gpu_tensor_parallel_gives_the_single_device_tokens(tmp_path):
     """examples/multi_gpu.py on CPU: tensor parallel over 2 gloo ranks (each rank holds half the KV heads) gives
     every cache the tokens of the one-process run, and device_map="auto" runs."""

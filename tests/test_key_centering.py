@@ -74,6 +74,7 @@ def _biased_llama():
     return model.to(DEV)
 
 
+@pytest.mark.slow
 def test_a_centred_cache_reads_the_same_on_every_path_and_holds_its_keys_closer(monkeypatch):
     model = _biased_llama()
     cfg = model.config

@@ -280,6 +280,7 @@ def test_split_keys_cli_refuses_bad_arguments_before_loading_the_model(tmp_path,
     assert match in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_decode_steps_through_the_fused_kernel_on_split_centred_keys(monkeypatch, fused):
     """The Triton kernel itself (interpreted on a CPU) on a split, centred layer's steps: the logits of SDPA on the
     same cache, the split's parts read by the kernel, the centring added as its scores' bias."""
