@@ -80,10 +80,13 @@ def main_loops(sass: str, function: str = fast.NAME) -> list[collections.Counter
 
 
 @pytest.mark.skipif(not _nvrtc_ok() or _cuobjdump() is None, reason="NVRTC or cuobjdump missing")
+@pytest.mark.parametrize("qpair", [0, 1])
 @pytest.mark.parametrize("kb,vb", sorted(SASS_BUDGET))
-def test_sm90_main_loop_within_its_instruction_budget(kb, vb, tmp_path):
+def test_sm90_main_loop_within_its_instruction_budget(kb, vb, qpair, tmp_path):
+    """The loop's SASS within the budget, with the query's fragments loaded a k-step at a time (short splits) or held
+    in registers, two k-steps a quad (`fast.qpair`: long splits; no LDS.128 left in the loop)."""
     df = fast.defines(128, kb, vb, 1, 0, 0, False, False, False, 16, True)
-    df.update(ROWS=4, Q_DT=1, X_DT=1, O_DT=1, HAD=1)  # (the default rotation at head dim 128: Hadamard)
+    df.update(ROWS=4, Q_DT=1, X_DT=1, O_DT=1, HAD=1, QPAIR=qpair)  # (the default rotation at head dim 128: Hadamard)
     cubin = tmp_path / "k.cubin"
     cubin.write_bytes(jit.compile_cubin(fast.source(), fast.NAME, df, 90))
     res = subprocess.run([_cuobjdump(), "-res-usage", str(cubin)], capture_output=True, text=True, check=True).stdout
@@ -164,6 +167,14 @@ def test_pair_table_entries_are_the_fp16_centroid_pairs(bits, per_head):
     for half, idx in ((t & 0xFFFF, key & (2**bits - 1)), (t >> 16, key >> bits)):
         got = half.to(torch.int32).to(torch.int16).view(torch.float16)
         torch.testing.assert_close(got, want[:, idx], rtol=0, atol=0, msg=lambda m: f"seed {seed}: {m}")
+
+
+def test_the_query_rides_in_registers_two_k_steps_a_quad_over_long_splits_at_head_dim_128():
+    assert fast.qpair(128, 1, 131072, 16, 16)  # Llama 3.1 8B at 1 x 128k: 512 tokens a warp
+    assert not fast.qpair(128, 1, 4096, 15, 16)  # 1 x 4k: 17 a warp
+    assert fast.qpair(128, 1, 128 * 8 * 4, 4, 8) and not fast.qpair(128, 1, 128 * 8 * 4 - 1, 4, 8)
+    assert not fast.qpair(64, 1, 131072, 4, 16)  # (head dim 64 holds its fragments in registers already)
+    assert not fast.qpair(128, 2, 131072, 16, 16)  # (two query n-tiles: rows g + 8 are live)
 
 
 def test_splits_cover_the_history_in_whole_tiles(monkeypatch):
@@ -540,6 +551,22 @@ def test_fast_kernel_matches_the_oracle_and_the_triton_kernel(case, launches):
     if kernels.decode_supports(d, kbits, vbits, n, group):  # (head dim 256 at byte widths: the fast kernel only)
         tri = _decode(q, state, mask, scale, fast=False)
         assert rel_err(out, tri.float().cpu()) < TOL[dtype], f"seed {seed}: fast and Triton kernels differ"
+
+
+# the query's fragments in registers, two k-steps a quad (`fast.qpair`, forced here at any split's length): head dim
+# 128, one query n-tile
+QPAIR_CASES = [c for c in GPU_CASES + [(*c, "orthogonal") for c in DENSE_CASES] if c[2] == 128 and c[3] * c[4] <= 8]
+
+
+@gpu
+@pytest.mark.parametrize("case", QPAIR_CASES, ids=_gpu_id)
+def test_fast_kernel_with_two_k_steps_of_the_query_a_register_quad(case, launches, monkeypatch):
+    monkeypatch.setattr(fast, "QPAIR_TOKENS", 0)
+    built, real = [], fast.jit.kernel
+    monkeypatch.setattr(fast.jit, "kernel",
+                        lambda src, name, df, *a: built.append(df["QPAIR"]) or real(src, name, df, *a))
+    test_fast_kernel_matches_the_oracle_and_the_triton_kernel(case, launches)
+    assert built and all(built), built
 
 
 # 16-warp shapes over long splits on a GPU taken as 8 SMs: the last split's CTA takes the exact copies (none at all in

@@ -221,8 +221,19 @@ struct MaskTile {
 #define VNB (VN_F32 ? 4 : 2)
 #define TILE_BYTES (((16 * (KPT + VPT + KNB + VNB)) + 15) / 16 * 16)
 #define STAGE_BYTES (WARPS * STAGES * TILE_BYTES)
+// QREG: the query's fragments in registers, loaded once, not an LDS.128 a k-step and tile (at head dim 128 a
+// quarter of the loop's shared-memory wavefronts). With one query n-tile the fragments' rows g + 8 are zeros and
+// unused, so QPAIR (the launcher's choice) packs two k-steps in one register quad: k-step 2j in rows g (a0, a2),
+// 2j + 1 in rows g + 8 (a1, a3), each into scores of its own whose other rows are discarded: 16 registers at head
+// dim 128, not 32.
+#ifndef QPAIR
+#define QPAIR 0
+#endif
+#if QPAIR && !(NQ == 1 && D <= 128)
+#error "QPAIR takes one query n-tile at head dims up to 128"
+#endif
 #ifndef QREG
-#define QREG (D == 64)
+#define QREG (D == 64 || QPAIR)
 #endif
 #define CHUNK ((VEC >= 16 && KPT % 16 == 0 && VPT % 16 == 0) ? 16 : (VEC >= 8 && KPT % 8 == 0 && VPT % 8 == 0) ? 8 : 4)
 
@@ -704,7 +715,7 @@ __device__ __forceinline__ void packed_part(const Params& p, unsigned char* smem
     }
   };
 
-  u32 qa[QREG ? KS : 1][4];  // head dim 64: the query's fragments in registers (16), not an LDS.128 a k-step and tile
+  u32 qa[QREG ? (QPAIR ? KS / 2 : KS) : 1][4];
   auto compute = [&](int t, const unsigned char* st, const MaskTile& mk) {
     const int tb = min(t, last_tb);
     const int t0 = tb + 2 * l4;
@@ -729,10 +740,14 @@ __device__ __forceinline__ void packed_part(const Params& p, unsigned char* smem
     }
     // scores of rows tb .. tb + 15: two n-tiles of 8
     float s[2][4] = {{0.0f, 0.0f, 0.0f, 0.0f}, {0.0f, 0.0f, 0.0f, 0.0f}};
+    float s1[QPAIR ? 2 : 1][4] = {};  // (QPAIR) the odd k-steps' scores, in rows g + 8
 #pragma unroll
     for (int ks = 0; ks < KS; ++ks) {
       u32 a0, a1, a2, a3;
-      if constexpr (QREG) {
+      if constexpr (QPAIR) {
+        const int j = ks >> 1;
+        a0 = qa[j][0]; a1 = qa[j][1]; a2 = qa[j][2]; a3 = qa[j][3];
+      } else if constexpr (QREG) {
         a0 = qa[ks][0]; a1 = qa[ks][1]; a2 = qa[ks][2]; a3 = qa[ks][3];
       } else {
         asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];" : "=r"(a0), "=r"(a1), "=r"(a2), "=r"(a3)
@@ -742,9 +757,15 @@ __device__ __forceinline__ void packed_part(const Params& p, unsigned char* smem
       for (int n = 0; n < 2; ++n) {
         const u32 b0 = lds(ktb + pair_offset<KB, LOGKR>(kw[n], 2 * ks, klane));
         const u32 b1 = lds(ktb + pair_offset<KB, LOGKR>(kw[n], 2 * ks + 1, klane));
-        mma(s[n], a0, a1, a2, a3, b0, b1);
+        if constexpr (QPAIR)
+          mma((ks & 1) ? s1[n] : s[n], a0, a1, a2, a3, b0, b1);
+        else
+          mma(s[n], a0, a1, a2, a3, b0, b1);
       }
     }
+    if constexpr (QPAIR)
+#pragma unroll
+      for (int n = 0; n < 2; ++n) { s[n][0] += s1[n][2]; s[n][1] += s1[n][3]; }
     u32 vw[4][Span<VSPAN, VPT>::NW];
 #pragma unroll
     for (int j = 0; j < 4; ++j) load_span<VSPAN, VPT>(st + 16 * KPT + (2 * l4 + (j & 1) + 8 * (j >> 1)) * VPT,
@@ -850,7 +871,13 @@ __device__ __forceinline__ void packed_part(const Params& p, unsigned char* smem
   rotation_store(p, qr, qsm, warp, lane);
 #endif
   __syncthreads();  // the tables and the query fragments written
-  if constexpr (QREG)
+  if constexpr (QPAIR)
+#pragma unroll
+    for (int j = 0; j < KS / 2; ++j) {  // words 0 and 2 (rows g) of k-steps 2j and 2j + 1
+      const u32 e = qsm + (2 * j * 32 + lane) * 16, o = e + 32 * 16;
+      qa[j][0] = lds(e); qa[j][1] = lds(o); qa[j][2] = lds(e + 8); qa[j][3] = lds(o + 8);
+    }
+  else if constexpr (QREG)
 #pragma unroll
     for (int ks = 0; ks < KS; ++ks)
       asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];" : "=r"(qa[ks][0]), "=r"(qa[ks][1]), "=r"(qa[ks][2]),
