@@ -536,7 +536,8 @@ def decode(query, kv, pi, scale_log2, kp, kn, vp, vn, rk, rv, sk, sv, mask_args,
     xbytes, smem, w = rk.element_size(), packed_smem(df), df["WARPS"]
     df.update(XB=exact_batch(d, rows, xbytes, smem, w), XVEC=_vec(rk, rv, sk, sv),
               QV=int(_aligned(4 * query.element_size(), query)))
-    df.update(QPAIR=int(qpair(d, df["NQ"], lengths[0] or kp.shape[2], num_splits, w)))  # (static: the capacity)
+    lq, lr, ring = lengths
+    df.update(QPAIR=int(qpair(d, df["NQ"], lq or kp.shape[2], num_splits, w)))  # (static: the capacity)
     msplits, smem = merge_splits(d, rows, max(smem, exact_smem(d, rows, df["XB"], xbytes, w)), w, had)
     df.update(MSPLITS=msplits, MDIRECT=int(merge_direct(d)))
     device = query.device
@@ -545,7 +546,6 @@ def decode(query, kv, pi, scale_log2, kp, kn, vp, vn, rk, rv, sk, sv, mask_args,
     except jit.JitError as e:
         _disable(device.index if device.index is not None else torch.cuda.current_device(), str(e).splitlines()[0])
         return False
-    lq, lr, ring = lengths
     (kt, kt_sh), (vt, vt_sh) = pair_table(kv.k_codebook, hkv, device), pair_table(kv.v_codebook, hkv, device)
     if had:
         sgn, rot = _signs(kv.rotation, device).data_ptr(), (0, 0, 0)

@@ -744,11 +744,9 @@ __device__ __forceinline__ void packed_part(const Params& p, unsigned char* smem
 #pragma unroll
     for (int ks = 0; ks < KS; ++ks) {
       u32 a0, a1, a2, a3;
-      if constexpr (QPAIR) {
-        const int j = ks >> 1;
+      if constexpr (QREG) {
+        const int j = QPAIR ? ks >> 1 : ks;
         a0 = qa[j][0]; a1 = qa[j][1]; a2 = qa[j][2]; a3 = qa[j][3];
-      } else if constexpr (QREG) {
-        a0 = qa[ks][0]; a1 = qa[ks][1]; a2 = qa[ks][2]; a3 = qa[ks][3];
       } else {
         asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];" : "=r"(a0), "=r"(a1), "=r"(a2), "=r"(a3)
                      : "r"(qsm + (ks * 32 + lane) * 16));
