@@ -10,6 +10,7 @@ from transformers import DynamicCache
 
 from tq_hf_cache import TurboQuantCache, TurboQuantLayer, TurboQuantSlidingLayer, cache_kwargs
 from tq_hf_cache._compat import IS_V5, TRANSFORMERS_VERSION
+from tq_hf_cache.hybrid_layer import hybrid_classes
 
 COMMON = dict(
     vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
@@ -121,6 +122,28 @@ def test_hybrid_layers_falcon_h1():
     for layer in tq.layers:
         assert isinstance(layer, TurboQuantLayer) and type(layer).__name__ == "TurboQuantLinearHybridLayer"
         assert layer.quantized_length >= 32 and any(layer.is_conv_states_initialized.values())
+
+
+@pytest.mark.skipif(not IS_V5, reason="hybrid cache layers exist in transformers 5.x only")
+def test_hybrid_layers_count_the_attention_tokens_and_record_both_parts():
+    """A hybrid layer's length is its attention part's (transformers >= 5.25's linear part keeps a count of its own,
+    which assisted decoding moves apart), and past recording reaches both parts with what transformers passes them
+    (>= 5.25: `recurrent_states_to_keep`); a sliding layer takes that keyword too."""
+    full_cls, sliding_cls = hybrid_classes()
+    x = torch.randn(1, 2, 30, 16)
+    for cls, extra in ((full_cls, {}), (sliding_cls, {"sliding_window": 64})):
+        cache = TurboQuantCache(key_bits=8, value_bits=8, residual_length=4)
+        layer = cache._tq_layer(cls, 0, (8, 8), **extra)
+        layer.update(x, x)
+        if hasattr(layer, "cumulative_length_linear"):
+            layer.cumulative_length_linear += 7  # the linear part's own count, off from the attention part's
+        assert int(layer.get_seq_length()) == 30, cls.__name__
+        layer.activate_past_recording(recurrent_states_to_keep=3)
+        assert layer.record_past, cls.__name__
+    sliding = TurboQuantCache(key_bits=8, value_bits=8, residual_length=4)._tq_layer(
+        TurboQuantSlidingLayer, 0, (8, 8), sliding_window=16)
+    sliding.activate_past_recording(recurrent_states_to_keep=3)
+    assert sliding.record_past
 
 
 @pytest.mark.skipif(not IS_V5, reason="KV sharing through kv_sharing_modes is transformers 5.x")

@@ -41,6 +41,18 @@ def hybrid_classes():
             LinearAttentionLayer.crop(self, tokens_to_remove)
             base.crop(self, tokens_to_remove)
 
+        def get_seq_length(self) -> int:
+            # the attention part's tokens (transformers >= 5.25's LinearAttentionLayer counts its own, which
+            # assisted decoding moves on its own schedule)
+            return base.get_seq_length(self)
+
+        def activate_past_recording(self, **kwargs):
+            # both parts keep what a later crop may need: the linear part its recurrent states (transformers >= 5.25
+            # passes how many), a sliding part the tokens that leave its window
+            for part in (LinearAttentionLayer, base):
+                if hasattr(part, "activate_past_recording"):
+                    part.activate_past_recording(self, **kwargs)
+
         def check_crop(self, tokens_to_remove: int):
             from .crop import check_foreign_crop
 
@@ -56,6 +68,8 @@ def hybrid_classes():
             "reorder_cache": both("reorder_cache"),
             "crop": crop,
             "check_crop": check_crop,
+            "get_seq_length": get_seq_length,
+            "activate_past_recording": activate_past_recording,
             "is_compileable": False,
             "supports_early_init": True,
             "__doc__": f"{base.__name__} plus the untouched linear-attention (conv/recurrent) states of a hybrid layer.",

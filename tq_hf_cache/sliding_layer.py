@@ -51,8 +51,10 @@ class TurboQuantSlidingLayer(TurboQuantLayer):
     def get_max_cache_shape(self) -> int:
         return self.sliding_window
 
-    def activate_past_recording(self) -> None:
-        """Keep tokens that leave the window until the next `crop` (assisted decoding rolls back rejected ones)."""
+    def activate_past_recording(self, **kwargs) -> None:
+        """Keep tokens that leave the window until the next `crop` (assisted decoding rolls back rejected ones). Takes
+        what transformers passes its layers (>= 5.25: `recurrent_states_to_keep`, which concerns recurrent states,
+        of which this layer has none)."""
         self.record_past = True
 
     def _lazy_ok(self, key_states: torch.Tensor, value_states: torch.Tensor) -> bool:
