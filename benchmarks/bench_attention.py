@@ -59,6 +59,27 @@ def copy_bandwidth() -> float:
     return 2 * src.numel() / (ms * 1e-3)
 
 
+COLD_L2 = 4  # the input sets a timing cycles through hold together at least this many times the L2 cache
+
+
+def cold_sets(nbytes: int) -> int:
+    """How many independent input sets of `nbytes` bytes a timing cycles through so that no call finds its inputs in
+    L2 from its last turn: together at least COLD_L2 times the L2 cache, at least one. A model's layers do the same:
+    each reads its own K/V once a step, with every other layer's K/V and weights read in between."""
+    l2 = torch.cuda.get_device_properties(DEV).L2_cache_size
+    return max(1, -(-COLD_L2 * l2 // nbytes))
+
+
+def time_sets(calls) -> float:
+    """Median ms of one call, from CUDA-graph replays of a graph that makes every call of `calls` in turn."""
+    return do_bench_cudagraph(lambda: [c() for c in calls]) / len(calls)
+
+
+def sdpa_bytes(b: int, t: int) -> int:
+    """Bytes cuDNN SDPA reads in one call at batch b and t tokens: the bf16 keys and values, and the query."""
+    return 2 * b * HKV * t * D * 2 + b * HQ * D * 2
+
+
 def parse_preset(name: str) -> tuple[int, int, list[tuple[int, int]] | None]:
     """(key bits, value bits, split parts [(channels, bits)] or None) of "k4v2" or "k4v2:32x6+32x4+64x3"."""
     preset, _, split = name.partition(":")

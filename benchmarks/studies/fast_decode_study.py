@@ -4,16 +4,20 @@ with --workspace 1 also the workspace path (dequantize K and V into bf16, then S
 
 Each case checks the fast output against the Triton kernel's (relative error; against `reference.packed_attention`'s where
 the Triton kernel does not take the preset, such as head dim 256 at 4 bits), then times them as CUDA-graph replays
-(`do_bench_cudagraph` medians), repetitions interleaved. Writes F (JSON) and F with .png (speed over SDPA).
+(`do_bench_cudagraph` medians), repetitions interleaved. Each path cycles through as many independent input sets as
+hold together 4x the L2 cache (`bench_attention.cold_sets`: a model's layers, each read once a step), so that no
+call finds its inputs in L2 from its last turn; --cold 0 replays one set (at 1 x 4k every path's inputs then stay in
+L2). Writes F (JSON) and F with .png (speed over SDPA).
 Usage:
     python benchmarks/studies/fast_decode_study.py [--presets k5v3,k4v4,k4v2] [--cases 1x4096,1x32768,...]
-        [--shape llama-3.1-8b] [--workspace 0] --out F
+        [--shape llama-3.1-8b] [--workspace 0] [--cold 1] --out F
     python benchmarks/studies/fast_decode_study.py --replot F      (the PNG again from the JSON)
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import sys
@@ -23,8 +27,6 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-
-from triton.testing import do_bench_cudagraph  # noqa: E402
 
 import bench_attention as ba  # noqa: E402
 from tq_hf_cache import kernels, reference  # noqa: E402
@@ -38,6 +40,7 @@ def main():
     ap.add_argument("--shape", default="llama-3.1-8b")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--workspace", type=int, default=0)
+    ap.add_argument("--cold", type=int, default=1, help="1: cycle through input sets that together outgrow L2")
     ap.add_argument("--out")
     ap.add_argument("--replot")
     a = ap.parse_args()
@@ -53,32 +56,38 @@ def main():
         for case in a.cases.split(","):
             b, t = map(int, case.split("x"))
             kv, nbytes = ba.packed_layer(b, t, kb, vb)
+            sets = {"packed": ba.cold_sets(nbytes) if a.cold else 1,
+                    "sdpa": ba.cold_sets(ba.sdpa_bytes(b, t)) if a.cold else 1}
+            kvs = [kv] + [ba.packed_layer(b, t, kb, vb)[0] for _ in range(sets["packed"] - 1)]
             q = torch.randn(b, ba.HQ, 1, ba.D, device="cuda", dtype=torch.bfloat16)
             fast_out = da.decode_attention(q, kv)
             tri = kernels.decode_supports(ba.D, kb, vb, 1, ba.HQ // ba.HKV)
-            paths = {"sdpa": ba.cudnn_sdpa(b, t), "fast": lambda: da.decode_attention(q, kv)}
+            paths = {"sdpa": [ba.cudnn_sdpa(b, t) for _ in range(sets["sdpa"])],
+                     "fast": [functools.partial(da.decode_attention, q, x) for x in kvs]}
             if tri:
-                paths["triton"] = lambda: da.decode_attention(q, kv, fast=False)
+                paths["triton"] = [functools.partial(da.decode_attention, q, x, fast=False) for x in kvs]
             if a.workspace:
-                paths["workspace"] = ba.workspace_path(kv, b)
-            want = (paths["triton"]() if tri else reference.packed_attention(q, kv, None, None)).float()
+                paths["workspace"] = [ba.workspace_path(x, b) for x in kvs]
+            want = (paths["triton"][0]() if tri else reference.packed_attention(q, kv, None, None)).float()
             torch.cuda.synchronize()
             err = ((fast_out.float() - want).norm() / want.norm()).item()
             times = {k: [] for k in paths}
             for _ in range(a.reps):
                 for k, f in paths.items():
-                    times[k].append(do_bench_cudagraph(f))
+                    times[k].append(ba.time_sets(f))
             med = {k: sorted(v)[len(v) // 2] for k, v in times.items()}
-            row = dict(preset=preset, batch=b, context=t, err_vs="triton" if tri else "reference", err=err, ms=med,
+            row = dict(preset=preset, batch=b, context=t, input_sets=sets, err_vs="triton" if tri else "reference",
+                       err=err, ms=med,
                        all_ms=times, bytes=nbytes, fast_bw_frac=nbytes / (med["fast"] * 1e-3) / bw,
                        **{f"{k}_vs_sdpa": med["sdpa"] / med[k] for k in med if k != "sdpa"})
             rows.append(row)
             print(f"{preset} {b}x{t}: " + " ".join(f"{k} {v:.4f}" for k, v in med.items()) + " ms | "
                   + " ".join(f"{k} {row[k + '_vs_sdpa']:.2f}x" for k in med if k != "sdpa") + " sdpa | "
                   f"bw {row['fast_bw_frac']:.0%} | err vs {row['err_vs']} {err:.1e}", flush=True)
-            kv = paths = None  # (freed before the next case allocates)
+            kv = kvs = paths = None  # (freed before the next case allocates)
             torch.cuda.empty_cache()
     result = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, copy_bw=bw, shape=a.shape,
+                  cold=bool(a.cold), l2_bytes=torch.cuda.get_device_properties(0).L2_cache_size,
                   when=time.strftime("%Y-%m-%d %H:%M"), rows=rows)
     with open(a.out, "w") as fh:
         json.dump(result, fh, indent=1)
@@ -110,7 +119,8 @@ def plot(result: dict, path: str) -> None:
         ax.set_title(preset)
     axes[0][0].set_ylabel("speed over cuDNN SDPA (bf16 K/V)")
     axes[0][0].legend(fontsize=8)
-    fig.suptitle(f"decode attention, one layer ({result['shape']}, {result['device']})", fontsize=10)
+    inputs = "inputs cycled past L2" if result.get("cold") else "one input set"
+    fig.suptitle(f"decode attention, one layer ({result['shape']}, {result['device']}, {inputs})", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
