@@ -5,7 +5,9 @@ bf16. For each preset, batch and context: the fused kernel (`kernels.decode_atte
 layer's `PackedKV`: random codes and norms, a 128-token residual window, 4 sink tokens) and SDPA with GQA on bf16
 K/V of the same length (cuDNN where torch offers it, else the backend torch picks; the JSON names it); with
 --workspace 1, also the path of layers without the fused kernel (dequantize K and V into bf16, then SDPA). All are
-timed as CUDA graph replays (`triton.testing.do_bench_cudagraph`, median), so host launch cost is out of all. The
+timed as CUDA graph replays (`triton.testing.do_bench_cudagraph`, median), so host launch cost is out of all; each
+replays one input set, so a row whose inputs fit in L2 (SDPA's at 1 x 4k) measures L2 (the one-layer study,
+`studies/fast_decode_study.py`, cycles its inputs past L2 with `cold_sets` and `time_sets` below). The
 byte floor is the bytes the kernel must read (codes, norms, residual, sinks, query) at the device-to-device copy
 bandwidth (bytes read + written per second) measured in the same run. The workspace path's dequantize is timed per
 width against the same copy bandwidth (1 to 8 bits; --dequant_sweep 1 also times its knobs, each variant's output
