@@ -1,4 +1,5 @@
-"""Where a compiled decode step's GPU time goes, kernel by kernel (H100, Llama-3.1-8B shape, random bf16 weights).
+"""Where a compiled decode step's GPU time goes, kernel by kernel (H100, Llama-3.1-8B shape, random bf16 weights, or
+a checkpoint: --model).
 
 Per case: a TurboQuantStaticCache (or StaticCache) row prefilled and warmed up as `tq_hf_cache.bench` does, then
 --steps steps under torch.profiler; each kernel name's device time per step and per layer, largest first, and the
@@ -7,7 +8,7 @@ step's total. Comparing cases shows which kernels grow with the context or the b
 (`kernels.fast._mask_row`), to measure what that costs in the model.
 Usage:
     python benchmarks/studies/step_kernels.py [--layers 8] [--cases 1x4096,1x131072,8x32768]
-        [--rows tq_static_compiled] [--preset k5v3] [--general_mask] --out F
+        [--rows tq_static_compiled] [--preset k5v3] [--general_mask] [--model DIR] --out F
 """
 
 from __future__ import annotations
@@ -41,13 +42,20 @@ def main():
     ap.add_argument("--preset", default="k5v3")
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--general_mask", action="store_true")
+    ap.add_argument("--model", help="a checkpoint folder to load (bf16) instead of the random Llama (--layers)")
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
     if a.general_mask:
         from tq_hf_cache.kernels import fast
 
         fast._mask_row = lambda *args: False
-    model = bench.random_llama_8b(a.layers, device="cuda")
+    if a.model:
+        import transformers
+
+        model = transformers.AutoModelForCausalLM.from_pretrained(a.model, dtype=torch.bfloat16).to("cuda")
+        a.layers = model.config.num_hidden_layers
+    else:
+        model = bench.random_llama_8b(a.layers, device="cuda")
     model.eval()
     rows = []
     for case in a.cases.split(","):
