@@ -21,7 +21,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
 
-from tq_hf_cache import bench, cache_kwargs  # noqa: E402
+from tq_hf_cache import bench  # noqa: E402
 from tq_hf_cache.kernels import fast  # noqa: E402
 
 
@@ -49,22 +49,15 @@ def main():
 
     model = transformers.AutoModelForCausalLM.from_pretrained(a.model, dtype=torch.bfloat16).to("cuda").eval()
     layers = model.config.num_hidden_layers
-    cache, attn = bench._make_cache("tq_static_compiled", model.config, a.context + 8 * a.steps + 16, a.preset)
-    model.set_attn_implementation(attn)
-    ids = bench.prompt(1, a.context, model.config.vocab_size).to("cuda")
-    with torch.no_grad():
-        for s in range(0, a.context, 8192):
-            out = model(ids[:, s:s + 8192], **cache_kwargs(model, cache), use_cache=True, logits_to_keep=1)
-    state = {"pos": a.context, "tok": out.logits[:, -1:].argmax(-1)}
+    # prefilled as the benchmarks do; no warm-up steps, so the compiled forward it makes is never run
+    prep = bench._Prepared(model, "tq_static_compiled", 1, a.context, a.context + 8 * a.steps + 16, 0, 8192,
+                           a.preset, None)
+    prep.fwd = model.forward  # eager: each layer's launch goes through `fast.decode`, which the modes below wrap
     launch, prev = fast.decode, []
 
-    def step():  # eager, so that each layer's launch goes through `fast.decode`, which the modes below wrap
+    def step():
         prev.clear()
-        pos = torch.full((1,), state["pos"], device="cuda", dtype=torch.long)
-        with torch.no_grad():
-            o = model(state["tok"], **cache_kwargs(model, cache), cache_position=pos, position_ids=pos.view(1, 1),
-                      use_cache=True)
-        state["tok"], state["pos"] = o.logits[:, -1:].argmax(-1), state["pos"] + 1
+        prep.step()
 
     def twice(*args, **kw):
         ok = launch(*args, **kw)
