@@ -244,23 +244,20 @@ def test_sixteen_warps_where_they_fold_the_exact_copies_into_more_of_the_gpu(mon
     assert fast.plan(1, 131072, cpu, None, 16, 64, 1) == (20, fast.EXACT_TOKENS)
 
 
-def test_head_dim_64_folds_the_exact_copies_into_sixteen_warp_splits_the_sms_cut(monkeypatch):
+def test_head_dim_64_takes_two_eight_warp_ctas_an_sm_where_the_sms_cut_sixteen_warp_splits(monkeypatch):
     """At head dim 64, where the layout chose one CTA of 16 warps an SM (5-bit keys) and the SMs, not the history, cut
-    the unfolded 16-warp splits, `choose` takes a split an SM, the last taking the exact copies as `short_fold` tokens
-    (fewer up to SHORT_TOKENS): SmolLM2's 32 KV heads at 1 x 4k, 1 x 16k (not 3 or 4 splits and 32 exact copies'
-    CTAs); where that leaves fewer than two splits a head (8 x 4k) or a last split with no history (1 x 2.7k), or a
-    caller's scratch holds fewer, two CTAs of 8 warps an SM over short histories; not where the history cuts the
-    splits (2 KV heads at 1 x 4k), nor past the long splits `plan` folds itself (1 x 32k), nor at head dim 128
-    (Llama's 8 KV heads)."""
+    the unfolded 16-warp splits, `choose` takes two CTAs of 8 warps an SM and the exact copies' CTAs of their own
+    (`plan` with 8 warps), where a split an SM would leave each head two or more (SmolLM2's 32 KV heads at 1 x 4k,
+    1 x 16k, 1 x 20k, 2 x 4k) or the history is short (8 x 4k), within a caller's scratch; not where the history
+    cuts the splits (2 KV heads at 1 x 4k), nor past the long splits `plan` folds itself (1 x 32k), nor over a long
+    history with under two splits a head (8 x 32k), nor at head dim 128 (Llama's 8 KV heads)."""
     monkeypatch.setattr(support, "sm_count", lambda d: 132)
     cpu = torch.device("cpu")
-    short, longer = fast.SHORT_FOLD_TOKENS
-    assert short < longer and fast.short_fold(fast.SHORT_TOKENS) == short
-    assert fast.short_fold(fast.SHORT_TOKENS + 1) == longer
-    assert fast.choose(32, 4096, cpu, None, 64, 1, 16) == (16, 4, short)
-    assert fast.choose(32, 16384, cpu, None, 64, 1, 16) == (16, 4, longer)
-    assert fast.choose(64, 4096, cpu, None, 64, 1, 16) == (16, 2, short)
-    assert fast.choose(32, 3 * short, cpu, None, 64, 1, 16) == (8, 3, 0)
+    assert fast.choose(32, 4096, cpu, None, 64, 1, 16) == (8, 7, 0)
+    assert fast.choose(32, 16384, cpu, None, 64, 1, 16) == (8, 7, 0)
+    assert fast.choose(32, 20000, cpu, None, 64, 1, 16) == (8, 7, 0)
+    assert fast.choose(64, 4096, cpu, None, 64, 1, 16) == (8, 3, 0)
+    assert fast.choose(32, 2688, cpu, None, 64, 1, 16) == (8, 3, 0)  # (a split and its exact CTA an SM each)
     assert fast.choose(256, 4096, cpu, None, 64, 1, 16) == (8, 1, 0)
     assert fast.choose(2, 4096, cpu, None, 64, 1, 16) == (16, 16, 0)
     assert fast.choose(32, 32768, cpu, None, 64, 1, 16) == (16, 4, fast.EXACT_TOKENS)
@@ -268,9 +265,15 @@ def test_head_dim_64_folds_the_exact_copies_into_sixteen_warp_splits_the_sms_cut
     assert fast.choose(8, 4096, cpu, None, 128, 1, 16) == (16, 15, 0)
     assert fast.choose(32, 4096, cpu, 3, 64, 1, 16) == (8, 3, 0)  # (a caller's scratch cuts the splits)
     assert fast.choose(2, 4096, cpu, 8, 64, 1, 16) == (16, 8, 0)  # (the scratch, not the SMs, cuts them)
+
+
+def test_split_range_counts_the_folded_exact_copies_as_packed_tokens():
+    """`split_range` places the splits as the kernel does: the history and the folded exact copies' tokens cut in
+    equal parts at multiples of 16, the last split ending at the history's end."""
+    fold = fast.EXACT_TOKENS
     for s in range(4):
-        a, e = fast.split_range(s, 4, 4096, short)
-        assert (a, e) == ((4096 + short) // 4 * s, min(4096, (4096 + short) // 4 * (s + 1))), (s, a, e)
+        a, e = fast.split_range(s, 4, 32768, fold)
+        assert (a, e) == ((32768 + fold) // 4 * s, 32768 if s == 3 else (32768 + fold) // 4 * (s + 1)), (s, a, e)
 
 
 def test_eight_warp_ctas_take_256_tokens_a_split_over_short_histories_with_an_sm_each(monkeypatch):
@@ -602,18 +605,21 @@ def test_fast_kernel_in_the_sixteen_warps_choose_takes_over_the_layouts_eight(la
 
 
 @gpu
-@pytest.mark.parametrize("lq", [5000, 1100])
-def test_fast_kernel_with_the_exact_copies_folded_into_splits_the_sms_cut(lq, launches, monkeypatch):
-    """k5v3 at head dim 64 (one CTA of 16 warps an SM) on a GPU taken as 8 SMs: the SMs cut the splits, so `choose`
-    folds the exact copies into the last of 2 splits a head as `short_fold` tokens (at 1100 that split keeps 108
-    tokens of the history)."""
+@pytest.mark.parametrize("lq", [5000, 12300])
+def test_fast_kernel_where_the_sms_cut_sixteen_warp_splits_at_head_dim_64(lq, launches, monkeypatch):
+    """k5v3 at head dim 64 (the layout's one CTA of 16 warps an SM) on a GPU taken as 8 SMs, where the SMs cut the
+    splits: `choose` takes two CTAs of 8 warps an SM and an exact copies' CTA a head at 5000 tokens, and past the
+    long splits `plan` folds itself (12300) one CTA of 16 warps a split, the exact copies in the last of 2."""
     monkeypatch.setattr(support, "sm_count", lambda d: 8)
     plans, real = [], fast.choose
     monkeypatch.setattr(fast, "choose", lambda *a, **k: plans.append(real(*a, **k)) or plans[-1])
     case = (5, 3, 64, 1, 1, lq, 30, torch.bfloat16, "bool", 4, False)
     test_fast_kernel_matches_the_oracle_and_the_triton_kernel(case, launches)
-    assert plans[0] == (16, 2, fast.short_fold(lq)), plans
-    assert fast.split_range(1, 2, lq, plans[0][2])[0] == (992 if lq == 1100 else 2944)
+    if lq == 5000:
+        assert plans[0] == (8, 3, 0), plans
+    else:
+        assert plans[0] == (16, 2, fast.EXACT_TOKENS), plans
+        assert fast.split_range(1, 2, lq, plans[0][2])[0] == 7168
 
 
 @gpu

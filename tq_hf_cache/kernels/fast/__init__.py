@@ -30,8 +30,6 @@ MAX_ROWS = 16  # query heads per KV head x queries: two query n-tiles
 MIN_TOKENS_PER_SPLIT = {16: 256, 8: 512}  # by warps a CTA (`plan`)
 EXACT_TOKENS = 2048  # packed tokens the exact copies count as where the last split's CTA takes them (`plan`)
 SHORT_TOKENS = 8192  # the longest history `choose` takes its short-history plans for (more, shorter splits)
-SHORT_FOLD_TOKENS = (896, 1024)  # the same where `choose` folds them into 16-warp splits the SMs cut at head dim 64:
-# up to SHORT_TOKENS packed tokens, and past them (`short_fold`)
 ENV = "TQ_HF_CACHE_FAST_DECODE"  # "0" turns the kernel off (the Triton kernel serves)
 
 _SOURCE: str | None = None
@@ -178,19 +176,21 @@ def choose(batch_heads: int, packed_len: int, device: torch.device, max_splits: 
     CTAs of 8 leave slots to the exact copies' CTAs), neither cut by max_splits. SmolLM2-1.7B's 32 KV heads at 1 x
     128k, k4v4 (H100): 4 splits of 16 warps, folded, 129 us a call; 7 of 8 warps and the exact copies' CTAs 148.
     Where the layout chose 16 at head dim 64 (5-bit keys) and the SMs, not the history, cut the unfolded 16-warp
-    splits, a split an SM with the exact copies folded into the last one as `short_fold` tokens, where that
-    leaves at least two splits a head and the last one some of the history: no second wave for the exact copies'
-    CTAs, and all 32 copies of the key tables. SmolLM2-1.7B k5v3 (H100, against 7 splits of 8 warps or 4 unfolded of
-    16 and 32 exact copies' CTAs): 1 x 4k 11.32-11.45 -> 10.94-11.23 us, 1 x 8k 15.72 -> 14.59, 1 x 16k 24.54 ->
-    21.99, 2 x 4k 18.27 -> 15.68; 768 tokens instead of 1024 were slower but at one 1 x 4k row. Otherwise two CTAs
-    of 8 an SM there where the history is short (at most SHORT_TOKENS): twice the CTAs a wave (8 x 4k 49.9 -> 43.7
-    us); longer, the 16-warp layout's table copies pay (8 x 32k 256.7 against 270.5 with 8 warps). At head dim 128
-    (Llama 3.1 8B) 8 warps were slower or level (1 x 4k 10.6 -> 11.6, 8 x 4k 25.5 -> 26.8). And 8-warp CTAs take at
-    least the 16-warp ones' tokens a split (256, not 512) over short histories at head dim 128, two of them an SM,
-    where every split and one exact copies' CTA a head still have an SM each: Llama 3.1 8B (H100) k4v4 1 x 4k 10.15
-    -> 9.26 us (15 splits, not 8), 1 x 2k 9.89 -> 8.17, 1 x 1k 9.36 -> 7.78, k4v2 1 x 4k 9.71 -> 8.92; with two CTAs
-    an SM (2 x 4k: 15 splits, not 7) slower, 10.78 -> 11.49, and at head dim 256 mixed (Gemma 3 4B 1 x 4k: k5v3
-    11.61 -> 10.47, k3v3 10.76 -> 11.22); head dim 64 with few KV heads was not measured."""
+    splits: two CTAs of 8 an SM, where a split an SM would leave each head at least two of them or the history is
+    short (at most SHORT_TOKENS). Folding the exact copies into the last of a split an SM was faster with the
+    kernel's code warm, and slower inside a model, where the layer's other kernels have taken that code out of the
+    SMs' instruction caches and out of L2: the folded CTA runs the exact copies' code and its own copy of the packed
+    part, fetched from memory by no other CTA. SmolLM2-1.7B k5v3 inside the model (H100, us a call, the kernel's
+    first launch of a layer; against the same launch again): 1 x 4k 19.6 -> 13.8 (12.3 -> 11.7), 1 x 12k 26.5 ->
+    23.2, 1 x 16k 31.1 -> 28.6, 2 x 4k 23.4 -> 20.0; past the long splits `plan` folds itself it stays (1 x 24k: 36.4,
+    against 38.3 with 8 warps). Over long histories with under two splits a head the 16-warp layout's table copies
+    pay (8 x 32k 256.7 against 270.5 us with 8 warps). At head dim 128 (Llama 3.1 8B) 8 warps were slower or level
+    (1 x 4k 10.6 -> 11.6, 8 x 4k 25.5 -> 26.8). And 8-warp CTAs take at least the 16-warp ones' tokens a split (256,
+    not 512) over short histories at head dim 128, two of them an SM, where every split and one exact copies' CTA a
+    head still have an SM each: Llama 3.1 8B (H100) k4v4 1 x 4k 10.15 -> 9.26 us (15 splits, not 8), 1 x 2k 9.89 ->
+    8.17, 1 x 1k 9.36 -> 7.78, k4v2 1 x 4k 9.71 -> 8.92; with two CTAs an SM (2 x 4k: 15 splits, not 7) slower, 10.78
+    -> 11.49, and at head dim 256 mixed (Gemma 3 4B 1 x 4k: k5v3 11.61 -> 10.47, k3v3 10.76 -> 11.22); head dim 64
+    with few KV heads was not measured."""
     from ..support import sm_count
 
     splits, fold = plan(batch_heads, packed_len, device, max_splits, warps, head_dim, nq)
@@ -198,11 +198,7 @@ def choose(batch_heads: int, packed_len: int, device: torch.device, max_splits: 
     if warps == 16 and head_dim == 64:
         free = plan(batch_heads, packed_len, device, None, 16, head_dim, nq)  # (what the SMs cut, not a scratch)
         if not free[1] and free[0] < most_splits(packed_len, min_tokens(16, head_dim)):
-            s = sm_count(device) // batch_heads  # one CTA an SM, the exact copies in the last one
-            f = short_fold(packed_len)
-            if s >= 2 and packed_len > (s - 1) * f and (max_splits is None or s <= max_splits):
-                return 16, s, f
-            if short:
+            if ctas_per_sm(head_dim, nq, 8) == 2 and (sm_count(device) // batch_heads >= 2 or short):
                 return (8, *plan(batch_heads, packed_len, device, max_splits, 8, head_dim, nq))
     if warps == 8 and head_dim == 128 and short:
         s, f = plan(batch_heads, packed_len, device, max_splits, 8, head_dim, nq, min_tokens(16, head_dim))
@@ -213,14 +209,6 @@ def choose(batch_heads: int, packed_len: int, device: torch.device, max_splits: 
         if f16 and s16 >= 2 and 40 * s16 > 21 * splits:  # s16 / SMs against splits / (2 SMs), 5 % more
             return 16, s16, f16
     return warps, splits, fold
-
-
-def short_fold(packed_len: int) -> int:
-    """The packed tokens the exact copies count as where `choose` folds them into 16-warp splits the SMs cut
-    (SHORT_FOLD_TOKENS): fewer over short histories. SmolLM2-1.7B's 32 KV heads, k5v3 (H100, two runs, us), 896
-    tokens against 1024: 1 x 4k 10.92-11.30 against 11.18-11.39 in all six rows, 2 x 4k 15.50 / 15.63 against 15.68 /
-    15.77, 1 x 8k 14.81 / 15.08 against 14.99 / 15.01, and 1 x 16k slower, 22.66 / 22.67 against 22.27 / 22.19."""
-    return SHORT_FOLD_TOKENS[0] if packed_len <= SHORT_TOKENS else SHORT_FOLD_TOKENS[1]
 
 
 EXACT_PARTS = 4  # the most CTAs the exact copies are cut among (the source's NXMAX)
