@@ -1,13 +1,14 @@
-"""The fast decode kernel inside a model, against cuDNN SDPA inside the same model: a random model of a checkpoint
-folder (for SmolLM2-1.7B's shape: `benchmarks/results/archive/fast_decode_in_model_2026-12-06/smollm2_random.py
-DIR`), eager decode steps, each kernel's device time from the profiler.
+"""The fast decode kernel inside a model, against cuDNN SDPA inside the same model: a random bf16 model of a shape
+(`--shape`, built on the GPU, torch seed 0) or of a checkpoint folder (`--model`), eager decode steps, each kernel's
+device time from the profiler.
 - `tq_decode`: each layer's launch as the model makes it ("in_model": the layer's other kernels have taken the
   kernel's code out of the SMs' instruction caches and out of L2), and the same launch made again at once ("again":
   code warm), `TurboQuantStaticCache` with `--preset`;
-- SDPA: `StaticCache`'s cuDNN attention kernel and its reduction a layer.
+- SDPA: `StaticCache`'s attention kernels a layer (cuDNN's attention and reduction, or whichever SDPA backend serves
+  the head dim), their medians summed.
 Usage:
-    python benchmarks/studies/fast_decode_in_model.py --model DIR [--cases 1x4096,1x16384,1x32768,2x4096]
-        [--preset k5v3] [--steps 3] --out F
+    python benchmarks/studies/fast_decode_in_model.py (--shape smollm2-1.7b | --model DIR)
+        [--cases 1x4096,1x16384,1x32768,2x4096] [--preset k5v3] [--steps 3] --out F
 """
 
 from __future__ import annotations
@@ -61,6 +62,11 @@ def ours(model, batch: int, context: int, preset: str, steps: int) -> dict:
                 calls=len(us) // 2)
 
 
+def _attention_kernel(name: str) -> bool:
+    """Whether a kernel is one of SDPA's (cuDNN's attention and reduction, flash, memory-efficient)."""
+    return name != fast.NAME and any(k in name for k in ("sdpa", "lean_reduction", "fmha", "flash", "attention"))
+
+
 def sdpa(model, batch: int, context: int, steps: int) -> dict:
     """StaticCache's cuDNN SDPA kernels (attention, reduction): us a call, their sum."""
     prep = bench._Prepared(model, "static_compiled", batch, context, context + 8 * steps + 16, 0, 8192, "k5v3", None)
@@ -68,33 +74,64 @@ def sdpa(model, batch: int, context: int, steps: int) -> dict:
     prep.step()
     per: dict[str, list[float]] = {}
     for e in events(prep.step, steps):
-        if "sdpa" in e.name or "lean_reduction" in e.name:
+        if _attention_kernel(e.name):
             per.setdefault(e.name, []).append(e.time_range.elapsed_us())
     kernels = {k: round(statistics.median(v), 2) for k, v in per.items()}
     return dict(kernels=kernels, us=round(sum(kernels.values()), 2))
 
 
+def shape_config(shape: str):
+    """The transformers config of a `--shape`: the decoder of the named model, its sizes only."""
+    import transformers
+
+    if shape == "llama-3.1-8b":
+        return bench.llama_8b_config()
+    if shape == "smollm2-1.7b":
+        return transformers.LlamaConfig(vocab_size=49152, hidden_size=2048, intermediate_size=8192, num_hidden_layers=24,
+                                        num_attention_heads=32, num_key_value_heads=32, head_dim=64,
+                                        max_position_embeddings=140000, rope_theta=130000.0, tie_word_embeddings=True)
+    if shape == "gemma-3-4b":
+        return transformers.Gemma3TextConfig(vocab_size=262208, hidden_size=2560, intermediate_size=10240,
+                                             num_hidden_layers=34, num_attention_heads=8, num_key_value_heads=4,
+                                             head_dim=256, sliding_window=1024, max_position_embeddings=140000)
+    raise ValueError(f"--shape {shape!r}: choose from {SHAPES}")
+
+
+SHAPES = ("smollm2-1.7b", "llama-3.1-8b", "gemma-3-4b")
+
+
+def load(shape: str | None, folder: str | None):
+    """The model in bf16 on the GPU, eval mode: random of `shape`, or read from `folder`."""
+    import transformers
+
+    if folder is not None:
+        return transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16).to("cuda").eval()
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        return transformers.AutoModelForCausalLM.from_config(shape_config(shape)).to(torch.bfloat16).eval()
+
+
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--model", required=True)
+    src = ap.add_mutually_exclusive_group(required=True)
+    src.add_argument("--shape", choices=SHAPES)
+    src.add_argument("--model", help="a checkpoint folder")
     ap.add_argument("--cases", default="1x4096,1x16384,1x32768,2x4096")
     ap.add_argument("--preset", default="k5v3")
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
-    import transformers
-
-    model = transformers.AutoModelForCausalLM.from_pretrained(a.model, dtype=torch.bfloat16).to("cuda").eval()
+    model = load(a.shape, a.model)
     rows = {}
     for case in a.cases.split(","):
         b, t = map(int, case.split("x"))
         row = dict(tq=ours(model, b, t, a.preset, a.steps), sdpa=sdpa(model, b, t, a.steps))
-        row["sdpa_over_tq_in_model"] = round(row["sdpa"]["us"] / row["tq"]["in_model_us"], 2)
+        row["sdpa_over_tq_in_model"] = round(row["sdpa"]["us"] / row["tq"]["in_model_us"], 2) if row["sdpa"]["us"] else None
         rows[case] = row
         print(case, row, flush=True)
         torch.cuda.empty_cache()
     with open(a.out, "w") as fh:
-        json.dump(dict(device=torch.cuda.get_device_name(), torch=torch.__version__, model=a.model,
+        json.dump(dict(device=torch.cuda.get_device_name(), torch=torch.__version__, model=a.model or a.shape,
                        layers=model.config.num_hidden_layers, preset=a.preset, when=time.strftime("%Y-%m-%d %H:%M"),
                        command=" ".join(sys.argv), rows=rows), fh, indent=1)
 
