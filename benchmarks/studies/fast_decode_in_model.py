@@ -8,12 +8,15 @@ device time from the profiler.
   the head dim), their medians summed.
 Usage:
     python benchmarks/studies/fast_decode_in_model.py (--shape smollm2-1.7b | --model DIR)
-        [--cases 1x4096,1x16384,1x32768,2x4096] [--preset k5v3] [--steps 3] --out F
+        [--cases 1x4096,1x16384,1x32768,2x4096] [--preset k5v3] [--steps 3] [--sources A.cu,B.cu --reps 3] --out F
+`--sources`: other builds of the kernel's source (decode_mma.cu), timed in turns with the shipped one on the same
+cache, `--reps` rounds.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import statistics
@@ -40,11 +43,14 @@ def events(step, steps: int) -> list:
     return sorted(ev, key=lambda e: e.time_range.start)
 
 
-def ours(model, batch: int, context: int, preset: str, steps: int) -> dict:
-    """tq_decode's us a call: each launch in the model, and made again at once; and the plan it ran."""
-    prep = bench._Prepared(model, "tq_static_compiled", batch, context, context + 8 * steps + 16, 0, 8192, preset, None)
+def ours(model, batch: int, context: int, preset: str, steps: int, sources: dict[str, str], reps: int) -> dict:
+    """tq_decode's us a call for each kernel source (name -> text), in turns over `reps` rounds on one prefilled
+    cache: each launch in the model, and made again at once (medians of a round's calls, then of the rounds); and
+    the plan it ran."""
+    capacity = context + (steps + 1) * reps * len(sources) + 16
+    prep = bench._Prepared(model, "tq_static_compiled", batch, context, capacity, 0, 8192, preset, None)
     prep.fwd = model.forward  # eager: each layer's launch goes through `fast.decode`
-    launch, plan = fast.decode, {}
+    launch, shipped, plan = fast.decode, fast.source(), {}
 
     def twice(*args, **kw):
         plan.update(warps=args[22], splits=args[18], fold=args[19], parts=args[23] if len(args) > 23 else kw["parts"])
@@ -52,14 +58,20 @@ def ours(model, batch: int, context: int, preset: str, steps: int) -> dict:
         launch(*args, **kw)
         return ok
 
+    runs: dict[str, list[tuple[float, float]]] = {name: [] for name in sources}
     fast.decode = twice
     try:
-        prep.step()  # warm
-        us = [e.time_range.elapsed_us() for e in events(prep.step, steps) if e.name == fast.NAME]
+        for _ in range(reps):
+            for name, text in sources.items():
+                fast._SOURCE = text
+                prep.step()  # warm (and the variant built)
+                us = [e.time_range.elapsed_us() for e in events(prep.step, steps) if e.name == fast.NAME]
+                runs[name].append((statistics.median(us[0::2]), statistics.median(us[1::2])))
     finally:
-        fast.decode = launch
-    return dict(plan=plan, in_model_us=round(statistics.median(us[0::2]), 2), again_us=round(statistics.median(us[1::2]), 2),
-                calls=len(us) // 2)
+        fast.decode, fast._SOURCE = launch, shipped
+    return {name: dict(plan=dict(plan), in_model_us=round(statistics.median(r[0] for r in rs), 2),
+                       again_us=round(statistics.median(r[1] for r in rs), 2),
+                       rounds=[[round(x, 2) for x in r] for r in rs]) for name, rs in runs.items()}
 
 
 def _attention_kernel(name: str) -> bool:
@@ -87,9 +99,10 @@ def shape_config(shape: str):
     if shape == "llama-3.1-8b":
         return bench.llama_8b_config()
     if shape == "smollm2-1.7b":
-        return transformers.LlamaConfig(vocab_size=49152, hidden_size=2048, intermediate_size=8192, num_hidden_layers=24,
-                                        num_attention_heads=32, num_key_value_heads=32, head_dim=64,
-                                        max_position_embeddings=140000, rope_theta=130000.0, tie_word_embeddings=True)
+        return transformers.LlamaConfig(vocab_size=49152, hidden_size=2048, intermediate_size=8192,
+                                        num_hidden_layers=24, num_attention_heads=32, num_key_value_heads=32,
+                                        head_dim=64, max_position_embeddings=140000, rope_theta=130000.0,
+                                        tie_word_embeddings=True)
     if shape == "gemma-3-4b":
         return transformers.Gemma3TextConfig(vocab_size=262208, hidden_size=2560, intermediate_size=10240,
                                              num_hidden_layers=34, num_attention_heads=8, num_key_value_heads=4,
@@ -119,20 +132,29 @@ def main():
     ap.add_argument("--cases", default="1x4096,1x16384,1x32768,2x4096")
     ap.add_argument("--preset", default="k5v3")
     ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--sources", default="", help="kernel source files to time in turns with the shipped one")
+    ap.add_argument("--reps", type=int, default=1, help="rounds of the sources, interleaved")
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
+    sources = {"shipped": fast.source()}
+    for path in filter(None, a.sources.split(",")):
+        with open(path) as fh:
+            sources[path] = fh.read()
     model = load(a.shape, a.model)
     rows = {}
     for case in a.cases.split(","):
         b, t = map(int, case.split("x"))
-        row = dict(tq=ours(model, b, t, a.preset, a.steps), sdpa=sdpa(model, b, t, a.steps))
-        row["sdpa_over_tq_in_model"] = round(row["sdpa"]["us"] / row["tq"]["in_model_us"], 2) if row["sdpa"]["us"] else None
+        row = dict(tq=ours(model, b, t, a.preset, a.steps, sources, a.reps), sdpa=sdpa(model, b, t, a.steps))
+        sd = row["sdpa"]["us"]
+        row["sdpa_over_tq_in_model"] = {name: round(sd / r["in_model_us"], 2) if sd else None
+                                        for name, r in row["tq"].items()}
         rows[case] = row
         print(case, row, flush=True)
         torch.cuda.empty_cache()
     with open(a.out, "w") as fh:
         json.dump(dict(device=torch.cuda.get_device_name(), torch=torch.__version__, model=a.model or a.shape,
                        layers=model.config.num_hidden_layers, preset=a.preset, when=time.strftime("%Y-%m-%d %H:%M"),
+                       sources={name: hashlib.sha1(text.encode()).hexdigest()[:8] for name, text in sources.items()},
                        command=" ".join(sys.argv), rows=rows), fh, indent=1)
 
 
