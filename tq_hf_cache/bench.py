@@ -99,21 +99,26 @@ def _sync(device):
         torch.cuda.synchronize(device)
 
 
-def kernel_times(step, n: int = 4) -> tuple[dict[str, float], dict[str, float]]:
-    """(device us, calls) per step of each CUDA kernel name, over n calls of `step` under torch.profiler."""
-    import collections
-
+def kernel_events(step, n: int = 4) -> list:
+    """The CUDA kernel events of n calls of `step` under torch.profiler, in the order they started."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(n):
             step()
         torch.cuda.synchronize()
+    ev = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    return sorted(ev, key=lambda e: e.time_range.start)
+
+
+def kernel_times(step, n: int = 4) -> tuple[dict[str, float], dict[str, float]]:
+    """(device us, calls) per step of each CUDA kernel name, over n calls of `step` under torch.profiler."""
+    import collections
+
     us, calls = collections.Counter(), collections.Counter()
-    for e in prof.events():
-        if e.device_type == torch.autograd.DeviceType.CUDA:
-            us[e.name] += e.device_time / n
-            calls[e.name] += 1 / n
+    for e in kernel_events(step, n):
+        us[e.name] += e.device_time / n
+        calls[e.name] += 1 / n
     return us, calls
 
 

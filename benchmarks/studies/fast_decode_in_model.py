@@ -31,18 +31,6 @@ from tq_hf_cache import bench  # noqa: E402
 from tq_hf_cache.kernels import fast  # noqa: E402
 
 
-def events(step, steps: int) -> list:
-    """The CUDA kernel events of `steps` calls of `step`, in launch order."""
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(steps):
-            step()
-        torch.cuda.synchronize()
-    ev = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-    return sorted(ev, key=lambda e: e.time_range.start)
-
-
 def ours(model, batch: int, context: int, preset: str, steps: int, sources: dict[str, str], reps: int) -> dict:
     """tq_decode's us a call for each kernel source (name -> text), in turns over `reps` rounds on one prefilled
     cache: each launch in the model, and made again at once (medians of a round's calls, then of the rounds); and
@@ -65,7 +53,7 @@ def ours(model, batch: int, context: int, preset: str, steps: int, sources: dict
             for name, text in sources.items():
                 fast._SOURCE = text
                 prep.step()  # warm (and the variant built)
-                us = [e.time_range.elapsed_us() for e in events(prep.step, steps) if e.name == fast.NAME]
+                us = [e.time_range.elapsed_us() for e in bench.kernel_events(prep.step, steps) if e.name == fast.NAME]
                 runs[name].append((statistics.median(us[0::2]), statistics.median(us[1::2])))
     finally:
         fast.decode, fast._SOURCE = launch, shipped
@@ -85,7 +73,7 @@ def sdpa(model, batch: int, context: int, steps: int) -> dict:
     prep.fwd = model.forward
     prep.step()
     per: dict[str, list[float]] = {}
-    for e in events(prep.step, steps):
+    for e in bench.kernel_events(prep.step, steps):
         if _attention_kernel(e.name):
             per.setdefault(e.name, []).append(e.time_range.elapsed_us())
     kernels = {k: round(statistics.median(v), 2) for k, v in per.items()}
