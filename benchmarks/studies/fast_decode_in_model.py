@@ -5,7 +5,8 @@ device time from the profiler.
   kernel's code out of the SMs' instruction caches and out of L2), and the same launch made again at once ("again":
   code warm), `TurboQuantStaticCache` with `--preset`;
 - SDPA: `StaticCache`'s attention kernels a layer (cuDNN's attention and reduction, or whichever SDPA backend serves
-  the head dim), their medians summed.
+  the head dim), their medians summed, on the full-attention layers only (Gemma's sliding-window layers are
+  transformers' own in both caches).
 Usage:
     python benchmarks/studies/fast_decode_in_model.py (--shape smollm2-1.7b | --model DIR)
         [--cases 1x4096,1x16384,1x32768,2x4096] [--preset k5v3] [--steps 3] [--sources A.cu,B.cu --reps 3] --out F
@@ -28,6 +29,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
 
 from tq_hf_cache import bench  # noqa: E402
+from tq_hf_cache._compat import layer_types_and_kwargs  # noqa: E402
 from tq_hf_cache.kernels import fast  # noqa: E402
 
 
@@ -68,16 +70,31 @@ def _attention_kernel(name: str) -> bool:
 
 
 def sdpa(model, batch: int, context: int, steps: int) -> dict:
-    """StaticCache's cuDNN SDPA kernels (attention, reduction): us a call, their sum."""
+    """StaticCache's SDPA kernels (cuDNN's attention and reduction, or another backend's) on the layers our kernel
+    serves (full attention; sliding-window layers are transformers' in both caches): us a call, their sum. A marker
+    kernel (torch's spin kernel, 1 cycle) starts each layer's attention so that kernels are told by layer."""
+    full = [t == "full_attention" for t in layer_types_and_kwargs(model.config)[0]]
     prep = bench._Prepared(model, "static_compiled", batch, context, context + 8 * steps + 16, 0, 8192, "k5v3", None)
     prep.fwd = model.forward
-    prep.step()
+    marker = {e.name for e in bench.kernel_events(lambda: torch.cuda._sleep(1), 1)}.pop()
+    hooks = [layer.self_attn.register_forward_pre_hook(lambda *_: torch.cuda._sleep(1)) for layer in model.model.layers]
+    try:
+        prep.step()
+        events = bench.kernel_events(prep.step, steps)
+    finally:
+        for h in hooks:
+            h.remove()
     per: dict[str, list[float]] = {}
-    for e in bench.kernel_events(prep.step, steps):
-        if _attention_kernel(e.name):
+    layer = -1
+    for e in events:
+        if e.name == marker:
+            layer += 1
+        elif layer >= 0 and full[layer % len(full)] and _attention_kernel(e.name):
             per.setdefault(e.name, []).append(e.time_range.elapsed_us())
+    if layer + 1 != steps * len(full):
+        raise RuntimeError(f"{layer + 1} layer markers in {steps} steps of {len(full)} layers")
     kernels = {k: round(statistics.median(v), 2) for k, v in per.items()}
-    return dict(kernels=kernels, us=round(sum(kernels.values()), 2))
+    return dict(kernels=kernels, us=round(sum(kernels.values()), 2), layers=sum(full))
 
 
 def shape_config(shape: str):
