@@ -122,6 +122,25 @@ def test_sm90_a_mask_row_reads_two_words_a_step_within_the_budget(tmp_path):
         assert sum(ops.values()) * 2 // steps <= SASS_BUDGET[(5, 3)], ops
 
 
+@pytest.mark.skipif(not _nvrtc_ok() or _cuobjdump() is None, reason="NVRTC or cuobjdump missing")
+@pytest.mark.parametrize("d,w", [(64, 8), (128, 16), (256, 8)])
+def test_sm90_a_build_for_plans_that_never_fold_leaves_the_folded_ctas_code_out(d, w, tmp_path):
+    """FOLD=0, the build of every plan but a folding one (`fast.decode`), holds one copy of the packed part's loop and
+    at most 70 % of FOLD=1's instructions: the folded CTA's own copies of the exact and packed parts are gone (inside a
+    model the kernel's code comes from memory at every call)."""
+    counts = {}
+    for fold in (0, 1):
+        df = fast.defines(d, 5, 3, 1, 1, 0, False, False, True, 16, True, w=w)
+        df.update(ROWS=4, Q_DT=1, X_DT=1, O_DT=1, HAD=1, MASK_ROW=1, FOLD=fold)
+        cubin = tmp_path / f"k{fold}.cubin"
+        cubin.write_bytes(jit.compile_cubin(fast.source(), fast.NAME, df, 90))
+        sass = subprocess.run([_cuobjdump(), "-sass", str(cubin)], capture_output=True, text=True, check=True).stdout
+        if d > 64:  # (at head dim 64 a step has fewer code pairs than `main_loops` looks for)
+            assert len(main_loops(sass)) == 1 + fold, f"FOLD={fold}: {len(main_loops(sass))} main loops"
+        counts[fold] = len(re.findall(r"/\*[0-9a-f]{4,}\*/\s+[^;]*;", sass))
+    assert counts[0] <= 0.7 * counts[1], counts
+
+
 @pytest.mark.skipif(not _nvrtc_ok(), reason="NVRTC missing")
 @pytest.mark.parametrize("xdt,d", [(2, 128), (2, 256), (0, 64), (1, 256)])
 def test_sm90_the_exact_parts_compile_with_the_launchers_batch(xdt, d):
@@ -425,6 +444,7 @@ def test_the_launcher_runs_without_a_gpu(monkeypatch):
         assert [x[:3] for x in done] == [(fast.NAME, (b * 2, splits + (0 if fold else parts), 1), 32 * w)], done
         df = done[0][5]  # (a Hadamard rotation: the butterflies, one channel group in the merge)
         assert df["HAD"] == 1 and df["XB"] % 16 == 0 and df["NXMAX"] == parts and df["MDIRECT"] == (d <= 128), df
+        assert df["FOLD"] == int(fold > 0), df  # (the last case folds: its build keeps the folded CTA's code)
         assert done[0][3] >= max(fast.exact_smem(d, rows, df["XB"], 2, w), fast.merge_splits(d, rows, 0, w, True)[1],
                                  fast.query_bytes(d)), done
         assert done[0][4] == ctypes.sizeof(fast.Params), done

@@ -520,7 +520,7 @@ def decode(query, kv, pi, scale_log2, kp, kn, vp, vn, rk, rv, sk, sv, mask_args,
     df = defines(d, kb, vb, query_tiles(group * n), kind, mdt, kn32, vn32, kv.static, vec,
                  _norms_vec(kn, vn) and kp.shape[2] % 2 == 0, torch.cuda.get_device_capability(query.device), w)
     df.update(Q_DT=_DT[query.dtype], X_DT=_DT[rk.dtype], O_DT=_DT[out.dtype], ROWS=rows, HAD=int(had), NXMAX=parts,
-              MASK_ROW=int(_mask_row(mask_kind, m_arg, ms, kp.shape[2])))
+              FOLD=int(fold > 0), MASK_ROW=int(_mask_row(mask_kind, m_arg, ms, kp.shape[2])))
     xbytes, smem, w = rk.element_size(), packed_smem(df), df["WARPS"]
     df.update(XB=exact_batch(d, rows, xbytes, smem, w), XVEC=_vec(rk, rv, sk, sv),
               QV=int(_aligned(4 * query.element_size(), query)))
