@@ -81,20 +81,22 @@ def main_loops(sass: str, function: str = fast.NAME) -> list[collections.Counter
 
 
 @pytest.mark.skipif(not _nvrtc_ok() or _cuobjdump() is None, reason="NVRTC or cuobjdump missing")
+@pytest.mark.parametrize("fold", [0, 1])
 @pytest.mark.parametrize("qpair", [0, 1])
 @pytest.mark.parametrize("kb,vb", sorted(SASS_BUDGET))
-def test_sm90_main_loop_within_its_instruction_budget(kb, vb, qpair, tmp_path):
+def test_sm90_main_loop_within_its_instruction_budget(kb, vb, qpair, fold, tmp_path):
     """The loop's SASS within the budget, with the query's fragments loaded a k-step at a time (short splits) or held
-    in registers, two k-steps a quad (`fast.qpair`: long splits; no LDS.128 left in the loop)."""
+    in registers, two k-steps a quad (`fast.qpair`: long splits; no LDS.128 left in the loop), in the builds of plans
+    that fold the exact copies into the last split's CTA and of those that do not (`FOLD`)."""
     df = fast.defines(128, kb, vb, 1, 0, 0, False, False, False, 16, True)
-    df.update(ROWS=4, Q_DT=1, X_DT=1, O_DT=1, HAD=1, QPAIR=qpair)  # (the default rotation at head dim 128: Hadamard)
+    df.update(ROWS=4, Q_DT=1, X_DT=1, O_DT=1, HAD=1, QPAIR=qpair, FOLD=fold)  # (head dim 128's default: Hadamard)
     cubin = tmp_path / "k.cubin"
     cubin.write_bytes(jit.compile_cubin(fast.source(), fast.NAME, df, 90))
     res = subprocess.run([_cuobjdump(), "-res-usage", str(cubin)], capture_output=True, text=True, check=True).stdout
     assert "LOCAL:0" in res, f"k{kb}v{vb}: the kernel spills to local memory:\n{res}"
     loops = main_loops(subprocess.run([_cuobjdump(), "-sass", str(cubin)], capture_output=True, text=True,
                                       check=True).stdout)
-    assert 1 <= len(loops) <= 2, f"k{kb}v{vb}: {len(loops)} main loops"  # (the last split's CTA has its own copy)
+    assert len(loops) == 1 + fold, f"k{kb}v{vb}: {len(loops)} main loops"  # (a folded CTA has its own copy)
     for ops in loops:
         steps = ops["HMMA"] // 24  # 16-token steps in the loop body (24 HMMA each at head dim 128, one query n-tile)
         assert steps >= 1 and ops["HMMA"] == 24 * steps, f"k{kb}v{vb}: {ops['HMMA']} HMMA in the loop: {ops}"
