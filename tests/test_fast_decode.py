@@ -58,13 +58,25 @@ def _nvrtc_ok() -> bool:
         return False
 
 
-def main_loops(sass: str, function: str = fast.NAME) -> list[collections.Counter]:
-    """Opcode counts of each innermost backward-branch loop with HMMA and at least 64 LDS (a step's code pairs) in
-    `function`'s SASS: the packed part's loop, once per copy of it that the kernel inlines."""
+def sm90_sass(df: dict[str, int], cubin, *flags: str) -> list[str]:
+    """The kernel of these defines compiled for sm_90 into the file `cubin`, and cuobjdump's output for each flag."""
+    cubin.write_bytes(jit.compile_cubin(fast.source(), fast.NAME, df, 90))
+    return [subprocess.run([_cuobjdump(), flag, str(cubin)], capture_output=True, text=True, check=True).stdout
+            for flag in flags]
+
+
+def instructions(sass: str, function: str = fast.NAME) -> list[tuple[int, str]]:
+    """(address, text) of each SASS instruction of `function` in cuobjdump's output."""
     sass = sass[re.search(rf"Function : {function}\s", sass).start():]
     nxt = sass.find("Function : ", 1)
     sass = sass if nxt < 0 else sass[:nxt]
-    ins = [(int(a, 16), t.strip()) for a, t in re.findall(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", sass)]
+    return [(int(a, 16), t.strip()) for a, t in re.findall(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", sass)]
+
+
+def main_loops(sass: str, function: str = fast.NAME) -> list[collections.Counter]:
+    """Opcode counts of each innermost backward-branch loop with HMMA and at least 64 LDS (a step's code pairs) in
+    `function`'s SASS: the packed part's loop, once per copy of it that the kernel inlines."""
+    ins = instructions(sass, function)
     loops = []
     for addr, text in ins:
         m = re.search(r"\bBRA\b[^;]*?0x([0-9a-f]+)", text)
@@ -90,12 +102,9 @@ def test_sm90_main_loop_within_its_instruction_budget(kb, vb, qpair, fold, tmp_p
     that fold the exact copies into the last split's CTA and of those that do not (`FOLD`)."""
     df = fast.defines(128, kb, vb, 1, 0, 0, False, False, False, 16, True)
     df.update(ROWS=4, Q_DT=1, X_DT=1, O_DT=1, HAD=1, QPAIR=qpair, FOLD=fold)  # (head dim 128's default: Hadamard)
-    cubin = tmp_path / "k.cubin"
-    cubin.write_bytes(jit.compile_cubin(fast.source(), fast.NAME, df, 90))
-    res = subprocess.run([_cuobjdump(), "-res-usage", str(cubin)], capture_output=True, text=True, check=True).stdout
+    res, sass = sm90_sass(df, tmp_path / "k.cubin", "-res-usage", "-sass")
     assert "LOCAL:0" in res, f"k{kb}v{vb}: the kernel spills to local memory:\n{res}"
-    loops = main_loops(subprocess.run([_cuobjdump(), "-sass", str(cubin)], capture_output=True, text=True,
-                                      check=True).stdout)
+    loops = main_loops(sass)
     assert len(loops) == 1 + fold, f"k{kb}v{vb}: {len(loops)} main loops"  # (a folded CTA has its own copy)
     for ops in loops:
         steps = ops["HMMA"] // 24  # 16-token steps in the loop body (24 HMMA each at head dim 128, one query n-tile)
@@ -113,10 +122,7 @@ def test_sm90_a_mask_row_reads_two_words_a_step_within_the_budget(tmp_path):
     token, not the general path's per-row loads: the loop stays within the no-mask budget."""
     df = fast.defines(128, 5, 3, 1, 1, 0, False, False, True, 16, True)
     df.update(ROWS=4, Q_DT=1, X_DT=1, O_DT=1, MASK_ROW=1, HAD=1)
-    cubin = tmp_path / "k.cubin"
-    cubin.write_bytes(jit.compile_cubin(fast.source(), fast.NAME, df, 90))
-    loops = main_loops(subprocess.run([_cuobjdump(), "-sass", str(cubin)], capture_output=True, text=True,
-                                      check=True).stdout)
+    loops = main_loops(sm90_sass(df, tmp_path / "k.cubin", "-sass")[0])
     assert 1 <= len(loops) <= 2, f"{len(loops)} main loops"
     for ops in loops:
         steps = ops["HMMA"] // 24
@@ -134,12 +140,11 @@ def test_sm90_a_build_for_plans_that_never_fold_leaves_the_folded_ctas_code_out(
     for fold in (0, 1):
         df = fast.defines(d, 5, 3, 1, 1, 0, False, False, True, 16, True, w=w)
         df.update(ROWS=4, Q_DT=1, X_DT=1, O_DT=1, HAD=1, MASK_ROW=1, FOLD=fold)
-        cubin = tmp_path / f"k{fold}.cubin"
-        cubin.write_bytes(jit.compile_cubin(fast.source(), fast.NAME, df, 90))
-        sass = subprocess.run([_cuobjdump(), "-sass", str(cubin)], capture_output=True, text=True, check=True).stdout
+        (sass,) = sm90_sass(df, tmp_path / f"k{fold}.cubin", "-sass")
         if d > 64:  # (at head dim 64 a step has fewer code pairs than `main_loops` looks for)
-            assert len(main_loops(sass)) == 1 + fold, f"FOLD={fold}: {len(main_loops(sass))} main loops"
-        counts[fold] = len(re.findall(r"/\*[0-9a-f]{4,}\*/\s+[^;]*;", sass))
+            loops = len(main_loops(sass))
+            assert loops == 1 + fold, f"FOLD={fold}: {loops} main loops"
+        counts[fold] = len(instructions(sass))
     assert counts[0] <= 0.7 * counts[1], counts
 
 
