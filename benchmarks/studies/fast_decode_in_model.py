@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import inspect
 import json
 import os
 import statistics
@@ -41,9 +42,13 @@ def ours(model, batch: int, context: int, preset: str, steps: int, sources: dict
     prep = bench._Prepared(model, "tq_static_compiled", batch, context, capacity, 0, 8192, preset, None)
     prep.fwd = model.forward  # eager: each layer's launch goes through `fast.decode`
     launch, shipped, plan = fast.decode, fast.source(), {}
+    signature = inspect.signature(launch)
 
     def twice(*args, **kw):
-        plan.update(warps=args[22], splits=args[18], fold=args[19], parts=args[23] if len(args) > 23 else kw["parts"])
+        a = signature.bind(*args, **kw)
+        a.apply_defaults()
+        a = a.arguments
+        plan.update(warps=a["w"], splits=a["num_splits"], fold=a["fold"], parts=a["parts"])
         ok = launch(*args, **kw)
         launch(*args, **kw)
         return ok
