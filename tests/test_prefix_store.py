@@ -3,6 +3,7 @@ shared between prompts, move to disk and back, leave under their budgets, and a 
 
 import copy
 import glob
+import os
 import threading
 
 import pytest
@@ -160,17 +161,23 @@ def test_prompts_share_pages_and_each_matches_its_own_endpoint():
 
 @torch.no_grad()
 @pytest.mark.parametrize("staged", [None, "one half", "many halves"])
-def test_pages_move_to_disk_come_back_exact_and_a_changed_file_is_refused(staged, tmp_path, monkeypatch):
-    """Both ways disk pages are read: views of their files' mappings (a CPU store), or read whole through the store's
-    two staging halves into one device buffer (a GPU store's way, here on the CPU): all files in one half, or halves
-    of the largest file's size, filled in turns; the halves reused by the next restore."""
+def test_pages_move_to_disk_come_back_exact_and_a_damaged_file_is_dropped(staged, tmp_path, monkeypatch):
+    """Both ways disk pages are read: into private memory on threads (a CPU store), or whole through the store's two
+    staging halves into one device buffer (a GPU store's way, here on the CPU): all files in one half, or halves of
+    the largest file's size, filled in turns; the halves reused by the next restore. A damaged file is dropped with
+    what hangs on it (one warning), the match restores what is still whole, and an insert stores it again."""
     if staged == "many halves":
         monkeypatch.setattr(prefix_store, "STAGING_BYTES", 1)
     staged = staged is not None
     model, cfg = model_and_config()
     store = PrefixStore(config=cfg, page_tokens=8, residual_length=8, cpu_bytes=4096, disk_dir=str(tmp_path),
                         disk_bytes=1 << 30)
-    store._staged_reads = staged
+
+    def use_staged(store):
+        if staged:
+            store._reader = prefix_store.StagedReader(store.disk, "cpu", prefix_store.STAGING_BYTES)
+
+    use_staged(store)
     x = ids(70)
     cache = prefill(model, cfg, x[:, :64], residual_length=8)
     store.insert(x[:, :64], cache)
@@ -191,16 +198,25 @@ def test_pages_move_to_disk_come_back_exact_and_a_changed_file_is_refused(staged
             f.write(bytes(size))
     assert all(torch.equal(a, b) for a, b in zip(steps(model, got, x, 64), steps(model, copy.deepcopy(cache), x, 64)))
     assert all(torch.equal(a, b) for a, b in zip(steps(model, kept, x, 64), steps(model, copy.deepcopy(cache), x, 64)))
-    store = PrefixStore(config=cfg, page_tokens=8, residual_length=8, cpu_bytes=4096, disk_dir=str(tmp_path),
-                        disk_bytes=1 << 30)
-    store._staged_reads = staged
+    store.close()
+    with pytest.warns(RuntimeWarning, match="removed 8 file"):  # the files zeroed above are no pages any more
+        store = PrefixStore(config=cfg, page_tokens=8, residual_length=8, cpu_bytes=4096, disk_dir=str(tmp_path),
+                            disk_bytes=1 << 30)
+    use_staged(store)
     store.insert(x[:, :64], cache)
-    path = sorted(glob.glob(str(tmp_path / "*.safetensors")))[0]
+    on_disk = [k for k, h in store._held.items() if isinstance(h, str)]
+    path = store._held[on_disk[0]]
     raw = bytearray(open(path, "rb").read())
     raw[-1] ^= 1
     open(path, "wb").write(bytes(raw))
-    with pytest.raises(ValueError, match="differs from the one this store wrote"):
-        store.match(x)
+    with pytest.warns(RuntimeWarning, match="drops the page file"):
+        got, n = store.match(x)
+    assert n == 0 and store.stats()["damaged"] == 1 and not os.path.exists(path)
+    store.insert(x[:, :64], cache)  # stored again
+    got, n = store.match(x)
+    assert n == 64
+    assert all(torch.equal(a, b) for a, b in zip(steps(model, got, x, 64), steps(model, copy.deepcopy(cache), x, 64)))
+    store.close()
 
 
 @torch.no_grad()

@@ -12,14 +12,19 @@ moves its capacity rules need, for the store to carry out:
 - pinned pages (those a live cache is built from) are never moved or dropped;
 - a page that cannot fit anywhere is not stored, and the insert says so.
 
-Thread-safe: one lock around every call.
+Each tier keeps a heap of (last use, key) entries, checked when popped (a moved, touched, pinned or dropped page's
+old entries are stale and skipped), so finding a victim costs O(log n), not a scan of every page. A page may count
+other bytes in the file tier (a disk folder's file, headers included) than in memory. Changes between `begin` and
+`commit` are journaled, so `rollback` puts every page an insert stored, moved or dropped back where it was (the
+store does this when a disk write fails). Thread-safe: one lock around every call.
 """
 
 from __future__ import annotations
 
 import hashlib
+import heapq
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Sequence
 
 import torch
@@ -66,9 +71,10 @@ class _Page:
     parent: str | None
     tier: int
     nbytes: int
+    file_nbytes: int
     used: int
     pins: int = 0
-    children: int = 0
+    children: set = field(default_factory=set)
 
 
 class PrefixIndex:
@@ -77,6 +83,7 @@ class PrefixIndex:
     Args:
         tier_bytes: the bytes each tier may hold, e.g. `[gpu_bytes, cpu_bytes, disk_bytes]`.
         page_tokens: tokens per page (for the stats' token counts).
+        file_tier: the tier whose pages count their file bytes (`insert`'s `file_bytes`), None for none.
 
     Example:
         >>> index = PrefixIndex([2 << 20, 8 << 20], page_tokens=256)
@@ -87,18 +94,25 @@ class PrefixIndex:
         (4, [2, 2])
     """
 
-    def __init__(self, tier_bytes: Sequence[int], page_tokens: int = 1):
+    def __init__(self, tier_bytes: Sequence[int], page_tokens: int = 1, file_tier: int | None = None):
         caps = list(tier_bytes)
         if not caps or any(isinstance(c, bool) or not isinstance(c, int) or c < 0 for c in caps):
             raise ValueError(f"tier_bytes must be a non-empty list of byte counts >= 0, got {tier_bytes!r}")
         if isinstance(page_tokens, bool) or not isinstance(page_tokens, int) or page_tokens < 1:
             raise ValueError(f"page_tokens must be an integer >= 1, got {page_tokens!r}")
+        if file_tier is not None and file_tier not in range(len(caps)):
+            raise ValueError(f"file_tier must be None or a tier in [0, {len(caps) - 1}], got {file_tier!r}")
         self.capacity = caps
         self.page_tokens = page_tokens
+        self.file_tier = file_tier
         self._pages: dict[str, _Page] = {}
         self._held = [0] * len(caps)
+        self._count = [0] * len(caps)
+        self._heaps: list[list[tuple[int, str]]] = [[] for _ in caps]
         self._clock = 0
         self._lock = threading.Lock()
+        self._journal: dict[str, _Page | None] | None = None
+        self._saved_stats: dict | None = None
         self._stats = {"lookups": 0, "hits": 0, "pages_matched": 0, "stored": 0, "moved": 0, "dropped": 0,
                        "skipped": 0}
 
@@ -124,26 +138,31 @@ class PrefixIndex:
             page = self._pages.get(key)
             return None if page is None else page.tier
 
+    def parent_of(self, key: str) -> str | None:
+        with self._lock:
+            return self._pages[key].parent
+
     def stats(self) -> dict:
         """Lookups, hits, tokens reused, pages and bytes per tier, and the pages stored, moved, dropped, skipped."""
         with self._lock:
             out = dict(self._stats)
             out["tokens_reused"] = out["pages_matched"] * self.page_tokens
             out["bytes"] = list(self._held)
-            out["pages"] = [sum(p.tier == t for p in self._pages.values()) for t in range(len(self.capacity))]
+            out["pages"] = list(self._count)
             out["pinned"] = sum(p.pins > 0 for p in self._pages.values())
             return out
 
     # ---- changes ----
 
-    def insert(self, keys: Sequence[str], page_bytes: int | Sequence[int]) -> list[Action]:
+    def insert(self, keys: Sequence[str], page_bytes: int | Sequence[int],
+               file_bytes: int | Sequence[int] | None = None) -> list[Action]:
         """Hold the pages of `keys` (a prefix's chain, from its first page): those held already count as used,
-        new ones enter tier 0 (`page_bytes` each, or one size per key), and the tiers are brought back under their
-        capacities. Returns the actions in the order the store must carry them out. Stops at the first page that
-        fits nowhere (it and the pages after it are skipped: a chain with a gap cannot be matched past it)."""
-        sizes = [page_bytes] * len(keys) if isinstance(page_bytes, int) else list(page_bytes)
-        if len(sizes) != len(keys) or any(isinstance(b, bool) or not isinstance(b, int) or b < 0 for b in sizes):
-            raise ValueError(f"page_bytes must be an integer >= 0 or one per key ({len(keys)}), got {page_bytes!r}")
+        new ones enter tier 0 (`page_bytes` each, or one size per key; `file_bytes` likewise in the file tier,
+        `page_bytes` when None), and the tiers are brought back under their capacities. Returns the actions in the
+        order the store must carry them out. Stops at the first page that fits nowhere (it and the pages after it
+        are skipped: a chain with a gap cannot be matched past it)."""
+        sizes = _sizes(page_bytes, keys, "page_bytes")
+        files = sizes if file_bytes is None else _sizes(file_bytes, keys, "file_bytes")
         with self._lock:
             actions: list[Action] = []
             parent = None
@@ -156,22 +175,56 @@ class PrefixIndex:
                     self._touch([key])
                     parent = key
                     continue
-                page = _Page(parent, 0, sizes[i], self._tick())
-                self._pages[key] = page
-                self._held[0] += sizes[i]
-                if parent is not None:
-                    self._pages[parent].children += 1
+                self._add(key, _Page(parent, 0, sizes[i], files[i], self._tick()))
                 made = self._fit(0, protect=key)  # the new page may move down, never out
                 if made is None:
                     self._remove(key)
                     actions.extend(Action("skip", k) for k in keys[i:])
                     self._stats["skipped"] += len(keys) - i
                     break
-                actions.append(Action("store", key, to=page.tier))  # where it ended up: no move of it to carry out
+                actions.append(Action("store", key, to=self._pages[key].tier))  # where it ended up
                 actions.extend(a for a in made if a.key != key)
                 self._stats["stored"] += 1
                 parent = key
             return actions
+
+    def adopt(self, key: str, parent: str | None, tier: int, page_bytes: int, file_bytes: int) -> None:
+        """Hold a page found where a store keeps its pages (a disk folder left by an earlier store), as used now;
+        its parent must be held. `fit` brings the tiers back under their capacities afterwards."""
+        with self._lock:
+            if key in self._pages:
+                raise ValueError(f"page {key[:12]} is held already")
+            if parent is not None and parent not in self._pages:
+                raise ValueError(f"page {key[:12]}'s parent {parent[:12]} is not held")
+            self._add(key, _Page(parent, tier, page_bytes, file_bytes, self._tick()))
+
+    def fit(self) -> list[Action]:
+        """The moves and drops that bring every tier under its capacity (pinned pages stay; what cannot be brought
+        under stays over, and a later insert tries again)."""
+        with self._lock:
+            actions: list[Action] = []
+            for t in range(len(self.capacity)):
+                while self._held[t] > self.capacity[t]:
+                    made = self._evict_one(t)
+                    if made is None:
+                        break
+                    actions.append(made)
+            return actions
+
+    def remove_subtree(self, key: str) -> list[str]:
+        """Forget `key` and every page that hangs on it (pinned ones too: the caller knows they are unusable);
+        returns the keys forgotten, parents before children."""
+        with self._lock:
+            if key not in self._pages:
+                return []
+            order, todo = [], [key]
+            while todo:
+                k = todo.pop()
+                order.append(k)
+                todo.extend(self._pages[k].children)
+            for k in reversed(order):
+                self._remove(k)
+            return order
 
     def pin(self, keys: Sequence[str]) -> None:
         """Keep these pages where they are until `unpin` (a live cache reads them)."""
@@ -183,12 +236,53 @@ class PrefixIndex:
                 self._pages[k].pins += 1
 
     def unpin(self, keys: Sequence[str]) -> None:
+        """Undo a `pin`; pages forgotten meanwhile (`remove_subtree`) are passed over."""
         with self._lock:
-            bad = [k for k in keys if k not in self._pages or self._pages[k].pins == 0]
+            bad = [k for k in keys if k in self._pages and self._pages[k].pins == 0]
             if bad:
                 raise KeyError(f"cannot unpin pages not pinned: {bad[:3]}")
             for k in keys:
-                self._pages[k].pins -= 1
+                page = self._pages.get(k)
+                if page is not None:
+                    page.pins -= 1
+                    if not page.pins:
+                        self._push(k, page)
+
+    # ---- transactions ----
+
+    def begin(self) -> None:
+        """Journal every page the next changes store, move or drop, until `commit` or `rollback`."""
+        with self._lock:
+            if self._journal is not None:
+                raise RuntimeError("a transaction is open already")
+            self._journal = {}
+            self._saved_stats = {k: self._stats[k] for k in ("stored", "moved", "dropped", "skipped")}
+
+    def commit(self) -> None:
+        with self._lock:
+            self._journal = self._saved_stats = None
+
+    def rollback(self) -> None:
+        """Put every page changed since `begin` back as it was (its use time and pins stay as they are now)."""
+        with self._lock:
+            journal, self._journal = self._journal or {}, None
+            for key, before in reversed(list(journal.items())):  # the transaction's new pages, children first
+                if before is None and key in self._pages:
+                    self._remove(key)
+            back = {k: b for k, b in journal.items() if b is not None}
+            while back:  # dropped pages come back parents first; moved ones go back to their tier
+                ready = [k for k, b in back.items() if k in self._pages or b.parent is None or b.parent in self._pages]
+                if not ready:
+                    break  # (a parent forgotten meanwhile: what hung on it stays out)
+                for k in ready:
+                    b = back.pop(k)
+                    page = self._pages.get(k)
+                    if page is None:
+                        self._add(k, _Page(b.parent, b.tier, b.nbytes, b.file_nbytes, b.used))
+                    elif page.tier != b.tier:
+                        self._place(k, page, b.tier)
+            self._stats.update(self._saved_stats or {})
+            self._saved_stats = None
 
     # ---- internals (the lock is held) ----
 
@@ -196,15 +290,70 @@ class PrefixIndex:
         self._clock += 1
         return self._clock
 
+    def _size(self, page: _Page, tier: int) -> int:
+        return page.file_nbytes if tier == self.file_tier else page.nbytes
+
+    def _note(self, key: str, page: _Page | None) -> None:
+        """Journal `key`'s state before its first change in an open transaction."""
+        if self._journal is not None and key not in self._journal:
+            self._journal[key] = None if page is None else _Page(page.parent, page.tier, page.nbytes,
+                                                                 page.file_nbytes, page.used)
+
+    def _push(self, key: str, page: _Page) -> None:
+        heap = self._heaps[page.tier]
+        heapq.heappush(heap, (page.used, key))
+        if len(heap) > 4 * self._count[page.tier] + 64:  # mostly stale entries: rebuilt from the live pages
+            live = [(p.used, k) for k, p in self._pages.items() if p.tier == page.tier]
+            heapq.heapify(live)
+            self._heaps[page.tier] = live
+
     def _touch(self, keys: Sequence[str]) -> None:
         for k in keys:  # in chain order: a chain's later pages count as used later
-            self._pages[k].used = self._tick()
+            page = self._pages[k]
+            page.used = self._tick()
+            self._push(k, page)
+
+    def _add(self, key: str, page: _Page) -> None:
+        self._note(key, None)
+        self._pages[key] = page
+        self._held[page.tier] += self._size(page, page.tier)
+        self._count[page.tier] += 1
+        if page.parent is not None:
+            self._pages[page.parent].children.add(key)
+        self._push(key, page)
 
     def _remove(self, key: str) -> None:
         page = self._pages.pop(key)
-        self._held[page.tier] -= page.nbytes
-        if page.parent is not None and page.parent in self._pages:
-            self._pages[page.parent].children -= 1
+        self._note(key, page)
+        self._held[page.tier] -= self._size(page, page.tier)
+        self._count[page.tier] -= 1
+        parent = self._pages.get(page.parent) if page.parent is not None else None
+        if parent is not None:
+            parent.children.discard(key)
+            if not parent.children:
+                self._push(page.parent, parent)  # a leaf now: the last tier may drop it
+
+    def _place(self, key: str, page: _Page, tier: int) -> None:
+        self._note(key, page)
+        self._held[page.tier] -= self._size(page, page.tier)
+        self._count[page.tier] -= 1
+        page.tier = tier
+        self._held[tier] += self._size(page, tier)
+        self._count[tier] += 1
+        self._push(key, page)
+
+    def _evict_one(self, t: int, protect: str | None = None) -> Action | None:
+        """Move the least recently used unpinned page of tier `t` one tier down (drop it from the last tier, where
+        only pages without a held child may leave); None when there is none."""
+        last = t == len(self.capacity) - 1
+        victim = self._victim(t, leaves_only=last, protect=protect)
+        if victim is None:
+            return None
+        if last:
+            self._remove(victim)
+            return Action("drop", victim, src=t)
+        self._place(victim, self._pages[victim], t + 1)
+        return Action("move", victim, src=t, to=t + 1)
 
     def _fit(self, tier: int, protect: str | None = None) -> list[Action] | None:
         """Moves and drops that bring `tier` and the tiers below it back under capacity, carried out on the index;
@@ -214,44 +363,50 @@ class PrefixIndex:
         last = len(self.capacity) - 1
         for t in range(tier, last + 1):
             while self._held[t] > self.capacity[t]:
-                victim = self._victim(t, leaves_only=t == last, protect=protect if t == last else None)
+                guard = protect if t == last else None
+                victim = self._victim(t, leaves_only=t == last, protect=guard)
                 if victim is None:
                     for key, page in reversed(undo):
-                        self._restore(key, page)
+                        self._undo(key, page)
                     return None
                 page = self._pages[victim]
-                undo.append((victim, _Page(page.parent, page.tier, page.nbytes, page.used, page.pins, page.children)))
-                if t == last:
-                    self._remove(victim)
-                    actions.append(Action("drop", victim, src=t))
-                else:
-                    self._held[t] -= page.nbytes
-                    self._held[t + 1] += page.nbytes
-                    page.tier = t + 1
-                    actions.append(Action("move", victim, src=t, to=t + 1))
+                undo.append((victim, _Page(page.parent, page.tier, page.nbytes, page.file_nbytes, page.used)))
+                actions.append(self._evict_one(t, protect=guard))
         self._stats["moved"] += sum(a.kind == "move" and a.key != protect for a in actions)
         self._stats["dropped"] += sum(a.kind == "drop" for a in actions)
         return actions
 
-    def _restore(self, key: str, saved: _Page) -> None:
+    def _undo(self, key: str, saved: _Page) -> None:
         """Put a page back as it was before a move or drop of `_fit`."""
         page = self._pages.get(key)
         if page is None:  # dropped
-            self._pages[key] = saved
-            self._held[saved.tier] += saved.nbytes
-            if saved.parent is not None and saved.parent in self._pages:
-                self._pages[saved.parent].children += 1
+            self._add(key, saved)
         else:  # moved
-            self._held[page.tier] -= page.nbytes
-            self._held[saved.tier] += saved.nbytes
-            page.tier = saved.tier
+            self._place(key, page, saved.tier)
 
     def _victim(self, tier: int, leaves_only: bool, protect: str | None = None) -> str | None:
         """The least recently used unpinned page of `tier` but `protect` (one with no held child, when
-        `leaves_only`)."""
-        best, best_used = None, None
-        for k, p in self._pages.items():
-            if p.tier == tier and p.pins == 0 and k != protect and (not leaves_only or p.children == 0):
-                if best_used is None or p.used < best_used:
-                    best, best_used = k, p.used
-        return best
+        `leaves_only`). Stale entries are discarded on the way (a page that is pinned, or has children, gets a
+        fresh entry when that changes); the victim's own entry stays, stale once it is moved or dropped."""
+        heap, aside, found = self._heaps[tier], [], None
+        while heap:
+            used, key = heap[0]
+            page = self._pages.get(key)
+            if page is None or page.tier != tier or page.used != used or page.pins or (leaves_only and page.children):
+                heapq.heappop(heap)
+                continue
+            if key == protect:
+                aside.append(heapq.heappop(heap))
+                continue
+            found = key
+            break
+        for entry in aside:
+            heapq.heappush(heap, entry)
+        return found
+
+
+def _sizes(value, keys: Sequence[str], name: str) -> list[int]:
+    sizes = [value] * len(keys) if isinstance(value, int) and not isinstance(value, bool) else list(value)
+    if len(sizes) != len(keys) or any(isinstance(b, bool) or not isinstance(b, int) or b < 0 for b in sizes):
+        raise ValueError(f"{name} must be an integer >= 0 or one per key ({len(keys)}), got {value!r}")
+    return sizes

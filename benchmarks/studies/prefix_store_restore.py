@@ -14,6 +14,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from tq_hf_cache import TurboQuantCache, cache_kwargs
 from tq_hf_cache.bench import llama_8b_config
 from tq_hf_cache.prefix_store import PrefixStore
+from tq_hf_cache import prefix_pages
 cfg = llama_8b_config(32, max_position_embeddings=131072)
 T = int(sys.argv[1]) if len(sys.argv) > 1 else 32768
 g = torch.Generator("cuda").manual_seed(0)
@@ -51,12 +52,12 @@ for name, kw in stores.items():
         phases["read_and_hash_16_threads_s"] = time.perf_counter() - t
         keys = list(store._held)  # as match: read, checked, parsed into the staging buffer, copied to the GPU once
         t = time.perf_counter()
-        loaded = store._load_staged(keys)
+        loaded = store._reader.read(keys)
         phases["load_staged_s"] = time.perf_counter() - t
         t = time.perf_counter()
         chain = [loaded[k] for k in keys if "tensors" not in loaded[k]] + [loaded[k] for k in keys
                                                                           if "tensors" in loaded[k]]
-        store._restore([chain])
+        prefix_pages.restore(store._new_cache(), [chain], store.config, store.device, False)
         torch.cuda.synchronize()
         phases["restore_from_loaded_s"] = time.perf_counter() - t
         res["disk_phases"] = {k: round(v, 3) for k, v in phases.items()}

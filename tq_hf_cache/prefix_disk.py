@@ -1,0 +1,393 @@
+"""The disk tier of a `PrefixStore`: one folder, taken by one store at a time, of self-describing page files.
+
+A page file is a safetensors file (8-byte header size, JSON header, tensor bytes). Its metadata names the store's
+namespace, the page's key and its parent's, the payload's other fields (a snapshot's layer infos), and the SHA-256 of
+the rest of the header and of the tensor bytes, so a file is checked whole when it is read, and a new store adopts
+a folder's files from their headers alone. A file is written to a temporary name and renamed, without an fsync: a
+file torn by a crash fails its digest when read and is dropped like any damaged page. Reads go into private memory,
+never through a mapping: a file truncated while it is read is an error, not a SIGBUS.
+
+The folder is locked (`flock` on `.lock`) while a store uses it: two stores (two processes, or two in one) would
+evict each other's files. Files of another namespace (another model, config or codebooks), files that do not parse
+and writers' leftover temporary files are removed when a store takes the folder; other files are left alone.
+"""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import json
+import os
+import re
+import tempfile
+from dataclasses import dataclass
+
+import torch
+
+from . import _io
+
+PAGE_FORMAT = "tq_hf_cache.prefix_page"
+PAGE_VERSION = "1"
+LOCK_NAME = ".lock"
+SUFFIX = ".safetensors"
+MAX_HEADER = 64 << 20
+_KEY = re.compile(r"[0-9a-f]{64}")
+_DTYPE_NAMES = {torch.float16: "F16", torch.bfloat16: "BF16", torch.float32: "F32", torch.uint8: "U8",
+                torch.int64: "I64", torch.int32: "I32", torch.int8: "I8", torch.float64: "F64", torch.bool: "BOOL"}
+
+
+class PageDamaged(ValueError):
+    """A page file that is missing, unreadable, of the wrong size, or not the one its key names."""
+
+    def __init__(self, key: str, path: str, why: str):
+        super().__init__(f"{path}: {why}")
+        self.key, self.path, self.why = key, path, why
+
+
+@dataclass
+class Found:
+    """A page file a store found in its folder: its key, parent key (None for a chain's first page), the payload's
+    other fields, the bytes of its tensors and of the file, and when it was last written."""
+
+    key: str
+    parent: str | None
+    meta: dict
+    tensor_bytes: int
+    file_bytes: int
+    mtime: float
+
+
+class DiskTier:
+    """The page files of one store in `folder`, which it holds locked until `close`.
+
+    Example:
+        >>> tier = DiskTier(folder, namespace)                                      # doctest: +SKIP
+        >>> tier.write(key, None, {"k": torch.zeros(2, 3)}, {})                    # doctest: +SKIP
+        >>> tensors, meta = tier.read(key)                                         # doctest: +SKIP
+    """
+
+    def __init__(self, folder: str, namespace: str):
+        self.folder, self.namespace = os.path.abspath(folder), namespace
+        if os.path.islink(self.folder):
+            raise ValueError(f"disk_dir {folder!r} is a symbolic link; give the folder itself")
+        os.makedirs(self.folder, mode=0o700, exist_ok=True)
+        self._lock_fd = _take(self.folder)
+
+    # ---- files ----
+
+    def path(self, key: str) -> str:
+        return os.path.join(self.folder, key + SUFFIX)
+
+    def file_bytes(self, key: str, parent: str | None, tensors: dict, meta: dict) -> int:
+        """The size `write` gives this page's file."""
+        header, data = self._header(key, parent, tensors, meta, "0" * 64)
+        return 8 + len(header) + data
+
+    def write(self, key: str, parent: str | None, tensors: dict, meta: dict) -> str:
+        """Write a page file atomically (temporary name, rename); returns its path."""
+        parts = []
+        for _, t in _ordered(tensors):
+            raw = t.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy()
+            parts += [memoryview(raw), bytes(-raw.nbytes % 8)]
+        unsigned, _ = self._header(key, parent, tensors, meta, None)
+        h = hashlib.sha256(unsigned)
+        for p in parts:
+            h.update(p)
+        header, _ = self._header(key, parent, tensors, meta, h.hexdigest())
+        path = self.path(key)
+        fd, tmp = tempfile.mkstemp(dir=self.folder, prefix="." + key[:16] + ".", suffix=".tmp")
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(len(header).to_bytes(8, "little"))
+                f.write(header)
+                for p in parts:
+                    f.write(p)
+            os.replace(tmp, path)
+        except BaseException:
+            _remove(tmp)
+            raise
+        return path
+
+    def read(self, key: str) -> tuple[dict, dict]:
+        """(tensors, the payload's other fields) of a page file, read into private memory and checked whole; a
+        PageDamaged naming the file and what is wrong with it otherwise."""
+        path = self.path(key)
+        try:
+            fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+        except OSError as e:
+            raise PageDamaged(key, path, f"cannot be opened ({e.strerror or e})") from None
+        with os.fdopen(fd, "rb") as f:
+            size = os.fstat(fd).st_size
+            buf = torch.empty(size, dtype=torch.uint8)
+            try:
+                got = f.readinto(memoryview(buf.numpy())) if size else 0
+                extra = f.read(1)
+            except OSError as e:
+                raise PageDamaged(key, path, f"cannot be read ({e.strerror or e})") from None
+        if got != size or extra:
+            raise PageDamaged(key, path, f"changed size while it was read ({size} bytes, then {got}"
+                                         f"{'+' if extra else ''})")
+        base, layout, meta = self.check(key, buf.numpy(), path)
+        tensors = {name: buf[base + start: base + end].view(dtype).view(shape)
+                   for name, (dtype, shape, start, end) in layout.items()}
+        return tensors, meta
+
+    def check(self, key: str, data, path: str) -> tuple[int, dict, dict]:
+        """(where the tensor bytes begin, the tensors' layout, the payload's other fields) of a page file's bytes,
+        after checking its header and digest; PageDamaged otherwise."""
+        view = memoryview(data).cast("B")
+        header, why = _parse_header(view, len(view))
+        if header is not None:
+            why = self._check_meta(key, header)
+        if why is None:
+            md = header["__metadata__"]
+            unsigned = _json({**header, "__metadata__": {k: v for k, v in md.items() if k != "sha256"}})
+            n = int.from_bytes(view[:8], "little")
+            h = hashlib.sha256(unsigned)
+            h.update(view[8 + n:])
+            if h.hexdigest() != md["sha256"]:
+                why = "its SHA-256 differs from its header's (damaged or changed after it was written)"
+        if why is not None:
+            raise PageDamaged(key, path, why)
+        try:
+            base, layout = _io.safetensors_layout(view, path)
+        except ValueError as e:
+            raise PageDamaged(key, path, str(e)) from None
+        return base, layout, json.loads(header["__metadata__"]["meta"])
+
+    def remove(self, key: str) -> None:
+        _remove(self.path(key))
+
+    def scan(self) -> tuple[list[Found], int]:
+        """The page files of this store's namespace in the folder, from their headers (oldest first), and how many
+        other files of ours were removed (another namespace, unreadable, or a writer's leftover)."""
+        found, removed = [], 0
+        for name in sorted(os.listdir(self.folder)):
+            full = os.path.join(self.folder, name)
+            if name.startswith(".") and name.endswith(".tmp"):
+                removed += _remove(full)
+                continue
+            key = name[: -len(SUFFIX)]
+            if not name.endswith(SUFFIX) or not _KEY.fullmatch(key):
+                continue  # not a page file of a store
+            page = self._found(key, full)
+            if page is None:
+                removed += _remove(full)
+            else:
+                found.append(page)
+        found.sort(key=lambda p: p.mtime)
+        return found, removed
+
+    def close(self) -> None:
+        """Release the folder (its files stay for the next store)."""
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)  # (closing the descriptor releases its flock)
+            self._lock_fd = None
+
+    # ---- internals ----
+
+    def _header(self, key, parent, tensors, meta, sha) -> tuple[bytes, int]:
+        """The header's bytes (`sha` None: the unsigned form the digest covers) and the tensor bytes' size."""
+        entries, at = {}, 0
+        for name, t in _ordered(tensors):
+            n = t.numel() * t.element_size()
+            entries[name] = {"dtype": _DTYPE_NAMES[t.dtype], "shape": list(t.shape), "data_offsets": [at, at + n]}
+            at += n + (-n % 8)
+        md = {"format": PAGE_FORMAT, "version": PAGE_VERSION, "namespace": self.namespace, "key": key,
+              "parent": parent or "", "meta": json.dumps(meta, sort_keys=True, separators=(",", ":"))}
+        if sha is None:
+            return _json({**entries, "__metadata__": md}), at
+        text = _json({**entries, "__metadata__": {**md, "sha256": sha}})
+        return text + b" " * (-(len(text) + 8) % 8), at
+
+    def _check_meta(self, key: str, header: dict) -> str | None:
+        md = header.get("__metadata__")
+        if not isinstance(md, dict) or set(md) != {"format", "version", "namespace", "key", "parent", "meta",
+                                                   "sha256"}:
+            return "its header has no page metadata"
+        if (md["format"], md["version"]) != (PAGE_FORMAT, PAGE_VERSION):
+            return f"format {md['format']!r} version {md['version']!r}, not {PAGE_FORMAT!r} {PAGE_VERSION!r}"
+        if md["namespace"] != self.namespace:
+            return "it belongs to another model, config or codebooks (field namespace)"
+        if md["key"] != key:
+            return f"it holds page {str(md['key'])[:16]}, not the page its name says (field key)"
+        if md["parent"] != "" and not (isinstance(md["parent"], str) and _KEY.fullmatch(md["parent"])):
+            return "field parent is not a page key"
+        if not (isinstance(md["sha256"], str) and _KEY.fullmatch(md["sha256"])):
+            return "field sha256 is not a SHA-256 digest"
+        try:
+            ok = isinstance(json.loads(md["meta"]), dict)
+        except (TypeError, ValueError, RecursionError):
+            ok = False
+        return None if ok else "field meta is not a JSON object"
+
+    def _found(self, key: str, path: str) -> Found | None:
+        """A file's page from its header alone (its tensors are checked when it is first read); None when it is not
+        one of this store's namespace or does not parse."""
+        try:
+            fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+        except OSError:
+            return None
+        with os.fdopen(fd, "rb") as f:
+            st = os.fstat(fd)
+            head = f.read(8)
+            n = int.from_bytes(head, "little") if len(head) == 8 else -1
+            if not 0 < n <= min(MAX_HEADER, st.st_size - 8):
+                return None
+            header, _ = _parse_header(memoryview(head + f.read(n)), st.st_size)
+        if header is None or self._check_meta(key, header) is not None:
+            return None
+        entries = [v for k, v in header.items() if k != "__metadata__"]
+        try:
+            tensor_bytes = sum(int(e["data_offsets"][1]) - int(e["data_offsets"][0]) for e in entries)
+        except (TypeError, KeyError, IndexError, ValueError):
+            return None
+        md = header["__metadata__"]
+        return Found(key, md["parent"] or None, json.loads(md["meta"]), tensor_bytes, st.st_size, st.st_mtime)
+
+
+def _take(folder: str) -> int:
+    """The lock file's descriptor, holding the folder's exclusive lock; a ValueError naming the folder when another
+    store holds it."""
+    import fcntl
+
+    path = os.path.join(folder, LOCK_NAME)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0), 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as e:
+        holder = os.pread(fd, 32, 0).decode("ascii", "replace").strip() or "?"
+        os.close(fd)
+        if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+            raise ValueError(f"disk_dir {folder!r} is in use by another PrefixStore (process {holder}): each store "
+                             "needs a folder of its own (close() the other one, or give this one another folder)")
+        raise
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, str(os.getpid()).encode(), 0)
+    return fd
+
+
+def _parse_header(view, size: int) -> tuple[dict | None, str | None]:
+    """(the header object, None) of a page file's first bytes, or (None, what is wrong)."""
+    if len(view) < 8:
+        return None, f"{len(view)} bytes, fewer than a header"
+    n = int.from_bytes(view[:8], "little")
+    if not 0 < n <= min(MAX_HEADER, size - 8, len(view) - 8):
+        return None, f"its header claims {n} bytes, the file has {size}"
+    try:
+        header = json.loads(bytes(view[8: 8 + n]))
+    except (ValueError, UnicodeDecodeError, RecursionError):
+        return None, "its header is not valid JSON"
+    return (header, None) if isinstance(header, dict) else (None, "its header is not a JSON object")
+
+
+def _ordered(tensors: dict) -> list:
+    return sorted(tensors.items())
+
+
+def _json(obj) -> bytes:
+    return json.dumps(obj, sort_keys=True, separators=(",", ":")).encode("ascii")
+
+
+def _remove(path: str) -> int:
+    try:
+        os.remove(path)
+        return 1
+    except FileNotFoundError:
+        return 0
+
+
+class StagedReader:
+    """Disk pages read for a GPU store: files read whole (no mapping: no page faults) on threads into one of two
+    host halves (pinned where CUDA is), each checked there; a full half is copied to its place in one device buffer
+    while the other fills; each tensor is one strided view of that buffer. One restore at a time uses the halves
+    (their own lock: a lookup of memory pages never waits here). A restore's peak is twice its bytes."""
+
+    def __init__(self, disk: DiskTier, device, half_bytes: int):
+        import threading
+
+        self.disk, self.device = disk, torch.device(device)
+        self._lock = threading.Lock()
+        self._halves: list[torch.Tensor] = []
+        self._make(half_bytes)
+
+    def _make(self, nbytes: int) -> None:
+        pin = torch.cuda.is_available()
+        self._halves = []  # (the old halves go before bigger ones are made)
+        self._halves = [torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin) for _ in range(2)]
+
+    def read(self, keys: list[str]) -> dict[str, dict]:
+        """{key: {**meta, "tensors": ...} or tensors} of page files, on the device; PageDamaged for a bad file."""
+        from concurrent.futures import ThreadPoolExecutor
+
+        with self._lock:
+            paths = [self.disk.path(k) for k in keys]
+            sizes = []
+            for k, p in zip(keys, paths):
+                try:
+                    sizes.append(os.stat(p, follow_symlinks=False).st_size)
+                except OSError as e:
+                    raise PageDamaged(k, p, f"cannot be opened ({e.strerror or e})") from None
+            padded = [-(-n // 8) * 8 for n in sizes]  # each file at an 8-byte boundary: its tensors stay aligned
+            if not self._halves or self._halves[0].numel() < max(padded):
+                self._make(max(self._halves[0].numel() if self._halves else 0, max(padded)))
+            half = self._halves[0].numel()
+            starts, groups = [0], [[]]  # files' places in the device buffer; runs of files that fit a half
+            for i, n in enumerate(padded):
+                if groups[-1] and starts[-1] + n - starts[groups[-1][0]] > half:
+                    groups.append([])
+                groups[-1].append(i)
+                starts.append(starts[-1] + n)
+            dev = torch.empty(max(starts[-1], 8), dtype=torch.uint8, device=self.device)
+            cuda = self.device.type == "cuda"
+            done = [None, None]  # each half's copy-finished event
+            views = [memoryview(h.numpy()) for h in self._halves]
+
+            def one(h: int, first: int, i: int):
+                part = views[h][starts[i] - starts[first]: starts[i] - starts[first] + sizes[i]]
+                try:
+                    with open(paths[i], "rb") as f:
+                        got, extra = f.readinto(part), f.read(1)
+                except OSError as e:
+                    raise PageDamaged(keys[i], paths[i], f"cannot be read ({e.strerror or e})") from None
+                if got != sizes[i] or extra:
+                    raise PageDamaged(keys[i], paths[i], "changed size while it was read")
+                return self.disk.check(keys[i], part, paths[i])
+
+            parsed = [None] * len(keys)
+            try:
+                with ThreadPoolExecutor(max(1, min(16, os.cpu_count() or 1, len(keys)))) as pool:
+                    for g, group in enumerate(groups):
+                        h = g % 2
+                        if done[h] is not None:
+                            done[h].synchronize()  # this half's last copy has left it
+                        first = group[0]
+                        for i, res in zip(group, pool.map(lambda i: one(h, first, i), group)):
+                            parsed[i] = res
+                        n = starts[group[-1] + 1] - starts[first]
+                        dev[starts[first]: starts[first] + n].copy_(self._halves[h][:n], non_blocking=cuda)
+                        if cuda:
+                            done[h] = torch.cuda.Event()
+                            done[h].record(torch.cuda.current_stream(self.device))
+            finally:
+                for e in done:
+                    if e is not None:
+                        e.synchronize()  # the halves are free for the next restore, whatever happened
+        return {key: _views(dev, at, base, layout, meta) for key, at, (base, layout, meta) in zip(keys, starts, parsed)}
+
+
+def _views(dev: torch.Tensor, at: int, base: int, layout: dict, meta: dict) -> dict:
+    """A page's tensors as views of the device buffer that holds its file at `at`."""
+    tensors = {}
+    for name, (dtype, shape, start, end) in layout.items():
+        first = at + base + start
+        if first % dtype.itemsize:  # (not from this store's writer: copied out)
+            tensors[name] = dev[first: at + base + end].clone().view(dtype).view(shape)
+            continue
+        flat = dev[: dev.numel() // dtype.itemsize * dtype.itemsize].view(dtype)
+        stride, acc = [], 1
+        for n in reversed(shape):
+            stride.append(acc)
+            acc *= n
+        tensors[name] = flat.as_strided(shape, stride[::-1], first // dtype.itemsize)
+    return {**meta, "tensors": tensors} if meta else tensors
