@@ -138,6 +138,11 @@ class PrefixIndex:
             page = self._pages.get(key)
             return None if page is None else page.tier
 
+    def file_bytes_of(self, key: str) -> int | None:
+        with self._lock:
+            page = self._pages.get(key)
+            return None if page is None else page.file_nbytes
+
     def parent_of(self, key: str) -> str | None:
         with self._lock:
             return self._pages[key].parent

@@ -153,6 +153,7 @@ class PrefixStore:
             chains.append(keys + [snap])
         sizes = {k: (pp.nbytes(p), self._file_bytes(k, parent, p)) for k, (p, parent) in new.items()}
         with self._insert_lock:
+            self._check_files({k for chain in chains for k in chain})
             self._drop_damaged()
             return self._transact(chains, new, sizes, ends)
 
@@ -407,6 +408,21 @@ class PrefixStore:
                 self._drop_damaged()
             finally:
                 self._insert_lock.release()
+
+    def _check_files(self, keys: set) -> None:
+        """Page files this insert would reuse that are gone or of another size than written count as damaged (so
+        the insert stores them again); a file changed in place is found when it is read."""
+        for k in keys:
+            held = self._held.get(k)
+            if isinstance(held, str):
+                try:
+                    ok = os.stat(held, follow_symlinks=False).st_size == self.index.file_bytes_of(k)
+                except OSError:
+                    ok = False
+                if not ok:
+                    with self._lock:
+                        self._damaged.add(k)
+                        self._counts["damaged"] += 1
 
     def _drop_damaged(self) -> None:
         """Forget the damaged pages and everything that hangs on them (the insert lock is held)."""
