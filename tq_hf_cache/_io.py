@@ -1,15 +1,20 @@
-"""Safe file writes: every file the package writes goes through here.
+"""Safe file writes (every file the package writes goes through here) and guarded JSON reads.
 
 A write goes to a fresh temporary name in the target's folder (`tempfile.mkstemp`: O_CREAT | O_EXCL, so a planted
 file or symlink of that name is never followed), is flushed to disk, given the mode a plain `open(path, "w")` would
 give under the process umask, then renamed over the target (`os.replace`: a reader sees the old file or the new one,
 never a part). A symlink at the target itself is replaced, not written through.
+
+JSON the package reads goes through `parse_json` / `read_json`: Python's parser recurses once per nesting level, so a
+deeply nested file would end in a RecursionError (or a value too deep to print); it is a ValueError naming the file.
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 import os
+import re
 import shutil
 import tempfile
 import threading
@@ -30,8 +35,9 @@ def file_mode() -> int:
     return 0o666 & ~_umask()
 
 
-def write_bytes(path: str, data: bytes) -> str:
-    """Write `data` to `path` atomically (see the module docstring); returns `path`."""
+def write_bytes(path: str, data: bytes, mode: int | None = None) -> str:
+    """Write `data` to `path` atomically (see the module docstring); returns `path`. `mode`: the file's mode
+    whatever the umask (e.g. 0o600 for a file only its owner may change), else `file_mode()`."""
     folder = os.path.dirname(os.path.abspath(path))
     fd, tmp = tempfile.mkstemp(dir=folder, prefix="." + os.path.basename(path) + ".", suffix=".tmp")
     try:
@@ -39,7 +45,7 @@ def write_bytes(path: str, data: bytes) -> str:
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
-            os.fchmod(f.fileno(), file_mode())
+            os.fchmod(f.fileno(), file_mode() if mode is None else mode)
         os.replace(tmp, path)
     except BaseException:
         _remove_quietly(tmp)
@@ -50,6 +56,69 @@ def write_bytes(path: str, data: bytes) -> str:
 def write_text(path: str, text: str) -> str:
     """`write_bytes` of UTF-8 text."""
     return write_bytes(path, text.encode("utf-8"))
+
+
+MAX_JSON_DEPTH = 64  # arrays / objects inside one another; the package's own files nest fewer than 10
+_JSON_STRING = r'"[^"\\]*(?:\\.[^"\\]*)*"'
+_JSON_TOKEN = re.compile(_JSON_STRING + r'(\s*:)?|[\[\]{}]')
+_NOT_BRACKET = re.compile(_JSON_STRING + r'|[^"\[\]{}]+')
+_EMPTY_PAIR = re.compile(r"\[\]|\{\}")
+
+
+def _too_deep(text: str) -> tuple[int, str | None] | None:
+    """(offset, top-level field or None) of the first array / object nested deeper than MAX_JSON_DEPTH, else None.
+    Without recursion: the brackets outside strings lose their innermost pairs once per level (a pass in C each);
+    only a text still nested after MAX_JSON_DEPTH passes is walked bracket by bracket, to say where."""
+    bare = _NOT_BRACKET.sub("", text)
+    for _ in range(MAX_JSON_DEPTH):
+        peeled = _EMPTY_PAIR.sub("", bare)
+        if peeled == bare:  # all peeled, or unbalanced (json.loads names where)
+            return None
+        bare = peeled
+    if not bare:
+        return None
+    depth, field = 0, None
+    for m in _JSON_TOKEN.finditer(text):
+        c = m.group()
+        if c in "[{":
+            depth += 1
+            if depth > MAX_JSON_DEPTH:
+                return m.start(), field
+        elif c in "]}":
+            depth -= 1
+        elif m.group(1) and depth == 1:
+            key = c[: m.start(1) - m.start()]
+            try:
+                field = json.loads(key)
+            except ValueError:
+                field = key[1:-1]
+    return None
+
+
+def parse_json(text: str | bytes, where: str):
+    """The value of JSON `text` (bytes: UTF-8); invalid or too deeply nested JSON (see `MAX_JSON_DEPTH`) is a
+    ValueError naming `where` (and the top-level field that holds the nesting), never a RecursionError."""
+    if isinstance(text, (bytes, bytearray)):
+        try:
+            text = bytes(text).decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise ValueError(f"{where} is corrupt (not valid JSON): {e}") from None
+    deep = _too_deep(text)
+    if deep is not None:
+        at, field = deep
+        inside = f" in field {field!r}" if field is not None else ""
+        raise ValueError(f"{where} is corrupt: its JSON nests arrays/objects deeper than {MAX_JSON_DEPTH} levels"
+                         f"{inside} (at character {at}); at most {MAX_JSON_DEPTH} are read")
+    try:
+        return json.loads(text)
+    except (ValueError, RecursionError) as e:
+        raise ValueError(f"{where} is corrupt (not valid JSON): {e}") from None
+
+
+def read_json(path: str):
+    """`parse_json` of a UTF-8 file's text (naming `path`); a file that is not UTF-8 is a ValueError too."""
+    with open(path, "rb") as f:
+        return parse_json(f.read(), path)
 
 
 def safetensors_bytes(tensors: dict, metadata: dict[str, str] | None = None) -> bytes:
@@ -108,8 +177,6 @@ def safetensors_layout(data, where: str) -> tuple[int, dict]:
     """(where the tensors' bytes begin, {name: (torch dtype, shape, start, end)}: byte offsets from that point) of a
     safetensors file's bytes, each entry checked (a known dtype, whole non-negative sizes, offsets inside the file
     that hold exactly the shape's bytes). A malformed file is a ValueError naming `where` and what is wrong."""
-    import json
-
     import torch
 
     view = memoryview(data).cast("B")
@@ -118,10 +185,7 @@ def safetensors_layout(data, where: str) -> tuple[int, dict]:
     n = int.from_bytes(view[:8], "little")
     if n > len(view) - 8:
         raise ValueError(f"{where} is not a safetensors file: its header claims {n} bytes, the file has {len(view)}")
-    try:
-        header = json.loads(bytes(view[8: 8 + n]))
-    except (ValueError, UnicodeDecodeError, RecursionError) as e:
-        raise ValueError(f"{where}: the safetensors header is not valid JSON: {e}") from None
+    header = parse_json(bytes(view[8: 8 + n]), f"{where}: the safetensors header")
     if not isinstance(header, dict):
         raise ValueError(f"{where}: the safetensors header is not a JSON object")
     base, size, out = 8 + n, len(view) - 8 - n, {}

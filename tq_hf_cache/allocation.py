@@ -42,6 +42,33 @@ def bits_per_coordinate(layer_bits: dict, head_dim: int, norm_dtype: str = "floa
     return total * 8 / (2 * head_dim * sum(w.values()))
 
 
+def _check_widths(key_bits, value_bits) -> None:
+    for name, widths in (("key_bits", key_bits), ("value_bits", value_bits)):
+        if not widths or any(isinstance(b, bool) or not isinstance(b, int) or not 1 <= b <= 8 for b in widths):
+            raise ValueError(f"{name} must be a non-empty list of widths in 1..8, got {widths!r}")
+
+
+def min_budget(head_dim: int, key_bits=KEY_BITS, value_bits=VALUE_BITS, norm_dtype: str = "float16") -> float:
+    """The fewest stored bits per coordinate an allocation from these widths can reach: every layer at the
+    narrowest key and value widths (the same whatever the layers' weights)."""
+    _check_widths(key_bits, value_bits)
+    return bits_per_coordinate({0: [min(key_bits), min(value_bits)]}, head_dim, norm_dtype)
+
+
+def check_budget(budget, head_dim: int, key_bits=KEY_BITS, value_bits=VALUE_BITS, norm_dtype: str = "float16",
+                 name: str = "budget") -> None:
+    """Refuse a budget that is not a positive number, or that is below `min_budget` (no allocation fits it), naming
+    `name`, the value and the allowed range; called before anything is measured."""
+    if isinstance(budget, bool) or not isinstance(budget, (int, float)) or not math.isfinite(budget) or budget <= 0:
+        raise ValueError(f"{name} must be a positive number of bits per coordinate, got {budget!r}")
+    least = min_budget(head_dim, key_bits, value_bits, norm_dtype)
+    if budget + 1e-9 < least:
+        shown = math.ceil(least * 1000 - 1e-6) / 1000
+        raise ValueError(f"{name} {budget:g} is below the {shown:g} bits per coordinate of the narrowest widths "
+                         f"(key {min(key_bits)}, value {min(value_bits)} bits, {norm_dtype} norms, head dim "
+                         f"{head_dim}): {name} must be >= {shown:g}")
+
+
 def layer_token_weights(model_config, context: int) -> dict[int, float]:
     """{layer: tokens it holds at `context` tokens / context}: 1 for full attention, window / context for a
     sliding-window layer. A budget weighted by these is a budget on the bytes the cache holds at that context."""
@@ -125,9 +152,7 @@ def measure_sensitivity(
         raise ValueError(f"input_ids must be (1, T) with T > chunk={chunk} (positions after the first chunk are "
                          f"scored), got shape {tuple(ids.shape)}")
     layers = model_facts(model.config)["num_hidden_layers"]
-    for name, widths in (("key_bits", key_bits), ("value_bits", value_bits)):
-        if not widths or any(isinstance(b, bool) or not isinstance(b, int) or not 1 <= b <= 8 for b in widths):
-            raise ValueError(f"{name} must be a non-empty list of widths in 1..8, got {widths!r}")
+    _check_widths(key_bits, value_bits)
     _check_tokens(ids.shape[1], chunk, base)
     ids = ids.to(next(model.parameters()).device)
 
@@ -239,8 +264,8 @@ def calibrate_bits(
     """
     base = base or TurboQuantConfig()
     layer_token_weights(model.config, context)  # checks context before anything runs
-    if isinstance(budget, bool) or not isinstance(budget, (int, float)) or not math.isfinite(budget) or budget <= 0:
-        raise ValueError(f"budget must be a positive number of bits per coordinate, got {budget!r}")
+    head_dim = model_facts(model.config)["head_dim"]
+    check_budget(budget, head_dim, key_bits, value_bits, base.norm_dtype)
     if base.layer_bits or base.skip_layers or base.skip_first or base.skip_last or base.skip_layer_types:
         raise ValueError("calibrate_bits allocates every layer: pass a base config without layer_bits or skips")
     _check_tokens(tokens, chunk, base)
@@ -255,7 +280,6 @@ def calibrate_bits(
         raise ValueError(f"the text gives {ids.shape[-1]} tokens; the sensitivities need tokens={tokens}")
     sens = measure_sensitivity(model, ids[:, :tokens], chunk=chunk, base=base, key_bits=key_bits,
                                value_bits=value_bits, progress=progress)
-    head_dim = model_facts(model.config)["head_dim"]
     weights = layer_token_weights(model.config, context)
     layer_bits = allocate_bits(sens, budget, head_dim, norm_dtype=base.norm_dtype, weights=weights)
     config = TurboQuantConfig.from_dict({**base.to_dict(), "layer_bits": {str(i): v for i, v in layer_bits.items()}})

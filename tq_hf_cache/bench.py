@@ -148,6 +148,18 @@ def prompt(batch: int, context: int, vocab_size: int, text_ids: torch.Tensor | N
     return flat.repeat(reps)[:context].expand(batch, context).contiguous()
 
 
+def text_prompt_ids(tokenizer, context: int) -> tuple[torch.Tensor, str]:
+    """(1, n) token ids of the package text (`tq_hf_cache.texts`) for prompts of up to `context` tokens, and what the
+    prompt is. The text holds ~55k SmolLM2 tokens; a longer context repeats it (see `prompt`), as the note says:
+    the timings need only the token count, `agree` a real text."""
+    from .texts import TEXT_SOURCE, package_text, total_chars
+
+    ids = tokenizer(package_text(min(8 * context, total_chars())), return_tensors="pt")["input_ids"]
+    n = ids.shape[-1]
+    note = f"{n} tokens of {TEXT_SOURCE}"
+    return ids, note + (f", repeated to fill contexts above {n} tokens" if context > n else "")
+
+
 MIN_STEPS = 3  # timed steps of a repetition: its figure is their median, which needs three samples to mean anything
 MIN_REPEATS = 3  # repetitions per row: the row's figure is their median, its spread their range
 MIN_WARMUP = 1  # the first decode step allocates the cache's decode buffers

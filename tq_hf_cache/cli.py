@@ -164,6 +164,8 @@ def _cmd_bench(args) -> int:
             raise ValueError(f"--model {RANDOM_8B} is a 16 GB bf16 model: it needs --device cuda")
         if args.model not in (EMBEDDED_MODEL, RANDOM_8B) and not os.path.isdir(args.model):
             raise ValueError(f"--model {args.model!r} is not a folder, {EMBEDDED_MODEL!r} or {RANDOM_8B!r}")
+        decode = args.warmup + args.repeats * steps
+        _check_bench_length(contexts, decode, _bench_longest(args))
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -178,7 +180,7 @@ def _cmd_bench(args) -> int:
     if problem:
         print(f"error: {problem}", file=sys.stderr)
         return 2
-    text_ids = None
+    text_ids, tok = None, None
     if args.model == RANDOM_8B:
         config = bench.llama_8b_config(args.layers)
         torch.manual_seed(0)
@@ -191,20 +193,19 @@ def _cmd_bench(args) -> int:
             print(f"error: cannot load {args.model!r}: {e}", file=sys.stderr)
             return 2
         model = model.to(device=device, dtype=dtype)
-        if tok is not None:  # real text: the greedy tokens of the rows can then be compared meaningfully
-            from .texts import package_text
-
-            text_ids = tok(package_text(min(8 * max(contexts), 400_000)), return_tensors="pt")["input_ids"]
-    longest = getattr(model.config, "max_position_embeddings", None)
-    decode = args.warmup + args.repeats * steps
-    if longest and max(contexts) + decode > longest:
-        print(f"error: --contexts up to {max(contexts)} plus {decode} decode steps (--warmup + --repeats x --steps) "
-              f"exceed the model's max_position_embeddings ({longest})", file=sys.stderr)
+    try:
+        _check_bench_length(contexts, decode, getattr(model.config, "max_position_embeddings", None))
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
         return 2
+    prompt = "random token ids (seed 0)"
+    if tok is not None:  # real text: the rows' greedy tokens can then be compared meaningfully
+        text_ids, prompt = bench.text_prompt_ids(tok, max(contexts))
+        print(f"prompt: {prompt}")
     env = {"device": torch.cuda.get_device_name(device) if cuda else platform.processor() or platform.machine(),
            "threads": torch.get_num_threads(), "torch": torch.__version__, "transformers": transformers.__version__,
            "model": args.model, "dtype": str(dtype).removeprefix("torch."), "preset": args.preset,
-           "batch": args.batch, "steps": steps, "repeats": args.repeats, "warmup": args.warmup}
+           "batch": args.batch, "steps": steps, "repeats": args.repeats, "warmup": args.warmup, "prompt": prompt}
     result = {"env": env, "rows": []}
 
     def save(row=None):
@@ -228,6 +229,32 @@ def _cmd_bench(args) -> int:
     except ImportError:
         print(f"wrote {out}; the plot needs matplotlib (pip install 'tq-hf-cache[bench]')")
     return 0
+
+
+def _bench_longest(args) -> int | None:
+    """The model's max_position_embeddings where it can be read without loading weights (the random 8B shape, a
+    folder's config.json); else None, and the loaded model's is checked."""
+    from . import bench
+
+    if args.model == RANDOM_8B:
+        return bench.llama_8b_config(args.layers).max_position_embeddings
+    if args.model == EMBEDDED_MODEL or args.gguf_file or not os.path.isfile(os.path.join(args.model, "config.json")):
+        return None
+    try:
+        from transformers import AutoConfig
+
+        return getattr(AutoConfig.from_pretrained(args.model), "max_position_embeddings", None)
+    except (OSError, ValueError, KeyError, TypeError, RecursionError):
+        return None  # the model load reports an unreadable config
+
+
+def _check_bench_length(contexts: list[int], decode: int, longest: int | None) -> None:
+    """Refuse contexts that, with the decode steps after them, pass the model's max_position_embeddings."""
+    if longest and max(contexts) + decode > longest:
+        allowed = (f"each context must be in 1..{longest - decode}" if longest > decode else
+                   "take fewer decode steps")
+        raise ValueError(f"--contexts up to {max(contexts)} plus {decode} decode steps (--warmup + --repeats x "
+                         f"--steps) exceed the model's max_position_embeddings ({longest}): {allowed}")
 
 
 def _print_bench(results: list[dict], repeats: int, steps: int) -> None:
@@ -355,7 +382,7 @@ def _cmd_calibrate(args) -> int:
 def _cmd_allocate(args) -> int:
     import math
 
-    from .allocation import bits_per_coordinate, calibrate_bits, layer_token_weights, min_tokens
+    from .allocation import bits_per_coordinate, calibrate_bits, check_budget, layer_token_weights, min_tokens
     from .config import model_facts
 
     if not math.isfinite(args.budget) or args.budget <= 0:
@@ -367,6 +394,9 @@ def _cmd_allocate(args) -> int:
     try:
         base = TurboQuantConfig(seed=args.seed)
         least = min_tokens(args.chunk, base)
+        head_dim = _config_head_dim(args.model_dir, args.gguf_file)
+        if head_dim is not None:
+            check_budget(args.budget, head_dim, norm_dtype=base.norm_dtype, name="--budget")
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -400,6 +430,7 @@ def _cmd_allocate(args) -> int:
     text, source, model, tok = loaded
     try:
         ex.check_model(args.model_dir, model.config)
+        check_budget(args.budget, model_facts(model.config)["head_dim"], norm_dtype=base.norm_dtype, name="--budget")
         cfg, sens = calibrate_bits(model, text, args.budget, tokenizer=tok, tokens=args.tokens, chunk=args.chunk,
                                    base=base, context=args.context, progress=not args.no_progress)
         path = cfg.save_pretrained(out, model_config=model.config, extra={"bit_allocation": {
@@ -418,6 +449,22 @@ def _cmd_allocate(args) -> int:
     for i, (k, v) in sorted(cfg.layer_bits.items()):
         print(f"{i:>5}  {k:>8}  {v:>10}")
     return 0
+
+
+def _config_head_dim(model_dir: str, gguf_file: str | None) -> int | None:
+    """The head dim a checkpoint folder's config.json gives, read without loading the model; None where there is
+    none to read (the embedded model, a GGUF file, an unreadable config: the model load reports that)."""
+    from ._io import read_json
+    from .config import model_facts
+
+    path = os.path.join(model_dir, "config.json")
+    if model_dir == EMBEDDED_MODEL or gguf_file or not os.path.isfile(path):
+        return None
+    try:
+        head_dim = model_facts(read_json(path))["head_dim"]
+    except (OSError, ValueError, TypeError, KeyError, AttributeError):
+        return None
+    return head_dim if head_dim >= 1 else None
 
 
 def _cmd_split_keys(args) -> int:
@@ -556,6 +603,7 @@ class _Existing:
 
     def check_model(self, model_dir: str, model_config=None) -> None:
         """Refuse a folder whose stored model facts are not the model's (its config.json, or the loaded config)."""
+        from ._io import read_json
         from .config import check_model_facts, fact_mismatch, model_facts
 
         if self.doc is None or self.doc.get("model") is None:
@@ -566,8 +614,7 @@ class _Existing:
         cfg_path = os.path.join(model_dir, "config.json")
         if os.path.isfile(cfg_path):
             try:
-                with open(cfg_path, encoding="utf-8") as f:
-                    facts = model_facts(json.load(f))
+                facts = model_facts(read_json(cfg_path))
             except (OSError, ValueError, TypeError):
                 return  # the model load reports an unreadable checkpoint config
             diff = fact_mismatch(self.doc["model"], facts)

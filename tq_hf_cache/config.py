@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from . import codebooks_file
-from ._io import write_text
+from ._io import parse_json, write_text
 from .codebook import check_bits
 from .config_file import (  # noqa: F401  (the document's names, where users and modules import them)
     TURBOQUANT_CONFIG_NAME, TURBOQUANT_FORMAT, TURBOQUANT_FORMAT_VERSION, MODEL_FACT_KEYS, model_facts, DOC_DIGEST, doc_digest, check_doc_digest, read_format_json, read_turboquant_json, fact_mismatch, check_model_facts,
@@ -257,10 +257,7 @@ class TurboQuantConfig:
 
     @classmethod
     def from_json_string(cls, s: str) -> "TurboQuantConfig":
-        try:
-            d = json.loads(s)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"TurboQuantConfig JSON is corrupt: {e}") from None
+        d = parse_json(s, "TurboQuantConfig JSON")
         if not isinstance(d, dict):
             raise ValueError(f"TurboQuantConfig JSON must be an object, got {type(d).__name__}")
         return cls.from_dict(d)

@@ -7,7 +7,7 @@ import json
 import os
 from typing import Any
 
-from ._io import sha256_bytes
+from ._io import read_json, sha256_bytes
 
 TURBOQUANT_CONFIG_NAME = "turboquant_config.json"
 TURBOQUANT_FORMAT = "tq_hf_cache.turboquant"
@@ -72,11 +72,7 @@ def read_format_json(path: str, fmt: str, version: int, missing_hint: str) -> di
     if not os.path.isfile(path):
         folder, name = os.path.split(path)
         raise FileNotFoundError(f"no {name} in {folder!r}: {missing_hint}")
-    try:
-        with open(path, encoding="utf-8") as f:
-            doc = json.load(f)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ValueError(f"{path} is corrupt (not valid JSON): {e}") from None
+    doc = read_json(path)
     if not isinstance(doc, dict):
         raise ValueError(f"{path} must hold a JSON object, got {type(doc).__name__}")
     if doc.get("format") != fmt:
@@ -128,11 +124,7 @@ def check_model_facts(doc: dict[str, Any], directory, config=None) -> None:
         sources.append(("the given model config", model_facts(config)))
     cfg_path = os.path.join(directory, "config.json")
     if os.path.isfile(cfg_path):
-        try:
-            with open(cfg_path, encoding="utf-8") as f:
-                sources.append((cfg_path, model_facts(json.load(f))))
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise ValueError(f"{cfg_path} is corrupt (not valid JSON): {e}") from None
+        sources.append((cfg_path, model_facts(read_json(cfg_path))))
     for where, facts in sources:
         diff = fact_mismatch(stored, facts)
         if diff:
