@@ -34,7 +34,7 @@ def test_parse_safetensors_reads_what_safetensors_wrote(tmp_path):
     }
     path = tmp_path / "t.safetensors"
     path.write_bytes(save(tensors, metadata={"k": "v"}))
-    got = _io.parse_safetensors(_io.map_file(str(path)), str(path))
+    got = _io.parse_safetensors(_io.read_private(str(path)), str(path))
     assert set(got) == set(tensors), f"seed {seed}"
     for k, v in tensors.items():
         assert got[k].dtype == v.dtype and got[k].shape == v.shape, f"{k} (seed {seed})"
@@ -43,8 +43,8 @@ def test_parse_safetensors_reads_what_safetensors_wrote(tmp_path):
     for k, v in tensors.items():
         if k != "a":
             torch.testing.assert_close(got[k], v, rtol=0, atol=0, msg=f"tensor {k} after a write to 'a' (seed {seed})")
-    assert _io.parse_safetensors(_io.map_file(str(path)), str(path))["a"].equal(tensors["a"]), f"seed {seed}"
-    views = _io.parse_safetensors(_io.map_file(str(path)), str(path), copy=False)  # what PrefixStore.match reads
+    assert _io.parse_safetensors(_io.read_private(str(path)), str(path))["a"].equal(tensors["a"]), f"seed {seed}"
+    views = _io.parse_safetensors(_io.read_private(str(path)), str(path), copy=False)  # what load_prefix reads
     for k, v in tensors.items():
         torch.testing.assert_close(views[k], v, rtol=0, atol=0, msg=f"view of tensor {k} (seed {seed})")
 
@@ -59,7 +59,7 @@ def test_a_malformed_safetensors_file_is_a_value_error_naming_it(tmp_path, mutat
     path = tmp_path / "t.safetensors"
     path.write_bytes(mutate(save({"x": torch.arange(6.0)})))
     with pytest.raises(ValueError, match=message) as e:
-        _io.parse_safetensors(_io.map_file(str(path)), str(path))
+        _io.parse_safetensors(_io.read_private(str(path)), str(path))
     assert str(path) in str(e.value)
 
 

@@ -363,3 +363,38 @@ def test_the_docs_snippet_serves_a_repeated_prompt():
             store.insert(prompt_ids[:, :-1], cache)
         model.generate(prompt_ids, **with_cache(cache), max_new_tokens=3, do_sample=False)
     assert n == 29
+
+
+def test_a_file_that_shrinks_while_read_is_an_error_naming_it(tmp_path, monkeypatch):
+    """Readers take files into private memory: a file truncated while it is read is a clear error (through a mapping
+    it was a SIGBUS)."""
+    from tq_hf_cache import _io
+
+    path = tmp_path / "f.bin"
+    path.write_bytes(bytes(4096))
+    real = os.fstat
+
+    def bigger(fd):
+        st = real(fd)
+        return os.stat_result((*st[:6], st.st_size + 100, *st[7:]))
+
+    monkeypatch.setattr(os, "fstat", bigger)
+    with pytest.raises(ValueError, match="f.bin changed size while it was read"):
+        _io.read_private(str(path))
+
+
+def test_two_writers_of_one_new_prefix_folder_give_the_loser_a_clear_error(tmp_path, monkeypatch):
+    from tq_hf_cache import _io
+
+    target = str(tmp_path / "prefix")
+    real = os.rename
+
+    def racing(src, dst):  # another writer finishes first
+        os.makedirs(dst)
+        open(os.path.join(dst, "x"), "w").close()
+        return real(src, dst)
+
+    monkeypatch.setattr(os, "rename", racing)
+    with pytest.raises(FileExistsError, match="created by another writer while this one wrote it"):
+        _io.write_folder(target, {"a": b"1"})
+    assert os.listdir(target) == ["x"] and [p for p in os.listdir(tmp_path) if p != "prefix"] == []

@@ -11,6 +11,7 @@ deeply nested file would end in a RecursionError (or a value too deep to print);
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -158,15 +159,18 @@ def sha256_file(path: str) -> str:
     return h.hexdigest()
 
 
-def map_file(path: str):
-    """A private, copy-on-write mapping of a file's bytes (one open: what is hashed is what is parsed); an empty
-    file maps to b''."""
-    import mmap
+def read_private(path: str):
+    """A file's bytes read whole into private memory (a uint8 numpy array): what is hashed is what is parsed, and a
+    file truncated or rewritten while it is read is a ValueError naming it, never a SIGBUS (as a mapping gives)."""
+    import torch
 
     with open(path, "rb") as f:
-        if os.fstat(f.fileno()).st_size == 0:
-            return b""
-        return mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+        size = os.fstat(f.fileno()).st_size
+        buf = torch.empty(size, dtype=torch.uint8).numpy()
+        got = f.readinto(memoryview(buf)) if size else 0
+        if got != size or f.read(1):
+            raise ValueError(f"{path} changed size while it was read ({size} bytes, then {got}); read it again")
+    return buf
 
 
 _SAFETENSORS_DTYPES = {"BOOL": "bool", "U8": "uint8", "I8": "int8", "I16": "int16", "I32": "int32", "I64": "int64",
@@ -211,7 +215,7 @@ def safetensors_layout(data, where: str) -> tuple[int, dict]:
 
 
 def parse_safetensors(data, where: str, device=None, copy: bool = True) -> dict:
-    """The tensors of a safetensors file's bytes (`map_file`), each copied once: to `device`, or into its own CPU
+    """The tensors of a safetensors file's bytes (`read_private`), each copied once: to `device`, or into its own CPU
     memory. `copy=False` (CPU only): views of `data` itself (a copy where a tensor's offset does not suit its dtype),
     for a caller that copies them out at once. A malformed file is a ValueError naming `where` and what is wrong."""
     import torch
@@ -259,6 +263,12 @@ def write_folder(path: str, files: dict[str, bytes]) -> str:
         for name, data in files.items():
             write_bytes(os.path.join(tmp, name), data)
         os.rename(tmp, path)  # fails, rather than merging, if another writer made the folder meanwhile
+    except OSError as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if os.path.isdir(path) and not os.path.islink(path):
+            raise FileExistsError(errno.EEXIST, f"{path!r} was created by another writer while this one wrote it; "
+                                  "it holds that writer's files (write again to replace them)", path) from None
+        raise
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

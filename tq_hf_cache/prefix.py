@@ -413,13 +413,13 @@ def _check_tokens(doc: dict, where: str, token_ids) -> None:
 
 
 def _read_tensors(path: str, digest: str, device) -> dict[str, torch.Tensor]:
-    """The tensors file, mapped once: its digest (`_io.sha256_blocks`) must be the index's, then the tensors are
-    copied from the same mapping to `device` (CPU when None)."""
+    """The tensors file, read once into private memory: its digest (`_io.sha256_blocks`) must be the index's, then
+    each tensor is copied out of it (to `device`, CPU when None)."""
     file = os.path.join(path, PREFIX_TENSORS)
     if not os.path.isfile(file):
         raise FileNotFoundError(f"no {PREFIX_TENSORS} in {path!r}, which {PREFIX_JSON} indexes: the folder is "
                                 "incomplete; re-save the prefix")
-    data = _io.map_file(file)
+    data = _io.read_private(file)
     if _io.sha256_blocks(data) != digest:
         raise ValueError(f"{file}: its SHA-256 differs from field tensors_sha256 of {PREFIX_JSON}: the tensors are "
                          "not the ones saved with this index (damaged, torn or another prefix's); re-save the prefix")
