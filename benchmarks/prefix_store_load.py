@@ -375,16 +375,18 @@ def phase_fill(cfg, folder, a, res):
     one = PrefixStore(config=cfg, page_tokens=4, residual_length=0, sink_tokens=0)
     ids = torch.randint(3, 256, (1, n))
     one.insert(ids, cache)
-    page = one.stats()["bytes"][0] // (n // 4 + 1)
+    page = -(-one.stats()["bytes"][0] // (n // 4))  # (the snapshot holds no bytes: no exact tokens, no sinks)
     store = PrefixStore(config=cfg, page_tokens=4, residual_length=0, sink_tokens=0,
                         cpu_bytes=a.fill_pages * page, disk_dir=folder, disk_bytes=a.fill_pages * (page + 2048))
     g = torch.Generator().manual_seed(3)
     t = time.perf_counter()
-    while min(store.stats()["pages"]) < a.fill_pages:
+    for _ in range(4 * a.fill_pages // (n // 4)):  # (bounded: twice what fills both tiers)
+        if min(store.stats()["pages"]) >= a.fill_pages:
+            break
         store.insert(torch.randint(3, 256, (1, n), generator=g), cache)
     res["fill"] = {"seconds": round(time.perf_counter() - t, 2), "pages": store.stats()["pages"],
                    "page_bytes": page, "disk_file_bytes": folder_bytes(folder),
-                   "disk_bytes": a.disk_bytes}
+                   "disk_bytes": store.index.capacity[-1]}
     store.close()
 
 
@@ -405,6 +407,7 @@ def main(argv=None) -> dict:
     p.add_argument("--latency-n", type=int, default=400)
     p.add_argument("--fill-pages", type=int, default=10000)
     p.add_argument("--phases", default="load,restart,latency,fill")
+    p.add_argument("--root", default=None, help="where the phases' folders are made (a temporary folder in it)")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     if a.child:
@@ -418,7 +421,7 @@ def main(argv=None) -> dict:
            "budgets": {"cpu": a.cpu_bytes, "gpu": a.gpu_bytes if a.device == "cuda" else 0, "disk": a.disk_bytes}}
     phases = a.phases.split(",")
     curves = None
-    with tempfile.TemporaryDirectory() as root:
+    with tempfile.TemporaryDirectory(dir=a.root) as root:
         if "load" in phases:
             phase_load(model, cfg, work, os.path.join(root, "load"), a, a.device, res)
         if "restart" in phases:

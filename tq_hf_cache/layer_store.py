@@ -1,6 +1,6 @@
 """How a `TurboQuantLayer` stores tokens (a part of it, by concern): the residual window, whose overflow is
-quantized once into the packed buffers; the exact copies of the sink tokens; the key centring's mean; the norms'
-float16 range checked without waiting for the GPU (`norm_check`)."""
+quantized once into the packed buffers; the exact copies of the sink tokens; the key centring's mean
+(`rope.key_mean`); the norms' float16 range checked without waiting for the GPU (`norm_check`)."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import torch
 
 from . import ops
 from .norm_check import NormCheck, largest_finite_norm
+from .rope import key_mean
 
 
 class LayerStore:
@@ -82,7 +83,7 @@ class LayerStore:
             if self._mu is None:
                 first = max(self.sink_tokens - pos0, 0)  # the sinks stay exact: they would pull the mean
                 first = first if first < n else 0
-                self._mu = self.rope.invert(k[:, :, first:], pos[first:]).mean(dim=2, keepdim=True)
+                self._mu = key_mean(self.rope, k[:, :, first:], pos[first:])  # one huge key cannot take it
             kq = k.float() - self.rope.apply(self._mu, pos)
         self._settle_norm_check()
         biggest = largest_finite_norm(kq, v) if self.norm_dtype == torch.float16 else None

@@ -8,6 +8,9 @@ range becomes inf), and the check is settled by the first use of any of the laye
 norms, copying or pickling them. In a prefill that is the next chunk's step, long after the GPU got there. Where a
 norm went past the range the layer's norms widen to float32 and the side copies replace the stored values, so no norm
 is ever read clamped.
+
+`TurboQuantStaticCache` keeps the same promise with the helpers below: its layers record the largest norm on the
+device (`note_largest`) and read it at their next check (`static_cache`).
 """
 
 from __future__ import annotations
@@ -26,6 +29,29 @@ def largest_finite_norm(*xs: torch.Tensor) -> torch.Tensor:
     none is finite)."""
     norms = [torch.linalg.vector_norm(x, dim=-1, dtype=torch.float32) for x in xs]
     return torch.stack([torch.where(torch.isfinite(n), n, 0.0).amax() for n in norms]).amax()
+
+
+def row_norms(*xs: torch.Tensor) -> list[torch.Tensor]:
+    """The float32 L2 norms of the last-dim vectors of each x: what the quantizer stores for them."""
+    return [torch.linalg.vector_norm(x, dim=-1, dtype=torch.float32) for x in xs]
+
+
+def note_largest(slot: torch.Tensor, norms: list[torch.Tensor]) -> None:
+    """slot (a 0-dim float32 view) = max(slot, the largest finite of these norms), on the device: no host read, so a
+    compiled step can record it (non-finite norms come from non-finite input, which stays non-finite anyway)."""
+    norms = [n.flatten() for n in norms if n.numel()]
+    if norms:
+        torch.maximum(slot, torch.cat(norms).nan_to_num_(nan=0.0, posinf=0.0).amax(), out=slot)
+
+
+def warn_widened(layer_idx, biggest: float, stacklevel: int) -> None:
+    warnings.warn(
+        f"tq_hf_cache: layer {layer_idx} has a key/value norm of {biggest:.4g}, above float16's range "
+        f"({FP16_MAX:.0f}); its norms are stored in float32 from now on (2 more bytes per vector). Set "
+        "norm_dtype='float32' to choose this up front.",
+        RuntimeWarning,
+        stacklevel=stacklevel + 1,
+    )
 
 
 class NormCheck:
@@ -81,10 +107,4 @@ class NormCheck:
                 if buf.pending is self:
                     buf.pending = None
         if biggest > FP16_MAX:
-            warnings.warn(
-                f"tq_hf_cache: layer {getattr(layer, 'layer_idx', '?')} has a key/value norm of {biggest:.4g}, above "
-                f"float16's range ({FP16_MAX:.0f}); its norms are stored in float32 from now on (2 more bytes per "
-                "vector). Set norm_dtype='float32' to choose this up front.",
-                RuntimeWarning,
-                stacklevel=4,
-            )
+            warn_widened(getattr(layer, "layer_idx", "?"), biggest, stacklevel=4)

@@ -14,6 +14,7 @@ import torch
 
 from . import kernels, reference
 from .codebook import Codebook
+from .norm_check import note_largest, row_norms
 from .rotation import Rotation
 
 _WARNED: set = set()
@@ -266,7 +267,7 @@ def static_packed_kv(store: torch.Tensor, ring_k: torch.Tensor, ring_v: torch.Te
     return PackedKV(p["k_packed"], p["k_norms"], p["v_packed"], p["v_norms"], p["sink_k"], p["sink_v"], ring_k, ring_v,
                     p["length"], p["exact_from"], rotation, kcb, vcb, sinks, k_quantizer, v_quantizer, scratch,
                     counters, key_split=split, key_parts=parts,
-                    key_offset=None if rope is None else KeyOffset(p["key_mean"], rope, 0))
+                    key_offset=None if rope is None else KeyOffset(p["key_mean"], rope, 0), norm_guard=p["norm_guard"])
 
 
 @torch.library.custom_op("tq_hf_cache::snapshot", mutates_args=())
@@ -297,24 +298,32 @@ def static_append(
     key_split: int = -1,
     key_rope: int = -1,
     after: torch.Tensor | None = None,
+    check_norms: bool = False,
 ) -> None:
     """A static layer's append of key, value (B, H, n, D) into its buffer and rings, with its lengths on the device
     (see `reference.static_append`): two launches on CUDA (quantize + exact copies, then the lengths; split or
     centred keys (`key_split`, `key_rope`: `object_id`s): a launch per key part), the reference elsewhere. Centred
     keys store the codes of k - R(t) mu and the exact copies of k. `after`: unused here; a value the caller read from
-    the buffer before this append, passed so that a compiled graph computes it first (and can append in place)."""
+    the buffer before this append, passed so that a compiled graph computes it first (and can append in place).
+    `check_norms`: a compiled step's float16 norms, which cannot widen there: record in the buffer's norm guard the
+    largest finite norm this append stores, and any that eager appends left unsettled (see `static_cache`)."""
     kv = static_packed_kv(store, ring_k, ring_v, capacity, n_sinks, norm_dtype, k_quantizer, v_quantizer,
                           key_split=key_split, key_rope=key_rope)
     rotation, kcb, vcb, split = kv.rotation, kv.k_codebook, kv.v_codebook, kv.key_split
     args = (key, value, kv.k_packed, kv.k_norms, kv.v_packed, kv.v_norms, ring_k, ring_v, kv.sink_k, kv.sink_v,
             kv.length, kv.exact_from, n_sinks)
+    codes = key
+    if kv.key_offset is not None:
+        pos = kv.length + torch.arange(key.shape[2], device=key.device)
+        codes = key.float() - kv.key_offset.rope.apply(kv.key_offset.mu, pos)
+    inputs = split.split(codes) if split is not None else [codes]
+    if check_norms and key.is_cuda and kernels.available():
+        kernels.note_largest_norm(kv.norm_guard, [*inputs, value])
+    elif check_norms:
+        note_largest(kv.norm_guard[0], row_norms(*inputs, value))
+        torch.maximum(kv.norm_guard[0], kv.norm_guard[1], out=kv.norm_guard[0])
     if split is not None or kv.key_offset is not None:
-        codes = key
-        if kv.key_offset is not None:
-            pos = kv.length + torch.arange(key.shape[2], device=key.device)
-            codes = key.float() - kv.key_offset.rope.apply(kv.key_offset.mu, pos)
         quantizers = split.parts if split is not None else ((rotation, kcb),)
-        inputs = split.split(codes) if split is not None else [codes]
         outs = kv.key_parts if split is not None else ((kv.k_packed, kv.k_norms),)
         if _kernel_ok(value, rotation, vcb.bits) and all(_kernel_ok(key, rot, cb.bits) for rot, cb in quantizers):
             kernels.append_parts_into(key, value, inputs, quantizers, outs, rotation, vcb, *args[4:])
@@ -329,7 +338,7 @@ def static_append(
 
 @static_append.register_fake
 def _(key, value, store, ring_k, ring_v, capacity, n_sinks, norm_dtype, k_quantizer, v_quantizer, key_split=-1,
-      key_rope=-1, after=None):
+      key_rope=-1, after=None, check_norms=False):
     return None
 
 

@@ -47,6 +47,7 @@ class PackedKV:
             R(t) mu back (to dequantized keys, or q . R(t) mu to their scores); None when the keys are not centred.
         key_split: a dynamic layer's `key_split.KeySplit` when its keys are split; None otherwise.
         key_parts: then, per part, (packed (B, H, slots, bytes), norms (B, H, slots)); part 0's are k_packed / k_norms.
+        norm_guard: a static layer's norm check, (2,) float32 (see `static_parts`); None in a dynamic layer's.
     """
 
     k_packed: torch.Tensor
@@ -70,6 +71,7 @@ class PackedKV:
     key_offset: KeyOffset | None = None
     key_split: KeySplit | None = None
     key_parts: tuple[tuple[torch.Tensor, torch.Tensor], ...] | None = None
+    norm_guard: torch.Tensor | None = None
 
     @property
     def capacity(self) -> int:
@@ -99,10 +101,12 @@ def static_parts(batch: int, heads: int, capacity: int, dim: int, key_bytes: int
                  norm_dtype: torch.dtype, dtype: torch.dtype, key_part_bytes: tuple[int, ...] = (),
                  key_mean: bool = False) -> tuple[list[tuple[str, torch.dtype, tuple, int]], int]:
     """([(name, dtype, shape, byte offset)], total bytes) of a static layer's one uint8 buffer: the packed keys and
-    values, their norms, the exact copies of the sinks (one row more than `sinks`, so never empty) and the lengths
-    (length, exact_from) as int64. Split keys: k_packed / k_norms hold part 0 (key_bytes a row), and parts 1, 2, ...
-    (key_part_bytes a row) follow as k_packed1 / k_norms1, .... Centred keys (`key_mean`): the pre-RoPE key mean
-    (B, H, 1, D) float32 as key_mean."""
+    values, their norms, the exact copies of the sinks (one row more than `sinks`, so never empty), the lengths
+    (length, exact_from) as int64 and the norm check "norm_guard", (2,) float32: the largest finite key / value norm
+    that a compiled append stored or read, and the largest that eager appends stored since the layer last settled
+    its check (float16 norms past 65504 are inf until then; `static_cache` reads it). Split keys: k_packed / k_norms
+    hold part 0 (key_bytes a row), and parts 1, 2, ... (key_part_bytes a row) follow as k_packed1 / k_norms1, ....
+    Centred keys (`key_mean`): the pre-RoPE key mean (B, H, 1, D) float32 as key_mean."""
     extra = [(f"{kind}{p}", dt, shape) for p, nb in enumerate(key_part_bytes, start=1)
              for kind, dt, shape in (("k_packed", torch.uint8, (batch, heads, capacity, nb)),
                                      ("k_norms", norm_dtype, (batch, heads, capacity)))]
@@ -115,6 +119,7 @@ def static_parts(batch: int, heads: int, capacity: int, dim: int, key_bytes: int
         ("sink_k", dtype, (batch, heads, sinks + 1, dim)),
         ("sink_v", dtype, (batch, heads, sinks + 1, dim)),
         ("lengths", torch.int64, (2,)),
+        ("norm_guard", torch.float32, (2,)),
         *extra,
         *([("key_mean", torch.float32, (batch, heads, 1, dim))] if key_mean else []),
     ):

@@ -172,6 +172,26 @@ def dequantize(
     return (rotation.inverse(y) * norms.float().unsqueeze(-1)).to(dtype)
 
 
+def key_mean(pre_rope: torch.Tensor, ratio: float) -> torch.Tensor:
+    """`rope.key_mean` row by row, in float64: for pre-RoPE keys (B, H, T, D), per (batch row, head) the mean of the
+    keys whose norm is at most `ratio` times the lower median of the row's non-NaN norms, 0 where none is kept ->
+    (B, H, 1, D) float32."""
+    b, h, _, d = pre_rope.shape
+    out = torch.zeros(b, h, 1, d, dtype=torch.float64)
+    for i in range(b):
+        for j in range(h):
+            rows = pre_rope[i, j].double().cpu()
+            norms = [float(r.norm()) for r in rows]
+            ordered = sorted(n for n in norms if n == n)
+            if not ordered:
+                continue
+            cut = ordered[(len(ordered) - 1) // 2] * ratio
+            kept = [r for r, n in zip(rows, norms) if n <= cut]
+            if kept:
+                out[i, j, 0] = torch.stack(kept).mean(0)
+    return out.float().to(pre_rope.device)
+
+
 def split_quantize(x: torch.Tensor, split, norm_dtype: torch.dtype = torch.float16) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Split keys (`key_split.KeySplit`): x (B, H, T, D) -> per part (packed, norms), each part `quantize`d with its
     own rotation and codebook."""

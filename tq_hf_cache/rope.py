@@ -84,6 +84,24 @@ class RopeAngles:
 
 _TABLES: "weakref.WeakKeyDictionary[RopeAngles, dict]" = weakref.WeakKeyDictionary()
 
+OUTLIER_NORM_RATIO = 4.0  # a key whose pre-RoPE norm passes this multiple of its block's median is left out of mu
+
+
+def key_mean(rope: RopeAngles, keys: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """A centred layer's mu from keys (B, H, T, D) after RoPE at `positions` (T,): (B, H, 1, D) float32, the mean of
+    their pre-RoPE vectors over those whose norm is at most OUTLIER_NORM_RATIO times the (B, H) row's median norm.
+
+    A plain mean lets one huge key (a massive activation past the sinks) move mu by its norm / T; every later key's
+    code is then of k - R(t) mu, whose norm carries that offset. Half the keys at least are kept; a row with none
+    kept (all non-finite) gets mu = 0. One pass over the keys and a median over T of their norms, no host read.
+    The oracle: `reference.key_mean`."""
+    x = rope.invert(keys, positions)
+    norms = torch.linalg.vector_norm(x, dim=-1)
+    cut = norms.nanmedian(dim=-1, keepdim=True).values * OUTLIER_NORM_RATIO
+    keep = (norms <= cut).unsqueeze(-1)
+    total = torch.where(keep, x, 0.0).sum(dim=2, keepdim=True)
+    return total / keep.sum(dim=2, keepdim=True).clamp_min(1)
+
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
     h = x.shape[-1] // 2

@@ -21,8 +21,18 @@ Sliding-window layers are transformers' `StaticSlidingWindowLayer` (their window
 `key_split` entry for one does not apply), as are layers the config keeps in full precision (`StaticLayer`).
 Split keys (`key_split`) keep one packed part per split part in the layer's buffer; the fused op reads them part by
 part, the dense path dequantizes each and puts its channels back. Centred keys (`key_centering`) keep their pre-RoPE
-mean in the buffer (taken from the first update's keys); the codes are those of k - R(t) mu, and every read adds
-R(t) mu back (to the dense keys, or as q . R(t) mu to the fused op's scores).
+mean in the buffer (taken from the first update's keys, `rope.key_mean`); the codes are those of k - R(t) mu, and
+every read adds R(t) mu back (to the dense keys, or as q . R(t) mu to the fused op's scores).
+
+Norms past float16's range (65504), as `TurboQuantCache` handles them (`norm_check`), without the host waiting for
+the GPU at an update: an eager update keeps the float32 norms of what it quantized and records their largest in the
+buffer's norm guard; the layer reads that at its next check and, where a norm is past the range, re-lays its buffer
+out with float32 norms, writes the exact ones and warns. A check runs at the next forward's mask (transformers makes
+it eagerly before each compiled step of `generate`), at the layer's next eager update and before `state`, `crop`,
+`reorder_cache`, a copy or a pickle. A compiled step cannot re-lay a buffer out: its append records the largest norm
+it stores (and any an eager append left unchecked) in the guard, and the next check raises naming the layer and
+`norm_dtype='float32'` (a norm past the range is stored there as inf). `TurboQuantStaticCache.check_norms()` runs
+every layer's check at once.
 """
 
 from __future__ import annotations
@@ -44,10 +54,11 @@ from .codebook import theoretical_codebook
 from .kernels import DECODE_MAX_ROWS, decode_pays, decode_supports, fast_serves, split_supports
 from .key_split import make_split
 from .layer import _query_length
+from .norm_check import FP16_MAX, note_largest, row_norms, warn_widened
 from .packed_kv import MAX_FUSED_QUERIES, PACKED_ATTR, PackedKV, StaticKV, static_parts, static_views
 from .reference import overlay_exact
 from .packing import packed_bytes
-from .rope import RopeAngles, rope_angles
+from .rope import RopeAngles, key_mean, rope_angles
 
 
 class _Shared:
@@ -58,6 +69,8 @@ class _Shared:
         self.counters: torch.Tensor | None = None
         self._held: int | None = None  # positions every full-attention layer holds before this eager forward
         self._taken: set[int] = set()
+        self.layers: list = []  # the cache's quantized layers, whose norm checks `settle_norms` reads
+        self.pending: dict = {}  # {layer_idx: layer} of layers with an eager append not yet checked
 
     def note_held(self, held: int) -> None:
         """The length the mask read (before the forward's updates): the layers take it instead of each reading
@@ -70,6 +83,28 @@ class _Shared:
             return None
         self._taken.add(layer_idx)
         return self._held
+
+    def settle_norms(self) -> None:
+        """Run every layer's norm check (`TurboQuantStaticLayer.settle_norms`), one host read per device; every
+        layer settles before the first error is raised."""
+        layers = {id(x): x for x in (*self.layers, *self.pending.values()) if x.is_initialized}
+        by_device: dict = {}
+        for layer in layers.values():
+            by_device.setdefault(layer.keys.device, []).append(layer)
+        error = None
+        for group in by_device.values():
+            for layer, guard in zip(group, torch.stack([x._norm_guard() for x in group]).tolist()):
+                try:
+                    layer._settle_norms(guard)
+                except RuntimeError as e:
+                    error = error or e
+        if error is not None:
+            raise error
+
+    def __getstate__(self) -> dict:
+        """Copied or pickled with every layer's check run first: none is left pending in the copy."""
+        self.settle_norms()
+        return dict(self.__dict__)
 
     def ensure(self, numel: int, counters: int, device: torch.device) -> None:
         if self.scratch is None or self.scratch.numel() < numel or self.scratch.device != device:
@@ -100,8 +135,12 @@ def mask_sizes(layer, query_length) -> tuple[int, int]:
     the length held once, before the layers' updates, and leaves it for them (`_Shared.note_held`)."""
     n = _query_length(query_length)
     if not held_only(layer._attn_config, n):
+        if not torch.compiler.is_compiling() and layer._shared.pending:  # before a step that may be compiled
+            layer._shared.settle_norms()
         return layer.max_cache_len, 0
     held = int(layer.get_seq_length()) if layer.is_initialized else 0
+    if held:  # the host has just waited for the GPU: the norm checks cost nothing more
+        layer._shared.settle_norms()
     layer._shared.note_held(held)
     return held + n, 0
 
@@ -173,6 +212,8 @@ class TurboQuantStaticLayer(StaticLayer):
         self._shared = shared
         self._codebook_check = codebook_check
         self._length_read: torch.Tensor | None = None  # a compiled step's read of the length before its append
+        self._pending: tuple | None = None  # (first position, float32 norms) of the last eager append not yet checked
+        self._guard_at = 0  # byte offset of the norm guard in the buffer
 
     @property
     def ring_size(self) -> int:
@@ -222,10 +263,7 @@ class TurboQuantStaticLayer(StaticLayer):
         if self.key_split_spec is not None:  # the parts' codebooks are the theoretical ones of their dims
             self.key_split = make_split(self.key_split_spec, self.layer_idx, h, d, self._rotation_for,
                                         theoretical_codebook).to(dev)
-        key_bytes, more = self._key_bytes()
-        _, nbytes = static_parts(b, h, cap, d, key_bytes, packed_bytes(d, self.value_bits), sinks, self.norm_dtype,
-                                 self.dtype, more, self.rope is not None)
-        store = torch.zeros(nbytes, dtype=torch.uint8, device=dev)  # packed K/V, norms, sinks, lengths
+        store, self._guard_at = self._new_store(b, h, sinks, self.norm_dtype)  # packed K/V, norms, sinks, lengths
         self.keys = torch.zeros(b, h, self.ring_size, d, dtype=self.dtype, device=dev)  # the ring
         self.values = torch.zeros(b, h, self.ring_size, d, dtype=self.dtype, device=dev)
         rows = min(DECODE_MAX_ROWS, _next_pow2(self._group * MAX_FUSED_QUERIES))
@@ -237,6 +275,77 @@ class TurboQuantStaticLayer(StaticLayer):
                                                  self._shared.scratch, self._shared.counters))
         self._bind()
         self.is_initialized = True
+
+    def _new_store(self, b: int, h: int, sinks: int, norm_dtype: torch.dtype) -> tuple[torch.Tensor, int]:
+        """A zeroed buffer of this layer's layout with norms of `norm_dtype`, and its norm guard's byte offset."""
+        key_bytes, more = self._key_bytes()
+        d = self.k_head_dim
+        parts, nbytes = static_parts(b, h, self.max_cache_len, d, key_bytes, packed_bytes(d, self.value_bits), sinks,
+                                     norm_dtype, self.dtype, more, self.rope is not None)
+        at = next(off for name, _, _, off in parts if name == "norm_guard")
+        return torch.zeros(nbytes, dtype=torch.uint8, device=self.device), at
+
+    def _norm_guard(self) -> torch.Tensor:
+        """The buffer's norm guard (`packed_kv.static_parts`): [largest finite norm a compiled append stored or
+        read, largest an eager append stored since the last check], a (2,) float32 view."""
+        return getattr(self.keys, PACKED_ATTR).store[self._guard_at : self._guard_at + 8].view(torch.float32)
+
+    def settle_norms(self) -> None:
+        """Run this layer's norm check now (the host waits for the GPU); see the module docstring."""
+        if self.is_initialized:
+            self._settle_norms(self._norm_guard().tolist())
+
+    def _settle_norms(self, guard: list[float]) -> None:
+        """Act on the norm guard's values: widen the norms where the unchecked eager append stored one past float16's
+        range (its exact norms replace the stored ones, then the warning), and raise where a compiled step stored
+        or read one. The check stays pending until the norms are final (an error while widening leaves it so)."""
+        compiled, eager = guard
+        pending = self._pending
+        widen = pending is not None and eager > FP16_MAX
+        if widen:
+            self._widen_norms(*pending)
+        if pending is not None:
+            self._norm_guard()[1].zero_()
+            self._pending = None
+            self._shared.pending.pop(self.layer_idx, None)
+        if compiled > FP16_MAX:
+            raise RuntimeError(
+                f"layer {self.layer_idx}: a compiled step stored or read a key/value norm of {compiled:.4g}, above "
+                f"float16's range ({FP16_MAX:.0f}), as inf (a compiled step cannot widen the norms; attention over "
+                "it gives NaN). Build the cache with norm_dtype='float32', or run TurboQuantStaticCache.check_norms() "
+                "after an eager prefill; reset() clears the layer"
+            )
+        if widen:
+            warn_widened(self.layer_idx, eager, stacklevel=4)
+
+    def _widen_norms(self, start: int, norms: list[torch.Tensor]) -> None:
+        """Re-lay the buffer out with float32 norms (a new buffer: the caller is outside any captured graph, and a
+        compiled step recompiles for it), then write `norms` (key parts', values') at positions [start, start + n)."""
+        s = getattr(self.keys, PACKED_ATTR)
+        old = self._views()
+        store, at = self._new_store(self.batch_size, self.num_heads, s.sinks, torch.float32)
+        key_bytes, more = self._key_bytes()
+        new = static_views(store, self.keys, s.capacity, s.sinks, torch.float32, key_bytes,
+                           packed_bytes(self.k_head_dim, self.value_bits), more, self.rope is not None)
+        for name, t in old.items():
+            if name not in ("length", "exact_from"):
+                new[name].copy_(t)
+        names = ["k_norms", *(f"k_norms{p}" for p in range(1, len(more) + 1)), "v_norms"]
+        for name, n in zip(names, norms):
+            new[name][:, :, start : start + n.shape[2]].copy_(n)
+        setattr(self.keys, PACKED_ATTR, dataclasses.replace(s, store=store, norm_dtype="float32"))
+        self.norm_dtype, self._guard_at = torch.float32, at
+        _mark_static(store)
+
+    def _exact_norms(self, key_states: torch.Tensor, value_states: torch.Tensor, start: int) -> list[torch.Tensor]:
+        """The float32 norms an eager append at position `start` stores: of each key part's codes (k - R(t) mu for
+        centred keys), then of the values."""
+        codes = key_states
+        if self.rope is not None:
+            pos = torch.arange(start, start + key_states.shape[2], device=key_states.device)
+            codes = key_states.float() - self.rope.apply(self.packed.key_offset.mu, pos)
+        parts = self.key_split.split(codes) if self.key_split is not None else [codes]
+        return row_norms(*parts, value_states)
 
     def _bind(self) -> None:
         """Name this layer's quantizers, key split and RoPE to the custom ops by this process's ids, and build
@@ -257,6 +366,12 @@ class TurboQuantStaticLayer(StaticLayer):
         for t in (s.store, s.scratch, s.counters, self.keys, self.values):
             _mark_static(t)
 
+    def __getstate__(self) -> dict:
+        """Pickled as it will read: the norm checks run first (they may widen the norms), every layer's at once, so
+        that none settles while the layers they share are being pickled."""
+        self._shared.settle_norms()
+        return dict(self.__dict__)
+
     def __setstate__(self, state: dict) -> None:
         """Unpickled (its config a copy: it follows the attention setting its model had when it was pickled)."""
         self.__dict__.update(state)
@@ -265,6 +380,7 @@ class TurboQuantStaticLayer(StaticLayer):
 
     def __deepcopy__(self, memo: dict) -> "TurboQuantStaticLayer":
         """A copy of the buffers that, like the original, follows its model's live attention setting."""
+        self._shared.settle_norms()
         memo[id(self._attn_config)] = self._attn_config
         new = type(self).__new__(type(self))
         memo[id(self)] = new
@@ -281,13 +397,19 @@ class TurboQuantStaticLayer(StaticLayer):
     def state(self) -> dict[str, torch.Tensor]:
         """Views of everything the layer holds, by name: its buffer's parts (`packed_kv.static_parts`: the codes and
         norms "k_packed", "k_norms", ... have one row per position on axis 2; the sinks, lengths and key mean) and
-        the rings ("ring_k", "ring_v"). Writing into them writes the layer."""
+        the rings ("ring_k", "ring_v"). Writing into them writes the layer. Its norm check runs first (and its guard
+        is left out: it is no state)."""
+        self.settle_norms()
+        views = self._views()
+        for name in ("length", "exact_from", "norm_guard"):
+            views.pop(name)
+        return {**views, "ring_k": self.keys, "ring_v": self.values}
+
+    def _views(self) -> dict[str, torch.Tensor]:
         s = getattr(self.keys, PACKED_ATTR)
         key_bytes, more = self._key_bytes()
-        views = static_views(s.store, self.keys, s.capacity, s.sinks, self.norm_dtype, key_bytes,
-                             packed_bytes(self.k_head_dim, self.value_bits), more, self.rope is not None)
-        views.pop("length"), views.pop("exact_from")
-        return {**views, "ring_k": self.keys, "ring_v": self.values}
+        return static_views(s.store, self.keys, s.capacity, s.sinks, self.norm_dtype, key_bytes,
+                            packed_bytes(self.k_head_dim, self.value_bits), more, self.rope is not None)
 
     @property
     def packed(self) -> PackedKV:
@@ -328,28 +450,36 @@ class TurboQuantStaticLayer(StaticLayer):
         before = self._check(key_states, value_states)
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
+        compiling = torch.compiler.is_compiling()
+        if not compiling and self._pending is not None:  # an update with no mask since the last one
+            self.settle_norms()
         s = getattr(self.keys, PACKED_ATTR)  # the attention's path to it: one source for torch.compile to guard
         n = key_states.shape[2]
-        if self._mu_pending and not torch.compiler.is_compiling():
+        if self._mu_pending and not compiling:
             self._set_key_mean(key_states)
+        half = self.norm_dtype == torch.float16
+        norms = self._exact_norms(key_states, value_states, before) if half and not compiling and n else None
         read, self._length_read = getattr(self, "_length_read", None), None
         ops.static_append(key_states, value_states, s.store, self.keys, self.values, s.capacity, s.sinks, s.norm_dtype,
-                          s.k_quantizer, s.v_quantizer, s.key_split, s.key_rope, read)
+                          s.k_quantizer, s.v_quantizer, s.key_split, s.key_rope, read, half and compiling)
+        if norms is not None:  # checked later (`settle_norms`): the host does not wait for the GPU here
+            note_largest(self._norm_guard()[1], norms)
+            self._pending = (before, norms)
+            self._shared.pending[self.layer_idx] = self
         if self._fused(n):
             return self.keys, self.values
         return self._full(key_states, value_states, before)
 
     def _set_key_mean(self, key_states: torch.Tensor) -> None:
-        """A centred layer's mu: the pre-RoPE mean of the first update's keys past the sinks (eager, at length 0:
-        later positions' codes depend on it). Without such keys it stays 0 (no centring), as it does for a first
-        update inside a compiled step."""
+        """A centred layer's mu: the pre-RoPE mean of the first update's keys past the sinks, as `TurboQuantCache`
+        takes it (`rope.key_mean`; eager, at length 0: later positions' codes depend on it). Without such keys it
+        stays 0 (no centring), as it does for a first update inside a compiled step."""
         self._mu_pending = False
         if int(self.cumulative_length) != 0 or key_states.shape[2] <= self.sink_tokens:
             return
         pos = torch.arange(key_states.shape[2], device=key_states.device)
         first = self.sink_tokens
-        mu = self.rope.invert(key_states[:, :, first:], pos[first:]).mean(dim=2, keepdim=True)
-        self.packed.key_offset.mu.copy_(mu)
+        self.packed.key_offset.mu.copy_(key_mean(self.rope, key_states[:, :, first:], pos[first:]))
 
     def _full(self, key_states, value_states, before: int | None = None):
         """Keys and values of every position a step attends to: dequantized, the exact copies and this step's
@@ -398,10 +528,13 @@ class TurboQuantStaticLayer(StaticLayer):
         return self.max_cache_len
 
     def reset(self) -> None:
+        """Empty the layer, its norm guard too. Norms widened to float32 stay so: the buffers keep their addresses."""
         if self.is_initialized:
             for t in (getattr(self.keys, PACKED_ATTR).store, self.keys, self.values):
                 t.zero_()
             self._mu_pending = self.rope is not None
+            self._pending = None
+            self._shared.pending.pop(self.layer_idx, None)
 
     def check_crop(self, max_length: int) -> None:
         """Raise what `crop(max_length)` would raise, changing nothing: this layer takes every crop."""
@@ -410,6 +543,7 @@ class TurboQuantStaticLayer(StaticLayer):
         """Negative: remove that many newest positions; positive: keep the first `max_length` (a length)."""
         if not self.is_initialized:
             return
+        self.settle_norms()  # the pending norms are those of positions a crop may drop
         p = self.packed
         seq = int(p.length)
         target = seq - abs(max_length) if max_length < 0 or (max_length == 0 and _compat.IS_V5) else max_length
@@ -432,6 +566,7 @@ class TurboQuantStaticLayer(StaticLayer):
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         if self.is_initialized:
+            self.settle_norms()
             idx = beam_idx.to(self.device)
             self._map_batch(lambda t: t.index_select(0, idx))
 
@@ -475,6 +610,10 @@ class TurboQuantStaticCache(Cache):
 
     Memory: packed K/V for `max_cache_len` positions plus the ring and sinks per layer, all allocated at the first
     update (`nbytes()` reports them). `TurboQuantCache` remains the cache for eager use.
+
+    Norms past float16's range (`norm_dtype="float16"`, the default): an eager step's widen that layer's norms to
+    float32 with a warning, as in `TurboQuantCache`; a compiled step cannot, and the next check raises
+    (`check_norms`). `norm_dtype="float32"` stores every norm exactly from the start.
     """
 
     def __init__(
@@ -553,7 +692,19 @@ class TurboQuantStaticCache(Cache):
             ropes = rope_angles(config, sorted({t for _, t in centred}))
             for layer, t in centred:
                 layer.rope, layer._mu_pending = ropes[t], True
+        shared.layers = [layer for layer in layers if isinstance(layer, TurboQuantStaticLayer)]
         Cache.__init__(self, layers=layers, offloading=offloading, offload_only_non_sliding=offload_only_non_sliding)
+
+    def check_norms(self) -> None:
+        """Run every layer's norm check now (the host waits for the GPU): a layer whose eager steps stored a key or
+        value norm past float16's range (65504) widens its norms to float32 (with a warning); one where a compiled
+        step stored or read such a norm raises, naming the layer. Every eager forward's mask runs the checks, so
+        `generate` needs no call; a loop whose compiled forwards make their own mask calls it after an eager prefill,
+        before the first compiled step."""
+        for layer in self.layers:
+            if isinstance(layer, TurboQuantStaticLayer):
+                layer._shared.settle_norms()
+                return
 
     def crop(self, max_length: int) -> None:
         """As `StaticCache.crop`, all or nothing: a layer that would refuse is found before any layer is cut."""

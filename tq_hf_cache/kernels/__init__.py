@@ -42,6 +42,13 @@ def _fast_machine_ok(device) -> bool:
     return fast.machine_ok(device)
 
 
+def note_largest_norm(guard, xs):
+    """See `kernels.norm_guard.note_largest_norm`."""
+    from .norm_guard import note_largest_norm as f
+
+    return f(guard, xs)
+
+
 def quantize_into(x, rotation, codebook, packed_out, norms_out, **kw):
     """See `kernels.quantize.quantize_into`."""
     from .quantize import quantize_into as f
