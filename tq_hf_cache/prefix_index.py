@@ -240,15 +240,16 @@ class PrefixIndex:
             for k in keys:
                 self._pages[k].pins += 1
 
-    def unpin(self, keys: Sequence[str]) -> None:
-        """Undo a `pin`; pages forgotten meanwhile (`remove_subtree`) are passed over."""
+    def unpin(self, keys: Sequence[str], forgotten_ok: bool = False) -> None:
+        """Undo a `pin`. With `forgotten_ok`, pages forgotten meanwhile (`remove_subtree`), or forgotten and stored
+        anew (unpinned), are passed over."""
         with self._lock:
-            bad = [k for k in keys if k in self._pages and self._pages[k].pins == 0]
+            bad = [] if forgotten_ok else [k for k in keys if k not in self._pages or self._pages[k].pins == 0]
             if bad:
                 raise KeyError(f"cannot unpin pages not pinned: {bad[:3]}")
             for k in keys:
                 page = self._pages.get(k)
-                if page is not None:
+                if page is not None and page.pins:
                     page.pins -= 1
                     if not page.pins:
                         self._push(k, page)

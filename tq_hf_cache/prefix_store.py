@@ -244,7 +244,7 @@ class PrefixStore:
                 continue
             finally:
                 with self._lock:
-                    self.index.unpin(keys)
+                    self.index.unpin(keys, forgotten_ok=True)  # (damaged pages may be dropped meanwhile)
             with self._lock:
                 self._counts["hits"] += len(rows)
                 self._counts["tokens_reused"] += length * len(rows)
