@@ -398,3 +398,34 @@ def test_two_writers_of_one_new_prefix_folder_give_the_loser_a_clear_error(tmp_p
     with pytest.raises(FileExistsError, match="created by another writer while this one wrote it"):
         _io.write_folder(target, {"a": b"1"})
     assert os.listdir(target) == ["x"] and [p for p in os.listdir(tmp_path) if p != "prefix"] == []
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_tiny_tiers_under_random_inserts_and_lookups(seed, tmp_path):
+    """Pages stored, moved, dropped, stored again and moved within one insert (tiers of a few pages): every lookup
+    restores an endpoint that was inserted, continuing as its inserted cache did, and the folder holds what the store
+    counts."""
+    model, cfg = model_and_config()
+    rng = torch.Generator().manual_seed(100 + seed)
+    base = ids(48, seed=seed)
+    prompts = [torch.cat([base[:, : 8 * int(torch.randint(0, 6, (1,), generator=rng))], ids(24, seed=50 + i)], 1)
+               for i in range(6)]
+    caches = [prefill(model, cfg, p) for p in prompts]
+    page = PrefixStore(config=cfg, page_tokens=8, **KW)
+    page.insert(prompts[0], caches[0])
+    per = max(page.stats()["bytes"][0] // 8, 1)
+    store = PrefixStore(config=cfg, page_tokens=8, **KW, cpu_bytes=3 * per, disk_dir=str(tmp_path),
+                        disk_bytes=10 * per)
+    for step in range(40):
+        i = int(torch.randint(0, len(prompts), (1,), generator=rng))
+        if torch.rand(1, generator=rng) < 0.5:
+            store.insert(prompts[i], caches[i])
+        else:
+            x = torch.cat([prompts[i], ids(1, seed=7)], 1)
+            got, n = store.match(x)
+            if n:
+                j = next(j for j, p in enumerate(prompts) if p.shape[1] == n and torch.equal(p[0], x[0, :n]))
+                a, b = steps(model, got, x, n), steps(model, copy.deepcopy(caches[j]), x, n)
+                torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4, msg=f"seed {seed} step {step}")
+        assert store.stats()["bytes"][-1] == disk_bytes(tmp_path) <= 10 * per, (seed, step)

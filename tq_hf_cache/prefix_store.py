@@ -31,6 +31,7 @@ import hashlib
 import json
 import os
 import threading
+import time
 import warnings
 import weakref
 from concurrent.futures import ThreadPoolExecutor
@@ -48,6 +49,7 @@ __all__ = ["PrefixStore"]
 
 STAGING_BYTES = 64 << 20  # each of the two host halves disk pages pass through on their way to a GPU
 _ROOT = "root"
+YIELD_S = 0.001
 
 
 class PrefixStore:
@@ -137,24 +139,34 @@ class PrefixStore:
         tensors, infos, layout, paged, m = pp.capture(cache, rows, static, self.page_tokens)
         self._check_quantizers(infos)
         P = self.page_tokens
-        chains, new, ends = [], {}, {}
+        rows_keys = []
         for r, ids in enumerate(rows):
             row = {k: v[r: r + 1] for k, v in tensors.items()}
             tkeys = page_keys(ids[: m * P], P, self.namespace)
             bound = pp.binding(row, paged)
             keys = pp.bind(tkeys, bound)
-            snap = self._snapshot_key(keys, ids[m * P:], bound)
-            for p, k in enumerate(keys):
-                new.setdefault(k, (pp.slice_pages(row, paged, p * P, (p + 1) * P), keys[p - 1] if p else None))
             end = (tkeys[-1] if tkeys else _ROOT, ids.numel(), bound, layout)
-            new.setdefault(snap, ({"tensors": pp.slice_pages(row, paged, m * P, None, rest=True), "infos": infos,
-                                   "num_tokens": ids.numel(), "end": list(end)}, keys[-1] if keys else None))
-            ends[snap] = end
-            chains.append(keys + [snap])
-        sizes = {k: (pp.nbytes(p), self._file_bytes(k, parent, p)) for k, (p, parent) in new.items()}
-        with self._insert_lock:
-            self._check_files({k for chain in chains for k in chain})
+            rows_keys.append((row, keys, self._snapshot_key(keys, ids[m * P:], bound), end))
+        with self._insert_lock:  # (the pages held cannot change under it but by lookups touching them)
+            self._check_files({k for _, keys, snap, _ in rows_keys for k in (*keys, snap)})
             self._drop_damaged()
+            chains, new, ends = [], {}, {}
+            for row, keys, snap, end in rows_keys:
+                for p, k in enumerate(keys):
+                    if k not in new and k not in self._held:  # (a page held already is only touched)
+                        new[k] = (pp.slice_pages(row, paged, p * P, (p + 1) * P), keys[p - 1] if p else None)
+                if snap not in self._held:
+                    new.setdefault(snap, ({"tensors": pp.slice_pages(row, paged, m * P, None, rest=True),
+                                           "infos": infos, "num_tokens": end[1], "end": list(end)},
+                                          keys[-1] if keys else None))
+                ends[snap] = end
+                chains.append(keys + [snap])
+            # held pages keep their sizes (one may leave and come back within this insert)
+            sizes = {k: self.index.sizes_of(k) for chain in chains for k in chain if k not in new}
+            yielder = _Yielder()
+            for k, (p, parent) in new.items():
+                sizes[k] = (pp.nbytes(p), self._file_bytes(k, parent, p))
+                yielder()
             return self._transact(chains, new, sizes, ends)
 
     def _transact(self, chains, new, sizes, ends) -> int:
@@ -165,18 +177,24 @@ class PrefixStore:
             for chain in chains:
                 actions += self.index.insert(chain, [sizes[k][0] for k in chain], [sizes[k][1] for k in chain])
             gone = {a.key: self._unpublish(a.key) for a in actions if a.kind == "drop" and a.key in self._held}
-        staged, written = {}, []
+        staged, written, yielder = {}, [], _Yielder()
+        last_drop = {a.key: i for i, a in enumerate(actions) if a.kind == "drop"}
         try:
-            for a in actions:
-                self._carry_out(a, new, staged, written)
+            for i, a in enumerate(actions):
+                if a.kind in ("store", "move") and last_drop.get(a.key, -1) > i:
+                    continue  # dropped later in this insert: nothing to copy or write
+                self._carry_out(a, new, staged, written, gone)
+                yielder()
         except BaseException as e:
             with self._lock:
                 self.index.rollback()
                 for key, (held, parent, end) in gone.items():
                     self._publish(key, held, parent, end)
                 self._counts["failed_inserts"] += 1
+            kept = {h for h, _, _ in gone.values() if isinstance(h, str)}  # (a dropped page's file written again)
             for path in written:
-                self._remove_file(path)
+                if path not in kept:
+                    self._remove_file(path)
             if isinstance(e, OSError):
                 raise OSError(e.errno, f"the prefix store could not write a page file ({e.strerror or e}); "
                                        "nothing of this insert was stored", getattr(e, "filename", None)) from e
@@ -186,11 +204,11 @@ class PrefixStore:
             for key, held in staged.items():
                 self._publish(key, held, *((ends[key][0], ends[key]) if key in ends else (None, None)))
         for key, (held, _, _) in gone.items():
-            if isinstance(held, str):
+            if isinstance(held, str) and staged.get(key) != held:  # (not the file of a page stored again)
                 self._remove_file(held)
         return sum(a.kind == "store" and a.key not in ends for a in actions)
 
-    def _carry_out(self, a, new: dict, staged: dict, written: list) -> None:
+    def _carry_out(self, a, new: dict, staged: dict, written: list, gone: dict) -> None:
         """One index action's copy or write: the result goes into `staged` (published later)."""
         if a.kind == "skip":
             return
@@ -202,10 +220,12 @@ class PrefixStore:
             return
         if a.key in staged:
             payload = staged[a.key]
-        elif a.kind == "store":
+        elif a.key in new:
             payload = new[a.key][0]
-        else:
-            payload = self._held[a.key]
+        else:  # held before this insert, or held and dropped earlier in it (its file stays until the commit)
+            payload = self._held[a.key] if a.key in self._held else gone[a.key][0]
+            if isinstance(payload, str):
+                payload = pp.unflatten(*self.disk.read(a.key))
         where = self.tiers[a.to]
         if where != "disk":
             staged[a.key] = pp.to_device(payload, where)
@@ -478,6 +498,20 @@ class PrefixStore:
         if self.max_cache_len is None:
             return TurboQuantCache(self.tq_config, config=self.config, codebooks=self.codebooks)
         return TurboQuantStaticCache(self.config, self.max_cache_len, tq_config=self.tq_config, codebooks=self.codebooks)
+
+
+class _Yielder:
+    """Hands the interpreter to waiting threads (a lookup) at most every `YIELD_S` of an insert's Python work: a
+    lookup then waits behind a slice of an insert, not behind a whole one's (a switch costs about 0.1 ms here)."""
+
+    def __init__(self):
+        self.last = time.perf_counter()
+
+    def __call__(self) -> None:
+        now = time.perf_counter()
+        if now - self.last > YIELD_S:
+            time.sleep(1e-6)
+            self.last = time.perf_counter()
 
 
 def _check_args(page_tokens, cpu_bytes, gpu_bytes, disk_dir, disk_bytes) -> None:
