@@ -333,21 +333,30 @@ def phase_latency(model, cfg, work, folder, a, device, res):
             time.sleep(0.001)
         return out
 
-    stop = threading.Event()
-    times(20)
-    alone = times(a.latency_n)
+    stop, busy = threading.Event(), threading.Event()
     inserted = {"n": 0}
 
     def writer(i):
         while not stop.is_set():
             for x, c in zip(longs[i::2], caches[i::2]):
-                store.insert(x, c)
-                inserted["n"] += 1
+                if busy.wait(0.01):
+                    store.insert(x, c)
+                    inserted["n"] += 1
 
     threads = [threading.Thread(target=writer, args=(i,)) for i in range(2)]
     for th in threads:
         th.start()
-    loaded = times(a.latency_n)  # (at once: a prefix not looked up for a while leaves like any other)
+    times(20)
+    alone, loaded = [], []
+    for _ in range(a.rounds):  # interleaved: the machine's own noise falls on both alike
+        alone += times(a.latency_n // a.rounds)
+        busy.set()
+        time.sleep(0.01)
+        loaded += times(a.latency_n // a.rounds)  # (at once: a prefix not looked up for a while leaves)
+        busy.clear()
+        with store._insert_lock:  # (the inserts under way end)
+            pass
+        time.sleep(0.02)
     stop.set()
     for th in threads:
         th.join()
@@ -404,7 +413,8 @@ def main(argv=None) -> dict:
     p.add_argument("--fault-rate", type=float, default=0.05)
     p.add_argument("--fault-every", type=float, default=0.05)
     p.add_argument("--kill-after", type=float, default=3.0)
-    p.add_argument("--latency-n", type=int, default=400)
+    p.add_argument("--latency-n", type=int, default=1000)
+    p.add_argument("--rounds", type=int, default=5, help="alone / loaded blocks of lookups, in turns")
     p.add_argument("--fill-pages", type=int, default=10000)
     p.add_argument("--phases", default="load,restart,latency,fill")
     p.add_argument("--root", default=None, help="where the phases' folders are made (a temporary folder in it)")

@@ -49,7 +49,7 @@ __all__ = ["PrefixStore"]
 
 STAGING_BYTES = 64 << 20  # each of the two host halves disk pages pass through on their way to a GPU
 _ROOT = "root"
-YIELD_S = 0.001
+YIELD_S = 0.002
 
 
 class PrefixStore:
@@ -117,6 +117,9 @@ class PrefixStore:
         self._lock = threading.Lock()  # the state above; never held across disk I/O
         self._insert_lock = threading.Lock()  # one insert (or damage drop) at a time
         self._closed = False
+        self._lookups = 0  # lookups under way (under _lock); _idle is set when there are none
+        self._idle = threading.Event()
+        self._idle.set()
         self.disk = DiskTier(disk_dir, self.namespace) if disk_dir else None
         self._reader = None
         if self.disk is not None:
@@ -163,7 +166,7 @@ class PrefixStore:
                 chains.append(keys + [snap])
             # held pages keep their sizes (one may leave and come back within this insert)
             sizes = {k: self.index.sizes_of(k) for chain in chains for k in chain if k not in new}
-            yielder = _Yielder()
+            yielder = _Yielder(self._idle)
             for k, (p, parent) in new.items():
                 sizes[k] = (pp.nbytes(p), self._file_bytes(k, parent, p))
                 yielder()
@@ -177,7 +180,7 @@ class PrefixStore:
             for chain in chains:
                 actions += self.index.insert(chain, [sizes[k][0] for k in chain], [sizes[k][1] for k in chain])
             gone = {a.key: self._unpublish(a.key) for a in actions if a.kind == "drop" and a.key in self._held}
-        staged, written, yielder = {}, [], _Yielder()
+        staged, written, yielder = {}, [], _Yielder(self._idle)
         last_drop = {a.key: i for i, a in enumerate(actions) if a.kind == "drop"}
         try:
             for i, a in enumerate(actions):
@@ -248,6 +251,17 @@ class PrefixStore:
         tkeys = [page_keys(ids, self.page_tokens, self.namespace) for ids in rows]
         with self._lock:
             self._counts["lookups"] += len(rows)
+            self._lookups += 1
+            self._idle.clear()
+        try:
+            return self._match(rows, tkeys)
+        finally:
+            with self._lock:
+                self._lookups -= 1
+                if not self._lookups:
+                    self._idle.set()
+
+    def _match(self, rows, tkeys):
         while True:
             with self._lock:
                 chains, length = self._longest(rows, tkeys)
@@ -501,15 +515,19 @@ class PrefixStore:
 
 
 class _Yielder:
-    """Hands the interpreter to waiting threads (a lookup) at most every `YIELD_S` of an insert's Python work: a
-    lookup then waits behind a slice of an insert, not behind a whole one's (a switch costs about 0.1 ms here)."""
+    """Where an insert gives way to lookups, between pages: while a lookup runs, the insert waits for it (up to
+    `YIELD_S` at a time, so a stream of lookups slows inserts but cannot stop them); otherwise it hands the
+    interpreter to other threads every `YIELD_S` of its work. Lookups come first: an insert is background work
+    after a response, a lookup is in front of one."""
 
-    def __init__(self):
-        self.last = time.perf_counter()
+    def __init__(self, idle: threading.Event):
+        self.idle, self.last = idle, time.perf_counter()
 
     def __call__(self) -> None:
-        now = time.perf_counter()
-        if now - self.last > YIELD_S:
+        if not self.idle.is_set():
+            self.idle.wait(YIELD_S)
+            self.last = time.perf_counter()
+        elif time.perf_counter() - self.last > YIELD_S:
             time.sleep(1e-6)
             self.last = time.perf_counter()
 
