@@ -49,7 +49,8 @@ __all__ = ["PrefixStore"]
 
 STAGING_BYTES = 64 << 20  # each of the two host halves disk pages pass through on their way to a GPU
 _ROOT = "root"
-YIELD_S = 0.002
+YIELD_S = 0.0005  # an insert's longest stretch of work before it hands the interpreter on
+GIVE_WAY_S = 0.005  # the longest an insert waits, at one page boundary, for the lookups under way
 
 
 class PrefixStore:
@@ -516,7 +517,7 @@ class PrefixStore:
 
 class _Yielder:
     """Where an insert gives way to lookups, between pages: while a lookup runs, the insert waits for it (up to
-    `YIELD_S` at a time, so a stream of lookups slows inserts but cannot stop them); otherwise it hands the
+    `GIVE_WAY_S` at a time, so a stream of lookups slows inserts but cannot stop them); otherwise it hands the
     interpreter to other threads every `YIELD_S` of its work. Lookups come first: an insert is background work
     after a response, a lookup is in front of one."""
 
@@ -525,7 +526,7 @@ class _Yielder:
 
     def __call__(self) -> None:
         if not self.idle.is_set():
-            self.idle.wait(YIELD_S)
+            self.idle.wait(GIVE_WAY_S)
             self.last = time.perf_counter()
         elif time.perf_counter() - self.last > YIELD_S:
             time.sleep(1e-6)
