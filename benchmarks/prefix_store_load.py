@@ -352,7 +352,6 @@ def phase_latency(model, cfg, work, folder, a, device, res):
     for _ in range(a.rounds):  # interleaved: the machine's own noise falls on both alike
         alone += times(a.latency_n // a.rounds)
         busy.set()
-        time.sleep(0.01)
         loaded += times(a.latency_n // a.rounds)  # (at once: a prefix not looked up for a while leaves)
         busy.clear()
         with store._insert_lock:  # (the inserts under way end)

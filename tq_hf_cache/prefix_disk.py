@@ -74,6 +74,7 @@ class DiskTier:
         os.makedirs(self.folder, mode=0o700, exist_ok=True)
         self._lock_fd = _take(self.folder)
         self._serial = itertools.count()
+        self._sizes: dict[tuple, int] = {}
 
     # ---- files ----
 
@@ -81,9 +82,17 @@ class DiskTier:
         return os.path.join(self.folder, key + SUFFIX)
 
     def file_bytes(self, key: str, parent: str | None, tensors: dict, meta: dict) -> int:
-        """The size `write` gives this page's file."""
-        unsigned, data = self._header(key, parent, tensors, meta)
-        return 8 + len(_sign(unsigned, "0" * 64)) + data
+        """The size `write` gives this page's file (remembered per layout: an insert's pages share one)."""
+        shape = (tuple((n, t.dtype, tuple(t.shape)) for n, t in _ordered(tensors)), parent is None, len(key),
+                 json.dumps(meta, sort_keys=True, separators=(",", ":")) if meta else "")
+        size = self._sizes.get(shape)
+        if size is None:
+            unsigned, data = self._header(key, parent, tensors, meta)
+            size = 8 + len(_sign(unsigned, "0" * 64)) + data
+            if len(self._sizes) > 256:
+                self._sizes.clear()
+            self._sizes[shape] = size
+        return size
 
     def write(self, key: str, parent: str | None, tensors: dict, meta: dict) -> str:
         """Write a page file atomically (temporary name, rename); returns its path."""
