@@ -159,13 +159,15 @@ def sha256_file(path: str) -> str:
     return h.hexdigest()
 
 
-def read_private(path: str):
+def read_private(path: str, follow_links: bool = True):
     """A file's bytes read whole into private memory (a uint8 numpy array): what is hashed is what is parsed, and a
-    file truncated or rewritten while it is read is a ValueError naming it, never a SIGBUS (as a mapping gives)."""
+    file truncated or rewritten while it is read is a ValueError naming it, never a SIGBUS (as a mapping gives).
+    `follow_links=False`: a symbolic link at `path` is an OSError, not followed."""
     import torch
 
-    with open(path, "rb") as f:
-        size = os.fstat(f.fileno()).st_size
+    fd = os.open(path, os.O_RDONLY | (0 if follow_links else getattr(os, "O_NOFOLLOW", 0)))
+    with os.fdopen(fd, "rb") as f:
+        size = os.fstat(fd).st_size
         buf = torch.empty(size, dtype=torch.uint8).numpy()
         got = f.readinto(memoryview(buf)) if size else 0
         if got != size or f.read(1):

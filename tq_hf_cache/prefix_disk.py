@@ -124,21 +124,13 @@ class DiskTier:
         PageDamaged naming the file and what is wrong with it otherwise."""
         path = self.path(key)
         try:
-            fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+            data = _io.read_private(path, follow_links=False)
         except OSError as e:
-            raise PageDamaged(key, path, f"cannot be opened ({e.strerror or e})") from None
-        with os.fdopen(fd, "rb") as f:
-            size = os.fstat(fd).st_size
-            buf = torch.empty(size, dtype=torch.uint8)
-            try:
-                got = f.readinto(memoryview(buf.numpy())) if size else 0
-                extra = f.read(1)
-            except OSError as e:
-                raise PageDamaged(key, path, f"cannot be read ({e.strerror or e})") from None
-        if got != size or extra:
-            raise PageDamaged(key, path, f"changed size while it was read ({size} bytes, then {got}"
-                                         f"{'+' if extra else ''})")
-        base, layout, meta = self.check(key, buf.numpy(), path)
+            raise PageDamaged(key, path, f"cannot be read ({e.strerror or e})") from None
+        except ValueError as e:
+            raise PageDamaged(key, path, str(e).removeprefix(f"{path} ")) from None
+        buf = torch.from_numpy(data)
+        base, layout, meta = self.check(key, data, path)
         tensors = {name: buf[base + start: base + end].view(dtype).view(shape)
                    for name, (dtype, shape, start, end) in layout.items()}
         return tensors, meta
