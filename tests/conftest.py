@@ -42,12 +42,23 @@ def tiny_llama_config(**overrides):
     return LlamaConfig(**kw)
 
 
-@pytest.fixture
-def tiny_llama():
+def tiny_llama_and_config():
+    """(a random tiny Llama, its config), the weights seeded: the same model at every call."""
     from transformers import LlamaForCausalLM
 
     torch.manual_seed(0)
-    return LlamaForCausalLM(tiny_llama_config()).eval()
+    cfg = tiny_llama_config()
+    return LlamaForCausalLM(cfg).eval(), cfg
+
+
+def token_ids(n, seed=0):
+    """(1, n) random token ids of the tiny models' vocabulary, past the special ids."""
+    return torch.randint(3, 128, (1, n), generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.fixture
+def tiny_llama():
+    return tiny_llama_and_config()[0]
 
 
 @pytest.fixture(scope="session")

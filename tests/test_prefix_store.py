@@ -13,19 +13,7 @@ from tq_hf_cache import TurboQuantCache
 from tq_hf_cache import prefix_store
 from tq_hf_cache.prefix_store import PrefixStore
 
-from conftest import tiny_llama_config, with_cache
-
-
-def model_and_config():
-    from transformers import LlamaForCausalLM
-
-    torch.manual_seed(0)
-    cfg = tiny_llama_config()
-    return LlamaForCausalLM(cfg).eval(), cfg
-
-
-def ids(n, seed=0):
-    return torch.randint(3, 128, (1, n), generator=torch.Generator().manual_seed(seed))
+from conftest import tiny_llama_and_config as model_and_config, token_ids as ids, with_cache
 
 
 def prefill(model, cfg, x, **kw):
