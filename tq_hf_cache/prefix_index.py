@@ -139,11 +139,6 @@ class PrefixIndex:
             page = self._pages.get(key)
             return None if page is None else page.tier
 
-    def file_bytes_of(self, key: str) -> int | None:
-        with self._lock:
-            page = self._pages.get(key)
-            return None if page is None else page.file_nbytes
-
     def sizes_of(self, key: str) -> tuple[int, int] | None:
         """(bytes in memory, bytes as a file) of a held page."""
         with self._lock:

@@ -451,13 +451,13 @@ class PrefixStore:
             held = self._held.get(k)
             if isinstance(held, str):
                 try:
-                    ok = os.stat(held, follow_symlinks=False).st_size == self.index.file_bytes_of(k)
+                    ok = os.stat(held, follow_symlinks=False).st_size == self.index.sizes_of(k)[1]
                 except OSError:
                     ok = False
                 if not ok:
                     with self._lock:
+                        self._counts["damaged"] += k not in self._damaged
                         self._damaged.add(k)
-                        self._counts["damaged"] += 1
 
     def _drop_damaged(self) -> None:
         """Forget the damaged pages and everything that hangs on them (the insert lock is held)."""
