@@ -74,7 +74,7 @@ class DiskTier:
         os.makedirs(self.folder, mode=0o700, exist_ok=True)
         self._lock_fd = _take(self.folder)
         self._serial = itertools.count()
-        self._sizes: dict[tuple, int] = {}
+        self._templates: dict[tuple, tuple] = {}
 
     # ---- files ----
 
@@ -82,17 +82,8 @@ class DiskTier:
         return os.path.join(self.folder, key + SUFFIX)
 
     def file_bytes(self, key: str, parent: str | None, tensors: dict, meta: dict) -> int:
-        """The size `write` gives this page's file (remembered per layout: an insert's pages share one)."""
-        shape = (tuple((n, t.dtype, tuple(t.shape)) for n, t in _ordered(tensors)), parent is None, len(key),
-                 json.dumps(meta, sort_keys=True, separators=(",", ":")) if meta else "")
-        size = self._sizes.get(shape)
-        if size is None:
-            unsigned, data = self._header(key, parent, tensors, meta)
-            size = 8 + len(_sign(unsigned, "0" * 64)) + data
-            if len(self._sizes) > 256:
-                self._sizes.clear()
-            self._sizes[shape] = size
-        return size
+        """The size `write` gives this page's file (tensors on any device, contiguous or not)."""
+        return self._template(key, parent, tensors, meta)[3]
 
     def write(self, key: str, parent: str | None, tensors: dict, meta: dict) -> str:
         """Write a page file atomically (temporary name, rename); returns its path."""
@@ -100,7 +91,8 @@ class DiskTier:
         for _, t in _ordered(tensors):
             raw = t.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy()
             parts += [memoryview(raw), bytes(-raw.nbytes % 8)]
-        unsigned, _ = self._header(key, parent, tensors, meta)
+        pre, mid, post, _ = self._template(key, parent, tensors, meta)
+        unsigned = pre + key.encode("ascii") + mid + (parent or "").encode("ascii") + post
         h = hashlib.sha256(unsigned)
         for p in parts:
             h.update(p)
@@ -188,6 +180,24 @@ class DiskTier:
             self._lock_fd = None
 
     # ---- internals ----
+
+    def _template(self, key, parent, tensors, meta) -> tuple[bytes, bytes, bytes, int]:
+        """A page layout's unsigned header cut around its key and parent (pre, mid, post: the header is
+        pre + key + mid + parent + post), and its files' size. Made once per layout: an insert's pages share one."""
+        layout = (tuple((n, t.dtype, tuple(t.shape)) for n, t in _ordered(tensors)), parent is None, len(key),
+                  json.dumps(meta, sort_keys=True, separators=(",", ":")) if meta else "")
+        cut = self._templates.get(layout)
+        if cut is None:
+            k, p = "0" * len(key), ("" if parent is None else "1" * len(parent))
+            unsigned, data = self._header(k, p, tensors, meta)
+            a = unsigned.index(b'"key":"' + k.encode()) + 7
+            b = unsigned.index(b'"parent":"' + p.encode() + b'"') + 10
+            size = 8 + len(_sign(unsigned, "0" * 64)) + data
+            cut = (unsigned[:a], unsigned[a + len(k): b], unsigned[b + len(p):], size)
+            if len(self._templates) > 256:
+                self._templates.clear()
+            self._templates[layout] = cut
+        return cut
 
     def _header(self, key, parent, tensors, meta) -> tuple[bytes, int]:
         """The unsigned header's bytes (the form the digest covers: `_sign` adds the digest) and the tensor bytes'

@@ -193,11 +193,17 @@ def to_device(payload: dict, device) -> dict:
     return {k: copy(v) for k, v in payload.items()}
 
 
-def flatten(payload: dict) -> tuple[dict, dict]:
+def parts(payload: dict) -> tuple[dict, dict]:
+    """(tensors, the other fields) of a page or snapshot, as they are (no copy)."""
     if "tensors" in payload:
-        return {k: v.contiguous().cpu() for k, v in payload["tensors"].items()}, {
-            k: v for k, v in payload.items() if k != "tensors"}
-    return {k: v.contiguous().cpu() for k, v in payload.items()}, {}
+        return payload["tensors"], {k: v for k, v in payload.items() if k != "tensors"}
+    return payload, {}
+
+
+def flatten(payload: dict) -> tuple[dict, dict]:
+    """`parts`, every tensor contiguous on the CPU (as a file holds it)."""
+    tensors, meta = parts(payload)
+    return {k: v.contiguous().cpu() for k, v in tensors.items()}, meta
 
 
 def unflatten(tensors: dict, meta: dict) -> dict:

@@ -139,8 +139,14 @@ class PrefixStore:
         self._check_open()
         rows = pp.rows_of(input_ids)
         self._check_cache(cache, rows)
+        with self._insert_lock:  # (the pages held cannot change under it but by lookups touching them)
+            yielder = _Yielder(self._idle)
+            return self._insert(rows, cache, yielder)
+
+    def _insert(self, rows, cache, yielder) -> int:
         static = self.max_cache_len is not None
         tensors, infos, layout, paged, m = pp.capture(cache, rows, static, self.page_tokens)
+        yielder()
         self._check_quantizers(infos)
         P = self.page_tokens
         rows_keys = []
@@ -151,29 +157,29 @@ class PrefixStore:
             keys = pp.bind(tkeys, bound)
             end = (tkeys[-1] if tkeys else _ROOT, ids.numel(), bound, layout)
             rows_keys.append((row, keys, self._snapshot_key(keys, ids[m * P:], bound), end))
-        with self._insert_lock:  # (the pages held cannot change under it but by lookups touching them)
-            self._check_files({k for _, keys, snap, _ in rows_keys for k in (*keys, snap)})
-            self._drop_damaged()
-            chains, new, ends = [], {}, {}
-            for row, keys, snap, end in rows_keys:
-                for p, k in enumerate(keys):
-                    if k not in new and k not in self._held:  # (a page held already is only touched)
-                        new[k] = (pp.slice_pages(row, paged, p * P, (p + 1) * P), keys[p - 1] if p else None)
-                if snap not in self._held:
-                    new.setdefault(snap, ({"tensors": pp.slice_pages(row, paged, m * P, None, rest=True),
-                                           "infos": infos, "num_tokens": end[1], "end": list(end)},
-                                          keys[-1] if keys else None))
-                ends[snap] = end
-                chains.append(keys + [snap])
-            # held pages keep their sizes (one may leave and come back within this insert)
-            sizes = {k: self.index.sizes_of(k) for chain in chains for k in chain if k not in new}
-            yielder = _Yielder(self._idle)
-            for k, (p, parent) in new.items():
-                sizes[k] = (pp.nbytes(p), self._file_bytes(k, parent, p))
-                yielder()
-            return self._transact(chains, new, sizes, ends)
+            yielder()
+        self._check_files({k for _, keys, snap, _ in rows_keys for k in (*keys, snap)})
+        self._drop_damaged()
+        chains, new, ends = [], {}, {}
+        for row, keys, snap, end in rows_keys:
+            for p, k in enumerate(keys):
+                if k not in new and k not in self._held:  # (a page held already is only touched)
+                    new[k] = (pp.slice_pages(row, paged, p * P, (p + 1) * P), keys[p - 1] if p else None)
+                    yielder()
+            if snap not in self._held:
+                new.setdefault(snap, ({"tensors": pp.slice_pages(row, paged, m * P, None, rest=True),
+                                       "infos": infos, "num_tokens": end[1], "end": list(end)},
+                                      keys[-1] if keys else None))
+            ends[snap] = end
+            chains.append(keys + [snap])
+        # held pages keep their sizes (one may leave and come back within this insert)
+        sizes = {k: self.index.sizes_of(k) for chain in chains for k in chain if k not in new}
+        for k, (p, parent) in new.items():
+            sizes[k] = (pp.nbytes(p), self._file_bytes(k, parent, p))
+            yielder()
+        return self._transact(chains, new, sizes, ends, yielder)
 
-    def _transact(self, chains, new, sizes, ends) -> int:
+    def _transact(self, chains, new, sizes, ends, yielder) -> int:
         """Reserve the chains' pages in the index, carry out its moves outside the lock, publish or roll back."""
         with self._lock:
             self.index.begin()
@@ -181,7 +187,7 @@ class PrefixStore:
             for chain in chains:
                 actions += self.index.insert(chain, [sizes[k][0] for k in chain], [sizes[k][1] for k in chain])
             gone = {a.key: self._unpublish(a.key) for a in actions if a.kind == "drop" and a.key in self._held}
-        staged, written, yielder = {}, [], _Yielder(self._idle)
+        staged, written = {}, []
         last_drop = {a.key: i for i, a in enumerate(actions) if a.kind == "drop"}
         try:
             for i, a in enumerate(actions):
@@ -404,7 +410,7 @@ class PrefixStore:
     def _file_bytes(self, key: str, parent: str | None, payload: dict) -> int:
         if self.disk is None:
             return pp.nbytes(payload)
-        return self.disk.file_bytes(key, parent, *pp.flatten(payload))
+        return self.disk.file_bytes(key, parent, *pp.parts(payload))
 
     def _snapshot_key(self, keys: list[str], rest, bound: str) -> str:
         parent = keys[-1] if keys else self.namespace + bound
@@ -528,7 +534,7 @@ class _Yielder:
         if not self.idle.is_set():
             self.idle.wait(GIVE_WAY_S)
             self.last = time.perf_counter()
-        elif time.perf_counter() - self.last > YIELD_S:
+        elif time.perf_counter() - self.last > YIELD_S and threading.active_count() > 1:
             time.sleep(1e-6)
             self.last = time.perf_counter()
 
