@@ -192,8 +192,8 @@ def test_pages_move_to_disk_come_back_exact_and_a_damaged_file_is_dropped(staged
                             disk_bytes=1 << 30)
     use_staged(store)
     store.insert(x[:, :64], cache)
-    on_disk = [k for k, h in store._held.items() if isinstance(h, str)]
-    path = store._held[on_disk[0]]
+    on_disk = [k for k, h in store.catalog.held.items() if isinstance(h, str)]
+    path = store.catalog.held[on_disk[0]]
     raw = bytearray(open(path, "rb").read())
     raw[-1] ^= 1
     open(path, "wb").write(bytes(raw))

@@ -160,8 +160,8 @@ def test_a_bad_page_file_is_dropped_and_the_longest_whole_prefix_returned(fault,
     store.insert(x[:, :64], long)
     store.insert(x[:, :24], short)
     short_chain = _chain_keys(store, x[:, :25])
-    key = next(k for k, h in store._held.items() if isinstance(h, str) and k not in short_chain)  # the long one's
-    path = store._held[key]
+    key = next(k for k, h in store.catalog.held.items() if isinstance(h, str) and k not in short_chain)  # the long one's
+    path = store.catalog.held[key]
     if fault == "deleted":
         os.remove(path)
     elif fault == "truncated":
@@ -182,7 +182,7 @@ def test_a_bad_page_file_is_dropped_and_the_longest_whole_prefix_returned(fault,
 
 def _chain_keys(store, y):
     with store._lock:
-        chains, _ = store._longest(y, [page_keys(y[0], 8, store.namespace)])
+        chains, _ = store.catalog.longest(y, [page_keys(y[0], 8, store.namespace)])
     return set(chains[0]) if chains else set()
 
 

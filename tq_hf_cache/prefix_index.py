@@ -109,11 +109,10 @@ class PrefixIndex:
         self._held = [0] * len(caps)
         self._count = [0] * len(caps)
         self._pinned = 0  # pages with pins
-        self._heaps: list[list[tuple[int, str]]] = [[] for _ in caps]
+        self._lru = _Lru(len(caps))
         self._clock = 0
         self._lock = threading.Lock()
-        self._journal: dict[str, _Page | None] | None = None
-        self._saved_stats: dict | None = None
+        self._journal = _Journal()
         self._stats = {"lookups": 0, "hits": 0, "pages_matched": 0, "stored": 0, "moved": 0, "dropped": 0,
                        "skipped": 0}
 
@@ -264,36 +263,16 @@ class PrefixIndex:
     def begin(self) -> None:
         """Journal every page the next changes store, move or drop, until `commit` or `rollback`."""
         with self._lock:
-            if self._journal is not None:
-                raise RuntimeError("a transaction is open already")
-            self._journal = {}
-            self._saved_stats = {k: self._stats[k] for k in ("stored", "moved", "dropped", "skipped")}
+            self._journal.begin(self._stats)
 
     def commit(self) -> None:
         with self._lock:
-            self._journal = self._saved_stats = None
+            self._journal.end()
 
     def rollback(self) -> None:
         """Put every page changed since `begin` back as it was (its use time and pins stay as they are now)."""
         with self._lock:
-            journal, self._journal = self._journal or {}, None
-            for key, before in reversed(list(journal.items())):  # the transaction's new pages, children first
-                if before is None and key in self._pages:
-                    self._remove(key)
-            back = {k: b for k, b in journal.items() if b is not None}
-            while back:  # dropped pages come back parents first; moved ones go back to their tier
-                ready = [k for k, b in back.items() if k in self._pages or b.parent is None or b.parent in self._pages]
-                if not ready:
-                    break  # (a parent forgotten meanwhile: what hung on it stays out)
-                for k in ready:
-                    b = back.pop(k)
-                    page = self._pages.get(k)
-                    if page is None:
-                        self._add(k, _Page(b.parent, b.tier, b.nbytes, b.file_nbytes, b.used))
-                    elif page.tier != b.tier:
-                        self._place(k, page, b.tier)
-            self._stats.update(self._saved_stats or {})
-            self._saved_stats = None
+            self._journal.undo(self)
 
     # ---- internals (the lock is held) ----
 
@@ -305,18 +284,10 @@ class PrefixIndex:
         return page.file_nbytes if tier == self.file_tier else page.nbytes
 
     def _note(self, key: str, page: _Page | None) -> None:
-        """Journal `key`'s state before its first change in an open transaction."""
-        if self._journal is not None and key not in self._journal:
-            self._journal[key] = None if page is None else _Page(page.parent, page.tier, page.nbytes,
-                                                                 page.file_nbytes, page.used)
+        self._journal.note(key, page)
 
     def _push(self, key: str, page: _Page) -> None:
-        heap = self._heaps[page.tier]
-        heapq.heappush(heap, (page.used, key))
-        if len(heap) > 4 * self._count[page.tier] + 64:  # mostly stale entries: rebuilt from the live pages
-            live = [(p.used, k) for k, p in self._pages.items() if p.tier == page.tier]
-            heapq.heapify(live)
-            self._heaps[page.tier] = live
+        self._lru.push(page.tier, page.used, key, self._count[page.tier], self._pages)
 
     def _touch(self, keys: Sequence[str]) -> None:
         for k in keys:  # in chain order: a chain's later pages count as used later
@@ -358,7 +329,7 @@ class PrefixIndex:
         """Move the least recently used unpinned page of tier `t` one tier down (drop it from the last tier, where
         only pages without a held child may leave); None when there is none."""
         last = t == len(self.capacity) - 1
-        victim = self._victim(t, leaves_only=last, protect=protect)
+        victim = self._lru.victim(t, self._pages, leaves_only=last, protect=protect)
         if victim is None:
             return None
         if last:
@@ -376,7 +347,7 @@ class PrefixIndex:
         for t in range(tier, last + 1):
             while self._held[t] > self.capacity[t]:
                 guard = protect if t == last else None
-                victim = self._victim(t, leaves_only=t == last, protect=guard)
+                victim = self._lru.victim(t, self._pages, leaves_only=t == last, protect=guard)
                 if victim is None:
                     for key, page in reversed(undo):
                         self._undo(key, page)
@@ -396,14 +367,73 @@ class PrefixIndex:
         else:  # moved
             self._place(key, page, saved.tier)
 
-    def _victim(self, tier: int, leaves_only: bool, protect: str | None = None) -> str | None:
+
+class _Journal:
+    """The pages one transaction changed, each as it was before its first change, and the counts before it."""
+
+    def __init__(self):
+        self.before: dict[str, _Page | None] | None = None
+        self.stats: dict | None = None
+
+    def begin(self, stats: dict) -> None:
+        if self.before is not None:
+            raise RuntimeError("a transaction is open already")
+        self.before = {}
+        self.stats = {k: stats[k] for k in ("stored", "moved", "dropped", "skipped")}
+
+    def end(self) -> None:
+        self.before = self.stats = None
+
+    def note(self, key: str, page: _Page | None) -> None:
+        if self.before is not None and key not in self.before:
+            self.before[key] = None if page is None else _Page(page.parent, page.tier, page.nbytes,
+                                                               page.file_nbytes, page.used)
+
+    def undo(self, index: PrefixIndex) -> None:
+        """Put `index`'s pages back as they were at `begin` (its lock is held), and close the transaction."""
+        journal, stats = self.before or {}, self.stats
+        self.end()
+        for key, before in reversed(list(journal.items())):  # the transaction's new pages, children first
+            if before is None and key in index._pages:
+                index._remove(key)
+        back = {k: b for k, b in journal.items() if b is not None}
+        while back:  # dropped pages come back parents first; moved ones go back to their tier
+            ready = [k for k, b in back.items() if k in index._pages or b.parent is None or b.parent in index._pages]
+            if not ready:
+                break  # (a parent forgotten meanwhile: what hung on it stays out)
+            for k in ready:
+                b = back.pop(k)
+                page = index._pages.get(k)
+                if page is None:
+                    index._add(k, _Page(b.parent, b.tier, b.nbytes, b.file_nbytes, b.used))
+                elif page.tier != b.tier:
+                    index._place(k, page, b.tier)
+        index._stats.update(stats or {})
+
+
+class _Lru:
+    """A heap of (last use, key) per tier. Entries are checked when they reach the top: one of a page that moved,
+    was touched, pinned or dropped since is stale and discarded, so finding a victim costs O(log n)."""
+
+    def __init__(self, tiers: int):
+        self.heaps: list[list[tuple[int, str]]] = [[] for _ in range(tiers)]
+
+    def push(self, tier: int, used: int, key: str, live: int, pages: dict) -> None:
+        heap = self.heaps[tier]
+        heapq.heappush(heap, (used, key))
+        if len(heap) > 4 * live + 64:  # mostly stale entries: rebuilt from the live pages
+            fresh = [(p.used, k) for k, p in pages.items() if p.tier == tier]
+            heapq.heapify(fresh)
+            self.heaps[tier] = fresh
+
+    def victim(self, tier: int, pages: dict, leaves_only: bool, protect: str | None = None) -> str | None:
         """The least recently used unpinned page of `tier` but `protect` (one with no held child, when
         `leaves_only`). Stale entries are discarded on the way (a page that is pinned, or has children, gets a
         fresh entry when that changes); the victim's own entry stays, stale once it is moved or dropped."""
-        heap, aside, found = self._heaps[tier], [], None
+        heap, aside, found = self.heaps[tier], [], None
         while heap:
             used, key = heap[0]
-            page = self._pages.get(key)
+            page = pages.get(key)
             if page is None or page.tier != tier or page.used != used or page.pins or (leaves_only and page.children):
                 heapq.heappop(heap)
                 continue

@@ -35,20 +35,20 @@ import time
 import warnings
 import weakref
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
 
 import torch
 
 from . import prefix_pages as pp
 from .config import model_facts
-from .prefix import _layer_digest, quantizer_digest, weights_digest
+from .prefix import weights_digest
+from .prefix_catalog import ROOT, Catalog
+from .prefix_checks import QuantizerCheck, check_args, check_cache
 from .prefix_disk import DiskTier, PageDamaged, StagedReader
-from .prefix_index import PrefixIndex, page_keys, token_bytes
+from .prefix_index import PrefixIndex, page_keys
 
 __all__ = ["PrefixStore"]
 
 STAGING_BYTES = 64 << 20  # each of the two host halves disk pages pass through on their way to a GPU
-_ROOT = "root"
 YIELD_S = 0.0005  # an insert's longest stretch of work before it hands the interpreter on
 GIVE_WAY_S = 0.005  # the longest an insert waits, at one page boundary, for the lookups under way
 
@@ -87,7 +87,7 @@ class PrefixStore:
                  codebooks=None, max_cache_len: int | None = None, **overrides):
         from .cache import TurboQuantCache
 
-        _check_args(page_tokens, cpu_bytes, gpu_bytes, disk_dir, disk_bytes)
+        check_args(page_tokens, cpu_bytes, gpu_bytes, disk_dir, disk_bytes)
         self.device = torch.device(device) if device is not None else torch.device("cpu")
         if self.device.type == "cuda" and not torch.cuda.is_available():
             raise ValueError(f"device={device!r} needs CUDA, which this torch does not have")
@@ -108,12 +108,8 @@ class PrefixStore:
         self.disk_dir = disk_dir
         disk_tier = len(caps) - 1 if disk_dir else None
         self.index = PrefixIndex(caps, page_tokens=page_tokens, file_tier=disk_tier)
-        self._held: dict[str, Any] = {}  # published key -> a payload (dict of tensors) or the path of its file
-        # the tokens' parent page key (or _ROOT) -> {snapshot key: (its length, its binding, its layout)}
-        self._ends: dict[str, dict[str, tuple[int, str, str]]] = {}
-        self._parent_of: dict[str, str] = {}  # snapshot key -> its key in _ends
-        self._damaged: set[str] = set()  # page files found damaged, dropped by the next insert (or match)
-        self._digests: dict[int, str] = {}  # layer -> the digest of this store's quantizers there
+        self.catalog = Catalog(self.namespace, page_tokens)
+        self._check_quantizers = QuantizerCheck(self._new_cache, max_cache_len is not None)
         self._counts = {"lookups": 0, "hits": 0, "tokens_reused": 0, "damaged": 0, "failed_inserts": 0}
         self._lock = threading.Lock()  # the state above; never held across disk I/O
         self._insert_lock = threading.Lock()  # one insert (or damage drop) at a time
@@ -138,7 +134,7 @@ class PrefixStore:
         is kept and the OSError is raised. Returns the pages newly stored."""
         self._check_open()
         rows = pp.rows_of(input_ids)
-        self._check_cache(cache, rows)
+        check_cache(cache, rows, self.tq_config, self.max_cache_len)
         with self._insert_lock:  # (the pages held cannot change under it but by lookups touching them)
             yielder = _Yielder(self._idle)
             return self._insert(rows, cache, yielder)
@@ -155,18 +151,18 @@ class PrefixStore:
             tkeys = page_keys(ids[: m * P], P, self.namespace)
             bound = pp.binding(row, paged)
             keys = pp.bind(tkeys, bound)
-            end = (tkeys[-1] if tkeys else _ROOT, ids.numel(), bound, layout)
-            rows_keys.append((row, keys, self._snapshot_key(keys, ids[m * P:], bound), end))
+            end = (tkeys[-1] if tkeys else ROOT, ids.numel(), bound, layout)
+            rows_keys.append((row, keys, self.catalog.snapshot_key(keys, ids[m * P:], bound), end))
             yielder()
         self._check_files({k for _, keys, snap, _ in rows_keys for k in (*keys, snap)})
         self._drop_damaged()
         chains, new, ends = [], {}, {}
         for row, keys, snap, end in rows_keys:
             for p, k in enumerate(keys):
-                if k not in new and k not in self._held:  # (a page held already is only touched)
+                if k not in new and k not in self.catalog.held:  # (a page held already is only touched)
                     new[k] = (pp.slice_pages(row, paged, p * P, (p + 1) * P), keys[p - 1] if p else None)
                     yielder()
-            if snap not in self._held:
+            if snap not in self.catalog.held:
                 new.setdefault(snap, ({"tensors": pp.slice_pages(row, paged, m * P, None, rest=True),
                                        "infos": infos, "num_tokens": end[1], "end": list(end)},
                                       keys[-1] if keys else None))
@@ -177,73 +173,7 @@ class PrefixStore:
         for k, (p, parent) in new.items():
             sizes[k] = (pp.nbytes(p), self._file_bytes(k, parent, p))
             yielder()
-        return self._transact(chains, new, sizes, ends, yielder)
-
-    def _transact(self, chains, new, sizes, ends, yielder) -> int:
-        """Reserve the chains' pages in the index, carry out its moves outside the lock, publish or roll back."""
-        with self._lock:
-            self.index.begin()
-            actions = []
-            for chain in chains:
-                actions += self.index.insert(chain, [sizes[k][0] for k in chain], [sizes[k][1] for k in chain])
-            gone = {a.key: self._unpublish(a.key) for a in actions if a.kind == "drop" and a.key in self._held}
-        staged, written = {}, []
-        last_drop = {a.key: i for i, a in enumerate(actions) if a.kind == "drop"}
-        try:
-            for i, a in enumerate(actions):
-                if a.kind in ("store", "move") and last_drop.get(a.key, -1) > i:
-                    continue  # dropped later in this insert: nothing to copy or write
-                self._carry_out(a, new, staged, written, gone)
-                yielder()
-        except BaseException as e:
-            with self._lock:
-                self.index.rollback()
-                for key, (held, parent, end) in gone.items():
-                    self._publish(key, held, parent, end)
-                self._counts["failed_inserts"] += 1
-            kept = {h for h, _, _ in gone.values() if isinstance(h, str)}  # (a dropped page's file written again)
-            for path in written:
-                if path not in kept:
-                    self._remove_file(path)
-            if isinstance(e, OSError):
-                raise OSError(e.errno, f"the prefix store could not write a page file ({e.strerror or e}); "
-                                       "nothing of this insert was stored", getattr(e, "filename", None)) from e
-            raise
-        with self._lock:
-            self.index.commit()
-            for key, held in staged.items():
-                self._publish(key, held, *((ends[key][0], ends[key]) if key in ends else (None, None)))
-        for key, (held, _, _) in gone.items():
-            if isinstance(held, str) and staged.get(key) != held:  # (not the file of a page stored again)
-                self._remove_file(held)
-        return sum(a.kind == "store" and a.key not in ends for a in actions)
-
-    def _carry_out(self, a, new: dict, staged: dict, written: list, gone: dict) -> None:
-        """One index action's copy or write: the result goes into `staged` (published later)."""
-        if a.kind == "skip":
-            return
-        if a.kind == "drop":  # a page stored earlier in this insert (published drops are the caller's)
-            held = staged.pop(a.key, None)
-            if isinstance(held, str):
-                written.remove(held)
-                self._remove_file(held)
-            return
-        if a.key in staged:
-            payload = staged[a.key]
-        elif a.key in new:
-            payload = new[a.key][0]
-        else:  # held before this insert, or held and dropped earlier in it (its file stays until the commit)
-            payload = self._held[a.key] if a.key in self._held else gone[a.key][0]
-            if isinstance(payload, str):
-                payload = pp.unflatten(*self.disk.read(a.key))
-        where = self.tiers[a.to]
-        if where != "disk":
-            staged[a.key] = pp.to_device(payload, where)
-            return
-        parent = new[a.key][1] if a.key in new else self.index.parent_of(a.key)
-        tensors, meta = pp.flatten(payload)
-        staged[a.key] = self.disk.write(a.key, parent, tensors, meta)
-        written.append(staged[a.key])
+        return _Insert(self, new, ends, yielder).run(chains, sizes)
 
     # ---- match ----
 
@@ -271,13 +201,13 @@ class PrefixStore:
     def _match(self, rows, tkeys):
         while True:
             with self._lock:
-                chains, length = self._longest(rows, tkeys)
+                chains, length = self.catalog.longest(rows, tkeys)
                 if chains is None:
                     return self._new_cache(), 0
                 keys = list(dict.fromkeys(k for chain in chains for k in chain))  # rows share pages: loaded once
                 self.index.match(keys)  # used now: pages and snapshots move to the front of their tiers
                 self.index.pin(keys)
-                held = {k: self._held[k] for k in keys}
+                held = {k: self.catalog.held[k] for k in keys}
             try:
                 loaded = self._read(held)
             except PageDamaged as e:
@@ -292,34 +222,6 @@ class PrefixStore:
             cache = pp.restore(self._new_cache(), [[loaded[k] for k in chain] for chain in chains], self.config,
                                self.device, self.max_cache_len is not None)
             return cache, length
-
-    def _longest(self, rows, tkeys) -> tuple[list | None, int]:
-        found = [self._endpoints(ids, t) for ids, t in zip(rows, tkeys)]
-        for n in sorted(set.intersection(*(set(f) for f in found)), reverse=True):
-            layouts = set.intersection(*(set(f[n]) for f in found))
-            if layouts:
-                layout = min(layouts)
-                return [f[n][layout] for f in found], n
-        return None, 0
-
-    def _endpoints(self, ids: torch.Tensor, tkeys: list[str]) -> dict[int, dict[str, list[str]]]:
-        """{length: {layout: chain (page keys, then the snapshot's)}} of every published endpoint that `ids`
-        extends past, whose pages are all published and none found damaged."""
-        P = self.page_tokens
-        out: dict[int, dict[str, list[str]]] = {}
-        bound: dict[tuple[int, str], list[str]] = {}
-        for m in range(len(tkeys), -1, -1):
-            for snap, (length, b, layout) in self._ends.get(tkeys[m - 1] if m else _ROOT, {}).items():
-                if length >= ids.numel() or layout in out.get(length, {}) or snap not in self._held:
-                    continue
-                keys = bound.get((m, b))
-                if keys is None:
-                    keys = bound[(m, b)] = pp.bind(tkeys[:m], b)
-                chain = keys + [snap]
-                if all(k in self._held and k not in self._damaged for k in chain) \
-                        and snap == self._snapshot_key(keys, ids[m * P: length], b):
-                    out.setdefault(length, {})[layout] = chain
-        return out
 
     def _read(self, held: dict) -> dict:
         """Every chain payload in memory: disk pages read and checked outside the lock (threads: file reads and
@@ -367,77 +269,15 @@ class PrefixStore:
         if self._closed:
             raise ValueError("this PrefixStore is closed")
 
-    def _check_cache(self, cache, rows) -> None:
-        from .cache import TurboQuantCache
-        from .static_cache import TurboQuantStaticCache
-
-        want = TurboQuantCache if self.max_cache_len is None else TurboQuantStaticCache
-        if not isinstance(cache, want) or getattr(cache, "capacity", None) != self.max_cache_len:
-            raise TypeError(f"this store takes {want.__name__}s" + (f" of max_cache_len={self.max_cache_len}"
-                            if self.max_cache_len else "") + f" (the caches match restores), got "
-                            f"{type(cache).__name__}" + (f" of {cache.capacity}" if hasattr(cache, "capacity") else ""))
-        if int(cache.get_seq_length()) != rows.shape[1]:
-            raise ValueError(f"the cache holds {int(cache.get_seq_length())} tokens, input_ids {rows.shape[1]}: "
-                             "insert a cache that prefilled exactly these tokens")
-        mine, theirs = self.tq_config.to_dict(), cache.tq_config.to_dict()
-        differ = sorted(k for k in set(mine) | set(theirs) if mine.get(k) != theirs.get(k))
-        if differ:
-            raise ValueError(f"the cache was quantized under another config than the store's: "
-                             + ", ".join(f"{k}={theirs.get(k)!r} (the store's {mine.get(k)!r})" for k in differ[:4]))
-
-    def _check_quantizers(self, infos: list[dict]) -> None:
-        """Every layer's rotation and codebooks are the store's (another seed or calibration would store codes that
-        decode to other vectors under the store's keys)."""
-        for i, info in enumerate(infos):
-            if "digest" in info and info["digest"] != self._digest(i, info):
-                raise ValueError(f"layer {i} of the cache was quantized with other rotations or codebooks than the "
-                                 "store's (seed, rotation kind or calibrated codebooks differ): build the cache with "
-                                 "the store's tq_config and codebooks")
-
-    def _digest(self, i: int, info: dict) -> str:
-        if i not in self._digests:
-            layer = self._new_cache().layers[i]
-            dtype = getattr(torch, info["dtype"].removeprefix("torch."))
-            if self.max_cache_len is not None:
-                x = torch.zeros(1, info["heads"], 1, info["head_dim"], dtype=dtype)
-                layer.lazy_initialization(x, x)
-                self._digests[i] = quantizer_digest(*layer._quantizers, layer.key_split)
-            else:
-                layer.lazy_initialization(torch.empty(1, info["heads"], 0, info["head_dim"], dtype=dtype))
-                self._digests[i] = _layer_digest(layer)
-        return self._digests[i]
-
     def _file_bytes(self, key: str, parent: str | None, payload: dict) -> int:
         if self.disk is None:
             return pp.nbytes(payload)
         return self.disk.file_bytes(key, parent, *pp.parts(payload))
 
-    def _snapshot_key(self, keys: list[str], rest, bound: str) -> str:
-        parent = keys[-1] if keys else self.namespace + bound
-        return hashlib.sha256(b"end:" + parent.encode() + token_bytes(rest)).hexdigest()
-
-    def _publish(self, key: str, held, parent: str | None, end) -> None:
-        self._held[key] = held
-        if end is not None:
-            self._ends.setdefault(parent, {})[key] = tuple(end[1:])
-            self._parent_of[key] = parent
-
-    def _unpublish(self, key: str) -> tuple[Any, str | None, tuple | None]:
-        """Take a page out of lookups; returns what `_publish` needs to put it back."""
-        held = self._held.pop(key, None)
-        parent = self._parent_of.pop(key, None)
-        end = None
-        if parent is not None:
-            ends = self._ends.get(parent, {})
-            end = (parent, *ends.pop(key))
-            if not ends:
-                self._ends.pop(parent, None)
-        return held, parent, end
-
     def _mark_damaged(self, e: PageDamaged) -> None:
         with self._lock:
-            new = e.key not in self._damaged and e.key in self._held
-            self._damaged.add(e.key)
+            new = e.key not in self.catalog.damaged and e.key in self.catalog.held
+            self.catalog.damaged.add(e.key)
             if new:
                 self._counts["damaged"] += 1
         if new:
@@ -454,7 +294,7 @@ class PrefixStore:
         """Page files this insert would reuse that are gone or of another size than written count as damaged (so
         the insert stores them again); a file changed in place is found when it is read."""
         for k in keys:
-            held = self._held.get(k)
+            held = self.catalog.held.get(k)
             if isinstance(held, str):
                 try:
                     ok = os.stat(held, follow_symlinks=False).st_size == self.index.sizes_of(k)[1]
@@ -462,21 +302,21 @@ class PrefixStore:
                     ok = False
                 if not ok:
                     with self._lock:
-                        self._counts["damaged"] += k not in self._damaged
-                        self._damaged.add(k)
+                        self._counts["damaged"] += k not in self.catalog.damaged
+                        self.catalog.damaged.add(k)
 
     def _drop_damaged(self) -> None:
         """Forget the damaged pages and everything that hangs on them (the insert lock is held)."""
         with self._lock:
             paths = []
-            for key in self._damaged:
+            for key in self.catalog.damaged:
                 for k in self.index.remove_subtree(key):
-                    held = self._unpublish(k)[0]
+                    held = self.catalog.unpublish(k)[0]
                     if isinstance(held, str):
                         paths.append(held)
-            self._damaged.clear()
+            self.catalog.damaged.clear()
         for path in paths:
-            self._remove_file(path)
+            _remove_file(path)
 
     def _adopt(self) -> None:
         """Hold the page files an earlier store left in the folder (parents before children, the oldest first as
@@ -485,32 +325,23 @@ class PrefixStore:
         tier = len(self.tiers) - 1
         todo, done = {p.key: p for p in found}, 0
         while todo:
-            ready = [p for p in todo.values() if p.parent is None or p.parent in self._held]
+            ready = [p for p in todo.values() if p.parent is None or p.parent in self.catalog.held]
             if not ready:
                 break
             for p in ready:
                 del todo[p.key]
                 self.index.adopt(p.key, p.parent, tier, p.tensor_bytes, p.file_bytes)
                 end = p.meta.get("end")
-                self._publish(p.key, self.disk.path(p.key), end[0] if end else None, end)
+                self.catalog.publish(p.key, self.disk.path(p.key), end[0] if end else None, end)
                 done += 1
         for p in todo.values():  # their chain's earlier pages are gone
             self.disk.remove(p.key)
         for a in self.index.fit():
-            self._remove_file(self._unpublish(a.key)[0])
+            _remove_file(self.catalog.unpublish(a.key)[0])
         if removed or todo:
             warnings.warn(f"tq_hf_cache: PrefixStore removed {removed + len(todo)} file(s) from {self.disk.folder} "
                           f"that were not whole pages of this model and config; adopted {done}", RuntimeWarning,
                           stacklevel=3)
-
-    def _remove_file(self, path) -> None:
-        if isinstance(path, str):
-            try:
-                os.remove(path)
-            except FileNotFoundError:
-                pass
-            except OSError as e:
-                warnings.warn(f"tq_hf_cache: PrefixStore could not remove {path}: {e}", RuntimeWarning, stacklevel=2)
 
     def _new_cache(self):
         from .cache import TurboQuantCache
@@ -519,6 +350,89 @@ class PrefixStore:
         if self.max_cache_len is None:
             return TurboQuantCache(self.tq_config, config=self.config, codebooks=self.codebooks)
         return TurboQuantStaticCache(self.config, self.max_cache_len, tq_config=self.tq_config, codebooks=self.codebooks)
+
+
+class _Insert:
+    """One insert's transaction: reserve its pages in the index (under the store's lock), carry out the index's
+    copies and writes outside the lock, then publish them, or roll everything back when a write fails."""
+
+    def __init__(self, store: PrefixStore, new: dict, ends: dict, yielder: _Yielder):
+        self.store, self.new, self.ends, self.yielder = store, new, ends, yielder
+        self.staged: dict = {}  # key -> its payload in its new tier, or its new file's path
+        self.written: list[str] = []  # files written so far (removed on a rollback)
+        self.gone: dict = {}  # published pages the index dropped: what `publish` needs to put them back
+
+    def run(self, chains, sizes) -> int:
+        """Carry the chains' pages in; returns the pages newly stored."""
+        st = self.store
+        with st._lock:
+            st.index.begin()
+            actions = []
+            for chain in chains:
+                actions += st.index.insert(chain, [sizes[k][0] for k in chain], [sizes[k][1] for k in chain])
+            self.gone = {a.key: st.catalog.unpublish(a.key) for a in actions
+                         if a.kind == "drop" and a.key in st.catalog.held}
+        last_drop = {a.key: i for i, a in enumerate(actions) if a.kind == "drop"}
+        try:
+            for i, a in enumerate(actions):
+                if a.kind in ("store", "move") and last_drop.get(a.key, -1) > i:
+                    continue  # dropped later in this insert: nothing to copy or write
+                self._carry_out(a)
+                self.yielder()
+        except BaseException as e:
+            self._roll_back()
+            if isinstance(e, OSError):
+                raise OSError(e.errno, f"the prefix store could not write a page file ({e.strerror or e}); "
+                                       "nothing of this insert was stored", getattr(e, "filename", None)) from e
+            raise
+        with st._lock:
+            st.index.commit()
+            for key, held in self.staged.items():
+                end = self.ends.get(key)
+                st.catalog.publish(key, held, end[0] if end else None, end)
+        for key, (held, _, _) in self.gone.items():
+            if isinstance(held, str) and self.staged.get(key) != held:  # (not the file of a page stored again)
+                _remove_file(held)
+        return sum(a.kind == "store" and a.key not in self.ends for a in actions)
+
+    def _roll_back(self) -> None:
+        st = self.store
+        with st._lock:
+            st.index.rollback()
+            for key, (held, parent, end) in self.gone.items():
+                st.catalog.publish(key, held, parent, end)
+            st._counts["failed_inserts"] += 1
+        kept = {h for h, _, _ in self.gone.values() if isinstance(h, str)}  # (a dropped page's file written again)
+        for path in self.written:
+            if path not in kept:
+                _remove_file(path)
+
+    def _carry_out(self, a) -> None:
+        """One index action's copy or write: the result goes into `staged` (published later)."""
+        st, staged = self.store, self.staged
+        if a.kind == "skip":
+            return
+        if a.kind == "drop":  # a page stored earlier in this insert (published drops are `run`'s)
+            held = staged.pop(a.key, None)
+            if isinstance(held, str):
+                self.written.remove(held)
+                _remove_file(held)
+            return
+        if a.key in staged:
+            payload = staged[a.key]
+        elif a.key in self.new:
+            payload = self.new[a.key][0]
+        else:  # held before this insert, or held and dropped earlier in it (its file stays until the commit)
+            payload = st.catalog.held[a.key] if a.key in st.catalog.held else self.gone[a.key][0]
+            if isinstance(payload, str):
+                payload = pp.unflatten(*st.disk.read(a.key))
+        where = st.tiers[a.to]
+        if where != "disk":
+            staged[a.key] = pp.to_device(payload, where)
+            return
+        parent = self.new[a.key][1] if a.key in self.new else st.index.parent_of(a.key)
+        staged[a.key] = st.disk.write(a.key, parent, *pp.flatten(payload))
+        self.written.append(staged[a.key])
 
 
 class _Yielder:
@@ -539,14 +453,12 @@ class _Yielder:
             self.last = time.perf_counter()
 
 
-def _check_args(page_tokens, cpu_bytes, gpu_bytes, disk_dir, disk_bytes) -> None:
-    """Refuse bad arguments by name, before anything is made."""
-    if isinstance(page_tokens, bool) or not isinstance(page_tokens, int) or page_tokens < 1:
-        raise ValueError(f"page_tokens must be an integer >= 1, got {page_tokens!r}")
-    for name, v in (("cpu_bytes", cpu_bytes), ("gpu_bytes", gpu_bytes), ("disk_bytes", disk_bytes)):
-        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-            raise ValueError(f"{name} must be an integer number of bytes >= 0, got {v!r}")
-    if disk_dir is not None and not disk_bytes:
-        raise ValueError(f"disk_dir={disk_dir!r} needs disk_bytes > 0 (the bytes of page files it may hold)")
-    if disk_dir is None and disk_bytes:
-        raise ValueError(f"disk_bytes={disk_bytes} needs disk_dir (the folder of the disk tier)")
+def _remove_file(path) -> None:
+    """Remove a page file the store let go of (one already gone is fine; another failure is a warning)."""
+    if isinstance(path, str):
+        try:
+            os.remove(path)
+        except FileNotFoundError:
+            pass
+        except OSError as e:
+            warnings.warn(f"tq_hf_cache: PrefixStore could not remove {path}: {e}", RuntimeWarning, stacklevel=2)
