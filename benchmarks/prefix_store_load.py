@@ -1,9 +1,9 @@
 """`PrefixStore` under load and faults, as a server uses it: threads serving chat requests over shared system prompts
 and per-user histories, with budgets that push pages through every tier, while disk faults are injected.
 
-Phases (each ends with a check that the disk folder holds at most `disk_bytes` of page files):
+Phases (each ends with a check that the disk folder holds at most `disk_bytes` of packs, the files of pages):
 - load: --threads threads, each serving --requests requests (match, prefill the rest a turn a chunk, insert), while
-  writes fail at random (ENOSPC, EIO), and a fault thread deletes, truncates or damages random page files and a
+  pack writes fail at random (ENOSPC, EIO), and a fault thread deletes, truncates or damages random packs and a
   second process tries to take the folder. Every restored cache is checked against a fresh cache fed the same turn
   chunks (bit for bit: every request computes a prompt in the same chunks, so the contract of docs/prefix_cache.md
   makes them equal); only the documented errors may escape (an insert's OSError, after which nothing of it was kept).
@@ -12,7 +12,8 @@ Phases (each ends with a check that the disk folder holds at most `disk_bytes` o
   folder, and its restores are checked as above.
 - latency: `match` of a CPU-resident prefix, alone and while other threads insert long prompts whose pages go to
   disk (p50 / p99).
-- fill: time to fill a CPU tier and a disk tier of --fill-pages pages each.
+- fill: time to fill a CPU tier and a disk tier of --fill-pages pages each, and the time the folder's file system
+  alone takes to make that many files of that size.
 
 Writes prefix_store_load.json and .png into --out.
 
@@ -42,7 +43,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from tq_hf_cache import TurboQuantCache, cache_kwargs  # noqa: E402
 from tq_hf_cache import prefix_pages as pp  # noqa: E402
-from tq_hf_cache.prefix_disk import DiskTier  # noqa: E402
+from tq_hf_cache.prefix_disk import SUFFIX, DiskTier  # noqa: E402
 from tq_hf_cache.prefix_store import PrefixStore  # noqa: E402
 
 PAGE = 16
@@ -149,14 +150,14 @@ class Server:
 
 
 class Faults:
-    """Injected faults: failing writes (ENOSPC, EIO) at rate `p`, and a thread that deletes, truncates or damages a
-    random page file every `every` seconds."""
+    """Injected faults: failing pack writes (ENOSPC, EIO) at rate `p` (a pack is an insert's pages for the disk), and
+    a thread that deletes, truncates or damages a random pack every `every` seconds."""
 
     def __init__(self, folder: str, p: float, every: float, seed: int = 1):
         self.folder, self.p, self.every = folder, p, every
         self.rng = random.Random(seed)
         self.counts = {"ENOSPC": 0, "EIO": 0, "deleted": 0, "truncated": 0, "damaged": 0, "second_process": 0}
-        self._real = DiskTier.write
+        self._real = DiskTier.write_pack
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._files)
 
@@ -173,18 +174,18 @@ class Faults:
                 raise OSError(errno.EIO, "Input/output error (injected)")
             return real(tier, *a, **k)
 
-        DiskTier.write = write
+        DiskTier.write_pack = write
         self._thread.start()
         return self
 
     def __exit__(self, *exc):
-        DiskTier.write = self._real
+        DiskTier.write_pack = self._real
         self._stop.set()
         self._thread.join()
 
     def _files(self):
         while not self._stop.wait(self.every):
-            files = [f for f in os.listdir(self.folder) if f.endswith(".safetensors")]
+            files = [f for f in os.listdir(self.folder) if f.endswith(SUFFIX)]
             if not files:
                 continue
             path = os.path.join(self.folder, self.rng.choice(files))
@@ -204,7 +205,7 @@ class Faults:
 
 
 def folder_bytes(folder: str) -> int:
-    return sum(os.path.getsize(os.path.join(folder, f)) for f in os.listdir(folder) if f.endswith(".safetensors"))
+    return sum(os.path.getsize(os.path.join(folder, f)) for f in os.listdir(folder) if f.endswith(SUFFIX))
 
 
 def second_process(folder: str) -> str:
@@ -278,7 +279,7 @@ def phase_restart(model, cfg, work, folder, a, device, res):
     time.sleep(a.kill_after)
     child.send_signal(signal.SIGKILL)
     child.wait()
-    left = len([f for f in os.listdir(folder) if f.endswith(".safetensors")])
+    left = len([f for f in os.listdir(folder) if f.endswith(SUFFIX)])
     store = make_store(cfg, folder, a, "cpu" if device == "cpu" else device)
     adopted = store.stats()["pages"][-1]
     server = Server(model, cfg, store, work, device)
@@ -411,9 +412,10 @@ def phase_fill(cfg, folder, a, res):
     seconds = time.perf_counter() - t
     pages, on_disk = store.stats()["pages"], folder_bytes(folder)
     store.close()
-    bare = bare_files(os.path.join(folder, "bare"), pages[-1], on_disk // max(1, pages[-1]))
+    files = len([f for f in os.listdir(folder) if f.endswith(SUFFIX)])
+    bare = bare_files(os.path.join(folder, "bare"), files, on_disk // max(1, files))
     res["fill"] = {"seconds": round(seconds, 2), "pages": pages, "page_bytes": page, "disk_file_bytes": on_disk,
-                   "disk_bytes": store.index.capacity[-1], "bare_files_seconds": round(bare, 2)}
+                   "disk_bytes": store.index.capacity[-1], "files": files, "bare_files_seconds": round(bare, 3)}
 
 
 def main(argv=None) -> dict:
@@ -427,7 +429,7 @@ def main(argv=None) -> dict:
     p.add_argument("--cpu-bytes", type=int, default=48 << 10)
     p.add_argument("--gpu-bytes", type=int, default=32 << 10)
     p.add_argument("--disk-bytes", type=int, default=256 << 10)
-    p.add_argument("--fault-rate", type=float, default=0.05)
+    p.add_argument("--fault-rate", type=float, default=0.15, help="of pack writes that fail")
     p.add_argument("--fault-every", type=float, default=0.05)
     p.add_argument("--kill-after", type=float, default=3.0)
     p.add_argument("--latency-n", type=int, default=1000)

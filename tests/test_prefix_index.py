@@ -169,3 +169,64 @@ def test_concurrent_requests_leave_a_consistent_index():
     stats = index.stats()
     assert all(b <= c for b, c in zip(stats["bytes"], caps)) and stats["pinned"] == 0
     assert stats["bytes"] == [3 * n for n in stats["pages"]]
+
+
+def test_a_transactions_file_pages_share_a_pack_counted_whole_until_its_last_page_leaves():
+    """The file tier holds packs: what one transaction moves there is one file, counted at its whole size while
+    any of its pages is held (the file stays until then), and handed back by take_emptied once its last page left."""
+    index = PrefixIndex([0, 2000], file_tier=1)
+    a = page_keys(list(range(40)), 4, "ns")  # 10 pages of 50 bytes, 60 as a file: all go to the file tier
+    index.begin("pack-a")
+    index.insert(a, page_bytes=50, file_bytes=60)
+    assert index.pack_bytes("pack-a") == 600 and index.stats()["bytes"] == [0, 600]
+    index.commit()
+    assert {index.pack_of(k) for k in a} == {"pack-a"}
+    index.remove_subtree(a[7])  # 3 pages leave: the file stays, counted whole
+    assert index.pack_bytes("pack-a") == 600 and index.stats()["bytes"][1] == 600 and index.take_emptied() == []
+    index.remove_subtree(a[0])
+    assert index.take_emptied() == ["pack-a"] and index.pack_bytes("pack-a") is None
+    assert index.stats()["bytes"] == [0, 0]
+
+
+@pytest.mark.parametrize("pinned", [False, True])
+def test_a_pack_left_holding_half_its_bytes_is_rewritten_into_the_open_one(pinned):
+    """Drops from the file tier free nothing until a pack empties; a closed pack left holding at most half of its
+    bytes moves its pages into the transaction's pack (moves within the tier), so its file goes. A pinned page
+    keeps its pack where it is: then nothing can be freed and the new pages that do not fit are skipped."""
+    index = PrefixIndex([0, 1000], file_tier=1)
+    a = page_keys(list(range(40)), 4, "ns")  # 10 pages, 60 bytes each as a file
+    index.begin("pack-a")
+    index.insert(a, page_bytes=50, file_bytes=60)
+    index.commit()
+    index.match(a[:4])  # used again: a[4:] are the least recently used
+    if pinned:
+        index.pin(a[:1])
+    b = page_keys(list(range(100, 140)), 4, "ns")
+    index.begin("pack-b")
+    actions = index.insert(b, page_bytes=50, file_bytes=60)
+    index.commit()
+    kinds = {kind: [x.key for x in actions if x.kind == kind] for kind in ("drop", "move", "skip")}
+    if not pinned:  # the 7th new page is over: a[9..5] drop, then pack-a holds 300 of 600 bytes and is rewritten
+        assert kinds["drop"] == a[9:4:-1] and kinds["move"] == [a[4], *a[:4]] and kinds["skip"] == []
+        assert all(x.src == x.to == 1 for x in actions if x.kind == "move")
+        assert index.take_emptied() == ["pack-a"] and {index.pack_of(k) for k in a[:5] + b} == {"pack-b"}
+        assert index.stats()["bytes"] == [0, 900] and index.pack_bytes("pack-b") == 900
+    else:  # nothing of pack-a can go: what was evicted for the 7th page comes back, and b[6:] are skipped
+        assert kinds["drop"] == kinds["move"] == [] and kinds["skip"] == b[6:]
+        assert index.stats()["bytes"] == [0, 960] and index.take_emptied() == []
+
+
+def test_a_rolled_back_transaction_leaves_no_pack_and_puts_every_page_back():
+    index = PrefixIndex([100, 1000], file_tier=1)
+    a = page_keys(list(range(40)), 4, "ns")
+    index.begin("pack-a")
+    index.insert(a, page_bytes=50, file_bytes=60)
+    index.commit()
+    before = index.stats()
+    index.begin("pack-b")
+    index.insert(page_keys(list(range(200, 280)), 4, "ns"), page_bytes=50, file_bytes=60)
+    index.rollback()
+    assert index.pack_bytes("pack-b") is None and index.take_emptied() == []
+    assert index.stats() == before and {index.pack_of(k) for k in a[:8]} == {"pack-a"}
+    with pytest.raises(ValueError, match="exists already"):
+        index.begin("pack-a")

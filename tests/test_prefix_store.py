@@ -12,6 +12,7 @@ import torch
 from tq_hf_cache import TurboQuantCache
 from tq_hf_cache import prefix_store
 from tq_hf_cache.prefix_store import PrefixStore
+from tq_hf_cache.prefix_disk import Loc
 
 from conftest import tiny_llama_and_config as model_and_config, token_ids as ids, with_cache
 
@@ -169,7 +170,7 @@ def test_pages_move_to_disk_come_back_exact_and_a_damaged_file_is_dropped(staged
     x = ids(70)
     cache = prefill(model, cfg, x[:, :64], residual_length=8)
     store.insert(x[:, :64], cache)
-    assert store.stats()["pages"][1] > 0 and glob.glob(str(tmp_path / "*.safetensors"))
+    assert store.stats()["pages"][1] > 0 and glob.glob(str(tmp_path / "*.pack"))
     got, n = store.match(x)
     assert n == 64
     if staged:  # a second restore through the same buffer, then the first one is checked below
@@ -179,7 +180,8 @@ def test_pages_move_to_disk_come_back_exact_and_a_damaged_file_is_dropped(staged
     # the restored cache owns its tensors (disk pages are read as views of their files, then copied out): files
     # overwritten in place after the match do not reach it
     kept = copy.deepcopy(got)
-    for path in glob.glob(str(tmp_path / "*.safetensors")):
+    packs = glob.glob(str(tmp_path / "*.pack"))
+    for path in packs:
         with open(path, "r+b") as f:
             size = f.seek(0, 2)
             f.seek(0)
@@ -187,19 +189,20 @@ def test_pages_move_to_disk_come_back_exact_and_a_damaged_file_is_dropped(staged
     assert all(torch.equal(a, b) for a, b in zip(steps(model, got, x, 64), steps(model, copy.deepcopy(cache), x, 64)))
     assert all(torch.equal(a, b) for a, b in zip(steps(model, kept, x, 64), steps(model, copy.deepcopy(cache), x, 64)))
     store.close()
-    with pytest.warns(RuntimeWarning, match="removed 8 file"):  # the files zeroed above are no pages any more
+    with pytest.warns(RuntimeWarning, match=f"removed {len(packs)} file"):  # the files zeroed above hold no pages
         store = PrefixStore(config=cfg, page_tokens=8, residual_length=8, cpu_bytes=4096, disk_dir=str(tmp_path),
                             disk_bytes=1 << 30)
     use_staged(store)
     store.insert(x[:, :64], cache)
-    on_disk = [k for k, h in store.catalog.held.items() if isinstance(h, str)]
-    path = store.catalog.held[on_disk[0]]
+    held = store.catalog.held
+    key = max((k for k, h in held.items() if isinstance(h, Loc)), key=lambda k: held[k].offset)  # a pack's last
+    path = store.disk.path(held[key].pack)
     raw = bytearray(open(path, "rb").read())
     raw[-1] ^= 1
     open(path, "wb").write(bytes(raw))
     with pytest.warns(RuntimeWarning, match="drops the page file"):
         got, n = store.match(x)
-    assert n == 0 and store.stats()["damaged"] == 1 and not os.path.exists(path)
+    assert n == 0 and store.stats()["damaged"] == 1 and key not in store.catalog.held
     store.insert(x[:, :64], cache)  # stored again
     got, n = store.match(x)
     assert n == 64

@@ -16,6 +16,8 @@ import torch
 
 from tq_hf_cache import TurboQuantCache
 from tq_hf_cache.codebook import Codebook, theoretical_codebook
+from tq_hf_cache import prefix_disk
+from tq_hf_cache.prefix_disk import Loc
 from tq_hf_cache.prefix_index import PrefixIndex, page_keys
 from tq_hf_cache.prefix_store import PrefixStore
 
@@ -42,7 +44,7 @@ def same(a, b):
 
 
 def disk_bytes(folder):
-    return sum(os.path.getsize(p) for p in glob.glob(os.path.join(folder, "*.safetensors")))
+    return sum(os.path.getsize(p) for p in glob.glob(os.path.join(folder, "*.pack")))
 
 
 class _Codebooks:
@@ -157,11 +159,11 @@ def test_a_bad_page_file_is_dropped_and_the_longest_whole_prefix_returned(fault,
     x = ids(70)
     short, long = prefill(model, cfg, x[:, :24]), prefill(model, cfg, x[:, :64])
     store = PrefixStore(config=cfg, page_tokens=8, **KW, cpu_bytes=1, disk_dir=str(tmp_path), disk_bytes=1 << 30)
-    store.insert(x[:, :64], long)
     store.insert(x[:, :24], short)
+    store.insert(x[:, :64], long)  # (its pages past the short one's go into a pack of their own)
     short_chain = _chain_keys(store, x[:, :25])
-    key = next(k for k, h in store.catalog.held.items() if isinstance(h, str) and k not in short_chain)  # the long one's
-    path = store.catalog.held[key]
+    key = next(k for k, h in store.catalog.held.items() if isinstance(h, Loc) and k not in short_chain)  # the long one's
+    path = store.disk.path(store.catalog.held[key].pack)
     if fault == "deleted":
         os.remove(path)
     elif fault == "truncated":
@@ -197,16 +199,13 @@ def test_a_failed_disk_write_leaves_the_store_as_it_was(tmp_path, monkeypatch):
     files = sorted(glob.glob(str(tmp_path / "*")))
     from tq_hf_cache.prefix_disk import DiskTier
 
-    calls = {"n": 0}
-    real = DiskTier.write
+    real = prefix_disk._write_all
 
-    def flaky(self, *a, **k):
-        calls["n"] += 1
-        if calls["n"] == 3:
-            raise OSError(errno.ENOSPC, "No space left on device")
-        return real(self, *a, **k)
+    def flaky(f, parts):  # the disk fills up part way through the pack
+        real(f, parts[:3])
+        raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(DiskTier, "write", flaky)
+    monkeypatch.setattr(prefix_disk, "_write_all", flaky)
     with pytest.raises(OSError, match="nothing of this insert was stored"):
         store.insert(y[:, :64], cy)
     after = store.stats()
@@ -215,7 +214,7 @@ def test_a_failed_disk_write_leaves_the_store_as_it_was(tmp_path, monkeypatch):
     assert store.match(y)[1] == 0
     got, n = store.match(x)
     assert n == 64 and same(steps(model, got, x, 64), steps(model, copy.deepcopy(cx), x, 64))
-    monkeypatch.setattr(DiskTier, "write", real)
+    monkeypatch.setattr(prefix_disk, "_write_all", real)
     store.insert(y[:, :64], cy)
     got, n = store.match(y)
     assert n == 64 and same(steps(model, got, y, 64), steps(model, copy.deepcopy(cy), y, 64))
@@ -268,14 +267,14 @@ def test_a_lookup_does_not_wait_for_an_inserts_disk_writes(tmp_path, monkeypatch
     from tq_hf_cache.prefix_disk import DiskTier
 
     entered, release = threading.Event(), threading.Event()
-    real = DiskTier.write
+    real = DiskTier.write_pack
 
     def slow(self, *a, **k):
         entered.set()
         release.wait(30)
         return real(self, *a, **k)
 
-    monkeypatch.setattr(DiskTier, "write", slow)
+    monkeypatch.setattr(DiskTier, "write_pack", slow)
     writer = threading.Thread(target=store.insert, args=(y[:, :64], cy))
     writer.start()
     try:
@@ -417,3 +416,68 @@ def test_tiny_tiers_under_random_inserts_and_lookups(seed, tmp_path):
                 a, b = steps(model, got, x, n), steps(model, copy.deepcopy(caches[j]), x, n)
                 torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4, msg=f"seed {seed} step {step}")
         assert store.stats()["bytes"][-1] == disk_bytes(tmp_path) <= 10 * per, (seed, step)
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("fault", [None, "deleted"])
+def test_a_pack_left_half_empty_is_rewritten_and_one_found_gone_meanwhile_is_dropped(fault, tmp_path):
+    """Pages are written a pack (one file) per insert. When evictions leave a pack holding half its bytes or less,
+    the next insert moves its pages into its own pack and the old file goes: the folder holds what the store
+    counts, within budget. A pack deleted before that rewrite: its pages are dropped (one warning) and the insert
+    goes on without them."""
+    model, cfg = model_and_config()
+    x, y = ids(70), ids(70, seed=1)
+    cx, cy = prefill(model, cfg, x[:, :64]), prefill(model, cfg, y[:, :64])
+    probe = PrefixStore(config=cfg, page_tokens=8, **KW, cpu_bytes=1, disk_dir=str(tmp_path / "probe"),
+                        disk_bytes=1 << 30)
+    probe.insert(x[:, :64], cx)
+    one = disk_bytes(tmp_path / "probe")
+    probe.close()
+    budget = one + one // 2  # the second prompt's pages push out more than half of the first's
+    store = PrefixStore(config=cfg, page_tokens=8, **KW, cpu_bytes=1, disk_dir=str(tmp_path / "d"),
+                        disk_bytes=budget)
+    store.insert(x[:, :64], cx)
+    (first,) = glob.glob(str(tmp_path / "d" / "*.pack"))
+    if fault:
+        os.remove(first)
+        with pytest.warns(RuntimeWarning, match="drops the page file"):
+            store.insert(y[:, :64], cy)
+    else:
+        store.insert(y[:, :64], cy)
+    rewritten = store.stats()["moved"]
+    assert not os.path.exists(first) and store.stats()["bytes"][-1] == disk_bytes(tmp_path / "d") <= budget
+    assert len(glob.glob(str(tmp_path / "d" / "*.pack"))) == 1
+    got, n = store.match(y)
+    assert n == 64 and same(steps(model, got, y, 64), steps(model, copy.deepcopy(cy), y, 64))
+    if not fault:  # the first prompt's earliest pages were kept (more than y's 8 and its snapshot), rewritten
+        assert rewritten > 0 and store.stats()["pages"][-1] > 9
+    store.insert(x[:, :64], cx)  # and it can be stored again
+    got, n = store.match(x)
+    assert n == 64 and same(steps(model, got, x, 64), steps(model, copy.deepcopy(cx), x, 64))
+    assert store.stats()["bytes"][-1] == disk_bytes(tmp_path / "d") <= budget
+
+
+
+@torch.no_grad()
+def test_a_new_store_adopts_a_torn_pack_up_to_its_first_bad_page_and_removes_old_format_files(tmp_path):
+    model, cfg = model_and_config()
+    x = ids(70)
+    cx = prefill(model, cfg, x[:, :64])
+    kw = dict(config=cfg, page_tokens=8, **KW, cpu_bytes=1, disk_dir=str(tmp_path), disk_bytes=1 << 30)
+    with PrefixStore(**kw) as store:
+        store.insert(x[:, :64], cx)
+        locs = sorted(store.catalog.held.values(), key=lambda loc: loc.offset)
+    (pack,) = glob.glob(str(tmp_path / "*.pack"))
+    os.truncate(pack, locs[3].offset + locs[3].size // 2)  # a crash while the 4th page was written
+    old = tmp_path / ("ab" * 32 + ".safetensors")  # a page file of the format before packs
+    old.write_bytes(b"\0" * 64)
+    with pytest.warns(RuntimeWarning, match="removed 1 file"):
+        store = PrefixStore(**kw)
+    assert store.stats()["pages"][-1] == 3 and store.stats()["bytes"][-1] == os.path.getsize(pack)
+    assert not old.exists()
+    assert store.match(x)[1] == 0  # (no endpoint is whole)
+    store.insert(x[:, :64], cx)
+    got, n = store.match(x)
+    assert n == 64 and same(steps(model, got, x, 64), steps(model, copy.deepcopy(cx), x, 64))
+    assert store.stats()["bytes"][-1] == disk_bytes(tmp_path)
+    store.close()

@@ -11,8 +11,8 @@ import torch
 from .prefix import _layer_digest, quantizer_digest
 
 
-def check_args(page_tokens, cpu_bytes, gpu_bytes, disk_dir, disk_bytes) -> None:
-    """Refuse bad arguments by name, before anything is made."""
+def check_args(page_tokens, cpu_bytes, gpu_bytes, disk_dir, disk_bytes, device) -> torch.device:
+    """Refuse bad arguments by name, before anything is made; returns the store's device."""
     if isinstance(page_tokens, bool) or not isinstance(page_tokens, int) or page_tokens < 1:
         raise ValueError(f"page_tokens must be an integer >= 1, got {page_tokens!r}")
     for name, v in (("cpu_bytes", cpu_bytes), ("gpu_bytes", gpu_bytes), ("disk_bytes", disk_bytes)):
@@ -22,6 +22,12 @@ def check_args(page_tokens, cpu_bytes, gpu_bytes, disk_dir, disk_bytes) -> None:
         raise ValueError(f"disk_dir={disk_dir!r} needs disk_bytes > 0 (the bytes of page files it may hold)")
     if disk_dir is None and disk_bytes:
         raise ValueError(f"disk_bytes={disk_bytes} needs disk_dir (the folder of the disk tier)")
+    where = torch.device(device) if device is not None else torch.device("cpu")
+    if where.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device={device!r} needs CUDA, which this torch does not have")
+    if gpu_bytes and where.type != "cuda":
+        raise ValueError(f"gpu_bytes={gpu_bytes} needs a CUDA device, got device={where}")
+    return where
 
 
 def check_cache(cache, rows: torch.Tensor, tq_config, max_cache_len: int | None) -> None:

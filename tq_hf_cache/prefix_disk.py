@@ -1,15 +1,19 @@
-"""The disk tier of a `PrefixStore`: one folder, taken by one store at a time, of self-describing page files.
+"""The disk tier of a `PrefixStore`: one folder, taken by one store at a time, of self-describing packs.
 
-A page file is a safetensors file (8-byte header size, JSON header, tensor bytes). Its metadata names the store's
-namespace, the page's key and its parent's, the payload's other fields (a snapshot's layer infos), and the SHA-256 of
-the rest of the header and of the tensor bytes, so a file is checked whole when it is read, and a new store adopts
-a folder's files from their headers alone. A file is written to a temporary name and renamed, without an fsync: a
-file torn by a crash fails its digest when read and is dropped like any damaged page. Reads go into private memory,
-never through a mapping: a file truncated while it is read is an error, not a SIGBUS.
+A pack is one file holding the pages one insert sent to disk, one after another (a file per page made the file
+system's own work the cost of a disk tier: creating a file took 0.04 to 0.5 ms on the disks tried). Each page in it
+is laid out as a safetensors file (8-byte header size, JSON header, tensor bytes), whose metadata names the store's
+namespace, the page's key and its parent's, the payload's other fields (a snapshot's layer infos), and the SHA-256
+of the rest of its header and of its tensor bytes: a page is checked whole when it is read, and a new store adopts a
+folder's pages from their headers alone. A pack is written to a temporary name and renamed, without an fsync: a
+pack torn by a crash fails its pages' digests when read, and they are dropped like any damaged page. Reads go into
+private memory, never through a mapping: a file truncated while it is read is an error, not a SIGBUS. A pack stays
+until its last page leaves the store; the store counts its whole bytes until then.
 
 The folder is locked (`flock` on `.lock`) while a store uses it: two stores (two processes, or two in one) would
-evict each other's files. Files of another namespace (another model, config or codebooks), files that do not parse
-and writers' leftover temporary files are removed when a store takes the folder; other files are left alone.
+evict each other's files. Files of another namespace (another model, config or codebooks) or format, files that do
+not parse and writers' leftover temporary files are removed when a store takes the folder; other files are left
+alone.
 """
 
 from __future__ import annotations
@@ -22,15 +26,17 @@ import os
 import re
 import threading
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
 from . import _io
 
 PAGE_FORMAT = "tq_hf_cache.prefix_page"
-PAGE_VERSION = "1"
+PAGE_VERSION = "2"
 LOCK_NAME = ".lock"
-SUFFIX = ".safetensors"
+SUFFIX = ".pack"
+_OLD_SUFFIX = ".safetensors"  # one page a file (format version 1): removed when a store takes the folder
 MAX_HEADER = 64 << 20
 _KEY = re.compile(r"[0-9a-f]{64}")
 _DTYPE_NAMES = {torch.float16: "F16", torch.bfloat16: "BF16", torch.float32: "F32", torch.uint8: "U8",
@@ -45,10 +51,19 @@ class PageDamaged(ValueError):
         self.key, self.path, self.why = key, path, why
 
 
+class Loc(NamedTuple):
+    """Where a page is on disk: its pack (a file of several pages), and its bytes' offset and size there."""
+
+    pack: str
+    offset: int
+    size: int
+
+
 @dataclass
 class Found:
-    """A page file a store found in its folder: its key, parent key (None for a chain's first page), the payload's
-    other fields, the bytes of its tensors and of the file, and when it was last written."""
+    """A page a store found in its folder: its key, parent key (None for a chain's first page), the payload's other
+    fields, the bytes of its tensors and of its place in its pack, when the pack was written, where the page is and
+    the pack's size."""
 
     key: str
     parent: str | None
@@ -56,6 +71,8 @@ class Found:
     tensor_bytes: int
     file_bytes: int
     mtime: float
+    loc: Loc
+    pack_bytes: int
 
 
 class DiskTier:
@@ -78,49 +95,43 @@ class DiskTier:
 
     # ---- files ----
 
-    def path(self, key: str) -> str:
-        return os.path.join(self.folder, key + SUFFIX)
+    def path(self, pack: str) -> str:
+        """The file of a pack."""
+        return os.path.join(self.folder, pack + SUFFIX)
 
     def file_bytes(self, key: str, parent: str | None, tensors: dict, meta: dict) -> int:
-        """The size `write` gives this page's file (tensors on any device, contiguous or not)."""
+        """The bytes this page takes in a pack (tensors on any device, contiguous or not)."""
         return self._template(key, parent, tensors, meta)[3]
 
-    def write(self, key: str, parent: str | None, tensors: dict, meta: dict) -> str:
-        """Write a page file atomically (temporary name, rename); returns its path."""
-        parts = []
-        for _, t in _ordered(tensors):
-            raw = t.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy()
-            parts += [memoryview(raw), bytes(-raw.nbytes % 8)]
-        pre, mid, post, _ = self._template(key, parent, tensors, meta)
-        unsigned = pre + key.encode("ascii") + mid + (parent or "").encode("ascii") + post
-        h = hashlib.sha256(unsigned)
-        for p in parts:
-            h.update(p)
-        header = _sign(unsigned, h.hexdigest())
-        path = self.path(key)
+    def write_pack(self, pack: str, pages: list[tuple[str, str | None, dict, dict]]) -> dict[str, Loc]:
+        """Write pages (key, parent key, tensors, other fields) one after another into the new file of `pack`,
+        atomically (a temporary name, then a rename); returns where each one is."""
+        parts, locs, at = [], {}, 0
+        for key, parent, tensors, meta in pages:
+            image = self._image(key, parent, tensors, meta)
+            size = sum(len(x) for x in image)
+            locs[key] = Loc(pack, at, size)
+            parts += image
+            at += size
         # a name of this writer's own, created exclusively (a planted file or link of that name is never followed);
         # tempfile.mkstemp took 20 times as long a file here
-        tmp = os.path.join(self.folder, f".{key[:16]}.{os.getpid()}.{threading.get_ident()}.{next(self._serial)}.tmp")
+        tmp = os.path.join(self.folder, f".{pack[:16]}.{os.getpid()}.{threading.get_ident()}.{next(self._serial)}.tmp")
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o600)
         try:
             with os.fdopen(fd, "wb", buffering=0) as f:
-                _write_all(f, [len(header).to_bytes(8, "little"), header, *parts])
-            os.replace(tmp, path)
+                _write_all(f, parts)
+            os.replace(tmp, self.path(pack))
         except BaseException:
             _remove(tmp)
             raise
-        return path
+        return locs
 
-    def read(self, key: str) -> tuple[dict, dict]:
-        """(tensors, the payload's other fields) of a page file, read into private memory and checked whole; a
-        PageDamaged naming the file and what is wrong with it otherwise."""
-        path = self.path(key)
-        try:
-            data = _io.read_private(path, follow_links=False)
-        except OSError as e:
-            raise PageDamaged(key, path, f"cannot be read ({e.strerror or e})") from None
-        except ValueError as e:
-            raise PageDamaged(key, path, str(e).removeprefix(f"{path} ")) from None
+    def read(self, key: str, loc: Loc) -> tuple[dict, dict]:
+        """(tensors, the payload's other fields) of a page, read into private memory and checked whole; a
+        PageDamaged naming its file and what is wrong otherwise."""
+        path = self.path(loc.pack)
+        data = torch.empty(loc.size, dtype=torch.uint8).numpy()
+        read_at(key, path, loc.offset, memoryview(data))
         buf = torch.from_numpy(data)
         base, layout, meta = self.check(key, data, path)
         tensors = {name: buf[base + start: base + end].view(dtype).view(shape)
@@ -150,28 +161,31 @@ class DiskTier:
             raise PageDamaged(key, path, str(e)) from None
         return base, layout, json.loads(header["__metadata__"]["meta"])
 
-    def remove(self, key: str) -> None:
-        _remove(self.path(key))
+    def remove(self, pack: str) -> None:
+        _remove(self.path(pack))
 
-    def scan(self) -> tuple[list[Found], int]:
-        """The page files of this store's namespace in the folder, from their headers (oldest first), and how many
-        other files of ours were removed (another namespace, unreadable, or a writer's leftover)."""
-        found, removed = [], 0
+    def scan(self) -> tuple[list[Found], dict[str, int], int]:
+        """The pages of this store's namespace in the folder's packs, from their headers (oldest pack first, each
+        pack's pages in order), the size of each pack they are in, and how many other files of ours were removed
+        (another namespace or format, unreadable, or a writer's leftover). A pack is read up to its first page
+        that does not parse; the bytes after it stay counted in its size."""
+        found, sizes, removed = [], {}, 0
         for name in sorted(os.listdir(self.folder)):
             full = os.path.join(self.folder, name)
             if name.startswith(".") and name.endswith(".tmp"):
                 removed += _remove(full)
                 continue
-            key = name[: -len(SUFFIX)]
-            if not name.endswith(SUFFIX) or not _KEY.fullmatch(key):
-                continue  # not a page file of a store
-            page = self._found(key, full)
-            if page is None:
+            pack = name[: -len(SUFFIX)] if name.endswith(SUFFIX) else name[: -len(_OLD_SUFFIX)]
+            if not name.endswith((SUFFIX, _OLD_SUFFIX)) or not _KEY.fullmatch(pack):
+                continue  # not a file of a store
+            pages = self._pages_in(pack, full) if name.endswith(SUFFIX) else []
+            if not pages:
                 removed += _remove(full)
-            else:
-                found.append(page)
-        found.sort(key=lambda p: p.mtime)
-        return found, removed
+                continue
+            found += pages
+            sizes[pack] = pages[0].pack_bytes
+        found.sort(key=lambda p: p.mtime)  # (stable: a pack's pages stay in order)
+        return found, sizes, removed
 
     def close(self) -> None:
         """Release the folder (its files stay for the next store)."""
@@ -232,29 +246,76 @@ class DiskTier:
             ok = False
         return None if ok else "field meta is not a JSON object"
 
-    def _found(self, key: str, path: str) -> Found | None:
-        """A file's page from its header alone (its tensors are checked when it is first read); None when it is not
-        one of this store's namespace or does not parse."""
+    def _image(self, key, parent, tensors, meta) -> list:
+        """A page's bytes in a pack: the 8-byte header size, the signed header, each tensor padded to 8 bytes."""
+        parts = []
+        for _, t in _ordered(tensors):
+            raw = t.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy()
+            parts += [memoryview(raw), bytes(-raw.nbytes % 8)]
+        pre, mid, post, _ = self._template(key, parent, tensors, meta)
+        unsigned = pre + key.encode("ascii") + mid + (parent or "").encode("ascii") + post
+        h = hashlib.sha256(unsigned)
+        for p in parts:
+            h.update(p)
+        header = _sign(unsigned, h.hexdigest())
+        return [len(header).to_bytes(8, "little"), header, *parts]
+
+    def _pages_in(self, pack: str, path: str) -> list[Found]:
+        """A pack's pages of this store's namespace, from their headers alone (their tensors are checked when
+        first read), up to the first that does not parse."""
         try:
             fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
         except OSError:
-            return None
+            return []
+        out = []
         with os.fdopen(fd, "rb") as f:
             st = os.fstat(fd)
-            head = f.read(8)
-            n = int.from_bytes(head, "little") if len(head) == 8 else -1
-            if not 0 < n <= min(MAX_HEADER, st.st_size - 8):
-                return None
-            header, _ = _parse_header(memoryview(head + f.read(n)), st.st_size)
-        if header is None or self._check_meta(key, header) is not None:
-            return None
-        entries = [v for k, v in header.items() if k != "__metadata__"]
-        try:
-            tensor_bytes = sum(int(e["data_offsets"][1]) - int(e["data_offsets"][0]) for e in entries)
-        except (TypeError, KeyError, IndexError, ValueError):
-            return None
-        md = header["__metadata__"]
-        return Found(key, md["parent"] or None, json.loads(md["meta"]), tensor_bytes, st.st_size, st.st_mtime)
+            at = 0
+            while at + 8 <= st.st_size:
+                head = os.pread(fd, 8, at)
+                n = int.from_bytes(head, "little") if len(head) == 8 else -1
+                if not 0 < n <= min(MAX_HEADER, st.st_size - at - 8):
+                    break
+                header, _ = _parse_header(memoryview(head + os.pread(fd, n, at + 8)), st.st_size - at)
+                md = header.get("__metadata__") if header is not None else None
+                if header is None or not isinstance(md, dict) or not _KEY.fullmatch(str(md.get("key"))) \
+                        or self._check_meta(md["key"], header) is not None:
+                    break
+                try:
+                    ends = [int(v["data_offsets"][1]) for k, v in header.items() if k != "__metadata__"]
+                    tensor_bytes = sum(int(v["data_offsets"][1]) - int(v["data_offsets"][0])
+                                       for k, v in header.items() if k != "__metadata__")
+                except (TypeError, KeyError, IndexError, ValueError):
+                    break
+                size = 8 + n + -(-max(ends, default=0) // 8) * 8
+                if at + size > st.st_size:
+                    break
+                out.append(Found(md["key"], md["parent"] or None, json.loads(md["meta"]), tensor_bytes, size,
+                                 st.st_mtime, Loc(pack, at, size), st.st_size))
+                at += size
+        return out
+
+
+def read_at(key: str, path: str, offset: int, into: memoryview) -> None:
+    """Read a page's bytes from its pack into private memory; PageDamaged when the file is gone or too short."""
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+    except OSError as e:
+        raise PageDamaged(key, path, f"cannot be read ({e.strerror or e})") from None
+    try:
+        got = os.preadv(fd, [into], offset) if hasattr(os, "preadv") else _pread_into(fd, into, offset)
+    except OSError as e:
+        raise PageDamaged(key, path, f"cannot be read ({e.strerror or e})") from None
+    finally:
+        os.close(fd)
+    if got != len(into):
+        raise PageDamaged(key, path, f"ends {len(into) - got} bytes before the page's end (truncated)")
+
+
+def _pread_into(fd: int, into: memoryview, offset: int) -> int:
+    data = os.pread(fd, len(into), offset)
+    into[: len(data)] = data
+    return len(data)
 
 
 def _take(folder: str) -> int:
@@ -335,7 +396,7 @@ def _remove(path: str) -> int:
 
 
 class StagedReader:
-    """Disk pages read for a GPU store: files read whole (no mapping: no page faults) on threads into one of two
+    """Disk pages read for a GPU store: pages read (no mapping: no page faults) on threads into one of two
     host halves (pinned where CUDA is), each checked there; a full half is copied to its place in one device buffer
     while the other fills; each tensor is one strided view of that buffer. One restore at a time uses the halves
     (their own lock: a lookup of memory pages never waits here). A restore's peak is twice its bytes."""
@@ -353,18 +414,14 @@ class StagedReader:
         self._halves = []  # (the old halves go before bigger ones are made)
         self._halves = [torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin) for _ in range(2)]
 
-    def read(self, keys: list[str]) -> dict[str, dict]:
-        """{key: {**meta, "tensors": ...} or tensors} of page files, on the device; PageDamaged for a bad file."""
+    def read(self, locs: dict[str, Loc]) -> dict[str, dict]:
+        """{key: {**meta, "tensors": ...} or tensors} of pages on disk, on the device; PageDamaged for a bad one."""
         from concurrent.futures import ThreadPoolExecutor
 
+        keys = list(locs)
         with self._lock:
-            paths = [self.disk.path(k) for k in keys]
-            sizes = []
-            for k, p in zip(keys, paths):
-                try:
-                    sizes.append(os.stat(p, follow_symlinks=False).st_size)
-                except OSError as e:
-                    raise PageDamaged(k, p, f"cannot be opened ({e.strerror or e})") from None
+            paths = [self.disk.path(locs[k].pack) for k in keys]
+            sizes = [locs[k].size for k in keys]
             padded = [-(-n // 8) * 8 for n in sizes]  # each file at an 8-byte boundary: its tensors stay aligned
             if not self._halves or self._halves[0].numel() < max(padded):
                 self._make(max(self._halves[0].numel() if self._halves else 0, max(padded)))
@@ -382,13 +439,7 @@ class StagedReader:
 
             def one(h: int, first: int, i: int):
                 part = views[h][starts[i] - starts[first]: starts[i] - starts[first] + sizes[i]]
-                try:
-                    with open(paths[i], "rb") as f:
-                        got, extra = f.readinto(part), f.read(1)
-                except OSError as e:
-                    raise PageDamaged(keys[i], paths[i], f"cannot be read ({e.strerror or e})") from None
-                if got != sizes[i] or extra:
-                    raise PageDamaged(keys[i], paths[i], "changed size while it was read")
+                read_at(keys[i], paths[i], locs[keys[i]].offset, part)
                 return self.disk.check(keys[i], part, paths[i])
 
             parsed = [None] * len(keys)

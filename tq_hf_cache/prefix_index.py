@@ -75,15 +75,104 @@ class _Page:
     used: int
     pins: int = 0
     children: set = field(default_factory=set)
+    pack: str | None = None  # in the file tier: the pack (one file of several pages) that holds it
+
+    def copy(self) -> "_Page":
+        """The page's place and sizes (not its pins or children), as a journal keeps them."""
+        return _Page(self.parent, self.tier, self.nbytes, self.file_nbytes, self.used, pack=self.pack)
 
 
-class PrefixIndex:
+@dataclass
+class _Pack:
+    """A file of the file tier: the pages it holds now, their bytes and the file's. An open pack (the one a
+    transaction is filling) grows and shrinks with the pages that enter and leave it; a closed one is written and
+    keeps its bytes until its last page leaves."""
+
+    keys: set = field(default_factory=set)
+    live_bytes: int = 0
+    nbytes: int = 0
+    open: bool = True
+
+
+class _Holdings:
+    """Where each page is and what each tier counts: the moves every change of the index is made of (a page added,
+    removed, or placed in another tier or pack), each counted, journaled and entered into its tier's LRU heap."""
+
+    def __init__(self, caps: list[int], file_tier: int | None):
+        self.capacity = caps
+        self.file_tier = file_tier
+        self._pages: dict[str, _Page] = {}
+        self._held = [0] * len(caps)
+        self._count = [0] * len(caps)
+        self._pinned = 0  # pages with pins
+        self._lru = _Lru(len(caps))
+        self._clock = 0
+        self._journal = _Journal()
+        self._packs = _Packs()
+
+    def _tick(self) -> int:
+        self._clock += 1
+        return self._clock
+
+    def _enter(self, key: str, page: _Page) -> None:
+        """Count a page into its tier (the file tier counts packs: a pack's bytes while it holds a page)."""
+        self._count[page.tier] += 1
+        self._held[page.tier] += self._packs.enter(key, page) if page.tier == self.file_tier else page.nbytes
+
+    def _leave(self, key: str, page: _Page) -> None:
+        self._count[page.tier] -= 1
+        self._held[page.tier] -= self._packs.leave(key, page) if page.tier == self.file_tier else page.nbytes
+
+    def _note(self, key: str, page: _Page | None) -> None:
+        self._journal.note(key, page)
+
+    def _push(self, key: str, page: _Page) -> None:
+        self._lru.push(page.tier, page.used, key, self._count[page.tier], self._pages)
+
+    def _touch(self, keys: Sequence[str]) -> None:
+        for k in keys:  # in chain order: a chain's later pages count as used later
+            page = self._pages[k]
+            page.used = self._tick()
+            self._push(k, page)
+
+    def _add(self, key: str, page: _Page) -> None:
+        self._note(key, None)
+        self._pages[key] = page
+        self._enter(key, page)
+        if page.parent is not None:
+            self._pages[page.parent].children.add(key)
+        self._push(key, page)
+
+    def _remove(self, key: str) -> None:
+        page = self._pages.pop(key)
+        self._pinned -= page.pins > 0
+        self._note(key, page)
+        self._leave(key, page)
+        parent = self._pages.get(page.parent) if page.parent is not None else None
+        if parent is not None:
+            parent.children.discard(key)
+            if not parent.children:
+                self._push(page.parent, parent)  # a leaf now: the last tier may drop it
+
+    def _place(self, key: str, page: _Page, tier: int, pack: str | None = None) -> None:
+        """Move a page to `tier` (into `pack` there, when it is the file tier: by default the open one)."""
+        self._note(key, page)
+        self._leave(key, page)
+        page.tier, page.pack = tier, pack
+        self._enter(key, page)
+        self._push(key, page)
+
+
+class PrefixIndex(_Holdings):
     """Pages held per tier under byte capacities (`tier_bytes`, fastest first), least recently used first out.
 
     Args:
         tier_bytes: the bytes each tier may hold, e.g. `[gpu_bytes, cpu_bytes, disk_bytes]`.
         page_tokens: tokens per page (for the stats' token counts).
-        file_tier: the tier whose pages count their file bytes (`insert`'s `file_bytes`), None for none.
+        file_tier: the tier whose pages live in files (`insert`'s `file_bytes`), None for none. Its pages are
+            held in packs, a file each: a transaction's pages that enter the file tier share its pack (`begin`),
+            pages outside one have a pack each. The tier counts a pack's whole bytes until its last page leaves,
+            so what it counts is what its files hold.
 
     Example:
         >>> index = PrefixIndex([2 << 20, 8 << 20], page_tokens=256)
@@ -102,17 +191,9 @@ class PrefixIndex:
             raise ValueError(f"page_tokens must be an integer >= 1, got {page_tokens!r}")
         if file_tier is not None and file_tier not in range(len(caps)):
             raise ValueError(f"file_tier must be None or a tier in [0, {len(caps) - 1}], got {file_tier!r}")
-        self.capacity = caps
+        super().__init__(caps, file_tier)
         self.page_tokens = page_tokens
-        self.file_tier = file_tier
-        self._pages: dict[str, _Page] = {}
-        self._held = [0] * len(caps)
-        self._count = [0] * len(caps)
-        self._pinned = 0  # pages with pins
-        self._lru = _Lru(len(caps))
-        self._clock = 0
         self._lock = threading.Lock()
-        self._journal = _Journal()
         self._stats = {"lookups": 0, "hits": 0, "pages_matched": 0, "stored": 0, "moved": 0, "dropped": 0,
                        "skipped": 0}
 
@@ -194,15 +275,22 @@ class PrefixIndex:
                 parent = key
             return actions
 
-    def adopt(self, key: str, parent: str | None, tier: int, page_bytes: int, file_bytes: int) -> None:
+    def adopt(self, key: str, parent: str | None, tier: int, page_bytes: int, file_bytes: int,
+              pack: str | None = None, pack_bytes: int = 0) -> None:
         """Hold a page found where a store keeps its pages (a disk folder left by an earlier store), as used now;
-        its parent must be held. `fit` brings the tiers back under their capacities afterwards."""
+        its parent must be held. In the file tier it is in `pack`, a file of `pack_bytes`. `fit` brings the tiers
+        back under their capacities afterwards."""
         with self._lock:
             if key in self._pages:
                 raise ValueError(f"page {key[:12]} is held already")
             if parent is not None and parent not in self._pages:
                 raise ValueError(f"page {key[:12]}'s parent {parent[:12]} is not held")
-            self._add(key, _Page(parent, tier, page_bytes, file_bytes, self._tick()))
+            if tier == self.file_tier:
+                if pack is None:
+                    raise ValueError("a page adopted into the file tier needs its pack")
+                self._packs.packs.setdefault(pack, _Pack(nbytes=pack_bytes, open=False))
+            self._add(key, _Page(parent, tier, page_bytes, file_bytes, self._tick(),
+                                 pack=pack if tier == self.file_tier else None))
 
     def fit(self) -> list[Action]:
         """The moves and drops that bring every tier under its capacity (pinned pages stay; what cannot be brought
@@ -214,7 +302,7 @@ class PrefixIndex:
                     made = self._evict_one(t)
                     if made is None:
                         break
-                    actions.append(made)
+                    actions += made
             return actions
 
     def remove_subtree(self, key: str) -> list[str]:
@@ -260,101 +348,99 @@ class PrefixIndex:
 
     # ---- transactions ----
 
-    def begin(self) -> None:
-        """Journal every page the next changes store, move or drop, until `commit` or `rollback`."""
+    def begin(self, pack: str | None = None) -> None:
+        """Journal every page the next changes store, move or drop, until `commit` or `rollback`; the pages they
+        move into the file tier go into the new pack `pack` (each into a pack of its own when None)."""
         with self._lock:
+            if pack is not None and pack in self._packs.packs:
+                raise ValueError(f"pack {pack!r} exists already")
             self._journal.begin(self._stats)
+            self._packs.open = pack
 
     def commit(self) -> None:
+        """Keep the changes; the transaction's pack is written now (its bytes are final)."""
         with self._lock:
             self._journal.end()
+            self._packs.close()
 
     def rollback(self) -> None:
         """Put every page changed since `begin` back as it was (its use time and pins stay as they are now)."""
         with self._lock:
+            pack, self._packs.open = self._packs.open, None
             self._journal.undo(self)
+            self._packs.forget(pack)  # (empty now, and never written)
 
-    # ---- internals (the lock is held) ----
+    # ---- packs ----
 
-    def _tick(self) -> int:
-        self._clock += 1
-        return self._clock
+    def pack_of(self, key: str) -> str | None:
+        with self._lock:
+            page = self._pages.get(key)
+            return None if page is None else page.pack
 
-    def _size(self, page: _Page, tier: int) -> int:
-        return page.file_nbytes if tier == self.file_tier else page.nbytes
+    def pack_bytes(self, pack: str) -> int | None:
+        """The bytes of a pack (what its file holds), None for a pack the index does not hold."""
+        with self._lock:
+            p = self._packs.packs.get(pack)
+            return None if p is None else p.nbytes
 
-    def _note(self, key: str, page: _Page | None) -> None:
-        self._journal.note(key, page)
+    def take_emptied(self) -> list[str]:
+        """The packs whose last page left since the last call (not ones a page entered again): their files can be
+        removed."""
+        with self._lock:
+            return self._packs.take_emptied()
 
-    def _push(self, key: str, page: _Page) -> None:
-        self._lru.push(page.tier, page.used, key, self._count[page.tier], self._pages)
+    # ---- eviction (the lock is held) ----
 
-    def _touch(self, keys: Sequence[str]) -> None:
-        for k in keys:  # in chain order: a chain's later pages count as used later
-            page = self._pages[k]
-            page.used = self._tick()
-            self._push(k, page)
-
-    def _add(self, key: str, page: _Page) -> None:
-        self._note(key, None)
-        self._pages[key] = page
-        self._held[page.tier] += self._size(page, page.tier)
-        self._count[page.tier] += 1
-        if page.parent is not None:
-            self._pages[page.parent].children.add(key)
-        self._push(key, page)
-
-    def _remove(self, key: str) -> None:
-        page = self._pages.pop(key)
-        self._pinned -= page.pins > 0
-        self._note(key, page)
-        self._held[page.tier] -= self._size(page, page.tier)
-        self._count[page.tier] -= 1
-        parent = self._pages.get(page.parent) if page.parent is not None else None
-        if parent is not None:
-            parent.children.discard(key)
-            if not parent.children:
-                self._push(page.parent, parent)  # a leaf now: the last tier may drop it
-
-    def _place(self, key: str, page: _Page, tier: int) -> None:
-        self._note(key, page)
-        self._held[page.tier] -= self._size(page, page.tier)
-        self._count[page.tier] -= 1
-        page.tier = tier
-        self._held[tier] += self._size(page, tier)
-        self._count[tier] += 1
-        self._push(key, page)
-
-    def _evict_one(self, t: int, protect: str | None = None) -> Action | None:
+    def _evict_one(self, t: int, protect: str | None = None, saved: list | None = None) -> list[Action] | None:
         """Move the least recently used unpinned page of tier `t` one tier down (drop it from the last tier, where
-        only pages without a held child may leave); None when there is none."""
+        only pages without a held child may leave); None when there is none. Each page changed goes into `saved`
+        as it was, first."""
         last = t == len(self.capacity) - 1
         victim = self._lru.victim(t, self._pages, leaves_only=last, protect=protect)
         if victim is None:
             return None
+        page = self._pages[victim]
+        pack = page.pack
+        if saved is not None:
+            saved.append((victim, page.copy()))
         if last:
             self._remove(victim)
-            return Action("drop", victim, src=t)
-        self._place(victim, self._pages[victim], t + 1)
-        return Action("move", victim, src=t, to=t + 1)
+            out = [Action("drop", victim, src=t)]
+        else:
+            self._place(victim, page, t + 1)
+            out = [Action("move", victim, src=t, to=t + 1)]
+        return out + (self._compact(pack, saved) if t == self.file_tier else [])
+
+    def _compact(self, pack: str, saved: list | None) -> list[Action]:
+        """When at most half of a closed pack's bytes are pages still held, those pages move into the open pack
+        (the store writes them again there), so the pack's file can go and its dead bytes stop counting: the file
+        tier never spends more than half of what it counts on pages that left. Not while a page of it is pinned."""
+        keys = self._packs.sparse(pack)
+        pages = sorted((self._pages[k].used, k) for k in keys)
+        if any(self._pages[k].pins for _, k in pages):
+            return []
+        out = []
+        for _, k in pages:
+            if saved is not None:
+                saved.append((k, self._pages[k].copy()))
+            self._place(k, self._pages[k], self.file_tier, self._packs.open)
+            out.append(Action("move", k, src=self.file_tier, to=self.file_tier))
+        return out
 
     def _fit(self, tier: int, protect: str | None = None) -> list[Action] | None:
         """Moves and drops that bring `tier` and the tiers below it back under capacity, carried out on the index;
         None, with every one of them undone, when pinned pages alone exceed a tier."""
         actions: list[Action] = []
-        undo: list[tuple[str, _Page]] = []
+        saved: list[tuple[str, _Page]] = []
         last = len(self.capacity) - 1
         for t in range(tier, last + 1):
             while self._held[t] > self.capacity[t]:
-                guard = protect if t == last else None
-                victim = self._lru.victim(t, self._pages, leaves_only=t == last, protect=guard)
-                if victim is None:
-                    for key, page in reversed(undo):
+                made = self._evict_one(t, protect=protect if t == last else None, saved=saved)
+                if made is None:
+                    for key, page in reversed(saved):
                         self._undo(key, page)
                     return None
-                page = self._pages[victim]
-                undo.append((victim, _Page(page.parent, page.tier, page.nbytes, page.file_nbytes, page.used)))
-                actions.append(self._evict_one(t, protect=guard))
+                actions += made
         self._stats["moved"] += sum(a.kind == "move" and a.key != protect for a in actions)
         self._stats["dropped"] += sum(a.kind == "drop" for a in actions)
         return actions
@@ -363,9 +449,66 @@ class PrefixIndex:
         """Put a page back as it was before a move or drop of `_fit`."""
         page = self._pages.get(key)
         if page is None:  # dropped
-            self._add(key, saved)
+            self._add(key, saved.copy())
         else:  # moved
-            self._place(key, page, saved.tier)
+            self._place(key, page, saved.tier, saved.pack)
+
+
+class _Packs:
+    """The file tier's packs, and the one the open transaction fills (`open`; None: each page a pack of its
+    own). Counts what the tier holds: a pack's whole bytes while any page of it is held."""
+
+    def __init__(self):
+        self.packs: dict[str, _Pack] = {}
+        self.open: str | None = None
+        self._emptied: set[str] = set()  # packs whose last page left: their files can go
+
+    def enter(self, key: str, page: _Page) -> int:
+        """Put a page into its pack (the open one, when it has none); returns the bytes the tier counts more."""
+        if page.pack is None:
+            page.pack = self.open or key
+        p = self.packs.setdefault(page.pack, _Pack())
+        before = p.nbytes if p.keys else 0
+        p.nbytes += page.file_nbytes if p.open else 0
+        p.keys.add(key)
+        p.live_bytes += page.file_nbytes
+        return p.nbytes - before
+
+    def leave(self, key: str, page: _Page) -> int:
+        """Take a page out of its pack; returns the bytes the tier counts less."""
+        p = self.packs[page.pack]
+        before = p.nbytes if p.keys else 0
+        p.nbytes -= page.file_nbytes if p.open else 0
+        p.keys.discard(key)
+        p.live_bytes -= page.file_nbytes
+        if not p.keys:
+            self._emptied.add(page.pack)
+        return before - (p.nbytes if p.keys else 0)
+
+    def sparse(self, pack: str) -> set[str]:
+        """The pages of a closed pack that holds at most half its bytes, when there is an open pack to move them
+        into; none otherwise."""
+        p = self.packs.get(pack)
+        if p is None or p.open or self.open is None or 2 * p.live_bytes > p.nbytes:
+            return set()
+        return set(p.keys)
+
+    def close(self) -> None:
+        """The open pack is written: its bytes are final."""
+        if self.open in self.packs:
+            self.packs[self.open].open = False
+        self.open = None
+
+    def forget(self, pack: str | None) -> None:
+        self.packs.pop(pack, None)
+        self._emptied.discard(pack)
+
+    def take_emptied(self) -> list[str]:
+        out = sorted(p for p in self._emptied if p in self.packs and not self.packs[p].keys)
+        for p in out:
+            del self.packs[p]
+        self._emptied.clear()
+        return out
 
 
 class _Journal:
@@ -386,8 +529,7 @@ class _Journal:
 
     def note(self, key: str, page: _Page | None) -> None:
         if self.before is not None and key not in self.before:
-            self.before[key] = None if page is None else _Page(page.parent, page.tier, page.nbytes,
-                                                               page.file_nbytes, page.used)
+            self.before[key] = None if page is None else page.copy()
 
     def undo(self, index: PrefixIndex) -> None:
         """Put `index`'s pages back as they were at `begin` (its lock is held), and close the transaction."""
@@ -405,9 +547,9 @@ class _Journal:
                 b = back.pop(k)
                 page = index._pages.get(k)
                 if page is None:
-                    index._add(k, _Page(b.parent, b.tier, b.nbytes, b.file_nbytes, b.used))
-                elif page.tier != b.tier:
-                    index._place(k, page, b.tier)
+                    index._add(k, b.copy())
+                elif (page.tier, page.pack) != (b.tier, b.pack):
+                    index._place(k, page, b.tier, b.pack)
         index._stats.update(stats or {})
 
 

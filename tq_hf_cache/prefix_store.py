@@ -18,9 +18,10 @@ computed them another way (other chunks, token by token, another batch), its pag
 by that computation's rounding and nothing else.
 
 Concurrency: `match` never waits on a disk write. One lock guards the store's state and is held only for bookkeeping;
-an insert reserves its pages in the index (a transaction), writes and copies outside the lock, then publishes them
-(or rolls the whole insert back when a write fails: an insert is all or nothing). Inserts run one at a time.
-A match reads pinned pages outside the lock; a page file found damaged or missing is dropped with what hangs on it
+an insert reserves its pages in the index (a transaction), copies them and writes those bound for disk as one pack
+(`prefix_disk`) outside the lock, then publishes them (or rolls the whole insert back when the write fails: an insert
+is all or nothing). Inserts run one at a time.
+A match reads pinned pages outside the lock; a page found damaged or missing on disk is dropped with what hangs on it
 (one warning), and the match returns the longest prefix still whole. Pages are copied into the restored cache, so
 the store never lends a live cache its memory.
 """
@@ -30,6 +31,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import secrets
 import threading
 import time
 import warnings
@@ -43,7 +45,7 @@ from .config import model_facts
 from .prefix import weights_digest
 from .prefix_catalog import ROOT, Catalog
 from .prefix_checks import QuantizerCheck, check_args, check_cache
-from .prefix_disk import DiskTier, PageDamaged, StagedReader
+from .prefix_disk import DiskTier, Loc, PageDamaged, StagedReader
 from .prefix_index import PrefixIndex, page_keys
 
 __all__ = ["PrefixStore"]
@@ -87,22 +89,14 @@ class PrefixStore:
                  codebooks=None, max_cache_len: int | None = None, **overrides):
         from .cache import TurboQuantCache
 
-        check_args(page_tokens, cpu_bytes, gpu_bytes, disk_dir, disk_bytes)
-        self.device = torch.device(device) if device is not None else torch.device("cpu")
-        if self.device.type == "cuda" and not torch.cuda.is_available():
-            raise ValueError(f"device={device!r} needs CUDA, which this torch does not have")
-        if gpu_bytes and self.device.type != "cuda":
-            raise ValueError(f"gpu_bytes={gpu_bytes} needs a CUDA device, got device={self.device}")
+        self.device = check_args(page_tokens, cpu_bytes, gpu_bytes, disk_dir, disk_bytes, device)
         self.config, self.codebooks, self.max_cache_len = config, codebooks, max_cache_len
         # the caches' config, resolved (and a bad one refused) now; `overrides` as TurboQuantCache takes them
         self.tq_config = TurboQuantCache(tq_config, config=config, codebooks=codebooks, **overrides).tq_config
         if max_cache_len is not None:
             pp.check_static(self._new_cache())
         self.page_tokens = page_tokens
-        ns = {"model": model_facts(config), "tq_config": self.tq_config.to_dict(), "static": max_cache_len,
-              "weights": None if model is None else weights_digest(model),
-              "codebooks": None if codebooks is None else repr(getattr(codebooks, "info", None))}
-        self.namespace = hashlib.sha256(json.dumps(ns, sort_keys=True, default=str).encode()).hexdigest()
+        self.namespace = _namespace(config, self.tq_config, max_cache_len, model, codebooks)
         self.tiers = ([self.device] if gpu_bytes else []) + [torch.device("cpu")] + (["disk"] if disk_dir else [])
         caps = ([gpu_bytes] if gpu_bytes else []) + [cpu_bytes] + ([disk_bytes] if disk_dir else [])
         self.disk_dir = disk_dir
@@ -137,7 +131,11 @@ class PrefixStore:
         check_cache(cache, rows, self.tq_config, self.max_cache_len)
         with self._insert_lock:  # (the pages held cannot change under it but by lookups touching them)
             yielder = _Yielder(self._idle)
-            return self._insert(rows, cache, yielder)
+            while True:
+                try:
+                    return self._insert(rows, cache, yielder)
+                except PageDamaged as e:  # a page it had to rewrite: dropped, and the insert made again
+                    self._mark_damaged(e)
 
     def _insert(self, rows, cache, yielder) -> int:
         static = self.max_cache_len is not None
@@ -211,7 +209,10 @@ class PrefixStore:
             try:
                 loaded = self._read(held)
             except PageDamaged as e:
-                self._mark_damaged(e)
+                with self._lock:  # a page an insert moved to another pack meanwhile (its old one removed) is fine
+                    moved = self.catalog.held.get(e.key, held[e.key]) != held[e.key]
+                if not moved:
+                    self._mark_damaged(e)
                 continue
             finally:
                 with self._lock:
@@ -226,13 +227,13 @@ class PrefixStore:
     def _read(self, held: dict) -> dict:
         """Every chain payload in memory: disk pages read and checked outside the lock (threads: file reads and
         hashing release the GIL; a GPU store's through its staging halves)."""
-        on_disk = [k for k, h in held.items() if isinstance(h, str)]
-        loaded = {k: h for k, h in held.items() if not isinstance(h, str)}
+        on_disk = {k: h for k, h in held.items() if isinstance(h, Loc)}
+        loaded = {k: h for k, h in held.items() if not isinstance(h, Loc)}
         if on_disk and self._reader is not None:
             loaded.update(self._reader.read(on_disk))
         elif on_disk:
             def one(k):
-                return pp.unflatten(*self.disk.read(k))
+                return pp.unflatten(*self.disk.read(k, on_disk[k]))
             with ThreadPoolExecutor(max(1, min(16, os.cpu_count() or 1, len(on_disk)))) as pool:
                 loaded.update(zip(on_disk, pool.map(one, on_disk)))
         return loaded
@@ -291,15 +292,18 @@ class PrefixStore:
                 self._insert_lock.release()
 
     def _check_files(self, keys: set) -> None:
-        """Page files this insert would reuse that are gone or of another size than written count as damaged (so
-        the insert stores them again); a file changed in place is found when it is read."""
+        """Pages on disk this insert would reuse whose pack is gone or of another size than written count as
+        damaged (so the insert stores them again); a pack changed in place is found when it is read."""
+        sizes = {}
         for k in keys:
             held = self.catalog.held.get(k)
-            if isinstance(held, str):
-                try:
-                    ok = os.stat(held, follow_symlinks=False).st_size == self.index.sizes_of(k)[1]
-                except OSError:
-                    ok = False
+            if isinstance(held, Loc):
+                if held.pack not in sizes:
+                    try:
+                        sizes[held.pack] = os.stat(self.disk.path(held.pack), follow_symlinks=False).st_size
+                    except OSError:
+                        sizes[held.pack] = None
+                ok = sizes[held.pack] == self.index.pack_bytes(held.pack)
                 if not ok:
                     with self._lock:
                         self._counts["damaged"] += k not in self.catalog.damaged
@@ -308,40 +312,41 @@ class PrefixStore:
     def _drop_damaged(self) -> None:
         """Forget the damaged pages and everything that hangs on them (the insert lock is held)."""
         with self._lock:
-            paths = []
             for key in self.catalog.damaged:
                 for k in self.index.remove_subtree(key):
-                    held = self.catalog.unpublish(k)[0]
-                    if isinstance(held, str):
-                        paths.append(held)
+                    self.catalog.unpublish(k)
             self.catalog.damaged.clear()
-        for path in paths:
-            _remove_file(path)
+            packs = self.index.take_emptied()
+        self._remove_packs(packs)
 
     def _adopt(self) -> None:
-        """Hold the page files an earlier store left in the folder (parents before children, the oldest first as
-        least recently used), drop what hangs on nothing, and bring the folder under its budget."""
-        found, removed = self.disk.scan()
+        """Hold the pages an earlier store left in the folder (parents before children, the oldest first as least
+        recently used), leave out what hangs on nothing, and bring the folder under its budget."""
+        found, sizes, removed = self.disk.scan()
         tier = len(self.tiers) - 1
-        todo, done = {p.key: p for p in found}, 0
+        todo, done = {p.key: p for p in found}, 0  # (a page in two packs: the newer one)
         while todo:
             ready = [p for p in todo.values() if p.parent is None or p.parent in self.catalog.held]
             if not ready:
                 break
             for p in ready:
                 del todo[p.key]
-                self.index.adopt(p.key, p.parent, tier, p.tensor_bytes, p.file_bytes)
+                self.index.adopt(p.key, p.parent, tier, p.tensor_bytes, p.file_bytes, p.loc.pack, sizes[p.loc.pack])
                 end = p.meta.get("end")
-                self.catalog.publish(p.key, self.disk.path(p.key), end[0] if end else None, end)
+                self.catalog.publish(p.key, p.loc, end[0] if end else None, end)
                 done += 1
-        for p in todo.values():  # their chain's earlier pages are gone
-            self.disk.remove(p.key)
+        unused = [pack for pack in sizes if self.index.pack_bytes(pack) is None]  # (only pages whose chain is gone)
         for a in self.index.fit():
-            _remove_file(self.catalog.unpublish(a.key)[0])
+            self.catalog.unpublish(a.key)
+        self._remove_packs(unused + self.index.take_emptied())
         if removed or todo:
-            warnings.warn(f"tq_hf_cache: PrefixStore removed {removed + len(todo)} file(s) from {self.disk.folder} "
-                          f"that were not whole pages of this model and config; adopted {done}", RuntimeWarning,
-                          stacklevel=3)
+            warnings.warn(f"tq_hf_cache: PrefixStore removed {removed + len(unused)} file(s) from {self.disk.folder} "
+                          f"and left out {len(todo)} page(s) that were not whole pages of this model and config; "
+                          f"adopted {done}", RuntimeWarning, stacklevel=3)
+
+    def _remove_packs(self, packs) -> None:
+        for pack in packs:
+            _remove_file(self.disk.path(pack))
 
     def _new_cache(self):
         from .cache import TurboQuantCache
@@ -354,19 +359,22 @@ class PrefixStore:
 
 class _Insert:
     """One insert's transaction: reserve its pages in the index (under the store's lock), carry out the index's
-    copies and writes outside the lock, then publish them, or roll everything back when a write fails."""
+    copies outside the lock and write the pages it sends to disk as one pack, then publish them; or roll everything
+    back when the write fails."""
 
     def __init__(self, store: PrefixStore, new: dict, ends: dict, yielder: _Yielder):
         self.store, self.new, self.ends, self.yielder = store, new, ends, yielder
-        self.staged: dict = {}  # key -> its payload in its new tier, or its new file's path
-        self.written: list[str] = []  # files written so far (removed on a rollback)
+        self.staged: dict = {}  # key -> its payload in its new tier (a disk page's Loc once its pack is written)
+        self.to_disk: dict = {}  # key -> (parent key, payload): the pack's pages, in order
+        self.pack = secrets.token_hex(32) if store.disk is not None else None
+        self.written = False
         self.gone: dict = {}  # published pages the index dropped: what `publish` needs to put them back
 
     def run(self, chains, sizes) -> int:
         """Carry the chains' pages in; returns the pages newly stored."""
         st = self.store
         with st._lock:
-            st.index.begin()
+            st.index.begin(self.pack)
             actions = []
             for chain in chains:
                 actions += st.index.insert(chain, [sizes[k][0] for k in chain], [sizes[k][1] for k in chain])
@@ -379,8 +387,10 @@ class _Insert:
                     continue  # dropped later in this insert: nothing to copy or write
                 self._carry_out(a)
                 self.yielder()
+            if self.to_disk:
+                self._write_pack()
         except BaseException as e:
-            self._roll_back()
+            self._roll_back(failed=not isinstance(e, PageDamaged))
             if isinstance(e, OSError):
                 raise OSError(e.errno, f"the prefix store could not write a page file ({e.strerror or e}); "
                                        "nothing of this insert was stored", getattr(e, "filename", None)) from e
@@ -390,49 +400,54 @@ class _Insert:
             for key, held in self.staged.items():
                 end = self.ends.get(key)
                 st.catalog.publish(key, held, end[0] if end else None, end)
-        for key, (held, _, _) in self.gone.items():
-            if isinstance(held, str) and self.staged.get(key) != held:  # (not the file of a page stored again)
-                _remove_file(held)
+            emptied = st.index.take_emptied()
+        st._remove_packs(emptied)
         return sum(a.kind == "store" and a.key not in self.ends for a in actions)
 
-    def _roll_back(self) -> None:
+    def _write_pack(self) -> None:
+        st = self.store
+        pages = [(k, parent, *pp.flatten(payload)) for k, (parent, payload) in self.to_disk.items()]
+        self.written = True
+        locs = st.disk.write_pack(self.pack, pages)
+        size = sum(loc.size for loc in locs.values())
+        if size != st.index.pack_bytes(self.pack):
+            raise RuntimeError(f"the pack written holds {size} bytes, the index counted {st.index.pack_bytes(self.pack)}")
+        self.staged.update(locs)
+
+    def _roll_back(self, failed: bool) -> None:
         st = self.store
         with st._lock:
             st.index.rollback()
             for key, (held, parent, end) in self.gone.items():
                 st.catalog.publish(key, held, parent, end)
-            st._counts["failed_inserts"] += 1
-        kept = {h for h, _, _ in self.gone.values() if isinstance(h, str)}  # (a dropped page's file written again)
-        for path in self.written:
-            if path not in kept:
-                _remove_file(path)
+            st._counts["failed_inserts"] += failed
+        if self.written:
+            st._remove_packs([self.pack])
 
     def _carry_out(self, a) -> None:
-        """One index action's copy or write: the result goes into `staged` (published later)."""
+        """One index action's copy, or a page set aside for the pack: the result goes into `staged` or `to_disk`."""
         st, staged = self.store, self.staged
         if a.kind == "skip":
             return
         if a.kind == "drop":  # a page stored earlier in this insert (published drops are `run`'s)
-            held = staged.pop(a.key, None)
-            if isinstance(held, str):
-                self.written.remove(held)
-                _remove_file(held)
+            staged.pop(a.key, None)
+            self.to_disk.pop(a.key, None)
             return
         if a.key in staged:
             payload = staged[a.key]
         elif a.key in self.new:
             payload = self.new[a.key][0]
-        else:  # held before this insert, or held and dropped earlier in it (its file stays until the commit)
+        else:  # held before this insert, or held and dropped earlier in it (its pack stays until the commit)
             payload = st.catalog.held[a.key] if a.key in st.catalog.held else self.gone[a.key][0]
-            if isinstance(payload, str):
-                payload = pp.unflatten(*st.disk.read(a.key))
+            if isinstance(payload, Loc):
+                payload = pp.unflatten(*st.disk.read(a.key, payload))
         where = st.tiers[a.to]
         if where != "disk":
             staged[a.key] = pp.to_device(payload, where)
             return
+        staged.pop(a.key, None)
         parent = self.new[a.key][1] if a.key in self.new else st.index.parent_of(a.key)
-        staged[a.key] = st.disk.write(a.key, parent, *pp.flatten(payload))
-        self.written.append(staged[a.key])
+        self.to_disk[a.key] = (parent, payload)
 
 
 class _Yielder:
@@ -453,12 +468,20 @@ class _Yielder:
             self.last = time.perf_counter()
 
 
-def _remove_file(path) -> None:
-    """Remove a page file the store let go of (one already gone is fine; another failure is a warning)."""
-    if isinstance(path, str):
-        try:
-            os.remove(path)
-        except FileNotFoundError:
-            pass
-        except OSError as e:
-            warnings.warn(f"tq_hf_cache: PrefixStore could not remove {path}: {e}", RuntimeWarning, stacklevel=2)
+def _remove_file(path: str) -> None:
+    """Remove a file the store let go of (one already gone is fine; another failure is a warning)."""
+    try:
+        os.remove(path)
+    except FileNotFoundError:
+        pass
+    except OSError as e:
+        warnings.warn(f"tq_hf_cache: PrefixStore could not remove {path}: {e}", RuntimeWarning, stacklevel=2)
+
+
+def _namespace(config, tq_config, max_cache_len, model, codebooks) -> str:
+    """What every page key is bound to: the model (its facts, and its weights when given), the config, the cache
+    kind and the codebooks."""
+    ns = {"model": model_facts(config), "tq_config": tq_config.to_dict(), "static": max_cache_len,
+          "weights": None if model is None else weights_digest(model),
+          "codebooks": None if codebooks is None else repr(getattr(codebooks, "info", None))}
+    return hashlib.sha256(json.dumps(ns, sort_keys=True, default=str).encode()).hexdigest()
