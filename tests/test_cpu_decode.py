@@ -16,6 +16,7 @@ import torch
 from tq_hf_cache import ops, reference
 from tq_hf_cache.codebook import Codebook
 from tq_hf_cache.kernels import cpu
+from tq_hf_cache.kernels import select
 from tq_hf_cache.kernels.cpu import jit
 from tq_hf_cache.packing import pack_indices
 
@@ -297,7 +298,7 @@ def test_ops_takes_the_c_path_by_default_and_the_torch_math_on_request(monkeypat
     monkeypatch.setattr(cpu, "decode_attention", lambda *a: calls.append(1) or real(*a))
     ops.decode_attention(q, state, mask, None)
     assert calls == [1]
-    monkeypatch.setattr(ops, "FUSED_BACKEND", "torch")
+    monkeypatch.setenv(select.ENV, "torch")
     ops.decode_attention(q, state, mask, None)
     assert calls == [1]
 
@@ -307,7 +308,7 @@ def test_without_a_compiler_the_torch_math_decodes_with_one_warning(monkeypatch)
     state, q, mask = _state_on_cpu(CASES[0], seed)
     monkeypatch.setenv("CC", "/nonexistent/cc")
     monkeypatch.setattr(jit, "_LIBS", {})
-    monkeypatch.setattr(ops, "_WARNED", set())
+    monkeypatch.setattr(select, "_WARNED", set())
     builds = []
     real_build = jit._build
     monkeypatch.setattr(jit, "_build", lambda: builds.append(1) or real_build())

@@ -20,6 +20,7 @@ from tq_hf_cache import TurboQuantCache, attention, ops, packed_kv, reference  #
 from tq_hf_cache.codebook import Codebook, theoretical_codebook  # noqa: E402
 from tq_hf_cache.packed_kv import PackedKV, packed_source  # noqa: E402
 from tq_hf_cache.rotation import make_rotation  # noqa: E402
+from tq_hf_cache.kernels import select  # noqa: E402
 from conftest import with_cache
 
 try:
@@ -240,9 +241,9 @@ def test_queries_by_chunks_match_one_call(masked):
     q = make_query(b, hkv * group, n, d, torch.float16, seed)
     t = lq + lr + n
     mask = padding_mask(b, 1, n, t, [0, 4], "bool") if masked else None
-    want = decode_attention(q, state, mask, None, fast=False)
+    want = decode_attention(q, state, mask, None)
     out = torch.full_like(want, float("nan"))
-    got = by_query_chunks(q, state, mask, None, 3, out=out, fast=False)
+    got = by_query_chunks(q, state, mask, None, 3, out=out)
     assert got is out
     assert (got.float() - want.float()).abs().max().item() < 2e-3, f"seed {seed}"
     assert rel_err(got, _oracle(q, kf, vf, mask, None)) < TOL[torch.float16], f"seed {seed}"
@@ -548,7 +549,7 @@ def test_sliding_window_model_matches_sdpa(count_paths):
 @needs_triton
 def test_generate_through_the_triton_kernel(monkeypatch):
     """The kernel itself inside generate (interpreted on CPU): same tokens as SDPA on the same cache."""
-    monkeypatch.setattr(ops, "FUSED_BACKEND", "triton")
+    monkeypatch.setenv(select.ENV, "triton")
     model = _llama(layers=1).to(DEVICE)
     ids, mask = _left_padded_batch(fresh_seed(), lengths=(19, 12))
     ids, mask = ids.to(DEVICE), mask.to(DEVICE)
@@ -824,7 +825,7 @@ def test_kernel_refuses_a_split_it_cannot_read_and_the_attention_falls_back(capl
     q = make_query(1, 4, 1, 64, torch.float16, 0)
     with pytest.raises(ValueError, match=r"split in parts of \[24, 40\] channels at \[3, 3\] bits"):
         decode_attention(q, state, None, None)
-    assert not ops.kernel_serves(q, state)
+    assert not select.kernel_serves(q, state)
     with caplog.at_level("WARNING"):
         assert not attention._fusable(q, state, 0.0, {})
     assert "no fused decode attention for keys split in parts of [24, 40] channels" in caplog.text

@@ -19,7 +19,7 @@ import torch
 
 from tq_hf_cache import reference
 from tq_hf_cache.codebook import Codebook
-from tq_hf_cache.kernels import disk_cache, fast, support
+from tq_hf_cache.kernels import disk_cache, fast, select, support
 from tq_hf_cache.kernels.fast import jit
 
 from test_decode_attention import TOL, fresh_seed, head_mask, make_query, make_state, padding_mask, rel_err
@@ -397,7 +397,7 @@ def test_shape_limits():
 def test_fast_serves_takes_symbolic_sizes_under_compile():
     """Under torch.compile with dynamic shapes the query rows and packed slots are symbolic: the shape check becomes
     guards and only the machine's answer is a traced constant (a symbolic argument to it failed to compile)."""
-    from tq_hf_cache.kernels import fast_serves
+    from tq_hf_cache.kernels.select import cuda_serves as fast_serves
 
     def f(x):
         if fast_serves(x.device, 128, 4, 4, 4 * x.shape[1], False, x.shape[0]):
@@ -428,7 +428,6 @@ def test_the_launcher_runs_without_a_gpu(monkeypatch):
 
     monkeypatch.setattr(jit, "kernel", lambda src, name, df, device, smem=0: Stub(name, df, smem))
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d=None: (9, 0))
-    monkeypatch.setattr(da, "fast_serves", lambda *a, **k: True)
     monkeypatch.setattr(torch.cuda, "device", lambda d: contextlib.nullcontext())
     monkeypatch.setattr(torch.cuda, "current_stream", lambda d=None: type("S", (), {"cuda_stream": 0})())
     # (four queries of a GQA group of 4, 16 rows, one CTA an SM: the plan counts 132 CTAs, not 264; on 8 SMs, k4v4 at
@@ -440,7 +439,7 @@ def test_the_launcher_runs_without_a_gpu(monkeypatch):
         state, _, _ = make_state(b, 2, lq, 9, n, d, kb, vb, torch.bfloat16, lq, device="cpu")
         q = torch.randn(b, 8, n, d, dtype=torch.bfloat16)
         done.clear()
-        da.decode_attention(q, state)
+        fast.decode_attention(q, state)  # (the CUDA launcher itself: no selection on a CPU)
         nqt, rows = (1, 4) if n == 1 else (2, 16)
         w = fast.warps(d, kb, vb, state.k_norms.dtype == torch.float32, state.v_norms.dtype == torch.float32, nqt,
                        (9, 0))
@@ -487,10 +486,14 @@ def test_query_rotation_fragments_land_in_the_score_mma_registers(d):
 
 # --------------------------------------------------------------------------------------------------- on a GPU
 
-def _decode(q, state, mask, scale, **kw):
+def _decode(q, state, mask, scale, fast=None, **kw):
+    """The kernel `select` picks for the step (the CUDA one where it serves); fast=False: the Triton kernel alone."""
+    from tq_hf_cache import ops
     from tq_hf_cache.kernels.decode_attention import decode_attention
 
-    return decode_attention(q, state, mask, scale, **kw)
+    if fast is False:
+        return decode_attention(q, state, mask, scale, **kw)
+    return ops.decode_attention(q, state, mask, scale, **kw)
 
 
 @pytest.fixture
@@ -655,7 +658,7 @@ def test_fast_kernel_where_the_sms_cut_sixteen_warp_splits_at_head_dim_64(lq, la
 def test_more_query_rows_than_the_kernel_holds_go_in_chunks_of_queries(d, group, n, mask_kind, launches):
     """A step of n queries whose group x n rows pass the kernel's limit: the kernel serves it a few queries a call
     (each with its mask rows, or its own causal mask), matching the oracle."""
-    from tq_hf_cache.kernels.decode_attention import query_chunk
+    from tq_hf_cache.kernels.select import query_chunk
 
     seed = fresh_seed()
     b, hkv, lq, lr = 2, 2, 1500, 5
@@ -771,10 +774,10 @@ def test_turned_off_by_the_environment(monkeypatch, launches):
     seed = fresh_seed()
     state, kf, vf = make_state(1, 2, 300, 3, 1, 128, 4, 4, torch.float16, seed)
     q = make_query(1, 8, 1, 128, torch.float16, seed)
-    monkeypatch.setenv(fast.ENV, "0")
+    monkeypatch.setenv(select.ENV, "triton")
     _decode(q, state, None, None)
     assert launches == []
-    monkeypatch.delenv(fast.ENV)
+    monkeypatch.delenv(select.ENV)
     _decode(q, replace(state), None, None)
     assert launches == [True]
 
@@ -822,7 +825,7 @@ def test_cache_dir_follows_the_environment(monkeypatch, tmp_path):
 @pytest.mark.parametrize("preset", ["k5v3", "k4v4"])
 def test_static_cache_through_the_fast_kernel_matches_the_triton_kernel_eager_and_compiled(preset, monkeypatch):
     """TurboQuantStaticCache through the fast kernel (device lengths, the wrapping ring, the fused chunk and the
-    steps, teacher-forced): logits equal those of the Triton kernel (TQ_HF_CACHE_FAST_DECODE=0) on the same cache,
+    steps, teacher-forced): logits equal those of the Triton kernel (TQ_HF_CACHE_DECODE_KERNEL=triton) on the same cache,
     eager and under torch.compile's CUDA graphs."""
     import transformers
 
@@ -842,7 +845,7 @@ def test_static_cache_through_the_fast_kernel_matches_the_triton_kernel_eager_an
     ids = torch.randint(3, 128, (2, 3006), device="cuda", generator=torch.Generator("cuda").manual_seed(1))
 
     def run(env, compiled):
-        monkeypatch.setenv(fast.ENV, env)
+        monkeypatch.setenv(select.ENV, {"0": "triton", "1": "auto"}[env])
         cache = TurboQuantStaticCache(config=cfg, max_cache_len=4096, tq_config=preset, residual_length=64)
         step = torch.compile(model, mode="reduce-overhead", fullgraph=True) if compiled else model
         out = []

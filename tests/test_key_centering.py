@@ -10,6 +10,7 @@ from conftest import chunked_logits, static_logits, tiny_gemma3_config, tiny_lla
 from tq_hf_cache import TurboQuantCache, TurboQuantConfig, TurboQuantStaticCache, ops
 from tq_hf_cache._compat import IS_V5
 from tq_hf_cache.rope import KeyOffset, RopeAngles, rope_angles
+from tq_hf_cache.kernels import select
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"  # on a CPU the kernel runs in the interpreter (conftest)
 TOL = 2e-3 if DEV == "cuda" else 1e-4  # "turboquant" on CUDA is the kernel (fp16 tiles), on a CPU the fp32 math
@@ -86,7 +87,7 @@ def test_a_centred_cache_reads_the_same_on_every_path_and_holds_its_keys_closer(
     for centred in (False, True):
         for impl, backend in (("turboquant", "triton"), ("turboquant", "auto"), ("turboquant", "torch"),
                               ("sdpa", "auto")):
-            monkeypatch.setattr(ops, "FUSED_BACKEND", backend)
+            monkeypatch.setenv(select.ENV, backend)
             model.set_attn_implementation(impl)
             cache = TurboQuantCache("k4v4", config=cfg, residual_length=16, key_centering=centred)
             n = triton_len if backend == "triton" else ids.shape[1]
@@ -154,7 +155,7 @@ def test_a_centred_static_cache_reads_alike_on_every_path_holds_its_keys_closer_
     are those of k - R(t) mu; reset recomputes mu; at 8 bits it tracks StaticCache through generate."""
     from tq_hf_cache import reference
 
-    monkeypatch.setattr(ops, "FUSED_BACKEND", "torch")
+    monkeypatch.setenv(select.ENV, "torch")
     model = _biased_llama()
     cfg = model.config
     ids = torch.randint(3, 128, (2, 72), generator=torch.Generator().manual_seed(2)).to(DEV)
@@ -199,7 +200,7 @@ def test_a_centred_static_cache_reads_alike_on_every_path_holds_its_keys_closer_
     torch.testing.assert_close(again, out["sdpa"], atol=TOL, rtol=TOL, msg="after reset: mu recomputed")
     torch.testing.assert_close(layer.packed.key_offset.mu, mu, atol=0, rtol=0, msg="the same mu after reset")
     # 8 bits through generate (compiled with CUDA graphs on a GPU), on a model of ordinary scale
-    monkeypatch.setattr(ops, "FUSED_BACKEND", "auto")
+    monkeypatch.setenv(select.ENV, "auto")
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(tiny_llama_config(head_dim=64, intermediate_size=128)).eval().to(DEV)
     ids = torch.randint(3, 128, (2, 40), generator=torch.Generator().manual_seed(0)).to(DEV)

@@ -15,6 +15,7 @@ from tq_hf_cache.codebook import theoretical_codebook
 from tq_hf_cache.key_split import calibrate_key_split, check_spec, make_split
 from tq_hf_cache.packing import packed_bytes
 from tq_hf_cache.rotation import make_rotation
+from tq_hf_cache.kernels import select
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 TOL = 2e-3 if DEV == "cuda" else 2e-4  # attention implementations in float32: CUDA's differ more (TF32, tiling)
@@ -160,7 +161,7 @@ def fused(monkeypatch):
 def test_a_split_cache_gives_the_same_logits_on_every_attention_and_through_batch_ops(centred, fused, monkeypatch):
     # the fused steps' torch math, on every device: the seam is under test here, the kernel (fp16 operands: 0.05
     # off on these heavy uncentred keys, as for whole keys) in test_decode_attention and the test below
-    monkeypatch.setattr(ops, "FUSED_BACKEND", "torch")
+    monkeypatch.setenv(select.ENV, "torch")
     model = _pair_heavy_llama().to(DEV)
     ids = torch.randint(3, 128, (2, 236), generator=torch.Generator().manual_seed(6)).to(DEV)
     spec = _spec_for(model, (16, 16, 32), (6, 4, 3))
@@ -291,7 +292,7 @@ def test_decode_steps_through_the_fused_kernel_on_split_centred_keys(monkeypatch
 
     if not kernels.available():
         pytest.skip("no Triton here")
-    monkeypatch.setattr(ops, "FUSED_BACKEND", "triton")
+    monkeypatch.setenv(select.ENV, "triton")
     model = _pair_heavy_llama(num_hidden_layers=1).to(DEV)
     ids = torch.randint(3, 128, (2, 60), generator=torch.Generator().manual_seed(9)).to(DEV)
     spec = _spec_for(model, (32, 16, 16), (5, 4, 2))
@@ -312,7 +313,7 @@ def test_a_static_split_cache_holds_the_dynamic_caches_codes_and_attends_alike_o
     packed, the same logits through the dense keys (sdpa), the fused op (turboquant) and a compiled step; with 8-bit
     parts, close to transformers' StaticCache with the same greedy tokens. The fused op's torch math on every device
     (the seam is under test; the kernel on split static layers in test_static_attention)."""
-    monkeypatch.setattr(ops, "FUSED_BACKEND", "torch")
+    monkeypatch.setenv(select.ENV, "torch")
     model = _pair_heavy_llama().to(DEV)
     ids = torch.randint(3, 128, (2, 60), generator=torch.Generator().manual_seed(10)).to(DEV)
     spec = _spec_for(model, (16, 16, 32), (6, 4, 3))
@@ -336,7 +337,7 @@ def test_a_static_split_cache_holds_the_dynamic_caches_codes_and_attends_alike_o
             torch.testing.assert_close(sp[:, :, :48], dp[:, :, :48], atol=0, rtol=0, msg=f"layer {i} part {p} codes")
             torch.testing.assert_close(sn[:, :, :48], dn[:, :, :48], atol=0, rtol=0, msg=f"layer {i} part {p} norms")
     # through generate (compiled with CUDA graphs on a GPU: the kernel there), on a model of ordinary scale
-    monkeypatch.setattr(ops, "FUSED_BACKEND", "auto")
+    monkeypatch.setenv(select.ENV, "auto")
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(tiny_llama_config(head_dim=64, intermediate_size=128)).eval().to(DEV)
     ids = torch.randint(3, 128, (2, 40), generator=torch.Generator().manual_seed(0)).to(DEV)
@@ -365,7 +366,7 @@ def test_a_static_split_cache_holds_the_dynamic_caches_codes_and_attends_alike_o
 def test_a_static_split_cache_reorders_crops_and_resets_every_part(centred, monkeypatch):
     """Batch reorder and crop move every part (and a centred layer's key means); with centring too, the fused op
     (its torch math) reads what the dense keys give."""
-    monkeypatch.setattr(ops, "FUSED_BACKEND", "torch")
+    monkeypatch.setenv(select.ENV, "torch")
     model = _pair_heavy_llama().to(DEV)
     ids = torch.randint(3, 128, (2, 50), generator=torch.Generator().manual_seed(11)).to(DEV)
     spec = _spec_for(model, (32, 32), (5, 3))

@@ -12,6 +12,7 @@ import transformers
 from tq_hf_cache import TurboQuantStaticCache, TurboQuantStaticLayer, kernels
 from tq_hf_cache._compat import IS_V5
 from tq_hf_cache.packed_kv import MAX_FUSED_QUERIES
+from tq_hf_cache.kernels import select
 from conftest import with_cache
 
 pytestmark = pytest.mark.skipif(not IS_V5, reason="TurboQuantStaticCache needs transformers >= 5")
@@ -268,7 +269,7 @@ def test_the_kernel_runs_on_a_long_static_cache_with_its_own_plan(head_dim, pres
 
     if not kernels.available():
         pytest.skip("no Triton here")
-    monkeypatch.setattr(ops, "FUSED_BACKEND", "triton")
+    monkeypatch.setenv(select.ENV, "triton")
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     cfg = transformers.LlamaConfig(num_hidden_layers=1, **{**BASE, "head_dim": head_dim})
     torch.manual_seed(0)

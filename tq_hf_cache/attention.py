@@ -29,8 +29,7 @@ import torch
 from torch.utils._pytree import tree_map_only
 
 from . import ops  # noqa: F401  (registers the tq_hf_cache:: custom ops)
-from .kernels import (  # no triton
-    DECODE_MAX_ROWS, MAX_KEY_PARTS, decode_pays, decode_supports, fast_serves, split_supports)
+from .kernels import select  # no triton
 from .packed_kv import MAX_FUSED_QUERIES, PACKED_ATTR, PackedKV, StaticKV, packed_source
 
 NAME = "turboquant"
@@ -59,36 +58,16 @@ def _warn_once(key, msg: str) -> None:
         logger.warning(msg)
 
 
+def _choice(query, kv, dropout, kwargs, warn: bool = True, fused: bool = True) -> select.Choice:
+    """What serves this step (`kernels.select`): a fused kernel, or the workspace path where the fused attention
+    does not take the call (dropout, other features, a prefill chunk) or the selector says so."""
+    if dropout or _unsupported(kwargs) or query.shape[2] > MAX_FUSED_QUERIES:
+        return select.Choice(select.WORKSPACE, "a call the fused attention does not take")
+    return select.for_step(query, kv, fused=fused, quiet=not warn)
+
+
 def _fusable(query, kv, dropout, kwargs, warn: bool = True) -> bool:
-    if dropout or _unsupported(kwargs):
-        return False
-    b, hq, n, d = query.shape
-    hkv = kv.k_packed.shape[1]
-    split = kv.key_split
-    if split is not None and not split_supports(split.sizes, split.bits):
-        if warn:
-            _warn_once(("key_split", tuple(split.sizes)),
-                       f"tq_hf_cache: no fused decode attention for keys split in parts of {split.sizes} channels (at "
-                       f"most {MAX_KEY_PARTS} parts of multiples of 8 channels, whole 4-byte words per row); those "
-                       "layers use the workspace (dequantize + SDPA) path")
-        return False
-    if n > MAX_FUSED_QUERIES or hq % hkv or (hq // hkv) * n > DECODE_MAX_ROWS:
-        return False
-    kbits, vbits = kv.k_codebook.bits, kv.v_codebook.bits
-    if fast_serves(query.device, d, kbits, vbits, hq // hkv * n, split is not None, kv.k_packed.shape[2]):
-        return True
-    supported = decode_supports(d, kbits, vbits, n, hq // hkv)
-    if supported and not decode_pays(d, b * hkv * int(kv.exact_from), query.device.type):
-        return False  # a short history at head dim 256 on CUDA: the workspace path is the faster one
-    if not supported:
-        if warn:
-            _warn_once(
-                ("unsupported", d, kbits, vbits),
-                f"tq_hf_cache: no fused decode attention for head dim {d} with k{kbits}v{vbits}; "
-                "those steps use the workspace (dequantize + SDPA) path",
-            )
-        return False
-    return True
+    return _choice(query, kv, dropout, kwargs, warn).fused
 
 
 def turboquant_attention_forward(
@@ -131,10 +110,11 @@ def _static(query, ring_k, ring_v, kv, mask, dropout, scaling, kwargs):
 @torch.compiler.disable
 def _dynamic(module, query, key, value, kv, attention_mask, dropout, scaling, is_causal, **kwargs):
     """A dynamic layer's step (eager: the dynamic cache's shapes change every step)."""
-    if _fusable(query, kv, dropout, kwargs):
+    choice = _choice(query, kv, dropout, kwargs)
+    if choice.fused:
         if kwargs.get("output_attentions", False):
             _warn_once("output_attentions", "tq_hf_cache: the turboquant attention returns no attention weights")
-        return ops.decode_attention(query, kv, attention_mask, scaling), None
+        return ops.decode_attention(query, kv, attention_mask, scaling, choice), None
     rows = _group_rows(query, key)
     supported = not _unsupported(kwargs)
     plain = supported and _plain_causal(attention_mask, query.shape[2], key.shape[2])
@@ -197,7 +177,7 @@ def sdpa_on_packed(args, kwargs) -> torch.Tensor | None:
     state, other = getattr(key, "__dict__", {}), getattr(value, "__dict__", {})
     kv = state.get("turboquant_packed")
     if (kv is None or other.get("_pair") is not state.get("_pair") or (state.get("_kind"), other.get("_kind"))
-            != ("key", "value") or state["_dense"] is not None or not state["_pair"]["fused_sdpa"]):
+            != ("key", "value") or state["_dense"] is not None):
         return None
     if call.get("dropout_p") or call.get("is_causal") or not isinstance(query, torch.Tensor) or query.dim() != 4:
         return None
@@ -212,9 +192,10 @@ def sdpa_on_packed(args, kwargs) -> torch.Tensor | None:
         q = query.reshape(b, hq * n, 1, d)  # the query heads of a KV head, packed as rows: heads again
     elif hq != hkv and not call.get("enable_gqa"):
         return None
-    if not _fusable(q, kv, 0.0, {}, warn=False):  # SDPA was asked for: its own path is no surprise
+    choice = _choice(q, kv, 0.0, {}, warn=False, fused=state["_pair"]["fused_sdpa"])  # (SDPA was asked for: no warning)
+    if not choice.fused:
         return None
-    out = ops.decode_attention(q, kv, mask, call.get("scale"))  # (B, n, Hq, D)
+    out = ops.decode_attention(q, kv, mask, call.get("scale"), choice)  # (B, n, Hq, D)
     return out.transpose(1, 2).reshape(query.shape)
 
 

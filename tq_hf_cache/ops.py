@@ -1,4 +1,5 @@
-"""Dispatch between the Triton kernels (CUDA) and the torch reference (everything else).
+"""Dispatch to the kernels (Triton and CUDA on a GPU, C on a CPU) or the torch reference, as `kernels.select` answers,
+and the custom ops (`tq_hf_cache::...`) that the static cache's compiled steps trace as opaque calls.
 
 The cache calls only these functions; they write into caller-owned buffers so that no per-call
 allocation of the packed or dequantized data is needed.
@@ -6,47 +7,19 @@ allocation of the packed or dequantized data is needed.
 
 from __future__ import annotations
 
-import os
-import warnings
 import weakref
 
 import torch
 
 from . import kernels, reference
+from .kernels import select
 from .codebook import Codebook
 from .norm_check import note_largest, row_norms
 from .rotation import Rotation
 
-_WARNED: set = set()
-
-# the fused attention's backend: "auto" (the Triton kernel on CUDA; on the CPU, C compiled at first use where a
-# compiler works, `kernels.cpu`; else the torch math), "triton" (the Triton kernel everywhere; CPU needs
-# TRITON_INTERPRET=1 set before triton is imported) or "torch" (the torch math, `reference`)
-FUSED_BACKEND = os.environ.get("TQ_FUSED_BACKEND", "auto")
-
-
-def use_kernels(t: torch.Tensor) -> bool:
-    return t.is_cuda and kernels.available()
-
 
 def _kernel_ok(t: torch.Tensor, rotation: Rotation, bits: int, quantize: bool = True) -> bool:
-    """Whether to take the Triton path; a CUDA tensor that cannot warns once per reason (it is much slower)."""
-    if not t.is_cuda:
-        return False
-    dim = rotation.dim
-    if not kernels.available():
-        reason = "triton is not importable"
-    elif not kernels.supports(dim, bits, rotation.kind, quantize):
-        what = "quantize" if quantize else "dequantize"
-        reason = (f"the {what} kernel does not take head dim {dim} with {bits} bits and a {rotation.kind} rotation "
-                  f"(head dims {kernels.SUPPORTED_DIMS}; {kernels.WIDE_DIM} with a hadamard rotation, quantize at "
-                  f"1..{kernels.WIDE_QUANTIZE_BITS} bits)")
-    else:
-        return True
-    if reason not in _WARNED:
-        _WARNED.add(reason)
-        warnings.warn(f"tq_hf_cache falls back to the torch reference on CUDA: {reason}", RuntimeWarning, stacklevel=3)
-    return False
+    return select.quantize_kernel(t, rotation, bits, quantize)
 
 
 def quantize_into(
@@ -317,7 +290,7 @@ def static_append(
         pos = kv.length + torch.arange(key.shape[2], device=key.device)
         codes = key.float() - kv.key_offset.rope.apply(kv.key_offset.mu, pos)
     inputs = split.split(codes) if split is not None else [codes]
-    if check_norms and key.is_cuda and kernels.available():
+    if check_norms and select.triton_runs(key):
         kernels.note_largest_norm(kv.norm_guard, [*inputs, value])
     elif check_norms:
         note_largest(kv.norm_guard[0], row_norms(*inputs, value))
@@ -359,46 +332,48 @@ def _(packed, norms, quantizer_id, dtype):
     return packed.new_empty(b, h, t, rotation.dim, dtype=_OUT_DTYPES[dtype])
 
 
-def decode_attention(query: torch.Tensor, kv, mask: torch.Tensor | None, scale: float | None) -> torch.Tensor:
-    """Attention of query (B, Hq, n, D) over a `PackedKV` -> (B, n, Hq, D): the fused Triton kernel where it
-    serves the call (CUDA, or FUSED_BACKEND "triton"), the C kernels on the CPU where they serve it (`kernels.cpu`;
-    a static layer through `kernels.cpu.dynamic_view`), else the torch math (`reference.packed_attention` for a
-    dynamic layer, `reference.static_attention` for a static one)."""
+def decode_attention(query: torch.Tensor, kv, mask: torch.Tensor | None, scale: float | None,
+                     choice: select.Choice | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Attention of query (B, Hq, n, D) over a `PackedKV` -> (B, n, Hq, D) by the kernel `choice` names (made by
+    `select` for this step where not given): the CUDA kernel, the Triton kernel, the C kernels on a CPU (a static
+    layer through `kernels.cpu.dynamic_view`), or the torch math (`reference.packed_attention` for a dynamic layer,
+    `reference.static_attention` for a static one). Where the chosen launcher declines at launch, its fallback
+    serves. out: written where given (the GPU launchers write into it; the others' result is copied)."""
     if getattr(kv, "key_offset", None) is not None:
         mask = _static_centring_mask(query, kv, mask, scale) if kv.static else _centring_mask(query, kv, mask, scale)
-    backend = FUSED_BACKEND
-    if backend == "triton" or (backend == "auto" and use_kernels(query)):
-        if kernel_serves(query, kv):
-            from .kernels.decode_attention import decode_attention as kernel
+    if choice is None or not choice.fused:
+        choice = select.for_packed(query, kv)
+    for name in (choice.kernel, choice.fallback, "torch"):
+        got = _launch(name, query, kv, mask, scale, choice.chunk if name == choice.kernel else 0, out)
+        if got is not None:
+            break
+    if out is not None and got is not out:
+        return out.copy_(got)
+    return got
 
-            return kernel(query, kv, mask, scale)
-    if backend == "auto" and query.device.type == "cpu":
+
+def _launch(kernel: str, query: torch.Tensor, kv, mask, scale, chunk: int = 0, out=None) -> torch.Tensor | None:
+    """The launcher of `kernel`; None where it declines this call (its layout, a failed build)."""
+    if kernel == "cuda":
+        from .kernels import fast
+
+        try:
+            return fast.decode_attention(query, kv, mask, scale, out=out, chunk=chunk)
+        except fast.jit.JitError as e:
+            select.cuda_failed(query.device, str(e).splitlines()[0])
+            return None
+    if kernel == "triton":
+        from .kernels import decode_attention as triton_launcher
+
+        return triton_launcher.decode_attention(query, kv, mask, scale, out=out)
+    if kernel == "cpu":
         from .kernels import cpu
 
         view = cpu.dynamic_view(kv) if kv.static else kv
-        if _cpu_serves(query, view):
-            return cpu.decode_attention(query, view, mask, scale)
+        return cpu.decode_attention(query, view, mask, scale) if cpu.serves(query, view) else None
     if kv.static:
         return reference.static_attention(query, kv, mask, scale)
     return reference.packed_attention(query, kv, mask, scale)
-
-
-def _cpu_serves(query: torch.Tensor, kv) -> bool:
-    """Whether `kernels.cpu` takes the call; where its C cannot be built here, one warning says why (the torch math
-    that decodes instead reads the history ~4x slower)."""
-    from .kernels import cpu
-
-    if not cpu.serves(query, kv):
-        return False
-    try:
-        cpu.library()
-    except cpu.JitError as e:
-        if "cpu" not in _WARNED:
-            _WARNED.add("cpu")
-            warnings.warn(f"tq_hf_cache decodes on the CPU with the torch math (slower): {e}", RuntimeWarning,
-                          stacklevel=3)
-        return False
-    return True
 
 
 def _centring_mask(query: torch.Tensor, kv, mask: torch.Tensor | None, scale: float | None) -> torch.Tensor:
@@ -441,34 +416,20 @@ def _under_mask(bias: torch.Tensor, mask: torch.Tensor | None, length) -> torch.
 
 
 def prepare_fused(kv) -> None:
-    """Build now, outside any CUDA graph, what the fused kernel caches per codebook (its lookup tables): made while
-    torch.compile's cudagraph trees record, they would come from the graph's pool and outlive the recording."""
+    """Build now, outside any CUDA graph, what the fused kernels that can run here cache per codebook and rotation
+    (lookup and pair tables, Pi's fragments): made while torch.compile's cudagraph trees record, they would come from
+    the graph's pool and outlive the recording."""
     dev = kv.k_packed.device
-    if kernels.available() and (dev.type == "cuda" or kernels.interpreting()):
+    if select.machine_runs("triton", dev):
         from .kernels.decode_attention import lookup_table
 
         parts = kv.key_split.parts[1:] if kv.key_split is not None else ()
         for codebook in (kv.k_codebook, kv.v_codebook, *(cb for _, cb in parts)):
             lookup_table(codebook, kv.k_packed.shape[1], dev)
-        if dev.type == "cuda" and kv.key_split is None:  # the CUDA kernel's pair tables, Pi's fragments
-            from .kernels import fast
+    if kv.key_split is None and select.machine_runs("cuda", dev):
+        from .kernels import fast
 
-            if fast.machine_ok(dev):
-                fast.prepare(kv.rotation, kv.k_codebook, kv.v_codebook, kv.k_packed.shape[1], dev)
-
-
-def kernel_serves(query: torch.Tensor, kv) -> bool:
-    """Whether a fused kernel (Triton, or the explicit-layout one on a GPU that runs it) takes this query over this
-    PackedKV (else the torch math does)."""
-    b, hq, n, d = query.shape
-    hkv = kv.k_packed.shape[1]
-    split = kv.key_split
-    if not kernels.available() or hq % hkv:
-        return False
-    if kernels.decode_supports(d, kv.k_codebook.bits, kv.v_codebook.bits, n, hq // hkv):
-        return split is None or kernels.split_supports(split.sizes, split.bits)
-    return kernels.fast_serves(query.device, d, kv.k_codebook.bits, kv.v_codebook.bits, hq // hkv * n,
-                               split is not None, kv.k_packed.shape[2])
+        fast.prepare(kv.rotation, kv.k_codebook, kv.v_codebook, kv.k_packed.shape[1], dev)
 
 
 @torch.library.custom_op("tq_hf_cache::static_attention", mutates_args=("scratch", "counters"))
@@ -490,7 +451,7 @@ def static_attention(
     key_rope: int = -1,
 ) -> torch.Tensor:
     """Attention of query (B, Hq, n, D) over a static layer's positions (its buffer and rings, see `PackedKV`) ->
-    (B, n, Hq, D). The Triton kernel on CUDA, `reference.static_attention` elsewhere."""
+    (B, n, Hq, D), by the kernel `kernels.select` names for it (see `decode_attention`)."""
     kv = static_packed_kv(store, ring_k, ring_v, capacity, sinks, norm_dtype, k_quantizer, v_quantizer, scratch,
                           counters, key_split, key_rope)
     return decode_attention(query, kv, mask, scale)

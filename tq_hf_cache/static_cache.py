@@ -51,7 +51,7 @@ from .cache import _check_codebook_rotation, _check_codebooks, _codebook, _rotat
 from .config import model_facts
 from .crop import crop_layers
 from .codebook import theoretical_codebook
-from .kernels import DECODE_MAX_ROWS, decode_pays, decode_supports, fast_serves, split_supports
+from .kernels import DECODE_MAX_ROWS, select
 from .key_split import make_split
 from .layer import _query_length
 from .norm_check import FP16_MAX, note_largest, row_norms, warn_widened
@@ -432,19 +432,14 @@ class TurboQuantStaticLayer(StaticLayer):
             raise AttributeError("a TurboQuantStaticLayer's length lives in its buffer: use crop() or reset()")
 
     def _fused(self, n: int) -> bool:
-        """Whether this update serves the fused attention: static facts and the live attention setting only."""
-        split = self.key_split
+        """Whether this update serves the fused attention: static facts and the live attention setting only (the
+        selector's answer is a constant of a compiled step)."""
         if getattr(self._attn_config, "_attn_implementation", None) != NAME or n > MAX_FUSED_QUERIES:
             return False
-        if fast_serves(torch.device(self.device), self.k_head_dim, self.key_bits, self.value_bits, self._group * n,
-                       split is not None, self.max_cache_len):
-            return True
-        return (
-            decode_supports(self.k_head_dim, self.key_bits, self.value_bits, n, self._group)
-            and decode_pays(self.k_head_dim, self.batch_size * self.num_heads * self.max_cache_len,
-                            torch.device(self.device).type)
-            and (split is None or split_supports(split.sizes, split.bits))
-        )
+        split = self.key_split
+        return select.step(torch.device(self.device), self.k_head_dim, self.key_bits, self.value_bits, self._group, n,
+                           None if split is None else (tuple(split.sizes), tuple(split.bits)), self.max_cache_len,
+                           self.batch_size * self.num_heads * self.max_cache_len, static=True, quiet=True).fused
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         before = self._check(key_states, value_states)

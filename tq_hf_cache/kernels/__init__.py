@@ -1,4 +1,6 @@
-"""Triton kernels and their launchers. The cache reaches them only through `tq_hf_cache.ops`.
+"""The kernels and their launchers: Triton (quantize, dequantize, decode attention), CUDA (`fast`: decode attention),
+C (`cpu`: decode attention on a CPU). The cache reaches them only through `tq_hf_cache.ops`; which decode kernel
+serves a step is `select`'s answer.
 
 Triton is imported lazily, so that importing tq_hf_cache works (and falls back to the torch reference)
 where triton is missing.
@@ -12,34 +14,6 @@ from .support import (  # noqa: F401  (the package's public names)
     num_splits_for, _triton_ok, interpreting, available, decode_supports, WIDE_MIN_KEY_ROWS,
     decode_pays, MAX_KEY_PARTS, split_supports, supports,
 )
-
-
-def _assume_constant(fn):
-    """Under torch.compile, the result is a constant of the trace (finding NVRTC through ctypes is not traceable)."""
-    import torch
-
-    return torch.compiler.assume_constant_result(fn)
-
-
-def fast_serves(device, head_dim: int, key_bits: int, value_bits: int, rows: int, split_keys: bool,
-                slots: int) -> bool:
-    """Whether the explicit-layout kernel (`fast`) takes this shape on this device (it also covers shapes the Triton
-    kernel does not, such as head dim 256 at 2 and 4 bits). Under torch.compile the rows and slots may be symbolic
-    (they become guards); the machine's answer is a constant of the trace."""
-    from . import fast
-
-    return fast.shape_ok(head_dim, key_bits, value_bits, rows, split_keys, slots) and _fast_machine_ok(device)
-
-
-@_assume_constant
-def _fast_machine_ok(device) -> bool:
-    import torch
-
-    if torch.device(device).type != "cuda" or not _triton_ok():  # (the Triton kernel finishes what it starts)
-        return False
-    from . import fast
-
-    return fast.machine_ok(device)
 
 
 def note_largest_norm(guard, xs):

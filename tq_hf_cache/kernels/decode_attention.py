@@ -25,7 +25,6 @@ With a mask (boolean True = attend, or additive), only the mask decides, as in `
 
 from __future__ import annotations
 
-import collections
 from typing import TYPE_CHECKING
 
 import torch
@@ -36,13 +35,12 @@ from .support import decode_supports as supports
 from .support import split_supports
 from .support import decode_plan, num_splits_for
 from . import _common as C
-from . import fast as _fast
-from . import fast_serves
+from . import decode_args as A
+from .decode_args import LOG2E, scratch as _scratch  # noqa: F401  (the eager scratch, by its old name too)
 
 if TYPE_CHECKING:
     from ..packed_kv import PackedKV
 
-LOG2E = 1.4426950408889634
 BLOCK_N = 32
 
 
@@ -590,8 +588,6 @@ def _merge_rotated(pid, base, num_splits, acc_ptr, ml_ptr, cnt_ptr, o_ptr, sob, 
 # ---------------------------------------------------------------------------------------------------------------
 # the launcher
 
-_SCRATCH: "collections.OrderedDict[tuple, tuple[torch.Tensor, torch.Tensor]]" = collections.OrderedDict()
-_SCRATCH_STREAMS = 16  # (device, stream) pairs whose scratch is kept
 # One warp per program: Triton lays a chained dot's warps along M, so on 16 rows every further warp redoes the same
 # work (4 warps issued 4x the instructions of one); on 64 rows (several queries) 4 warps gave a wrong result on the
 # H100 (triton 3.6) in one test case.
@@ -606,26 +602,6 @@ def rotate_once(head_dim: int) -> bool:
 
 
 MERGE_ROWS = 64  # splits merged per step of the final merge: SC * R tile rows
-
-
-def _scratch(device: torch.device, numel: int, n_counters: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The fp32 split-K scratch and the arrival counters (one int32 per (batch, KV head), zero between launches: the
-    merging program resets its own) for eager calls, grown (never shrunk) on demand.
-
-    One pair per device and stream: two launches on different streams may run at once, and sharing the counters
-    would let one merge the other's partials (seen on the H100: a launch on a side stream overlapping one on the
-    default stream gave garbage). Buffers are made on their stream, so the allocator reuses them only in its order.
-    """
-    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
-    buf, cnt = _SCRATCH.pop((device, stream), (None, None))
-    if buf is None or buf.numel() < numel:
-        buf = torch.empty(max(numel, 1 << 16) + numel // 4, dtype=torch.float32, device=device)
-    if cnt is None or cnt.numel() < n_counters:
-        cnt = torch.zeros(max(n_counters, 1024), dtype=torch.int32, device=device)
-    while len(_SCRATCH) >= _SCRATCH_STREAMS:
-        _SCRATCH.popitem(last=False)  # the least recently used stream's pair
-    _SCRATCH[(device, stream)] = (buf, cnt)
-    return buf, cnt
 
 
 @C._per_codebook_and_device
@@ -743,81 +719,17 @@ def _split_plan(batch_heads: int, lq: int, device, num_splits, block_n: int, per
 def _rows(group: int, n: int, d: int = 128) -> tuple[int, int, int]:
     """(BLOCK_M, R, SC): tile rows (>= 16 for tl.dot), stored rows (a power of 2 >= group * n), merge chunk (MERGE_ROWS
     rows of head dim 128, fewer at wider heads: the chunk is held in registers)."""
-    rows = triton.next_power_of_2(group * n)
+    rows = A.stored_rows(group, n)
     return max(16, rows), rows, max(1, MERGE_ROWS * 128 // max(d, 128) // rows)
 
 
-def _tokens_last(t: torch.Tensor, stride_t: int) -> torch.Tensor:
-    """t with unit last-dim stride and token stride stride_t (dim 2), copying only if it has another layout."""
-    if t.stride(-1) == 1 and (t.shape[2] <= 1 or t.stride(2) == stride_t):
-        return t
-    return t.contiguous()
-
-
-def _packed(t: torch.Tensor) -> torch.Tensor:
-    t = _tokens_last(t, t.shape[-1])
-    return t if C.rows_aligned(t) else t.clone(memory_format=torch.contiguous_format)
-
-
-def _mask_args(mask, b, hq, n, t, query):
-    if mask is None:
-        return 0, query, (0, 0, 0, 0)
-    if mask.dim() != 4:
-        raise ValueError(f"mask must be 4-D (B, 1 or Hq, n, T), got shape {tuple(mask.shape)}")
-    mk = mask[..., :t]  # transformers 4.x may hand a mask longer than the keys
-    mk = mk.expand(b, hq, n, t)
-    if mk.dtype == torch.bool:
-        kind, m_arg = 1, mk.view(torch.uint8)
-    else:
-        kind, m_arg = 2, mk
-    strides = m_arg.stride()
-    if strides[1] == 0 and (strides[2] == 0 or n == 1):  # one row serves every head and query of a batch row
-        kind += 2
-    return kind, m_arg, strides
-
-
-def _output(query: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
-    """The (B, n, Hq, D) output of a query (B, Hq, n, D): `out` when it fits (the query's dtype, unit last stride),
-    else a ValueError; a new tensor when None."""
-    b, hq, n, d = query.shape
-    if out is None:
-        return torch.empty(b, n, hq, d, dtype=query.dtype, device=query.device)
-    if out.shape != (b, n, hq, d) or out.stride(-1) != 1 or out.dtype != query.dtype:
-        raise ValueError(f"out must be ({b}, {n}, {hq}, {d}) {query.dtype} with unit last stride, got "
-                         f"{tuple(out.shape)} {out.dtype}")
-    return out
-
-
-def query_chunk(query: torch.Tensor, kv: PackedKV) -> int:
-    """Queries a call of the explicit-layout kernel takes where it cannot take them all (more query rows per KV head
-    than it holds: a few tokens of a wide GQA group, such as a prompt's question over a long packed history); 0 where
-    it takes them all or none. Several of its calls, each reading the history, beat one Triton call at these rows."""
-    b, hq, n, d = query.shape
-    group = hq // kv.k_packed.shape[1]
-    per = _fast.max_rows(d) // group
-    if n == 1 or kv.static or per < 1 or per >= n:
-        return 0
-    split = kv.key_split is not None
-    return per if fast_serves(query.device, d, kv.k_codebook.bits, kv.v_codebook.bits, group * per, split,
-                              kv.k_packed.shape[2]) else 0
+_tokens_last, _packed = A.tokens_last, A.packed_rows
 
 
 def by_query_chunks(query: torch.Tensor, kv: PackedKV, mask: torch.Tensor | None, scale: float | None, per: int,
                     out: torch.Tensor | None = None, **kw) -> torch.Tensor:
-    """`decode_attention` of `per` queries at a time (the queries are the last n positions: a chunk's causal mask is
-    made where none is given; a mask's rows are cut per chunk)."""
-    b, hq, n, d = query.shape
-    t = int(kv.length)
-    out = _output(query, out)
-    keys = torch.arange(t, device=query.device) if mask is None else None
-    for i in range(0, n, per):
-        j = min(n, i + per)
-        if mask is None:  # query i + r sits at position t - n + i + r
-            m = (keys <= torch.arange(t - n + i, t - n + j, device=query.device)[:, None])[None, None]
-        else:
-            m = mask[..., i:j, :] if mask.dim() >= 2 and mask.shape[-2] == n else mask
-        decode_attention(query[:, :, i:j], kv, m, scale, out=out[:, i:j], **kw)
-    return out
+    """`decode_attention` of `per` queries at a time (see `decode_args.by_query_chunks`)."""
+    return A.by_query_chunks(decode_attention, query, kv, mask, scale, per, out, **kw)
 
 
 def decode_attention(
@@ -832,84 +744,48 @@ def decode_attention(
     prefetch: int | None = None,
     num_stages: int | None = None,
     out: torch.Tensor | None = None,
-    fast: bool | None = None,
 ) -> torch.Tensor:
-    """Attention of query (B, Hq, n, D) over every position of `kv` (see `PackedKV`); the n queries are the last n
-    positions.
+    """Attention of query (B, Hq, n, D) over every position of `kv` (see `PackedKV`) by the Triton kernel; the n
+    queries are the last n positions.
 
     mask: None (causal), or boolean (True = attend) / additive, broadcastable to (B, Hq, n, T), T being `length`
     (dynamic) or the capacity (static); a longer last dim is cut to T. A static layer's lengths are read on the
     device and the grid depends on shapes only, so one launch serves every step of a CUDA graph. Returns
     (B, n, Hq, D) in the query's dtype, as transformers' attention functions do, written into `out` when given.
-    fast: whether the explicit-layout kernels (`fast`) serve: None where they can (CUDA sm_80+, a shape they take),
-    False never (this Triton kernel alone: their oracle). The other keyword arguments are tuning knobs for studies.
+    This launcher is the Triton kernel alone (the oracle of the CUDA one, `fast.decode_attention`); which of them
+    serves a step is `select`'s answer. The keyword arguments but `out` are tuning knobs for studies.
     """
     b, hq, n, d = query.shape
+    group = A.check_heads(query, kv)
     hkv = kv.k_packed.shape[1]
-    if hq % hkv:
-        raise ValueError(f"query heads ({hq}) must be a multiple of KV heads ({hkv})")
-    group = hq // hkv
     kcb, vcb = kv.k_codebook, kv.v_codebook
-    per = query_chunk(query, kv) if fast is not False and num_splits is None else 0
-    if per:
-        return by_query_chunks(query, kv, mask, scale, per, out)
-    fast_ok = fast is not False and num_splits is None and fast_serves(
-        query.device, d, kcb.bits, vcb.bits, group * n, kv.key_split is not None, kv.k_packed.shape[2])
-    if not fast_ok and not supports(d, kcb.bits, vcb.bits, n, group):
+    if not supports(d, kcb.bits, vcb.bits, n, group):
         raise ValueError(f"decode_attention does not support head dim {d}, bits k{kcb.bits}v{vcb.bits}, {group}x{n} rows")
-    if kv.static:
-        lq = lr = 0  # read on the device
-        split_len = t = kv.capacity
-        lens, ring = (kv.length, kv.exact_from), kv.ring_k.shape[2]
-    else:
-        lq, lr = int(kv.exact_from), int(kv.length) - int(kv.exact_from)
-        if kv.k_packed.shape[2] < lq or kv.ring_k.shape[2] < lr or lr < 0:
-            raise ValueError(f"the PackedKV holds {kv.k_packed.shape[2]} packed and {kv.ring_k.shape[2]} ring slots "
-                             f"for exact_from={lq}, length={lq + lr}")
-        if kv.key_split is not None and (kv.key_parts is None or len(kv.key_parts) != len(kv.key_split.parts)):
-            raise ValueError("a PackedKV with key_split needs key_parts, one (packed, norms) per part")
-        if kv.sinks > lq:
-            raise ValueError(f"the PackedKV has {kv.sinks} sink positions but only {lq} packed ones")
-        split_len, t = lq, lq + lr
-        lens, ring = None, 0
+    ln = A.lengths(kv)
+    lq, lr, ring, lens = ln.lq, ln.lr, ln.ring, ln.lens
     block_m, rows, sc = _rows(group, n, d)
-    stages, per_sm, plan_prefetch = decode_plan(d, kcb.bits, vcb.bits, kv.key_split is not None, b * hkv * split_len)
+    stages, per_sm, plan_prefetch = decode_plan(d, kcb.bits, vcb.bits, kv.key_split is not None, b * hkv * ln.split_len)
     kp, vp = _packed(kv.k_packed), _packed(kv.v_packed)
-    use_fast, fold, parts = fast_ok, 0, 1
-    if use_fast:
-        most = None if kv.scratch is None else kv.scratch.numel() // (b * hkv * rows * (d + 2)) - 1
-        nqt = _fast.query_tiles(group * n)
-        warps = _fast.warps(d, kcb.bits, vcb.bits, kv.k_norms.dtype == torch.float32,
-                            kv.v_norms.dtype == torch.float32, nqt, torch.cuda.get_device_capability(query.device))
-        warps, num_splits, fold = _fast.choose(b * hkv, split_len, query.device, most, d, nqt, warps)
-        exact = kv.sinks + (ring if kv.static else lr)  # (at most: a static cache's ring is read on the device)
-        parts = _fast.exact_parts(b * hkv, num_splits, fold, exact, query.device, d, nqt, warps,
-                                  None if most is None else most + 1 - num_splits)
-    num_splits, tok_per_split = _split_plan(b * hkv, split_len, query.device, num_splits, block_n, per_sm)
-    slots = b * hkv * (num_splits + parts)
+    num_splits, tok_per_split = _split_plan(b * hkv, ln.split_len, query.device, num_splits, block_n, per_sm)
+    slots = b * hkv * (num_splits + 1)
     need = slots * rows * (d + 2)
     if kv.scratch is None:
-        scratch, counters = _scratch(query.device, need, b * hkv)
+        scratch, counters = A.scratch(query.device, need, b * hkv)
     else:
         scratch, counters = kv.scratch, kv.counters
         if scratch.numel() < need or counters.numel() < b * hkv:
             raise ValueError(f"the PackedKV's scratch holds {scratch.numel()} floats and {counters.numel()} "
                              f"counters; this call needs {need} and {b * hkv}")
     acc, ml = scratch[: slots * rows * d], scratch[slots * rows * d : need]
-    mask_kind, m_arg, ms = _mask_args(mask, b, hq, n, t, query)
+    mask_kind, m_arg, ms = A.mask_args(mask, b, hq, n, ln.t, query)
     qv = query if query.stride(-1) == 1 else query.contiguous()
     kn = _tokens_last(kv.k_norms.unsqueeze(-1), 1).squeeze(-1)
     vn = _tokens_last(kv.v_norms.unsqueeze(-1), 1).squeeze(-1)
     rk, rv = _tokens_last(kv.ring_k, d), _tokens_last(kv.ring_v, d)
     sk, sv = _tokens_last(kv.sink_k, d), _tokens_last(kv.sink_v, d)
-    pi = kv.rotation.matrix
-    if pi.device != query.device:
-        pi = pi.to(query.device)
-    out = _output(query, out)
+    pi = A.rotation_on(kv, query.device)
+    out = A.output(query, out)
     scale_log2 = (d**-0.5 if scale is None else float(scale)) * LOG2E
-    if use_fast and _fast.decode(qv, kv, pi, scale_log2, kp, kn, vp, vn, rk, rv, sk, sv, (mask_kind, m_arg, ms), acc,
-                                 ml, counters, lens, (lq, lr, ring), num_splits, fold, rows, out, warps, parts):
-        return out
     (kt, kt_sh), (vt, vt_sh) = lookup_table(kcb, hkv, query.device), lookup_table(vcb, hkv, query.device)
     kplanes, vplanes = planes(kcb.bits), planes(vcb.bits)
     split_args, split_const = _split_args(query, kv, block_m, scale_log2, pi)

@@ -97,8 +97,8 @@ def decode_supports(head_dim: int, key_bits: int, value_bits: int, n_queries: in
     """Whether the fused decode-attention kernel takes n_queries queries of `group` query heads per KV head.
 
     Head dim 256 only with keys and values at the group widths (1, 3, 5, 6, 7 bits: the default k5v3 among them): a
-    byte per column there holds 128-256 registers of codes per tile, which spill; on the H100 those ran up to 2.8x
-    slower than the workspace path (dequantize + SDPA). Whether the kernel is worth it is `decode_pays`."""
+    byte per column there holds 128-256 registers of codes per tile, which spill, and the workspace path (dequantize
+    + SDPA) is faster (docs/performance.md). Whether the kernel is worth it is `decode_pays`."""
     if head_dim not in DECODE_HEAD_DIMS:
         return False
     if head_dim == 256 and (key_bits in BYTE_WIDTHS or value_bits in BYTE_WIDTHS):
@@ -111,12 +111,9 @@ WIDE_MIN_KEY_ROWS = 65536  # head dim 256: packed key rows (batch x KV heads x t
 
 def decode_pays(head_dim: int, key_rows: int, device_type: str = "cuda") -> bool:
     """Whether the fused path is worth it over the workspace path (dequantize + SDPA). On CUDA the Triton kernel has
-    a fixed cost (~0.1 ms per call at head dim 256 on the H100): always worth it at head dims 64 and 128, at 256 from
-    WIDE_MIN_KEY_ROWS packed key rows (batch x KV heads x tokens) on. Below that, at batch 1 and 4k-8k tokens, the
-    workspace path was faster (the kernel took 1.4-2.6x its time); from it on the kernel was 1.2-3.1x faster (Gemma 3
-    4B / 12B layers, `benchmarks/results/bench_attention_gemma3_*_h100.json`). Elsewhere (on a CPU, its C or
-    the torch math) there is no such cost: the fused path was the faster one at every length (Gemma 3 270M, 2k / 6k
-    tokens: 81 / 80 ms per step against 104 / 125, `benchmarks/results/bench_cpu_gemma3_270m.json`)."""
+    a fixed cost per call that a short history at head dim 256 does not repay: always worth it at head dims 64 and
+    128, at 256 from WIDE_MIN_KEY_ROWS packed key rows (batch x KV heads x tokens) on. Elsewhere (a CPU's C kernels
+    or the torch math) there is no such cost: the fused path is always worth it (docs/performance.md)."""
     return device_type != "cuda" or head_dim <= 128 or key_rows >= WIDE_MIN_KEY_ROWS
 
 

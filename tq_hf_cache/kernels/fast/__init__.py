@@ -1,26 +1,25 @@
-"""The explicit-layout decode kernel (`decode_mma.cu`, CUDA C++ compiled at first use by NVRTC: `jit`).
+"""The CUDA decode kernel (`decode_mma.cu`, CUDA C++ compiled at first use by NVRTC: `jit`) and its launcher.
 
 One launch: `tq_decode` computes the packed history's split-K partials on tensor cores, each CTA rotating the query
 itself and loading the codes straight into the MMA operand registers (see the source's header), and the exact
 copies' (sinks, the ring) in a CTA of their own or, where `plan` folds them, in the last split's; the last CTA of a
 (batch, KV head) to finish merges the partials, rotates the values back once and writes the output. The Triton kernel
-(`..decode_attention`) computes the same function and stays the oracle and the fallback: where these kernels cannot
-serve (no CUDA, a GPU older than sm_80, no NVRTC, a shape they do not take) it does everything, with one warning
-naming why when the reason is the machine rather than the shape.
+(`..decode_attention`) computes the same function and is its oracle; it is a sibling, not a fallback inside this
+launcher: `..select` says which serves a step (no CUDA, a GPU older than sm_80, no NVRTC, a shape this kernel does not
+take: the Triton kernel), and `ops` calls the one it names, or the other where this launcher declines.
 """
 
 from __future__ import annotations
 
 import ctypes
 import functools
-import os
-import warnings
 import weakref
 from importlib import resources
 
 import torch
 
 from .. import _common as C
+from .. import decode_args as A
 from . import jit
 
 NAME = "tq_decode"
@@ -30,11 +29,8 @@ MAX_ROWS = 16  # query heads per KV head x queries: two query n-tiles
 MIN_TOKENS_PER_SPLIT = {16: 256, 8: 512}  # by warps a CTA (`plan`)
 EXACT_TOKENS = 2048  # packed tokens the exact copies count as where the last split's CTA takes them (`plan`)
 SHORT_TOKENS = 8192  # the longest history `choose` takes its short-history plans for (more, shorter splits)
-ENV = "TQ_HF_CACHE_FAST_DECODE"  # "0" turns the kernel off (the Triton kernel serves)
 
 _SOURCE: str | None = None
-_BROKEN: dict[int, str] = {}  # device index -> why the kernel cannot run there (warned once)
-_READY: set[int] = set()  # device indexes found able to run it
 
 
 def source() -> str:
@@ -91,37 +87,6 @@ def max_rows(head_dim: int) -> int:
 def query_tiles(rows: int) -> int:
     """The query n-tiles of 8 rows a CTA holds for `rows` query rows per KV head (the source's NQ)."""
     return 1 if rows <= 8 else 2
-
-
-def machine_ok(device: torch.device) -> bool:
-    """Whether the kernel can run on this device (CUDA, sm_80+, NVRTC found, not turned off by the environment)."""
-    if device.type != "cuda" or os.environ.get(ENV, "1") == "0":
-        return False
-    idx = device.index if device.index is not None else torch.cuda.current_device()
-    if idx in _READY:  # (asked on every decode call: the device is checked once)
-        return True
-    if idx in _BROKEN:
-        return False
-    why = None
-    if torch.cuda.get_device_capability(idx) < (8, 0):
-        why = "it needs a GPU of compute capability 8.0 or newer"
-    else:
-        try:
-            jit.nvrtc()
-        except jit.JitError as e:
-            why = str(e)
-    if why is not None:
-        _disable(idx, why)
-        return False
-    _READY.add(idx)
-    return True
-
-
-def _disable(idx: int, why: str) -> None:
-    _READY.discard(idx)
-    _BROKEN[idx] = why
-    warnings.warn(f"tq_hf_cache: the fast decode kernel is off on cuda:{idx} ({why}); the Triton kernel serves "
-                  f"instead", RuntimeWarning, stacklevel=3)
 
 
 def min_tokens(warps: int, head_dim: int) -> int:
@@ -502,8 +467,8 @@ def decode(query, kv, pi, scale_log2, kp, kn, vp, vn, rk, rv, sk, sv, mask_args,
     """The whole decode attention of `..decode_attention.decode_attention` (its prepared arguments) into `out`, in CTAs
     of `w` warps (`choose`'s), the exact copies cut among `parts` CTAs (`exact_parts`) or, where `fold` > 0, taken by
     the last split's CTA and counted as `fold` packed tokens in placing the splits (`split_range`).
-    Returns False, having launched nothing, when the kernels cannot be used here (and turns them off on this
-    device, with a warning, when they fail to build or load)."""
+    Returns False, having launched nothing, where the buffers' layout or dtypes are not the kernel's; raises
+    jit.JitError where it cannot be built or loaded (the caller turns it off on this device: `select.cuda_failed`)."""
     if fold and parts != 1:
         raise ValueError(f"the exact copies folded into the last split's CTA are one part, not {parts}")
     b, hq, n, d = query.shape
@@ -529,11 +494,7 @@ def decode(query, kv, pi, scale_log2, kp, kn, vp, vn, rk, rv, sk, sv, mask_args,
     msplits, smem = merge_splits(d, rows, max(smem, exact_smem(d, rows, df["XB"], xbytes, w)), w, had)
     df.update(MSPLITS=msplits, MDIRECT=int(merge_direct(d)))
     device = query.device
-    try:
-        main = jit.kernel(source(), NAME, df, device, smem)
-    except jit.JitError as e:
-        _disable(device.index if device.index is not None else torch.cuda.current_device(), str(e).splitlines()[0])
-        return False
+    main = jit.kernel(source(), NAME, df, device, smem)
     (kt, kt_sh), (vt, vt_sh) = pair_table(kv.k_codebook, hkv, device), pair_table(kv.v_codebook, hkv, device)
     if had:
         sgn, rot = _signs(kv.rotation, device).data_ptr(), (0, 0, 0)
@@ -559,3 +520,56 @@ def decode(query, kv, pi, scale_log2, kp, kn, vp, vn, rk, rv, sk, sv, mask_args,
         grid = (b * hkv, num_splits + (0 if fold else parts), 1)  # (the exact copies' own CTAs unless folded)
         main.launch(grid, 32 * w, params, torch.cuda.current_stream(device).cuda_stream)
     return True
+
+
+def decode_attention(query: torch.Tensor, kv, mask: torch.Tensor | None = None, scale: float | None = None, *,
+                     out: torch.Tensor | None = None, chunk: int = 0) -> torch.Tensor | None:
+    """Attention of query (B, Hq, n, D) over every position of `kv` by this kernel: what the Triton launcher
+    (`..decode_attention.decode_attention`) computes, for the shapes `shape_ok` takes, `chunk` queries a launch
+    where it is given (`select.Choice.chunk`). Returns (B, n, Hq, D), written into `out` when given, or None,
+    having launched nothing, where the buffers' layout or dtypes are not the kernel's (the caller's fallback then
+    serves); raises jit.JitError where the kernel cannot be built or loaded."""
+    if chunk:
+        return A.by_query_chunks(decode_attention, query, kv, mask, scale, chunk, out)
+    b, hq, n, d = query.shape
+    group = A.check_heads(query, kv)
+    hkv = kv.k_packed.shape[1]
+    kcb, vcb = kv.k_codebook, kv.v_codebook
+    if not shape_ok(d, kcb.bits, vcb.bits, group * n, kv.key_split is not None, kv.k_packed.shape[2]):
+        raise ValueError(f"the CUDA decode kernel does not take head dim {d}, bits k{kcb.bits}v{vcb.bits}, "
+                         f"{group}x{n} rows")
+    ln = A.lengths(kv)
+    rows = A.stored_rows(group, n)
+    most = None if kv.scratch is None else kv.scratch.numel() // (b * hkv * rows * (d + 2)) - 1
+    nqt = query_tiles(group * n)
+    w = warps(d, kcb.bits, vcb.bits, kv.k_norms.dtype == torch.float32, kv.v_norms.dtype == torch.float32, nqt,
+              torch.cuda.get_device_capability(query.device))
+    w, num_splits, fold = choose(b * hkv, ln.split_len, query.device, most, d, nqt, w)
+    exact = kv.sinks + (ln.ring if kv.static else ln.lr)  # (at most: a static cache's ring is read on the device)
+    parts = exact_parts(b * hkv, num_splits, fold, exact, query.device, d, nqt, w,
+                        None if most is None else most + 1 - num_splits)
+    num_splits = max(1, int(num_splits))
+    slots = b * hkv * (num_splits + parts)
+    need = slots * rows * (d + 2)
+    if kv.scratch is None:
+        scratch, counters = A.scratch(query.device, need, b * hkv)
+    else:
+        scratch, counters = kv.scratch, kv.counters
+        if scratch.numel() < need or counters.numel() < b * hkv:
+            raise ValueError(f"the PackedKV's scratch holds {scratch.numel()} floats and {counters.numel()} "
+                             f"counters; this call needs {need} and {b * hkv}")
+    acc, ml = scratch[: slots * rows * d], scratch[slots * rows * d : need]
+    mask_args = A.mask_args(mask, b, hq, n, ln.t, query)
+    qv = query if query.stride(-1) == 1 else query.contiguous()
+    kp, vp = A.packed_rows(kv.k_packed), A.packed_rows(kv.v_packed)
+    kn = A.tokens_last(kv.k_norms.unsqueeze(-1), 1).squeeze(-1)
+    vn = A.tokens_last(kv.v_norms.unsqueeze(-1), 1).squeeze(-1)
+    rk, rv = A.tokens_last(kv.ring_k, d), A.tokens_last(kv.ring_v, d)
+    sk, sv = A.tokens_last(kv.sink_k, d), A.tokens_last(kv.sink_v, d)
+    pi = A.rotation_on(kv, query.device)
+    out = A.output(query, out)
+    scale_log2 = (d**-0.5 if scale is None else float(scale)) * A.LOG2E
+    if decode(qv, kv, pi, scale_log2, kp, kn, vp, vn, rk, rv, sk, sv, mask_args, acc, ml, counters, ln.lens,
+              (ln.lq, ln.lr, ln.ring), num_splits, fold, rows, out, w, parts):
+        return out
+    return None
