@@ -103,9 +103,10 @@ class DiskTier:
         """The bytes this page takes in a pack (tensors on any device, contiguous or not)."""
         return self._template(key, parent, tensors, meta)[3]
 
-    def write_pack(self, pack: str, pages: list[tuple[str, str | None, dict, dict]]) -> dict[str, Loc]:
-        """Write pages (key, parent key, tensors, other fields) one after another into the new file of `pack`,
-        atomically (a temporary name, then a rename); returns where each one is."""
+    def write_pack(self, pack: str, pages, between=None) -> dict[str, Loc]:
+        """Write pages (an iterable of (key, parent key, tensors, other fields)) one after another into the new file
+        of `pack`, atomically (a temporary name, then a rename); returns where each one is. `between()` is called
+        after each page is laid out (where a writer may give way)."""
         parts, locs, at = [], {}, 0
         for key, parent, tensors, meta in pages:
             image = self._image(key, parent, tensors, meta)
@@ -113,6 +114,8 @@ class DiskTier:
             locs[key] = Loc(pack, at, size)
             parts += image
             at += size
+            if between is not None:
+                between()
         # a name of this writer's own, created exclusively (a planted file or link of that name is never followed);
         # tempfile.mkstemp took 20 times as long a file here
         tmp = os.path.join(self.folder, f".{pack[:16]}.{os.getpid()}.{threading.get_ident()}.{next(self._serial)}.tmp")

@@ -406,9 +406,9 @@ class _Insert:
 
     def _write_pack(self) -> None:
         st = self.store
-        pages = [(k, parent, *pp.flatten(payload)) for k, (parent, payload) in self.to_disk.items()]
+        pages = ((k, parent, *pp.flatten(payload)) for k, (parent, payload) in self.to_disk.items())
         self.written = True
-        locs = st.disk.write_pack(self.pack, pages)
+        locs = st.disk.write_pack(self.pack, pages, self.yielder)
         size = sum(loc.size for loc in locs.values())
         if size != st.index.pack_bytes(self.pack):
             raise RuntimeError(f"the pack written holds {size} bytes, the index counted {st.index.pack_bytes(self.pack)}")
