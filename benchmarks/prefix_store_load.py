@@ -432,7 +432,7 @@ def main(argv=None) -> dict:
     p.add_argument("--fault-rate", type=float, default=0.15, help="of pack writes that fail")
     p.add_argument("--fault-every", type=float, default=0.05)
     p.add_argument("--kill-after", type=float, default=3.0)
-    p.add_argument("--latency-n", type=int, default=1000)
+    p.add_argument("--latency-n", type=int, default=2000, help="lookups timed, alone and loaded each")
     p.add_argument("--rounds", type=int, default=5, help="alone / loaded blocks of lookups, in turns")
     p.add_argument("--fill-pages", type=int, default=10000)
     p.add_argument("--phases", default="load,restart,latency,fill")

@@ -51,7 +51,7 @@ from .prefix_index import PrefixIndex, page_keys
 __all__ = ["PrefixStore"]
 
 STAGING_BYTES = 64 << 20  # each of the two host halves disk pages pass through on their way to a GPU
-YIELD_S = 0.0005  # an insert's longest stretch of work before it hands the interpreter on
+YIELD_S = 0.0002  # an insert's longest stretch of work before it hands the interpreter on
 GIVE_WAY_S = 0.005  # the longest an insert waits, at one page boundary, for the lookups under way
 
 
