@@ -48,8 +48,8 @@ def check_spec(spec, layer: int) -> dict:
 
 
 
-# (key bits, value bits). Keys carry the quantization loss (benchmarks/results/archive/eval_findings.md: 4-bit values cost nothing
-# measurable, 4-bit keys cost most of k4v4's perplexity), so the default spends the 4 bits per coordinate of
+# (key bits, value bits). Keys carry the quantization loss (4-bit values cost nothing measurable, 4-bit keys cost
+# most of k4v4's perplexity: eval_findings.md in benchmarks/results/archive/ at commit a573dec), so the default spends the 4 bits per coordinate of
 # k4v4 as 5 on keys and 3 on values: the same bytes per token; k4v2 does the same at 3 bits.
 PRESETS: dict[str, tuple[int, int]] = {
     "k8v4": (8, 4),

@@ -3,7 +3,7 @@
 Why: in the cached (post-RoPE) basis the weight of a key error in channel c on the score q.k is E[q_c^2] E[k_c^2],
 and a few RoPE channel pairs hold most of it (SmolLM2: the top 16 of 64 channels hold 79-100 %). One rotation over
 all D channels spreads the error evenly, so most key bits go to channels the scores barely see
-(benchmarks/results/archive/eval_findings.md, "Outlier channels: simulated, then built").
+(eval_findings.md, "Outlier channels: simulated, then built", in benchmarks/results/archive/ at commit a573dec).
 
 Format: per layer and KV head, the channels are ordered by calibrated weight (whole RoPE pairs) and cut into parts
 of given sizes; each part is its own TurboQuant vector at its own width, with its own norm, rotation and

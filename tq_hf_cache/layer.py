@@ -11,8 +11,8 @@ so the step attends to exactly what the dense path would have given it. A longer
 views, and is pushed at once; the turboquant attention fills them a few batch rows at a time.
 
 Attention sinks: the first `sink_tokens` tokens of the sequence draw a large share of the attention while
-often having small keys, so their quantization error costs more than anyone else's (benchmarks/
-key_fix_study.py). A full-attention layer keeps an exact copy of them and writes it over their dequantized
+often having small keys, so their quantization error costs more than anyone else's (benchmarks/key_fix_study.py at
+commit 7f635a3). A full-attention layer keeps an exact copy of them and writes it over their dequantized
 slots; they are quantized and packed like every other token, so nothing else changes shape.
 """
 

@@ -133,7 +133,7 @@ def all_specs() -> dict[str, CacheSpec]:
     for p in PRESETS:
         specs[p] = turboquant_spec(p)
     specs["k4v4-r0"] = CacheSpec("k4v4-r0", "turboquant", 4, 4, {"preset": "k4v4", "residual_length": 0})
-    # rotation / seed sensitivity (benchmarks/results/archive/eval_findings.md)
+    # rotation / seed sensitivity (eval_findings.md in benchmarks/results/archive/ at commit a573dec)
     for p in ("k4v4", "k3v3"):
         specs[f"{p}-orthogonal"] = CacheSpec(f"{p}-orthogonal", "turboquant", *PRESETS[p], {"preset": p, "rotation": "orthogonal"})
     specs["k4v4-seed1"] = CacheSpec("k4v4-seed1", "turboquant", 4, 4, {"preset": "k4v4", "seed": 1})

@@ -11,8 +11,8 @@ the rotation is one tensor-core dot (wgmma on Hopper) of the raw x tile against 
 accumulation rounding. The norm comes from the rotated rows (||x M|| = sqrt(D) ||x||), so x feeds the dot
 only. The matrix's columns are in `_common.mma_column_order`: each thread of the accumulator layout then
 holds D/4 consecutive coordinates and packs them in registers. fp32 x is split into three bf16 terms that
-sum to it exactly (three dots). It beat a butterfly transform in registers on the H100
-(benchmarks/results/archive/bench_quantize_v1.json). Orthogonal rotations (no +-1 form) use an fp32 ieee dot.
+sum to it exactly (three dots). It beat a butterfly transform in registers on the H100 (bench_quantize_v1.json in
+benchmarks/results/archive/ at commit a573dec). Orthogonal rotations (no +-1 form) use an fp32 ieee dot.
 
 Codebook search. The H100 runs this kernel out of integer/compare issue slots long before it runs out of
 bytes: a compare-and-count costs 2-3 instructions on the half-rate ALU pipe. So for symmetric codebooks up
@@ -22,7 +22,8 @@ _common.sat_table), summed over the 2**(BITS-1) - 1 positive boundaries; y's sig
 indices are whole numbers in fp32, so packing is a weighted sum on the FMA pipe too, stored as 16-bit words
 (32-bit at 3 bits). A coordinate exactly equal to a negative boundary (equidistant from two centroids)
 lands one cell nearer zero than bucketize puts it. Measured on the H100 at 4 bits, B=8, T=32768: 'sat'
-1937 GB/s, a select tree on |y| (tried, dropped) 1665, the linear scan 647 (benchmarks/results/archive/sweep_quantize_h100.json).
+1937 GB/s, a select tree on |y| (tried, dropped) 1665, the linear scan 647 (sweep_quantize_h100.json in
+benchmarks/results/archive/ at commit a573dec).
 Other codebooks up to 4 bits scan every boundary. Above 4 bits, symmetric codebooks take 'poly': a degree-5
 polynomial of |y| (fitted and checked per codebook, _common.poly_table) gives the cell or the one below it and a
 single gather of a boundary decides; other codebooks use a uniform-grid table (_common.search_lut), two dependent
@@ -47,9 +48,10 @@ from . import _common as C
 POLY_NC: tl.constexpr = tl.constexpr(C.POLY_DEG + 1)
 # The table and polynomial searches (above 4 bits) keep more values live: capped at 128 registers, 4 programs of 4
 # warps fit an SM instead of 3, and 8 bits goes from 52% to 71% of copy on the H100
-# (benchmarks/results/archive/sweep_quantize_8bit_h100_3_maxnreg.json)
+# (sweep_quantize_8bit_h100_3_maxnreg.json in benchmarks/results/archive/ at commit a573dec)
 MAXNREG_WIDE = 128
-PROGS_PER_SM = 8  # best of 4/6/8 on the H100 at 2-4 bits (benchmarks/results/archive/sweep_quantize_h100.json)
+# best of 4/6/8 on the H100 at 2-4 bits (sweep_quantize_h100.json in benchmarks/results/archive/ at commit a573dec)
+PROGS_PER_SM = 8
 
 
 @triton.jit
