@@ -83,7 +83,8 @@ def test_split_keys_go_to_triton_or_the_torch_math(gpu):
 def test_head_dim_256_at_byte_widths_is_the_cuda_kernels_alone(gpu):
     c = kernel(d=256, kb=4, vb=4)
     assert (c.kernel, c.fallback) == ("cuda", "torch")  # (the Triton kernel does not take it)
-    assert kernel(d=256, kb=4, vb=4, group=4, n=4).kernel == "torch"  # 16 rows: over the 8 it holds at 256
+    c = kernel(d=256, kb=4, vb=4, group=4, n=4)  # 16 rows, over the 8 it holds at 256: 2 queries a launch
+    assert (c.kernel, c.chunk, c.fallback) == ("cuda", 2, "torch")
 
 
 def test_more_query_rows_than_the_cuda_kernel_holds_go_in_chunks(gpu):
@@ -194,7 +195,7 @@ def test_a_failed_build_turns_the_cuda_kernel_off_with_one_warning(gpu, monkeypa
 
     monkeypatch.setattr(fast, "decode_attention", broken)
     state, _, _ = make_state(1, 2, 40, 3, 1, 64, 4, 4, torch.float32, 5, device="cpu")
-    q = make_query(1, 4, 1, 64, torch.float32, 5)
+    q = make_query(1, 4, 1, 64, torch.float32, 5).cpu()  # (beside the CPU state, on any machine)
     choice = select.Choice("cuda", fallback="torch")
     with pytest.warns(RuntimeWarning, match=r"CUDA decode kernel unavailable \(no cubin\)"):
         out = ops.decode_attention(q, state, None, None, choice)
@@ -211,7 +212,7 @@ def test_a_launcher_that_declines_leaves_the_call_to_its_fallback(monkeypatch):
 
     monkeypatch.setattr(fast, "decode_attention", lambda *a, **k: None)
     state, _, _ = make_state(1, 2, 40, 3, 1, 64, 4, 4, torch.float32, 6, device="cpu")
-    q = make_query(1, 4, 1, 64, torch.float32, 6)
+    q = make_query(1, 4, 1, 64, torch.float32, 6).cpu()  # (beside the CPU state, on any machine)
     out = torch.full((1, 1, 4, 64), float("nan"))
     got = ops.decode_attention(q, state, None, None, select.Choice("cuda", fallback="torch"), out=out)
     assert got is out

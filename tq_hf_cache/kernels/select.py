@@ -237,8 +237,8 @@ def kernel(device, head_dim: int, key_bits: int, value_bits: int, group: int, n:
             if _runs("cuda", device) and _cuda_shape(head_dim, key_bits, value_bits, group * n, split, slots):
                 return Choice("cuda", f"{chosen}: the CUDA kernel takes this shape",
                               fallback=_fallback(device, chosen, triton_ok))
-            per = _chunk(head_dim, key_bits, value_bits, group, n, split, slots, static) if triton_ok and _runs(
-                "cuda", device) else 0
+            per = _chunk(head_dim, key_bits, value_bits, group, n, split, slots, static) if _runs("cuda", device) \
+                else 0
             if per:
                 return Choice("cuda", f"{chosen}: the CUDA kernel, {per} queries a launch", per,
                               _fallback(device, chosen, triton_ok))
