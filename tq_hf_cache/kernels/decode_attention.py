@@ -596,8 +596,8 @@ DEFAULT_WARPS = 1
 
 def rotate_once(head_dim: int) -> bool:
     """Whether the launcher rotates the query and the merge rotates the values back, once per call (head dim 256),
-    instead of every program (head dims 64, 128: faster there on the H100, by 5-70 % at k5v3; at 256 the per-program
-    rotations spill and the once-per-call ones ran 1.4-2.9x faster)."""
+    instead of every program (head dims 64, 128, where that is faster; at 256 the per-program rotations spill
+    registers: docs/kernels.md)."""
     return head_dim > 128
 
 

@@ -26,15 +26,11 @@ PLAN_MIN_KEY_ROWS = 131072  # head dim 128: 1 stage from these many packed key r
 def decode_plan(head_dim: int, key_bits: int, value_bits: int, split: bool = False,
                 key_rows: int | None = None) -> tuple[int, int, int]:
     """(Triton pipeline stages, programs per SM, hand prefetch) of the fused decode kernel, as measured fastest on the
-    H100 (stages 1-2 x 4 / 6 / 8 programs per SM over presets, head dims 64-256, batch 1-8 and 4k-128k tokens, then
-    the prefetch of the one-stage plans: benchmarks/results/decode_plan_sweep_h100.json). key_rows: batch x KV heads x
-    packed tokens (None: many). Prefetch 2 issues the next tile's loads before this tile's math; 0 does not.
-
-    With 2 stages Triton pipelines the centroid-table loads through shared memory (24.7 KB a program); with 1 they are
-    plain loads (16.4 KB), and 6-8 one-warp programs share an SM. At head dims 64 and 128 that is up to 3.9x faster
-    for the pair tables of the group widths, 2-bit tables and split keys, once there is enough work (at head dim 128 and
-    batch 1 / 4k it is 7-10 % slower); with a 4- or 8-bit table at head dim 128 it is 1.3-3.3x slower, and it is slower
-    at head dim 256. Without the hand prefetch the one-stage plans are 6-16 % faster again (split keys: even)."""
+    H100 (benchmarks/results/decode_plan_sweep_h100.json; docs/kernels.md says what each choice bought). key_rows:
+    batch x KV heads x packed tokens (None: many). Prefetch 2 issues the next tile's loads before this tile's math;
+    0 does not. Two stages pipeline the centroid-table loads through shared memory; one stage makes them plain loads,
+    so 6-8 one-warp programs share an SM, which pays for the pair tables, 2-bit tables and split keys at head dims 64
+    and 128 once there is enough work, and not for 4- or 8-bit tables at head dim 128 or at head dim 256."""
     widths = (key_bits, value_bits)
     if head_dim > 128:
         return 2, 4, 2

@@ -91,7 +91,7 @@ def query_tiles(rows: int) -> int:
 
 def min_tokens(warps: int, head_dim: int) -> int:
     """The fewest packed tokens a split takes: MIN_TOKENS_PER_SPLIT[warps] up to head dim 128, half that at 256 (a
-    tile is twice the work; H100, a Gemma 3 4B layer at 1 x 4k, k5v3: 20.1 against 23.5 us a call)."""
+    tile is twice the work; docs/kernels.md has the measurement)."""
     return MIN_TOKENS_PER_SPLIT[warps] * 128 // max(head_dim, 128)
 
 
@@ -105,18 +105,12 @@ def plan(batch_heads: int, packed_len: int, device: torch.device, max_splits: in
     """(splits, fold): the packed history's splits, one CTA of `warps` warps each, as many as `ctas_per_sm` CTAs an SM
     hold in one wave (at head dim `head_dim`, `nq` query n-tiles), at least `least` (default `min_tokens`) tokens a
     split, at most max_splits (what a caller's scratch holds); and the packed tokens the exact copies count as where
-    the last split's CTA takes them too (EXACT_TOKENS; 0: they have CTAs of their own). It does where one CTA fills
-    an SM (16 warps) and the splits are long (3 x EXACT_TOKENS or more): an SM of their own would idle most of the
-    call (measured on the H100: k5v3 about 1.5 / 8 / 12 us less at 1 x 128k / 8 x 32k / 8 x 128k; with two CTAs an
-    SM, or short splits, it was slower). Otherwise they have a CTA of their own, room for which is left in the wave
-    where that costs little: at 8 or more splits, or where one split fewer costs less than the exact copies' CTAs
-    waiting for a second wave (history < EXACT_TOKENS / 4 x splits x (splits - 1): that wait took as long as 560-810
-    packed tokens of a split on the H100; SmolLM2-1.7B's 32 KV heads, k5v3: 3 splits 11.9 us at 1 x 4k, 4 of them
-    13.9; at 1 x 12k 23.3 and 22.6; Llama 3.1 8B at 8 x 4k, k4v4: 28.2 and 30.8). Where the history is what limits
-    the splits, no two CTAs share an SM: at 1 x 8k, k4v4's 16 splits took 18.4 us, 15 of them 14.7 (H100). Counting
-    two CTAs an SM where only one fits (head dim 256, 16 query rows) made a second wave: 62 against 50 us at 1 x 32k
-    (Gemma 3 12B, k5v3), 60 against 40 (Llama 3.1 8B, four queries). The kernel places the splits' boundaries from
-    the packed length it reads (`split_range`)."""
+    the last split's CTA takes them too (EXACT_TOKENS; 0: they have CTAs of their own). It folds them where one CTA
+    fills an SM (16 warps) and the splits are long (3 x EXACT_TOKENS or more): an SM of their own would idle most of
+    the call. Otherwise they have a CTA of their own, room for which is left in the wave at 8 or more splits, or where
+    one split fewer costs less than those CTAs waiting for a second wave. Where the history limits the splits, no two
+    CTAs share an SM, and two CTAs an SM are counted only where two fit (else a second wave). The kernel places the
+    splits' boundaries from the packed length it reads (`split_range`). docs/kernels.md has the measurements."""
     from ..support import sm_count
 
     sms = sm_count(device)
@@ -138,24 +132,13 @@ def choose(batch_heads: int, packed_len: int, device: torch.device, max_splits: 
            warps: int) -> tuple[int, int, int]:
     """(warps, splits, fold): `plan` for the layout's `warps`, or for one CTA of 16 warps an SM where the layout chose
     two of 8 and 16 fold the exact copies into long splits with at least 5 % more of the SMs on the history (the two
-    CTAs of 8 leave slots to the exact copies' CTAs), neither cut by max_splits. SmolLM2-1.7B's 32 KV heads at 1 x
-    128k, k4v4 (H100): 4 splits of 16 warps, folded, 129 us a call; 7 of 8 warps and the exact copies' CTAs 148.
-    Where the layout chose 16 at head dim 64 (5-bit keys) and the SMs, not the history, cut the unfolded 16-warp
-    splits: two CTAs of 8 an SM, where a split an SM would leave each head at least two of them or the history is
-    short (at most SHORT_TOKENS). Folding the exact copies into the last of a split an SM was faster with the
-    kernel's code warm, and slower inside a model, where the layer's other kernels have taken that code out of the
-    SMs' instruction caches and out of L2: the folded CTA runs the exact copies' code and its own copy of the packed
-    part, fetched from memory by no other CTA. SmolLM2-1.7B k5v3 inside the model (H100, us a call, the kernel's
-    first launch of a layer; against the same launch again): 1 x 4k 19.6 -> 13.8 (12.3 -> 11.7), 1 x 12k 26.5 ->
-    23.2, 1 x 16k 31.1 -> 28.6, 2 x 4k 23.4 -> 20.0; past the long splits `plan` folds itself it stays (1 x 24k: 36.4,
-    against 38.3 with 8 warps). Over long histories with under two splits a head the 16-warp layout's table copies
-    pay (8 x 32k 256.7 against 270.5 us with 8 warps). At head dim 128 (Llama 3.1 8B) 8 warps were slower or level
-    (1 x 4k 10.6 -> 11.6, 8 x 4k 25.5 -> 26.8). And 8-warp CTAs take at least the 16-warp ones' tokens a split (256,
-    not 512) over short histories at head dim 128, two of them an SM, where every split and one exact copies' CTA a
-    head still have an SM each: Llama 3.1 8B (H100) k4v4 1 x 4k 10.15 -> 9.26 us (15 splits, not 8), 1 x 2k 9.89 ->
-    8.17, 1 x 1k 9.36 -> 7.78, k4v2 1 x 4k 9.71 -> 8.92; with two CTAs an SM (2 x 4k: 15 splits, not 7) slower, 10.78
-    -> 11.49, and at head dim 256 mixed (Gemma 3 4B 1 x 4k: k5v3 11.61 -> 10.47, k3v3 10.76 -> 11.22); head dim 64
-    with few KV heads was not measured."""
+    CTAs of 8 leave slots to the exact copies' CTAs), neither cut by max_splits. Where the layout chose 16 at head dim
+    64 (5-bit keys) and the SMs, not the history, cut the unfolded 16-warp splits: two CTAs of 8 an SM, where a split
+    an SM would leave each head at least two of them or the history is short (at most SHORT_TOKENS); folding there
+    was faster with the kernel's code warm but slower inside a model, whose other kernels evict that code from the
+    instruction caches and L2. At head dim 128, 8-warp CTAs take at least the 16-warp ones' tokens a split over short
+    histories, two of them an SM, where every split and one exact copies' CTA a head still have an SM each.
+    docs/kernels.md has the measurements behind each rule."""
     from ..support import sm_count
 
     splits, fold = plan(batch_heads, packed_len, device, max_splits, warps, head_dim, nq)
@@ -187,8 +170,7 @@ def exact_parts(batch_heads: int, splits: int, fold: int, exact_tokens: int, dev
     else as many as the SMs the splits and one exact CTA a head leave free allow, at most EXACT_PARTS, at least
     EXACT_PART_TOKENS tokens a part, and at most `most` (what a caller's scratch holds beside the splits). Where one
     exact CTA holds the call up (a small grid: its copy of the exact rows into one SM ends after the splits), the
-    parts run side by side. H100, 1 x 4k: Gemma 3 4B (4 KV heads, 16 splits, 3 parts) k3v3 12.4 -> 10.8 us, k5v3
-    11.3 -> 12.0, k4v4 11.7 either way; Llama 3.1 8B k4v4 (two CTAs of 8 warps an SM) 10.6 -> 11.0, so not there."""
+    parts run side by side (docs/kernels.md)."""
     from ..support import sm_count
 
     if fold or ctas_per_sm(head_dim, nq, warps) > 1:
