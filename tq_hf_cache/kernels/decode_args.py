@@ -88,6 +88,17 @@ def scratch(device: torch.device, numel: int, n_counters: int) -> tuple[torch.Te
     return buf, cnt
 
 
+def scratch_for(kv, device: torch.device, numel: int, n_counters: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The scratch and counters of a launch: the `PackedKV`'s own (a compiled step's, made with the cache) when it
+    has them, checked big enough, else `scratch`'s eager pair."""
+    if kv.scratch is None:
+        return scratch(device, numel, n_counters)
+    if kv.scratch.numel() < numel or kv.counters.numel() < n_counters:
+        raise ValueError(f"the PackedKV's scratch holds {kv.scratch.numel()} floats and {kv.counters.numel()} "
+                         f"counters; this call needs {numel} and {n_counters}")
+    return kv.scratch, kv.counters
+
+
 @dataclass
 class Lengths:
     """Where a launch reads the positions: lq packed and lr exact ones after them (host ints, 0 for a static layer,

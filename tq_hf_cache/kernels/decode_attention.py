@@ -769,13 +769,7 @@ def decode_attention(
     num_splits, tok_per_split = _split_plan(b * hkv, ln.split_len, query.device, num_splits, block_n, per_sm)
     slots = b * hkv * (num_splits + 1)
     need = slots * rows * (d + 2)
-    if kv.scratch is None:
-        scratch, counters = A.scratch(query.device, need, b * hkv)
-    else:
-        scratch, counters = kv.scratch, kv.counters
-        if scratch.numel() < need or counters.numel() < b * hkv:
-            raise ValueError(f"the PackedKV's scratch holds {scratch.numel()} floats and {counters.numel()} "
-                             f"counters; this call needs {need} and {b * hkv}")
+    scratch, counters = A.scratch_for(kv, query.device, need, b * hkv)
     acc, ml = scratch[: slots * rows * d], scratch[slots * rows * d : need]
     mask_kind, m_arg, ms = A.mask_args(mask, b, hq, n, ln.t, query)
     qv = query if query.stride(-1) == 1 else query.contiguous()

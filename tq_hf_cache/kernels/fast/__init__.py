@@ -533,13 +533,7 @@ def decode_attention(query: torch.Tensor, kv, mask: torch.Tensor | None = None, 
     num_splits = max(1, int(num_splits))
     slots = b * hkv * (num_splits + parts)
     need = slots * rows * (d + 2)
-    if kv.scratch is None:
-        scratch, counters = A.scratch(query.device, need, b * hkv)
-    else:
-        scratch, counters = kv.scratch, kv.counters
-        if scratch.numel() < need or counters.numel() < b * hkv:
-            raise ValueError(f"the PackedKV's scratch holds {scratch.numel()} floats and {counters.numel()} "
-                             f"counters; this call needs {need} and {b * hkv}")
+    scratch, counters = A.scratch_for(kv, query.device, need, b * hkv)
     acc, ml = scratch[: slots * rows * d], scratch[slots * rows * d : need]
     mask_args = A.mask_args(mask, b, hq, n, ln.t, query)
     qv = query if query.stride(-1) == 1 else query.contiguous()
