@@ -185,7 +185,7 @@ def test_model_dtypes(dtype):
     a = model(x[:, 32:], **with_cache(tq)).logits
     b = model(x[:, 32:], **with_cache(dyn)).logits
     assert a.dtype == dtype and rel_err(a, b) < 0.12
-    assert tq.layers[0].res_k.dtype == dtype
+    assert tq.layers[0].kv.window.keys.dtype == dtype
 
 
 def test_sliding_window_layers_keep_their_window():
@@ -227,7 +227,7 @@ def test_sliding_buffer_stays_bounded_over_long_runs():
         cache.update(ks[:, :, pos : pos + n], ks[:, :, pos : pos + n] * 2, 0)
         pos += n
     layer = cache.layers[0]
-    assert layer.k_buf.capacity <= GROW_TOKENS and cache.get_seq_length() == pos
+    assert layer.kv.k_buf.capacity <= GROW_TOKENS and cache.get_seq_length() == pos
     k = layer.keys
     assert k.shape[2] == window - 1
     assert torch.equal(k[:, :, -res:], ks[:, :, pos - res : pos])
@@ -277,7 +277,7 @@ def test_attention_sinks_stay_exact_through_quantization_crop_and_batch_ops():
     cache.update(k[:, :, :2], v[:, :, :2], 0)  # sinks arrive over two updates
     cache.update(k[:, :, 2:30], v[:, :, 2:30], 0)
     layer = cache.layers[0]
-    assert layer.quantized_length == 22 and layer.exact_sinks == 4
+    assert layer.quantized_length == 22 and layer.kv.exact_sinks == 4
     ko, vo = cache.update(k[:, :, 30:31], v[:, :, 30:31], 0)  # [history | residual | new], in the workspace
     cache.crop(30)
     for got, want in ((ko, k), (vo, v), (layer.keys, k), (layer.values, v)):
@@ -286,15 +286,15 @@ def test_attention_sinks_stay_exact_through_quantization_crop_and_batch_ops():
         assert torch.equal(got[:, :, 22:30], want[:, :, 22:30])  # residual window
     plain = TurboQuantCache("k3v3", residual_length=8, sink_tokens=0)
     plain.update(k[:, :, :30], v[:, :, :30], 0)
-    assert plain.layers[0].exact_sinks == 0 and plain.nbytes()["sinks"] == 0
+    assert plain.layers[0].kv.exact_sinks == 0 and plain.nbytes()["sinks"] == 0
     assert not torch.equal(plain.layers[0].keys[:, :, :4], k[:, :, :4])
     assert torch.equal(plain.layers[0].keys[:, :, 4:], layer.keys[:, :, 4:])  # nothing else differs
 
     cache.crop(2)  # below the sinks: two remain, the next tokens refill the other two
-    assert layer.exact_sinks == layer._slen == 2 and torch.equal(layer.keys, k[:, :, :2])
+    assert layer.kv.exact_sinks == layer.kv._slen == 2 and torch.equal(layer.keys, k[:, :, :2])
     k2 = torch.randn(b, h, 20, d)
     cache.update(k2, k2, 0)
-    assert layer.exact_sinks == 4
+    assert layer.kv.exact_sinks == 4
     assert torch.equal(layer.keys[:, :, :2], k[:, :, :2]) and torch.equal(layer.keys[:, :, 2:4], k2[:, :, :2])
     keys = layer.keys
     cache.reorder_cache(torch.tensor([2, 0, 0]))
@@ -324,7 +324,7 @@ def test_a_decode_steps_lazy_keys_survive_the_layer_settling_before_attention_re
             ko, vo = cache.update(k[:, :, t : t + 1], v[:, :, t : t + 1], 0)
         assert cache.layers[0].residual_tokens > cache.layers[0].residual_capacity
         if settle:
-            cache.layers[0]._settle()
+            cache.layers[0].kv.settle()
             assert cache.layers[0].residual_tokens == 4
         outs.append((ko + 0, vo + 0))  # the first torch op fills them
     assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])

@@ -171,7 +171,7 @@ def test_deleting_a_static_cache_releases_what_it_registered(name, family, overr
         static_logits(model, cache, ids[:, : PROMPT + 1], PROMPT, "turboquant")
         layer = next(layer for layer in cache.layers if type(layer).__name__ == "TurboQuantStaticLayer")
         # (the rotation is shared by every cache of its dim and seed: made once per process, not per cache)
-        refs += [weakref.ref(o) for o in (cache, layer, layer.keys, *layer._quantizers[1:])]
+        refs += [weakref.ref(o) for o in (cache, layer, layer.keys, layer.kv.k_codebook, layer.kv.v_codebook)]
         refs += [weakref.ref(o) for o in (layer.key_split, layer.rope) if o is not None]
         during = getattr(ops, "live_ids", lambda: {"q": len(ops._QUANTIZERS), "o": len(ops._OBJECTS)})()
         assert during["quantizers"] > before["quantizers"] or before["quantizers"] > 0

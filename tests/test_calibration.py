@@ -158,7 +158,7 @@ def test_round_trip_and_cache_uses_the_codebooks(tiny, calibrated, saved):
     for i, layer in enumerate(cache.layers):
         want = calibrated.get(i, "key", 3)
         want = want.centroids if want is not None else theoretical_codebook(3, 32).centroids
-        assert torch.equal(layer.k_codebook.centroids.cpu(), want)
+        assert torch.equal(layer.kv.k_codebook.centroids.cpu(), want)
 
 
 def test_calibrated_codebooks_change_the_cache_output(tiny, calibrated):

@@ -377,7 +377,7 @@ def test_turboquant_generate_matches_sdpa_on_the_same_cache(preset, head_dim, co
     assert count_paths["filled"] == 2 * (steps - 1)  # sdpa read keys and values of the same steps densely
     assert torch.equal(a.sequences, b.sequences), f"seed {seed}"
     for x, y in zip(ca.layers, cb.layers):
-        px, py = x.packed_kv(), y.packed_kv()
+        px, py = x.kv.view(), y.kv.view()
         for name in ("k_packed", "k_norms", "v_packed", "v_norms", "ring_k", "ring_v"):
             assert torch.equal(getattr(px, name), getattr(py, name)), f"seed {seed}: the caches' {name} differ"
     diffs = [(x - y).abs().max().item() for x, y in zip(a.scores, b.scores)]
@@ -625,7 +625,7 @@ def test_layer_steps_through_the_kernel_across_settles_and_growth(preset, group,
         v = torch.randn(b, hkv, n, d, generator=g).to(dtype).to(DEVICE)
         lk, lv = cache.update(k, v, 0)
         kv = packed_source(lk)
-        assert kv is not None and kv.exact_from == layer.k_buf.length and kv.sinks > 0
+        assert kv is not None and kv.exact_from == layer.kv.k_buf.length and kv.sinks > 0
         q = make_query(b, hkv * group, n, d, dtype, seed + step)
         scale = 0.9 * d**-0.5
         out = torch.full((b, n, hkv * group, d), float("nan"), dtype=dtype, device=DEVICE)
@@ -634,8 +634,8 @@ def test_layer_steps_through_the_kernel_across_settles_and_growth(preset, group,
         kf, vf = lk.dense().float().cpu(), lv.dense().float().cpu()
         assert torch.equal(kf[:, :, -n:], k.float().cpu())  # the new tokens are the last positions, exact
         assert rel_err(out, _oracle(q, kf, vf, None, scale)) < TOL[dtype], f"seed {seed}, step {step}"
-        caps.add(layer.k_buf.capacity)
-        lqs.add(layer.k_buf.length)
+        caps.add(layer.kv.k_buf.capacity)
+        lqs.add(layer.kv.k_buf.length)
         if crossed is None and len(caps) >= 2 and len(lqs) >= 2:
             crossed = step
     assert crossed is not None  # the run did cross a growth and a settle
@@ -827,5 +827,5 @@ def test_kernel_refuses_a_split_it_cannot_read_and_the_attention_falls_back(capl
         decode_attention(q, state, None, None)
     assert not select.kernel_serves(q, state)
     with caplog.at_level("WARNING"):
-        assert not attention._fusable(q, state, 0.0, {})
+        assert ops.fused_decode(q, state, None, None) is None
     assert "no fused decode attention for keys split in parts of [24, 40] channels" in caplog.text

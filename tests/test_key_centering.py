@@ -135,7 +135,7 @@ def test_a_centred_sliding_window_model_matches_its_own_workspace_path_after_the
         out[impl] = chunked_logits(model, cache, ids, 160, chunk=32)
     torch.testing.assert_close(out["turboquant"], out["sdpa"], atol=TOL, rtol=TOL, msg="gemma3 sliding, centred")
     sliding = [layer for layer in cache.layers if getattr(layer, "is_sliding", False)]
-    assert sliding and all(layer._mu is not None and layer.rope is not None for layer in sliding)
+    assert sliding and all(layer.kv._mu is not None and layer.rope is not None for layer in sliding)
 
 
 def test_key_centering_is_refused_where_it_cannot_work():
@@ -195,7 +195,7 @@ def test_a_centred_static_cache_reads_alike_on_every_path_holds_its_keys_closer_
     same = (want == p.k_packed[:, :, 2:held]).float().mean()
     assert same > 0.99, f"codes of k - R(t) mu: {same:.4f} of the bytes equal"  # rounding may flip a boundary case
     cache.reset()
-    assert layer._mu_pending and torch.count_nonzero(layer.packed.key_offset.mu) == 0
+    assert layer.kv.mean_pending and torch.count_nonzero(layer.packed.key_offset.mu) == 0
     again = static_logits(model, cache, ids, 56, "sdpa")
     torch.testing.assert_close(again, out["sdpa"], atol=TOL, rtol=TOL, msg="after reset: mu recomputed")
     torch.testing.assert_close(layer.packed.key_offset.mu, mu, atol=0, rtol=0, msg="the same mu after reset")

@@ -170,18 +170,18 @@ def test_a_split_cache_gives_the_same_logits_on_every_attention_and_through_batc
         model.set_attn_implementation(impl)
         cache = TurboQuantCache("k4v2", config=model.config, residual_length=16, key_split=spec, key_centering=centred)
         out[impl] = chunked_logits(model, cache, ids, 200, step=3)
-        lengths = {b.length for layer in cache.layers for b in layer._buffers()}
+        lengths = {b.length for layer in cache.layers for b in layer.kv.buffers()}
         assert lengths == {cache.layers[0].quantized_length} and cache.layers[0].quantized_length > 150
     for impl in ("eager", "turboquant"):
         torch.testing.assert_close(out[impl], out["sdpa"], atol=TOL, rtol=TOL, msg=f"{impl} vs sdpa")
     assert fused["calls"] == 2 * (236 - 200) // 3, fused  # every 3-token step of both layers took the fused path
     # keys: the split's codes, dequantized, as the reference gives them
     layer = cache.layers[1]
-    pk, _ = layer.k_buf.live()
-    want = reference.split_dequantize([b.live() for b in (layer.k_buf, *layer.k_more)], layer.key_split, layer.dtype)
+    pk, _ = layer.kv.k_buf.live()
+    want = reference.split_dequantize([b.live() for b in (layer.kv.k_buf, *layer.kv.k_more)], layer.key_split, layer.dtype)
     if centred:
         layer._key_offset(layer.get_seq_length()).add_to(want, 0)
-    ns = layer.exact_sinks
+    ns = layer.kv.exact_sinks
     torch.testing.assert_close(layer.keys[:, :, ns : pk.shape[2]], want[:, :, ns:], atol=1e-5, rtol=1e-5,
                                msg="dense keys of the split layer")
     # batch ops and crop move every buffer alike: row 1 alone, then cropped and continued, equals a cache fed that way
@@ -212,10 +212,10 @@ def test_a_split_sliding_window_model_matches_its_dense_keys_after_the_window_sl
         out[impl] = chunked_logits(model, cache, ids, 160, chunk=32)
     torch.testing.assert_close(out["turboquant"], out["sdpa"], atol=TOL, rtol=TOL, msg="gemma3 sliding, split")
     sliding = [layer for layer in cache.layers if getattr(layer, "is_sliding", False)]
-    assert sliding and all(len({b.length for b in layer._buffers()}) == 1 for layer in sliding)
+    assert sliding and all(len({b.length for b in layer.kv.buffers()}) == 1 for layer in sliding)
     # stored bytes: 16 channels at 5 bits + 48 at 3 bits
     layer = cache.layers[0]
-    per_token = sum(b.nbytes_per_vec for b in (layer.k_buf, *layer.k_more))
+    per_token = sum(b.nbytes_per_vec for b in (layer.kv.k_buf, *layer.kv.k_more))
     assert per_token == packed_bytes(16, 5) + packed_bytes(48, 3) == 28
 
 
@@ -232,7 +232,7 @@ def test_a_split_config_saves_and_loads_with_the_model(tmp_path):
         model(ids, **with_cache(cache))
         model(ids[:, :1], **with_cache(cache))
     layer = cache.layers[0]
-    assert layer.key_split.sizes == [8, 24, 32] and [b.length for b in layer._buffers()] == [64 - 16] * 4
+    assert layer.key_split.sizes == [8, 24, 32] and [b.length for b in layer.kv.buffers()] == [64 - 16] * 4
 
 
 def test_split_keys_cli_writes_a_folder_the_cache_and_the_eval_read(tmp_path, capsys, monkeypatch):
@@ -332,7 +332,7 @@ def test_a_static_split_cache_holds_the_dynamic_caches_codes_and_attends_alike_o
         # the prompt's keys are the same in both caches (after it, a layer's keys depend on how the layers below
         # attended: to exact or to packed recent keys)
         assert d_layer.quantized_length >= 48
-        for p, ((sp, sn), dbuf) in enumerate(zip(s_layer.packed.key_parts, d_layer._key_buffers())):
+        for p, ((sp, sn), dbuf) in enumerate(zip(s_layer.packed.key_parts, d_layer.kv.key_buffers())):
             dp, dn = dbuf.live()
             torch.testing.assert_close(sp[:, :, :48], dp[:, :, :48], atol=0, rtol=0, msg=f"layer {i} part {p} codes")
             torch.testing.assert_close(sn[:, :, :48], dn[:, :, :48], atol=0, rtol=0, msg=f"layer {i} part {p} norms")

@@ -51,7 +51,7 @@ def test_held_bytes_are_packed_plus_residual_plus_one_workspace():
         assert (layer.quantized_length, layer.residual_tokens) == (290 - residual, residual + 10)
         assert layer.residual_capacity == 2 * residual
         q = layer.quantized_length
-        cap = layer.k_buf.capacity
+        cap = layer.kv.k_buf.capacity
         # live packed bytes are exactly 3 bits per key coordinate and 4 per value coordinate, plus fp16 norms
         live = b * h * q * (packed_bytes(d, 3) + packed_bytes(d, 4) + 2 * 2)
         assert packed_bytes(d, 3) == 24 and live == b * h * q * 60
@@ -82,7 +82,7 @@ def test_dropping_the_cache_frees_its_buffers_without_the_garbage_collector():
         cache = TurboQuantCache(residual_length=0, config=config)
         cache.update(torch.randn(1, 2, 300, 32), torch.randn(1, 2, 300, 32), 0)
         cache.update(torch.randn(1, 2, 1, 32), torch.randn(1, 2, 1, 32), 0)
-        packed = weakref.ref(cache.layers[0].k_buf.packed)
+        packed = weakref.ref(cache.layers[0].kv.k_buf.packed)
         gc.disable()
         try:
             del cache

@@ -72,7 +72,7 @@ def test_an_eager_static_update_widens_past_float16_with_a_warning(read, extra):
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # nothing yet: the update does not read its norms back
         cache.update(k, v, 0)
-    assert layer._pending is not None and layer.norm_dtype == torch.float16
+    assert layer.kv.pending is not None and layer.norm_dtype == torch.float16
     with pytest.warns(RuntimeWarning, match="layer 0 has a key/value norm of 3e\\+05.*norm_dtype='float32'"):
         if read == "check_norms":
             cache.check_norms()
@@ -86,7 +86,7 @@ def test_an_eager_static_update_widens_past_float16_with_a_warning(read, extra):
             layer = copy.deepcopy(cache).layers[0]
         else:
             layer = pickle.loads(pickle.dumps(cache)).layers[0]
-    assert layer._pending is None and layer.norm_dtype == torch.float32
+    assert layer.kv.pending is None and layer.norm_dtype == torch.float32
     assert layer.packed.k_norms.dtype == torch.float32 and layer.state()["v_norms"].dtype == torch.float32
     torch.testing.assert_close(layer.packed.v_norms[:, :, 9], v[:, :, 9].norm(dim=-1), rtol=1e-6, atol=0)
     if not extra:
@@ -119,7 +119,7 @@ def test_float32_norms_up_front_never_warn_and_store_exact_norms():
         cache.update(k, v, 0)
         cache.check_norms()
         keys, values = _dense(cache.layers[0])
-    assert cache.layers[0]._pending is None and cache.layers[0].norm_dtype == torch.float32
+    assert cache.layers[0].kv.pending is None and cache.layers[0].norm_dtype == torch.float32
     torch.testing.assert_close(cache.layers[0].packed.k_norms[:, :, 5], k[:, :, 5].norm(dim=-1), rtol=1e-6, atol=0)
     assert torch.isfinite(_attention(keys[:, :, :T], values[:, :, :T])).all()
 
@@ -134,7 +134,7 @@ def test_ordinary_norms_keep_float16_and_settle_silently():
         cache.update(*_kv(t=3, seed=1), 0)
     layer = cache.layers[0]
     assert layer.norm_dtype == torch.float16 and layer.packed.k_norms.dtype == torch.float16
-    assert layer._pending is not None  # the second update's, to be read at the next use
+    assert layer.kv.pending is not None  # the second update's, to be read at the next use
 
 
 def _compiling(monkeypatch):
@@ -157,8 +157,8 @@ def test_a_compiled_step_past_float16_makes_the_next_check_raise(monkeypatch, ce
         _compiling(m)
         cache.update(k, v, 0)
     layer = cache.layers[0]
-    assert layer._pending is None and layer.norm_dtype == torch.float16
-    assert float(layer._norm_guard()[0]) > FP16_MAX
+    assert layer.kv.pending is None and layer.norm_dtype == torch.float16
+    assert float(layer.kv.norm_guard()[0]) > FP16_MAX
     for check in (cache.check_norms, layer.state, lambda: cache.crop(T), lambda: copy.deepcopy(cache)):
         with pytest.raises(RuntimeError, match="layer 0: a compiled step stored or read a key/value norm of 1e\\+05, "
                                                "above float16's range \\(65504\\).*norm_dtype='float32'"):
@@ -272,7 +272,7 @@ def test_a_cache_with_every_layer_pending_copies_whole(how):
     assert sorted(cache.layers[0]._shared.pending) == [0, 1, 2]
     copied = pickle.loads(pickle.dumps(cache)) if how == "pickle" else copy.deepcopy(cache)
     for c in (cache, copied):
-        assert not c.layers[0]._shared.pending and all(layer._pending is None for layer in c.layers)
+        assert not c.layers[0]._shared.pending and all(layer.kv.pending is None for layer in c.layers)
     for a, b in zip(cache.layers, copied.layers):
         assert torch.equal(a.keys, b.keys) and torch.equal(a.packed.k_norms, b.packed.k_norms)
 
@@ -421,5 +421,5 @@ def test_both_caches_take_the_same_robust_mean():
     st = TurboQuantStaticCache(config=cfg, max_cache_len=64, **kw)
     st.update(k, v, 0)
     want = reference.key_mean(pre[:, :, 2:], OUTLIER_NORM_RATIO)
-    for name, mu in (("dynamic", dyn.layers[0]._mu), ("static", st.layers[0].packed.key_offset.mu)):
+    for name, mu in (("dynamic", dyn.layers[0].kv._mu), ("static", st.layers[0].packed.key_offset.mu)):
         torch.testing.assert_close(mu, want, rtol=1e-4, atol=1e-4, msg=lambda m, n=name: f"{n} (seed {seed}): {m}")

@@ -267,6 +267,35 @@ def test_a_version_1_prefix_is_refused_with_a_hint_to_re_save_it(tmp_path):
         TurboQuantCache.load_prefix(str(tmp_path), cfg)
 
 
+@torch.no_grad()
+def test_a_version_2_prefix_loads_as_the_same_cache(tmp_path):
+    """Version 2 named the exact window res_k / res_v and its length "residual": such a file loads, converted."""
+    cfg, model, x = saved(tmp_path, length=20, key_centering=True)
+    want = TurboQuantCache.load_prefix(str(tmp_path), cfg, token_ids=x)
+
+    def to_v2_tensors(t):
+        for name in [n for n in t if n.endswith((".window_k", ".window_v"))]:
+            t[name.replace(".window_", ".res_")] = t.pop(name)
+
+    def to_v2_doc(doc):
+        doc["format_version"] = 2
+        for info in doc["layers"]:
+            if "window" in info:
+                info["residual"] = info.pop("window")
+
+    reseal(tmp_path, to_v2_doc, to_v2_tensors)
+    assert json.loads((tmp_path / PREFIX_JSON).read_text())["format_version"] == 2
+    got = TurboQuantCache.load_prefix(str(tmp_path), cfg, token_ids=x)
+    for a, b in zip(want.layers, got.layers):
+        sa, sb = a.kv.state(), b.kv.state()
+        assert sa.keys() == sb.keys() and a.kv.lengths() == b.kv.lengths()
+        for name in sa:
+            torch.testing.assert_close(sb[name], sa[name], rtol=0, atol=0, msg=name)
+    nxt = x[:, -1:]
+    torch.testing.assert_close(model(nxt, **with_cache(got)).logits, model(nxt, **with_cache(want)).logits,
+                               rtol=0, atol=0)
+
+
 # ---- every stored tensor against the index (finding 6) -----------------------------------------------------------
 
 
@@ -289,12 +318,12 @@ def _claim_length(n):
     (lambda t: t.update({"layers.0.k_norms": t["layers.0.k_norms"].float()}), None, "layers.0.k_norms"),
     (lambda t: t.update({"layers.2.v_packed": t["layers.2.v_packed"].view(torch.int8)}), None, "layers.2.v_packed"),
     (_shorter("layers.0.sink_k", 1), None, "layers.0.sink_k"),
-    (_shorter("layers.2.res_v", 1), None, "layers.2.res_v"),
+    (_shorter("layers.2.window_v", 1), None, "layers.2.window_v"),
     (lambda t: t.update({"layers.0.key_mean": t["layers.0.key_mean"].half()}), None, "layers.0.key_mean"),
     (lambda t: t.pop("layers.2.k_norms"), None, "layers.2.k_norms"),
     (lambda t: t.update({"layers.9.keys": torch.zeros(1)}), None, "layers.9.keys"),
     # a claimed length above what is stored would shift every later position
-    (None, _claim_length(23), "layers[0] stores 20 tokens (quantized + residual) but cumulative_length is 23"),
+    (None, _claim_length(23), "layers[0] stores 20 tokens (quantized + window) but cumulative_length is 23"),
     (None, lambda d: d["layers"][1].update(length=17), "layers[1] stores 17 tokens (length)"),
 ])
 def test_every_stored_tensor_is_checked_against_the_index(tmp_path, edit_tensors, edit_doc, named):
@@ -378,7 +407,7 @@ def _delete(*path):
     (_set("layers", {}), "field layers must be a list, got {}"),
     (_set("layers", 1, "initialized", None), "field layers[1].initialized must be true or false, got None"),
     (_set("token_ids_sha256", "xyz"), "field token_ids_sha256 must be a SHA-256 digest"),
-    (_set("layers", 0, "heads2", 2), "field layers[0].heads2 is not part of prefix format version 2"),
+    (_set("layers", 0, "heads2", 2), "field layers[0].heads2 is not part of prefix format version 3"),
     (lambda doc: [doc], "must hold a JSON object, got list"),
 ])
 def test_a_malformed_index_is_refused_naming_the_file_and_the_field(tmp_path, edit, field):

@@ -24,7 +24,7 @@ from transformers import LlamaForCausalLM
 from conftest import tiny_llama_config, with_cache
 from test_prefix import reseal
 from tq_hf_cache import TurboQuantCache, TurboQuantLayer
-from tq_hf_cache.prefix import PREFIX_JSON, PREFIX_TENSORS, _packed_buffers
+from tq_hf_cache.prefix import PREFIX_JSON, PREFIX_TENSORS
 
 FILES = (PREFIX_JSON, PREFIX_TENSORS)
 NEXT_TOKENS = torch.tensor([[5, 9, 17, 33, 65]])
@@ -101,11 +101,8 @@ def state(cache) -> dict:
             out[p + "init"] = layer.is_initialized
             if not layer.is_initialized:
                 continue
-            for name, buf in _packed_buffers(layer):
-                out[p + name + "_packed"], out[p + name + "_norms"] = buf.live()
-            out.update({p + "res_k": layer.res_k, p + "res_v": layer.res_v, p + "mu": layer._mu,
-                        p + "sink_k": layer._sk[:, :, : layer._slen], p + "sink_v": layer._sv[:, :, : layer._slen],
-                        p + "lengths": (layer.cumulative_length, layer.k_buf.length, layer._rlen, layer._slen),
+            out.update({p + name: t for name, t in layer.kv.state().items()})
+            out.update({p + "lengths": tuple(layer.kv.lengths().values()),
                         p + "bits": (layer.key_bits, layer.value_bits, str(layer.norm_dtype), str(layer.dtype))})
         else:
             out.update({p + "keys": layer.keys, p + "values": layer.values,

@@ -82,10 +82,10 @@ def test_batches_insert_each_row_and_match_where_every_row_has_an_endpoint(centr
     shared = 0 if centred else 24 // 8  # the system prompt's pages, stored once where they are the same
     assert store.insert(x[:, :45], cache) == 2 * pages - shared
     got, n = store.match(x)
-    assert n == 45 and got.get_seq_length() == 45 and got.layers[0].batch == 2
+    assert n == 45 and got.get_seq_length() == 45 and got.layers[0].kv.batch == 2
     assert all(torch.equal(a, b) for a, b in zip(steps(model, got, x, 45), steps(model, copy.deepcopy(cache), x, 45)))
     one, n1 = store.match(x[1:])  # a row alone finds its own endpoint
-    assert n1 == 45 and one.layers[0].batch == 1
+    assert n1 == 45 and one.layers[0].kv.batch == 1
     other = torch.cat([x[:1], torch.cat([system, ids(36, seed=7)], dim=1)])  # row 1 has no endpoint: no match
     assert store.match(other)[1] == 0
     assert store.stats()["hits"] == 3
@@ -284,7 +284,7 @@ def test_a_gpu_tier_in_front_restores_exactly_on_the_gpu(tmp_path):
     store.insert(x[:, :80], cache)
     assert store.stats()["pages"][0] > 0 and store.stats()["pages"][1] + store.stats()["pages"][2] > 0
     got, n = store.match(x)
-    assert n == 80 and got.layers[0].k_buf.packed.device.type == "cuda"
+    assert n == 80 and got.layers[0].kv.k_buf.packed.device.type == "cuda"
     want = steps(model, copy.deepcopy(cache), x, 80)
     assert all(torch.equal(a, b) for a, b in zip(steps(model, got, x, 80), want))
 

@@ -90,7 +90,7 @@ def test_shared_pages_are_the_first_inserts_and_the_rest_the_inserted_caches(ord
     if order == "alike":
         a = prefill(model, cfg, x[:, :40], chunks=[40])
         a_same = prefill(model, cfg, x[:, :45])
-        assert torch.equal(a_same.layers[0].k_buf.live()[0], b.layers[0].k_buf.live()[0])
+        assert torch.equal(a_same.layers[0].kv.k_buf.live()[0], b.layers[0].kv.k_buf.live()[0])
     first, second = ((a, x[:, :40]), (b, x[:, :45])) if order != "one chunk first" else ((b, x[:, :45]), (a, x[:, :40]))
     store = PrefixStore(config=cfg, page_tokens=8, **KW)
     store.insert(first[1], first[0])
@@ -101,10 +101,10 @@ def test_shared_pages_are_the_first_inserts_and_the_rest_the_inserted_caches(ord
     owner = first[0]
     for i, layer in enumerate(got.layers):
         for name in ("k_buf", "v_buf"):
-            mine, ref, theirs = (getattr(c.layers[i], name).live()[0] for c in (got, owner, b))
+            mine, ref, theirs = (getattr(c.layers[i].kv, name).live()[0] for c in (got, owner, b))
             assert torch.equal(mine[:, :, :pages], ref[:, :, :pages]), (i, name, "pages")
             assert torch.equal(mine[:, :, pages:], theirs[:, :, pages:]), (i, name, "snapshot")
-        assert torch.equal(layer.res_k, b.layers[i].res_k) and layer.cumulative_length == 45
+        assert torch.equal(layer.kv.window.keys, b.layers[i].kv.window.keys) and layer.cumulative_length == 45
     want = steps(model, copy.deepcopy(b), x, 45)
     out = steps(model, got, x, 45)
     if order != "chunked first":
@@ -127,7 +127,7 @@ def _widened(cfg, x, big: bool):
             k[0, 0, 3] *= 1e5
         cache.update(k, v, i)
     if big:
-        cache.layers[0].k_buf.norms  # (settles the pending check)
+        cache.layers[0].kv.k_buf.norms  # (settles the pending check)
     return cache
 
 
@@ -148,7 +148,7 @@ def test_pages_of_float32_norms_never_mix_with_float16_ones(wide_first):
         assert n == y.shape[1]
         for i in range(cfg.num_hidden_layers):
             for name in ("k_buf", "v_buf"):
-                (mp, mn), (tp, tn) = getattr(got.layers[i], name).live(), getattr(c.layers[i], name).live()
+                (mp, mn), (tp, tn) = getattr(got.layers[i].kv, name).live(), getattr(c.layers[i].kv, name).live()
                 assert mn.dtype == tn.dtype and torch.equal(mn, tn) and torch.equal(mp, tp)
 
 

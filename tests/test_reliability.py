@@ -151,14 +151,14 @@ def test_large_norms_are_stored_not_clamped(dtype):
         cache.update(k.to(dtype), v.to(dtype), 0)
         layer = cache.layers[0]
         keys = layer.keys  # a decode-sized step's tokens are quantized at the next update or read
-    assert layer.k_buf.norms.dtype == torch.float32
+    assert layer.kv.k_buf.norms.dtype == torch.float32
     ratio_k = keys.float().norm(dim=-1) / k.to(dtype).float().norm(dim=-1)
     ratio_v = layer.values.float().norm(dim=-1) / v.to(dtype).float().norm(dim=-1)
     assert torch.allclose(ratio_k, torch.ones_like(ratio_k), atol=0.02), ratio_k
     assert torch.allclose(ratio_v, torch.ones_like(ratio_v), atol=0.02), ratio_v
     cache.reset()  # a new sequence starts with the configured float16 norms again
     cache.update(*kv(t=3), 0)
-    assert cache.layers[0].k_buf.norms.dtype == torch.float16
+    assert cache.layers[0].kv.k_buf.norms.dtype == torch.float16
 
 
 def _big_chunks(split: bool):
@@ -182,8 +182,8 @@ def test_a_pending_norm_check_settles_before_any_use(split, read):
     cache.update(k[:, :, :20], v[:, :, :20], 0)
     cache.update(k[:, :, 20:], v[:, :, 20:], 0)  # quantizes tokens 18..37: the check is pending
     layer = cache.layers[0]
-    assert all(b.pending is not None for b in layer._buffers())
-    assert all(b.raw_norms().dtype == torch.float16 for b in layer._buffers())
+    assert all(b.pending is not None for b in layer.kv.buffers())
+    assert all(b.raw_norms().dtype == torch.float16 for b in layer.kv.buffers())
     with pytest.warns(RuntimeWarning, match="float32"):
         if read == "keys":
             got = layer.keys
@@ -199,7 +199,7 @@ def test_a_pending_norm_check_settles_before_any_use(split, read):
         else:  # the big key cropped away, its slot written again: settled before that write
             cache.crop(25)
             cache.update(*kv(t=20, seed=5), 0)
-    assert all(b.pending is None and b.norms.dtype == torch.float32 for b in layer._buffers())
+    assert all(b.pending is None and b.norms.dtype == torch.float32 for b in layer.kv.buffers())
     assert layer.norm_dtype == torch.float32  # a copy too: the layer settles before its state is taken
     got = layer.keys.float()
     assert torch.isfinite(got).all()
@@ -208,7 +208,7 @@ def test_a_pending_norm_check_settles_before_any_use(split, read):
     ratio = got[:, :, 28].norm(dim=-1) / k[:, :, 28].norm(dim=-1)
     assert torch.allclose(ratio, torch.ones_like(ratio), atol=0.05), ratio
     if read in ("keys", "next_chunk"):  # the stored norm of the big key is its exact float32 norm
-        stored = [b.live()[1][:, :, 28] for b in layer._key_buffers()]
+        stored = [b.live()[1][:, :, 28] for b in layer.kv.key_buffers()]
         want = [x.norm(dim=-1) for x in (layer.key_split.split(k[:, :, 28:29]) if split else [k[:, :, 28:29]])]
         for s_, w in zip(stored, want):
             torch.testing.assert_close(s_, w[..., 0], rtol=1e-5, atol=0, msg="the big key's stored norm")
@@ -227,7 +227,7 @@ def test_a_norm_check_that_fails_to_warn_has_still_widened():
         warnings.simplefilter("error")
         with pytest.raises(RuntimeWarning, match="float32"):
             layer.keys
-    assert layer.norm_dtype == torch.float32 and all(b.pending is None for b in layer._buffers())
+    assert layer.norm_dtype == torch.float32 and all(b.pending is None for b in layer.kv.buffers())
     assert torch.isfinite(layer.keys.float()).all()
 
 
@@ -240,7 +240,7 @@ def test_a_pending_norm_check_keeps_no_dropped_cache_alive():
     cache, k, v = _big_chunks(False)
     cache.update(k[:, :, :20], v[:, :, :20], 0)
     cache.update(k[:, :, 20:], v[:, :, 20:], 0)
-    refs = [weakref.ref(b) for b in cache.layers[0]._buffers()] + [weakref.ref(cache.layers[0])]
+    refs = [weakref.ref(b) for b in cache.layers[0].kv.buffers()] + [weakref.ref(cache.layers[0])]
     assert all(r().pending is not None for r in refs[:-1])
     gc.disable()
     try:
@@ -253,7 +253,7 @@ def test_a_pending_norm_check_keeps_no_dropped_cache_alive():
 def test_ordinary_norms_keep_float16_storage():
     cache = TurboQuantCache(residual_length=0)
     cache.update(*kv(t=6), 0)
-    assert cache.layers[0].k_buf.norms.dtype == torch.float16
+    assert cache.layers[0].kv.k_buf.norms.dtype == torch.float16
 
 
 def test_reference_never_makes_up_a_finite_norm():
@@ -390,7 +390,7 @@ def test_a_nan_key_gives_nan_attention_as_sdpa_does():
         x = ids(1, 20)
         model(x, **with_cache(cache))  # a prefill (> 16 tokens): what leaves the residual window is quantized
         layer = cache.layers[0]
-        layer.k_buf.norms[0, 0, 3] = float("nan")  # one quantized key of KV head 0
+        layer.kv.k_buf.norms[0, 0, 3] = float("nan")  # one quantized key of KV head 0
         outs[impl] = [model(x[:, i : i + 1], **with_cache(cache)).logits for i in range(3)]
     for impl, logits in outs.items():
         assert all(torch.isnan(x).all() for x in logits), impl
@@ -639,7 +639,7 @@ def test_large_norms_through_the_kernels():
         cache.update(k.bfloat16(), v.bfloat16(), 0)
         keys = cache.layers[0].keys
     ratio = keys.float().norm(dim=-1) / k.bfloat16().float().norm(dim=-1)
-    assert cache.layers[0].k_buf.norms.dtype == torch.float32
+    assert cache.layers[0].kv.k_buf.norms.dtype == torch.float32
     assert torch.allclose(ratio, torch.ones_like(ratio), atol=0.03), ratio
 
 
@@ -664,7 +664,7 @@ def test_attention_switch_and_nan_keys_through_the_fused_kernel(monkeypatch):
     for a, b in zip(_steps(model, switched, x[:, :59], 50), want[10:]):
         assert ((a.float() - b.float()).norm() / b.float().norm()).item() < 0.02
     model.set_attn_implementation("turboquant")
-    switched.layers[0].k_buf.norms[0, 0, 10] = float("nan")  # a quantized key past the exact sink copies
+    switched.layers[0].kv.k_buf.norms[0, 0, 10] = float("nan")  # a quantized key past the exact sink copies
     from tq_hf_cache.kernels import decode_attention as da
     from tq_hf_cache.kernels import fast
 

@@ -28,8 +28,7 @@ import weakref
 import torch
 from torch.utils._pytree import tree_map_only
 
-from . import ops  # noqa: F401  (registers the tq_hf_cache:: custom ops)
-from .kernels import select  # no triton
+from . import ops  # registers the tq_hf_cache:: custom ops
 from .packed_kv import MAX_FUSED_QUERIES, PACKED_ATTR, PackedKV, StaticKV, packed_source
 
 NAME = "turboquant"
@@ -58,16 +57,9 @@ def _warn_once(key, msg: str) -> None:
         logger.warning(msg)
 
 
-def _choice(query, kv, dropout, kwargs, warn: bool = True, fused: bool = True) -> select.Choice:
-    """What serves this step (`kernels.select`): a fused kernel, or the workspace path where the fused attention
-    does not take the call (dropout, other features, a prefill chunk) or the selector says so."""
-    if dropout or _unsupported(kwargs) or query.shape[2] > MAX_FUSED_QUERIES:
-        return select.Choice(select.WORKSPACE, "a call the fused attention does not take")
-    return select.for_step(query, kv, fused=fused, quiet=not warn)
-
-
-def _fusable(query, kv, dropout, kwargs, warn: bool = True) -> bool:
-    return _choice(query, kv, dropout, kwargs, warn).fused
+def _takes(query, dropout, kwargs) -> bool:
+    """Whether the fused attention may take this call at all: no dropout or other features, a decode-sized step."""
+    return not (dropout or _unsupported(kwargs) or query.shape[2] > MAX_FUSED_QUERIES)
 
 
 def turboquant_attention_forward(
@@ -110,11 +102,11 @@ def _static(query, ring_k, ring_v, kv, mask, dropout, scaling, kwargs):
 @torch.compiler.disable
 def _dynamic(module, query, key, value, kv, attention_mask, dropout, scaling, is_causal, **kwargs):
     """A dynamic layer's step (eager: the dynamic cache's shapes change every step)."""
-    choice = _choice(query, kv, dropout, kwargs)
-    if choice.fused:
+    out = ops.fused_decode(query, kv, attention_mask, scaling) if _takes(query, dropout, kwargs) else None
+    if out is not None:
         if kwargs.get("output_attentions", False):
             _warn_once("output_attentions", "tq_hf_cache: the turboquant attention returns no attention weights")
-        return ops.decode_attention(query, kv, attention_mask, scaling, choice), None
+        return out, None
     rows = _group_rows(query, key)
     supported = not _unsupported(kwargs)
     plain = supported and _plain_causal(attention_mask, query.shape[2], key.shape[2])
@@ -192,11 +184,11 @@ def sdpa_on_packed(args, kwargs) -> torch.Tensor | None:
         q = query.reshape(b, hq * n, 1, d)  # the query heads of a KV head, packed as rows: heads again
     elif hq != hkv and not call.get("enable_gqa"):
         return None
-    choice = _choice(q, kv, 0.0, {}, warn=False, fused=state["_pair"]["fused_sdpa"])  # (SDPA was asked for: no warning)
-    if not choice.fused:
+    if q.shape[2] > MAX_FUSED_QUERIES:
         return None
-    out = ops.decode_attention(q, kv, mask, call.get("scale"), choice)  # (B, n, Hq, D)
-    return out.transpose(1, 2).reshape(query.shape)
+    # (SDPA was asked for: no warning where the fused attention does not serve)
+    out = ops.fused_decode(q, kv, mask, call.get("scale"), fused=state["_pair"]["fused_sdpa"], quiet=True)
+    return None if out is None else out.transpose(1, 2).reshape(query.shape)  # (B, n, Hq, D) -> SDPA's
 
 
 def _group_rows(query, key) -> int:

@@ -1,19 +1,14 @@
-"""`TurboQuantLayer`: one layer's KV cache as append-only packed buffers plus a full-precision residual window.
+"""`TurboQuantLayer`: transformers' `DynamicLayer` over a `state.GrowableState` (packed history, exact window,
+sinks; see there).
 
-Tokens enter the residual window; those pushed out of it are quantized once, appended to the packed
-buffers, and never re-quantized. `update` returns [dequantized history | residual | new tokens], the
-history being written into the cache's shared workspace. For a decode step (at most MAX_FUSED_QUERIES new
-tokens) the new tokens join the residual window and `update` returns `LazyKV`s carrying the layer's
-`PackedKV`: the turboquant attention reads the packed codes directly, and anything else that reads the keys
-fills them then. The window's overflow from such a step is quantized at the layer's next update (`_settle`),
-so the step attends to exactly what the dense path would have given it. A longer chunk over a packed history
-(a full-attention layer's prefill chunk) also returns `LazyKV`s, of a copy of [residual | new] beside the packed
-views, and is pushed at once; the turboquant attention fills them a few batch rows at a time.
-
-Attention sinks: the first `sink_tokens` tokens of the sequence draw a large share of the attention while
-often having small keys, so their quantization error costs more than anyone else's (benchmarks/key_fix_study.py at
-commit 7f635a3). A full-attention layer keeps an exact copy of them and writes it over their dequantized
-slots; they are quantized and packed like every other token, so nothing else changes shape.
+`update` returns [dequantized history | window | new tokens], the history written into the cache's shared
+workspace. For a decode step (at most MAX_FUSED_QUERIES new tokens) the new tokens join the window and `update`
+returns `LazyKV`s carrying the state's `PackedKV`: the turboquant attention reads the packed codes directly, and
+anything else that reads the keys fills them then. The window's overflow from such a step is quantized at the
+layer's next update (`GrowableState.settle`), so the step attends to exactly what the dense path would have given
+it. A longer chunk over a packed history (a full-attention layer's prefill chunk) also returns `LazyKV`s, of a copy
+of [window | new] beside the packed views, and is pushed at once; the turboquant attention fills them a few batch
+rows at a time.
 """
 
 from __future__ import annotations
@@ -21,25 +16,22 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import DynamicLayer
 
-from .codebook import Codebook, theoretical_codebook
-from .key_split import KeySplit, make_split
-from .layer_edits import LayerEdits
-from .layer_read import LayerRead
-from .layer_store import LayerStore
-from .packed_buffer import GROW_TOKENS, PackedBuffer  # noqa: F401  (GROW_TOKENS: imported from here too)
-from .packed_kv import MAX_FUSED_QUERIES
+from ._compat import IS_V5
+from .attention import lazy_pair
+from .packed_kv import MAX_FUSED_QUERIES, PackedKV
 from .rope import RopeAngles
+from .state import GrowableState, make_quantizers
+from .state.growable import FLUSH_BLOCK
+from .state.packed_buffer import GROW_TOKENS, PackedBuffer  # noqa: F401  (imported from here too)
 from .workspace import Workspace
 
-# During decode the residual window may run up to this many tokens past residual_length before its oldest
-# tokens are quantized together: one quantize launch and no allocation per FLUSH_BLOCK decode steps
-FLUSH_BLOCK = 32
 MODEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
-class TurboQuantLayer(LayerStore, LayerRead, LayerEdits, DynamicLayer):
-    """A full-attention layer whose history is TurboQuant-packed; see the module docstring. Its write path, read
-    path and edits live in `layer_store`, `layer_read` and `layer_edits`."""
+class TurboQuantLayer(DynamicLayer):
+    """A full-attention layer whose history is TurboQuant-packed: the transformers side (validation, what `update`
+    returns, crop and batch edits as generate calls them) over the layer's `GrowableState`, `kv` (None until the
+    first update)."""
 
     is_sliding = False
     is_compileable = False
@@ -63,6 +55,7 @@ class TurboQuantLayer(LayerStore, LayerRead, LayerEdits, DynamicLayer):
         rope: RopeAngles | None = None,
         key_split: dict | None = None,
     ):
+        self.kv: GrowableState | None = None
         DynamicLayer.__init__(self)
         self.sink_tokens = 0 if self.is_sliding else int(sink_tokens)
         self.key_bits, self.value_bits = key_bits, value_bits
@@ -81,56 +74,58 @@ class TurboQuantLayer(LayerStore, LayerRead, LayerEdits, DynamicLayer):
 
     def _clear(self) -> None:
         self.is_initialized = False
-        self.norm_dtype = self.config_norm_dtype
-        self.cumulative_length = 0
-        self.k_buf: PackedBuffer | None = None
-        self.v_buf: PackedBuffer | None = None
-        self.k_more: list[PackedBuffer] = []  # split keys: k_buf holds part 0, these the other parts
-        self.key_split: KeySplit | None = None
-        self._rk: torch.Tensor | None = None  # residual buffers (B, H, capacity, D); the first _rlen are live
-        self._rv: torch.Tensor | None = None
-        self._rlen = 0
-        self._sk: torch.Tensor | None = None  # exact copies of the first sink_tokens tokens (B, H, sink_tokens, D)
-        self._sv: torch.Tensor | None = None
-        self._slen = 0  # how many of them are kept: the quantized ones among the first sink_tokens
-        self._mu: torch.Tensor | None = None  # pre-RoPE key mean (B, H, 1, D) float32, from the first quantized block
+        self.kv = None
 
     @property
-    def res_k(self) -> torch.Tensor | None:
-        """The full-precision residual window of keys, oldest first (a view)."""
-        return None if self._rk is None else self._rk[:, :, : self._rlen]
+    def cumulative_length(self) -> int:
+        return self.kv.seen if self.kv is not None else 0
+
+    @cumulative_length.setter
+    def cumulative_length(self, value: int) -> None:
+        if self.kv is not None:
+            self.kv.seen = int(value)
+        elif value:
+            raise AttributeError("an empty TurboQuantLayer holds no positions")
 
     @property
-    def res_v(self) -> torch.Tensor | None:
-        return None if self._rv is None else self._rv[:, :, : self._rlen]
+    def norm_dtype(self) -> torch.dtype:
+        """The norms' dtype: the config's, or float32 once a norm went past float16's range (`norm_check`)."""
+        return self.kv.norm_dtype if self.kv is not None else self.config_norm_dtype
 
     @property
-    def exact_sinks(self) -> int:
-        """Sink tokens whose packed slots the exact copies overwrite (those already quantized)."""
-        return min(self._slen, self.k_buf.length) if self.is_initialized else 0
+    def key_split(self):
+        """The layer's `KeySplit` when its keys are split in parts (known after the first update), else None."""
+        return self.kv.key_split if self.kv is not None else None
+
+    @property
+    def quantized_length(self) -> int:
+        return self.kv.quantized if self.kv is not None else 0
+
+    @property
+    def residual_tokens(self) -> int:
+        return self.kv.window.length if self.kv is not None else 0
 
     @property
     def residual_capacity(self) -> int:
         return self.residual_length + min(FLUSH_BLOCK, self.residual_length)
 
-    # DynamicLayer keeps `keys`/`values` tensors; here they are materialized on demand from the packed state.
-    @property
-    def keys(self) -> torch.Tensor | None:
-        return self._materialize("key")
+    # DynamicLayer keeps `keys`/`values` tensors; here they are materialized on demand from the packed state
+    keys = property(lambda self: self._materialize(0), lambda self, v: self._refuse("keys", v))
+    values = property(lambda self: self._materialize(1), lambda self, v: self._refuse("values", v))
 
-    @keys.setter
-    def keys(self, value) -> None:
+    def _refuse(self, name: str, value) -> None:
         if value is not None:
-            raise AttributeError("TurboQuantLayer.keys is derived from the packed cache and cannot be assigned")
+            raise AttributeError(f"TurboQuantLayer.{name} is derived from the packed cache and cannot be assigned")
 
-    @property
-    def values(self) -> torch.Tensor | None:
-        return self._materialize("value")
-
-    @values.setter
-    def values(self, value) -> None:
-        if value is not None:
-            raise AttributeError("TurboQuantLayer.values is derived from the packed cache and cannot be assigned")
+    def _materialize(self, which: int) -> torch.Tensor | None:
+        if self.kv is None:
+            return None
+        kv = self.kv
+        kv.settle()
+        out = torch.empty(kv.batch, kv.heads, kv.quantized + kv.window.length, kv.head_dim, dtype=kv.dtype,
+                          device=kv.window.k.device)
+        kv.dense_into(*((out, None) if which == 0 else (None, out)))
+        return out
 
     def _validate(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         """Every check of an update's inputs, before anything changes."""
@@ -154,69 +149,30 @@ class TurboQuantLayer(LayerStore, LayerRead, LayerEdits, DynamicLayer):
             if self._codebook_check is not None:
                 self._codebook_check(self.layer_idx, key_states.shape[1], key_states.shape[3])
             return
-        expect = (self.batch, self.heads, self.head_dim)
+        kv = self.kv
+        expect = (kv.batch, kv.heads, kv.head_dim)
         got = (key_states.shape[0], key_states.shape[1], key_states.shape[3])
         if got != expect:
             raise ValueError(
                 f"layer {self.layer_idx}: states of shape {tuple(key_states.shape)} do not match the cache's "
                 f"(batch, heads, head_dim) = {expect}"
             )
-        if key_states.dtype != self.dtype or key_states.device != self.device:
+        if key_states.dtype != kv.dtype or key_states.device != kv.device:
             raise ValueError(
                 f"layer {self.layer_idx}: states are {key_states.dtype} on {key_states.device}, the cache holds "
-                f"{self.dtype} on {self.device}"
+                f"{kv.dtype} on {kv.device}"
             )
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor | None = None) -> None:
         b, h, _, d = key_states.shape
-        split = None
-        if self.key_split_spec is not None:
-            # the parts are vectors of their own dims: the theoretical codebooks of those dims, never calibrated ones
-            split = make_split(self.key_split_spec, self.layer_idx, h, d, self._rotation_for, theoretical_codebook)
-        rot = self._rotation_for(d)
-        k_codebook: Codebook = self._codebook_for("key", self.key_bits, d)
-        v_codebook: Codebook = self._codebook_for("value", self.value_bits, d)
-        for name, cb in (("key", k_codebook), ("value", v_codebook)):
-            if cb.per_head and cb.centroids.shape[0] != h:
-                raise ValueError(
-                    f"layer {self.layer_idx}: the {name} codebook has {cb.centroids.shape[0]} heads but the model has {h} KV heads"
-                )
+        quantizers = make_quantizers(self.layer_idx, h, d, self.key_bits, self.value_bits, self._rotation_for,
+                                     self._codebook_for, self.key_split_spec, key_states.device)
+        self.kv = GrowableState(
+            quantizers, residual_length=self.residual_length, batch=b, heads=h, head_dim=d, dtype=key_states.dtype,
+            device=key_states.device, sink_tokens=self.sink_tokens, norm_dtype=self.config_norm_dtype, rope=self.rope,
+            layer_idx=self.layer_idx)
         self.dtype, self.device = key_states.dtype, key_states.device
-        self.batch, self.heads, self.head_dim = b, h, d
-        self.rotation = rot.to(self.device)
-        self.k_codebook, self.v_codebook = k_codebook.to(self.device), v_codebook.to(self.device)
-        if split is not None:
-            self.key_split = split.to(self.device)
-            self.k_codebook = self.key_split.parts[0][1]
-            parts = [PackedBuffer(b, h, rot.dim, cb.bits, self.norm_dtype, self.device) for rot, cb in split.parts]
-            self.k_buf, self.k_more = parts[0], parts[1:]
-        else:
-            self.k_buf = PackedBuffer(b, h, d, self.key_bits, self.norm_dtype, self.device)
-        self.v_buf = PackedBuffer(b, h, d, self.value_bits, self.norm_dtype, self.device)
-        # residual window and sink copies grow with the sequence: a short prompt holds no more than it needs
-        self._rk = key_states.new_empty(b, h, 0, d)
-        self._rv = key_states.new_empty(b, h, 0, d)
-        self._rlen = 0
-        self._sk = key_states.new_empty(b, h, 0, d)
-        self._sv = key_states.new_empty(b, h, 0, d)
-        self._slen = 0
         self.is_initialized = True
-
-    def _key_buffers(self) -> list[PackedBuffer]:
-        """The packed key buffers: one, or one per part of split keys."""
-        return [self.k_buf, *self.k_more]
-
-    def _buffers(self) -> list[PackedBuffer]:
-        """Every packed buffer the layer holds (they hold the same tokens)."""
-        return [b for b in (*self._key_buffers(), self.v_buf) if b is not None]
-
-    @property
-    def quantized_length(self) -> int:
-        return self.k_buf.length if self.is_initialized else 0
-
-    @property
-    def residual_tokens(self) -> int:
-        return self._rlen if self.is_initialized else 0
 
     # torch.compile: the cache step stays eager (a graph break) instead of being traced, since its shapes and
     # buffers change every step; the model's projections and MLPs around it still compile
@@ -225,19 +181,23 @@ class TurboQuantLayer(LayerStore, LayerRead, LayerEdits, DynamicLayer):
         self._validate(key_states, value_states)
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        self._settle()
+        kv = self.kv
+        kv.settle()
         n = key_states.shape[2]
-        self.cumulative_length += n
+        kv.seen += n
         if n <= MAX_FUSED_QUERIES and self._lazy_ok(key_states, value_states):
-            return self._decode_step(key_states, value_states)
-        if not self.is_sliding and self.k_buf.length and self._lazy_ok(key_states, value_states):
+            kv.append_window(key_states, value_states)
+            if kv.quantized == 0:  # nothing packed: the window is the whole history
+                return kv.window.keys, kv.window.values
+            return self._lazy(kv.view())
+        if not self.is_sliding and kv.quantized and self._lazy_ok(key_states, value_states):
             return self._chunk_step(key_states, value_states)
         out_k, out_v = self._visible(*self._assemble(key_states, value_states), n)
-        self._push(key_states, value_states)
+        kv.push(key_states, value_states)
         return out_k, out_v
 
     def _visible(self, k: torch.Tensor, v: torch.Tensor, new_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """What attention sees of [history | residual | new]: all of it here; sliding layers trim (see there)."""
+        """What attention sees of [history | window | new]: all of it here; sliding layers trim (see there)."""
         return k, v
 
     def _lazy_ok(self, key_states: torch.Tensor, value_states: torch.Tensor) -> bool:
@@ -246,33 +206,47 @@ class TurboQuantLayer(LayerStore, LayerRead, LayerEdits, DynamicLayer):
         grad = torch.is_grad_enabled() and (key_states.requires_grad or value_states.requires_grad)
         return not (self.private_output or grad)
 
-    def _decode_step(self, key_states: torch.Tensor, value_states: torch.Tensor):
-        """Append the new tokens to the residual window and return LazyKVs of every stored token."""
-        n, lr = key_states.shape[2], self._rlen
-        self._reserve_residual(lr + n)
-        self._rk[:, :, lr : lr + n].copy_(key_states)
-        self._rv[:, :, lr : lr + n].copy_(value_states)
-        self._rlen = lr + n
-        lq = self.k_buf.length
-        if lq == 0:  # nothing packed: the residual window is the whole history
-            return self.res_k, self.res_v
-        return self._lazy(self.packed_kv())
+    def _lazy(self, packed: PackedKV):
+        """LazyKVs of `packed`, filled (whole or by batch rows) into the shared workspace."""
+        kv = self.kv
+        shape = (kv.batch, kv.heads, packed.length, kv.head_dim)
+
+        def alloc(rows: int):
+            return self.workspace.views(rows, kv.heads, packed.length, kv.head_dim, kv.dtype, kv.device)
+
+        return lazy_pair(packed, shape, kv.dtype, alloc, self.fused_sdpa)
 
     def _chunk_step(self, key_states: torch.Tensor, value_states: torch.Tensor):
-        """A long chunk over a packed history: LazyKVs of [history | residual | new], then the usual push.
+        """A long chunk over a packed history: LazyKVs of [history | window | new], then the usual push.
 
         The turboquant attention fills them a few batch rows at a time, so a whole batch's dense history never
-        exists at once; any other consumer fills them whole, as `_assemble` would. Their exact tail is a copy of
-        the residual and the new tokens, and their packed views are taken after the push's room is made, so the
-        push changes nothing they read."""
-        lr, n = self._rlen, key_states.shape[2]
-        fp = self._with_residual(key_states, value_states)
-        if lr + n > self.residual_capacity:  # the push quantizes all but the newest residual_length tokens
-            for buf in self._buffers():
-                buf.reserve(lr + n - self.residual_length)
-        out = self._lazy(self.packed_kv(*fp))
-        self._push(key_states, value_states, fp=fp)
+        exists at once; any other consumer fills them whole. Their exact tail is a copy of the window and the new
+        tokens, and their packed views are taken after the push's room is made, so the push changes nothing they
+        read."""
+        kv = self.kv
+        lr, n = kv.window.length, key_states.shape[2]
+        fp = kv.with_window(key_states, value_states)
+        if lr + n > kv.window_capacity:  # the push quantizes all but the newest residual_length tokens
+            kv.reserve_packed(lr + n - self.residual_length)
+        out = self._lazy(kv.view(*fp))
+        kv.push(key_states, value_states, fp=fp)
         return out
+
+    def _assemble(self, key_states: torch.Tensor, value_states: torch.Tensor):
+        """[dequantized history | window | new] for this step's attention."""
+        kv = self.kv
+        lq, lr, n = kv.quantized, kv.window.length, key_states.shape[2]
+        if lq == 0:
+            return kv.with_window(key_states, value_states)
+        # autograd saves what attention reads: under grad the output must not be a workspace that the next layer
+        # overwrites, and KV-sharing producers' outputs are kept by later layers
+        shape = (kv.batch, kv.heads, lq + lr + n, kv.head_dim)
+        if self.private_output or (torch.is_grad_enabled() and (key_states.requires_grad or value_states.requires_grad)):
+            wk, wv = key_states.new_empty(shape), value_states.new_empty(shape)
+        else:
+            wk, wv = self.workspace.views(*shape, kv.dtype, kv.device)
+        kv.dense_into(wk, wv, key_states, value_states)
+        return wk, wv
 
     def get_seq_length(self) -> int:
         return self.cumulative_length
@@ -293,14 +267,51 @@ class TurboQuantLayer(LayerStore, LayerRead, LayerEdits, DynamicLayer):
     def check_crop(self, max_length: int) -> None:
         """Raise what `crop(max_length)` would raise, changing nothing: a full-attention layer takes every crop."""
 
+    def crop(self, max_length: int) -> None:
+        """Negative: remove that many newest tokens; positive: keep the first `max_length` tokens.
+
+        Zero follows the installed transformers: a no-op on 5.x (where generate calls `crop(-rejected)`, which is
+        `crop(0)` when every candidate was accepted), "keep 0 tokens" on 4.x (where crop takes a length).
+        """
+        if not self.is_initialized:
+            return
+        self.kv.settle()
+        seq = self.get_seq_length()
+        target = seq - abs(max_length) if max_length < 0 or (max_length == 0 and IS_V5) else max_length
+        if target >= seq:
+            return
+        self.kv.truncate(max(target, 0))
+        self.kv.seen = max(target, 0)
+
+    def _map_batch(self, fn) -> None:
+        if self.is_initialized:
+            self.kv.settle()
+            self.kv.map_batch(fn)
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        idx = beam_idx.to(self.device) if self.is_initialized else beam_idx
+        self._map_batch(lambda t: t.index_select(0, idx))
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        self._map_batch(lambda t: t.repeat_interleave(repeats, dim=0))
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        self._map_batch(lambda t: t[indices.to(t.device) if isinstance(indices, torch.Tensor) else indices])
+
+    def offload(self) -> None:
+        if self.is_initialized:
+            self.kv.settle()
+            self.kv.to("cpu")
+
+    def prefetch(self) -> None:
+        if self.is_initialized and self.kv.window.k.device != self.device:
+            self.kv.to(self.device)
+
     def nbytes(self) -> dict[str, int]:
-        """Bytes held between steps: packed buffers, residual window buffers (allocated capacity), sink copies."""
+        """Bytes held between steps: packed buffers, the window's buffers (allocated capacity), sink copies."""
         if not self.is_initialized:
             return {"packed": 0, "residual": 0, "sinks": 0}
-        self._settle()
-        res = (self._rk.numel() + self._rv.numel()) * self._rk.element_size()
-        sinks = (self._sk.numel() + self._sv.numel()) * self._sk.element_size()
-        return {"packed": sum(b.nbytes() for b in self._buffers()), "residual": res, "sinks": sinks}
+        return self.kv.nbytes()
 
     def __repr__(self) -> str:
         return (

@@ -56,17 +56,17 @@ def warn_widened(layer_idx, biggest: float, stacklevel: int) -> None:
 
 class NormCheck:
     """One quantize call's pending check. `writes`: (buffer, first slot, the float32 norms stored there as float16)
-    for every buffer of `layer` the call wrote; each buffer holds this check as its `pending` until it is settled.
-    The check holds the buffers and the layer weakly (no reference cycle keeps a dropped cache alive), and settles
+    for every buffer of `state` the call wrote; each buffer holds this check as its `pending` until it is settled.
+    The check holds the buffers and the state weakly (no reference cycle keeps a dropped cache alive), and settles
     under a lock: a buffer's `pending` is cleared only once its norms are final, so another thread that reads them
     meanwhile waits here instead.
 
     Example:
-        check = NormCheck(largest_finite_norm(k, v), layer, [(layer.k_buf, at, k_norms32), (layer.v_buf, at, v_norms32)])
-        layer.k_buf.norms  # settles it: float32 norms from here on if a norm was past 65504
+        check = NormCheck(largest_finite_norm(k, v), state, [(state.k_buf, at, k_norms32), (state.v_buf, at, v_norms32)])
+        state.k_buf.norms  # settles it: float32 norms from here on if a norm was past 65504
     """
 
-    def __init__(self, biggest: torch.Tensor, layer, writes: list[tuple]):
+    def __init__(self, biggest: torch.Tensor, state, writes: list[tuple]):
         if biggest.device.type == "cuda":  # read back later: copy to pinned memory now, without waiting
             self._host = torch.empty((), dtype=torch.float32, pin_memory=True)
             self._host.copy_(biggest, non_blocking=True)
@@ -74,14 +74,14 @@ class NormCheck:
             self._done.record(torch.cuda.current_stream(biggest.device))
         else:
             self._host, self._done = biggest, None
-        self._layer = weakref.ref(layer)
+        self._layer = weakref.ref(state)
         self._writes = [(weakref.ref(buf), at, norms) for buf, at, norms in writes]
         self._lock = threading.Lock()
         for buf, _, _ in writes:
             buf.pending = self
 
     def settle(self) -> None:
-        """Wait for the check's value (long ready, as a rule), and widen the layer's norms if it calls for that.
+        """Wait for the check's value (long ready, as a rule), and widen the state's norms if it calls for that.
         Nothing is marked settled before the norms are final: an error here (out of memory, a warning raised as an
         error) leaves the check pending, to be settled again at the next use."""
         with self._lock:
@@ -90,21 +90,21 @@ class NormCheck:
             if self._done is not None:
                 self._done.synchronize()
             biggest = float(self._host)
-            layer = self._layer()
+            state = self._layer()
             live = [(buf, at, norms) for ref, at, norms in self._writes if (buf := ref()) is not None]
             if biggest > FP16_MAX:
                 bufs = {id(b): b for b, _, _ in live}
-                if layer is not None:
-                    bufs.update((id(b), b) for b in layer._buffers())
+                if state is not None:
+                    bufs.update((id(b), b) for b in state.buffers())
                 for buf in bufs.values():
                     buf.widen_norms()
                 for buf, at, norms in live:
                     buf.raw_norms()[:, :, at : at + norms.shape[2]].copy_(norms)
-                if layer is not None:
-                    layer.norm_dtype = torch.float32
+                if state is not None:
+                    state.norm_dtype = torch.float32
             self._writes = None
             for buf, _, _ in live:
                 if buf.pending is self:
                     buf.pending = None
         if biggest > FP16_MAX:
-            warn_widened(getattr(layer, "layer_idx", "?"), biggest, stacklevel=4)
+            warn_widened(getattr(state, "layer_idx", "?"), biggest, stacklevel=4)

@@ -236,7 +236,7 @@ def static_packed_kv(store: torch.Tensor, ring_k: torch.Tensor, ring_v: torch.Te
                      tuple(more), rope is not None)
     parts = None
     if split is not None:
-        parts = tuple((p[f"k_packed{i or ''}"], p[f"k_norms{i or ''}"]) for i in range(len(split.parts)))
+        parts = tuple((p[f"k{i or ''}_packed"], p[f"k{i or ''}_norms"]) for i in range(len(split.parts)))
     return PackedKV(p["k_packed"], p["k_norms"], p["v_packed"], p["v_norms"], p["sink_k"], p["sink_v"], ring_k, ring_v,
                     p["length"], p["exact_from"], rotation, kcb, vcb, sinks, k_quantizer, v_quantizer, scratch,
                     counters, key_split=split, key_parts=parts,
@@ -330,6 +330,23 @@ def _(packed, norms, quantizer_id, dtype):
     rotation, _ = quantizer(quantizer_id)
     b, h, t, _ = packed.shape
     return packed.new_empty(b, h, t, rotation.dim, dtype=_OUT_DTYPES[dtype])
+
+
+def fused_decode(query: torch.Tensor, kv, mask: torch.Tensor | None, scale: float | None, *, fused: bool = True,
+                 quiet: bool = False) -> torch.Tensor | None:
+    """`decode_attention` where a fused kernel serves this step (`select.for_step`, its one warning per reason
+    unless `quiet`; `fused=False`: only the workspace path is wanted), else None: the caller attends over dense
+    keys and values instead."""
+    choice = select.for_step(query, kv, fused=fused, quiet=quiet)
+    return decode_attention(query, kv, mask, scale, choice) if choice.fused else None
+
+
+def static_step_fused(device: torch.device, head_dim: int, key_bits: int, value_bits: int, group: int, n: int,
+                      split, capacity: int, key_rows: int) -> bool:
+    """Whether a static layer's step of n queries is served by a fused kernel (`select.step`: static facts only,
+    so a compiled step's answer is a constant)."""
+    return select.step(device, head_dim, key_bits, value_bits, group, n, split, capacity, key_rows, static=True,
+                       quiet=True).fused
 
 
 def decode_attention(query: torch.Tensor, kv, mask: torch.Tensor | None, scale: float | None,

@@ -105,11 +105,11 @@ def static_parts(batch: int, heads: int, capacity: int, dim: int, key_bytes: int
     (length, exact_from) as int64 and the norm check "norm_guard", (2,) float32: the largest finite key / value norm
     that a compiled append stored or read, and the largest that eager appends stored since the layer last settled
     its check (float16 norms past 65504 are inf until then; `static_cache` reads it). Split keys: k_packed / k_norms
-    hold part 0 (key_bytes a row), and parts 1, 2, ... (key_part_bytes a row) follow as k_packed1 / k_norms1, ....
+    hold part 0 (key_bytes a row), and parts 1, 2, ... (key_part_bytes a row) follow as k1_packed / k1_norms, ....
     Centred keys (`key_mean`): the pre-RoPE key mean (B, H, 1, D) float32 as key_mean."""
-    extra = [(f"{kind}{p}", dt, shape) for p, nb in enumerate(key_part_bytes, start=1)
-             for kind, dt, shape in (("k_packed", torch.uint8, (batch, heads, capacity, nb)),
-                                     ("k_norms", norm_dtype, (batch, heads, capacity)))]
+    extra = [(f"k{p}_{kind}", dt, shape) for p, nb in enumerate(key_part_bytes, start=1)
+             for kind, dt, shape in (("packed", torch.uint8, (batch, heads, capacity, nb)),
+                                     ("norms", norm_dtype, (batch, heads, capacity)))]
     parts, off = [], 0
     for name, dt, shape in (
         ("k_packed", torch.uint8, (batch, heads, capacity, key_bytes)),

@@ -32,7 +32,9 @@ from .config import MODEL_FACT_KEYS, TurboQuantConfig, model_facts
 PREFIX_JSON = "turboquant_prefix.json"
 PREFIX_TENSORS = "turboquant_prefix.safetensors"
 PREFIX_FORMAT = "tq_hf_cache.prefix"
-PREFIX_FORMAT_VERSION = 2
+PREFIX_FORMAT_VERSION = 3
+# version 2 named the exact window "res_k" / "res_v" (field "residual"): read and converted on load
+_V2_NAMES = {"res_k": "window_k", "res_v": "window_v"}
 _DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 _NORM_DTYPES = ("float16", "float32")
 MAX_COUNT = 2**40  # tokens, batch rows, heads: far above any real cache, low enough to refuse a corrupt huge number
@@ -107,14 +109,9 @@ def _quantizer_digest(rotation, k_codebook, v_codebook, key_split=None) -> str:
     return h.hexdigest()
 
 
-def _layer_digest(layer) -> str:
-    """`quantizer_digest` of a TurboQuant layer."""
-    return quantizer_digest(layer.rotation, layer.k_codebook, layer.v_codebook, layer.key_split)
-
-
-def _packed_buffers(layer) -> list[tuple[str, Any]]:
-    """(stored name, buffer) of a layer's packed buffers: keys (each part of split keys: k, k1, k2, ...), values."""
-    return [("k", layer.k_buf), *((f"k{j}", b) for j, b in enumerate(layer.k_more, start=1)), ("v", layer.v_buf)]
+def state_digest(state) -> str:
+    """`quantizer_digest` of a layer state's quantizers."""
+    return quantizer_digest(state.rotation, state.k_codebook, state.v_codebook, state.key_split)
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -132,7 +129,7 @@ def save_prefix(cache, path: str, token_ids, model=None) -> str:
     ids = _check_save_args(cache, token_ids, model)
     for layer in cache.layers:
         if isinstance(layer, TurboQuantLayer) and layer.is_initialized:
-            layer._settle()  # what a decode step left beyond the residual window: stored as a dense step leaves it
+            layer.kv.settle()  # what a decode step left beyond the window: stored as a dense step leaves it
     tensors: dict[str, torch.Tensor] = {}
     layers = [_save_layer(layer, i, tensors, ids.shape[0]) for i, layer in enumerate(cache.layers)]
     blob = _io.safetensors_bytes(tensors, metadata={"format": PREFIX_FORMAT})
@@ -203,22 +200,16 @@ def _save_layer(layer, i: int, tensors: dict, batch: int) -> dict[str, Any]:
 def _save_tq_layer(layer, i: int, tensors: dict) -> dict[str, Any]:
     if not layer.is_initialized:
         return {"kind": "turboquant", "initialized": False}
-    p = f"layers.{i}."
-    for name, buf in _packed_buffers(layer):
-        tensors[p + f"{name}_packed"], tensors[p + f"{name}_norms"] = buf.live()
-    tensors.update({
-        p + "res_k": layer.res_k, p + "res_v": layer.res_v,
-        p + "sink_k": layer._sk[:, :, : layer._slen], p + "sink_v": layer._sv[:, :, : layer._slen],
-    })
-    if layer._mu is not None:
-        tensors[p + "key_mean"] = layer._mu
+    kv, p = layer.kv, f"layers.{i}."
+    state, lengths = kv.state(), kv.lengths()
+    tensors.update({p + name: t for name, t in state.items()})
     return {
         "kind": "turboquant", "initialized": True, "class": type(layer).__name__,
-        "key_bits": layer.key_bits, "value_bits": layer.value_bits, "dtype": _dtype_name(layer.dtype),
-        "norm_dtype": _dtype_name(layer.norm_dtype), "batch": layer.batch, "heads": layer.heads,
-        "head_dim": layer.head_dim, "cumulative_length": layer.cumulative_length,
-        "quantized": layer.k_buf.length, "residual": layer._rlen, "sinks": layer._slen, "digest": _layer_digest(layer),
-        "key_parts": 1 + len(layer.k_more), "key_mean": layer._mu is not None,
+        "key_bits": layer.key_bits, "value_bits": layer.value_bits, "dtype": _dtype_name(kv.dtype),
+        "norm_dtype": _dtype_name(kv.norm_dtype), "batch": kv.batch, "heads": kv.heads,
+        "head_dim": kv.head_dim, "cumulative_length": lengths["seen"],
+        "quantized": lengths["quantized"], "window": lengths["window"], "sinks": lengths["sinks"],
+        "digest": state_digest(kv), "key_parts": kv.key_parts, "key_mean": "key_mean" in state,
     }
 
 
@@ -235,6 +226,11 @@ def _save_plain_layer(layer, i: int, tensors: dict) -> dict[str, Any]:
 
 
 # ---- the index's schema ----------------------------------------------------------------------------------------
+
+
+def _v2_name(name: str) -> str:
+    layer, _, short = name.rpartition(".")
+    return f"{layer}.{_V2_NAMES[short]}" if short in _V2_NAMES else name
 
 
 def _is_int(v) -> bool:
@@ -268,7 +264,7 @@ _PLAIN = {**_LAYER_HEAD, "class": _NAME, "dtype": _DTYPE, "batch": _POSITIVE, "l
 _TQ = {
     **_LAYER_HEAD, "class": _NAME, "key_bits": _BITS, "value_bits": _BITS, "dtype": _DTYPE,
     "norm_dtype": _NORM_DTYPE, "batch": _POSITIVE, "heads": _POSITIVE, "head_dim": _POSITIVE,
-    "cumulative_length": _COUNT, "quantized": _COUNT, "residual": _COUNT, "sinks": _COUNT, "digest": _HEX,
+    "cumulative_length": _COUNT, "quantized": _COUNT, "window": _COUNT, "sinks": _COUNT, "digest": _HEX,
     "key_parts": _POSITIVE, "key_mean": _BOOL,
 }
 
@@ -315,7 +311,13 @@ def check_index(doc, where: str) -> None:
 
 
 def read_prefix_info(path: str) -> dict[str, Any]:
-    """The JSON index of a prefix folder: parsed, version- and schema-checked, its own digest verified."""
+    """The JSON index of a prefix folder: parsed, version- and schema-checked, its own digest verified (an index of
+    version 2 comes back as version 3 names it)."""
+    return _read_index(path)[0]
+
+
+def _read_index(path: str) -> tuple[dict[str, Any], int]:
+    """(the index as this version names it, the version it was written in)."""
     where = os.path.join(path, PREFIX_JSON)
     if not os.path.isfile(where):
         raise FileNotFoundError(f"no {PREFIX_JSON} in {path!r}: save one with cache.save_prefix(path, token_ids)")
@@ -330,16 +332,26 @@ def read_prefix_info(path: str) -> dict[str, Any]:
             f"its index; this release reads version {PREFIX_FORMAT_VERSION}: re-save the prefix with "
             "cache.save_prefix(path, token_ids)"
         )
-    check_index(doc, where)
+    new = _converted(doc)
+    check_index(new, where)
     if index_digest(doc) != doc["index_sha256"]:
         raise ValueError(f"{where}: field index_sha256 does not match the index's content: the file was edited or "
                          "damaged after save_prefix; re-save the prefix")
-    return doc
+    return new, doc["format_version"]
+
+
+def _converted(doc):
+    """A version 2 index as version 3 names it (field "residual" is "window"); anything else as it is."""
+    if not isinstance(doc, dict) or doc.get("format_version") != 2 or not isinstance(doc.get("layers"), list):
+        return doc
+    layers = [{("window" if k == "residual" else k): v for k, v in info.items()} if isinstance(info, dict) else info
+              for info in doc["layers"]]
+    return {**doc, "layers": layers, "format_version": PREFIX_FORMAT_VERSION}
 
 
 def load_prefix(cls, path: str, config, *, token_ids=None, codebooks=None, device=None, model=None):
     """A `cls` (TurboQuantCache) holding the saved prefix; see `TurboQuantCache.load_prefix`."""
-    doc = read_prefix_info(path)
+    doc, version = _read_index(path)
     where = os.path.join(path, PREFIX_JSON)
     facts = model_facts(config)
     for k in MODEL_FACT_KEYS:  # exact: a model_type unknown on one side does not match a known one
@@ -350,6 +362,8 @@ def load_prefix(cls, path: str, config, *, token_ids=None, codebooks=None, devic
     if token_ids is not None:
         _check_tokens(doc, where, token_ids)
     tensors = _read_tensors(path, doc["tensors_sha256"], device)
+    if version == 2:
+        tensors = {_v2_name(name): t for name, t in tensors.items()}
     try:
         cache = cls(TurboQuantConfig.from_dict(doc["tq_config"]), config=config, codebooks=codebooks)
     except ValueError as e:
@@ -459,57 +473,44 @@ def _check_stored_length(layer, i: int, stored: int, info: dict, where: str, fie
 
 
 def _restore_tq_layer(layer, i: int, info: dict, facts: dict, get, where: str, device) -> None:
-    from .packed_buffer import PackedBuffer
-
     if (layer.key_bits, layer.value_bits) != (info["key_bits"], info["value_bits"]):
         raise ValueError(f"{where}: layers[{i}] was saved at k{info['key_bits']}v{info['value_bits']}, this cache "
                          f"uses k{layer.key_bits}v{layer.value_bits}")
-    b, h, d, q, r, s = (info[k] for k in ("batch", "heads", "head_dim", "quantized", "residual", "sinks"))
+    b, h, d, q, r, s = (info[k] for k in ("batch", "heads", "head_dim", "quantized", "window", "sinks"))
     if (h, d) != (facts["num_key_value_heads"], facts["head_dim"]):
         raise ValueError(f"{where}: layers[{i}] has heads={h}, head_dim={d}, the model "
                          f"{facts['num_key_value_heads']} KV heads of dim {facts['head_dim']}")
-    _check_stored_length(layer, i, q + r, info, where, "quantized + residual")
+    _check_stored_length(layer, i, q + r, info, where, "quantized + window")
     if r > layer.residual_capacity or s != min(layer.sink_tokens, q):
-        raise ValueError(f"{where}: layers[{i}] holds residual={r} and sinks={s}; this config keeps a residual of "
+        raise ValueError(f"{where}: layers[{i}] holds window={r} and sinks={s}; this config keeps a window of "
                          f"at most {layer.residual_capacity} and min(sink_tokens={layer.sink_tokens}, quantized={q}) "
                          "sinks")
     dtype = _DTYPES[info["dtype"]]
     layer.lazy_initialization(torch.empty(b, h, 0, d, dtype=dtype, device=device))
-    if _layer_digest(layer) != info["digest"]:
+    kv = layer.kv
+    if state_digest(kv) != info["digest"]:
         raise ValueError(
             f"{where}: field layers[{i}].digest: the codes were quantized with another rotation or other codebooks "
             "than this cache's (seed, rotation kind or calibrated codebooks differ): they would decode to other vectors"
         )
-    layer.norm_dtype = _DTYPES[info["norm_dtype"]]
-    buffers = _packed_buffers(layer)
-    if info["key_parts"] != len(buffers) - 1:
+    if info["key_parts"] != kv.key_parts:
         raise ValueError(f"{where}: field layers[{i}].key_parts is {info['key_parts']}, this cache's config splits "
-                         f"keys in {len(buffers) - 1} part(s)")
+                         f"keys in {kv.key_parts} part(s)")
     centred = layer.rope is not None
     if info["key_mean"] and not centred or centred and q and not info["key_mean"]:
         raise ValueError(f"{where}: field layers[{i}].key_mean is {info['key_mean']} with {q} quantized tokens; this "
                          f"cache's config has key_centering={centred}")
-    p = f"layers.{i}."
-    fresh_bufs = []
-    for name, buf in buffers:
-        packed = get(p + f"{name}_packed", (b, h, q, buf.nbytes_per_vec), torch.uint8, i)
-        norms = get(p + f"{name}_norms", (b, h, q), layer.norm_dtype, i)
-        fresh = PackedBuffer(b, h, buf.dim, buf.bits, layer.norm_dtype, packed.device)
-        slots_p, slots_n = fresh.append_slots(q)
-        slots_p.copy_(packed)
-        slots_n.copy_(norms)
-        fresh_bufs.append(fresh)
-    layer.k_buf, *layer.k_more, layer.v_buf = fresh_bufs
+    norm_dtype, p = _DTYPES[info["norm_dtype"]], f"layers.{i}."
+    tensors = {}
+    for (name, dim, bits), nbytes in zip(kv.part_dims(), (buf.nbytes_per_vec for buf in kv.buffers())):
+        tensors[f"{name}_packed"] = get(p + f"{name}_packed", (b, h, q, nbytes), torch.uint8, i)
+        tensors[f"{name}_norms"] = get(p + f"{name}_norms", (b, h, q), norm_dtype, i)
     if info["key_mean"]:
-        layer._mu = get(p + "key_mean", (b, h, 1, d), torch.float32, i)
-    res_k, res_v = (get(p + n, (b, h, r, d), dtype, i) for n in ("res_k", "res_v"))
-    layer._reserve_residual(r)
-    layer._rk[:, :, :r].copy_(res_k)
-    layer._rv[:, :, :r].copy_(res_v)
-    layer._rlen = r
-    layer._sk, layer._sv = (get(p + n, (b, h, s, d), dtype, i) for n in ("sink_k", "sink_v"))
-    layer._slen = s
-    layer.cumulative_length = info["cumulative_length"]
+        tensors["key_mean"] = get(p + "key_mean", (b, h, 1, d), torch.float32, i)
+    for name, n in (("window_k", r), ("window_v", r), ("sink_k", s), ("sink_v", s)):
+        tensors[name] = get(p + name, (b, h, n, d), dtype, i)
+    kv.load_state(tensors, {"seen": info["cumulative_length"], "quantized": q, "window": r, "sinks": s},
+                  norm_dtype, where=f"{where}: layers[{i}]")
 
 
 def _restore_plain_layer(layer, i: int, info: dict, facts: dict, get, where: str) -> None:

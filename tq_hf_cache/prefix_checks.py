@@ -8,7 +8,7 @@ from typing import Callable
 
 import torch
 
-from .prefix import _layer_digest, quantizer_digest
+from .prefix import state_digest
 
 
 def check_args(page_tokens, cpu_bytes, gpu_bytes, disk_dir, disk_bytes, device) -> torch.device:
@@ -69,11 +69,7 @@ class QuantizerCheck:
         if i not in self._digests:
             layer = self.new_cache().layers[i]
             dtype = getattr(torch, info["dtype"].removeprefix("torch."))
-            if self.static:
-                x = torch.zeros(1, info["heads"], 1, info["head_dim"], dtype=dtype)
-                layer.lazy_initialization(x, x)
-                self._digests[i] = quantizer_digest(*layer._quantizers, layer.key_split)
-            else:
-                layer.lazy_initialization(torch.empty(1, info["heads"], 0, info["head_dim"], dtype=dtype))
-                self._digests[i] = _layer_digest(layer)
+            x = torch.zeros(1, info["heads"], 1 if self.static else 0, info["head_dim"], dtype=dtype)
+            layer.lazy_initialization(x, x)
+            self._digests[i] = state_digest(layer.kv)
         return self._digests[i]

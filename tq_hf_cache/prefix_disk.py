@@ -33,7 +33,7 @@ import torch
 from . import _io
 
 PAGE_FORMAT = "tq_hf_cache.prefix_page"
-PAGE_VERSION = "2"
+PAGE_VERSION = "3"
 LOCK_NAME = ".lock"
 SUFFIX = ".pack"
 _OLD_SUFFIX = ".safetensors"  # one page a file (format version 1): removed when a store takes the folder

@@ -9,9 +9,9 @@ import json
 import torch
 
 from .config import model_facts
-from .prefix import _restore_layer, _save_layer, quantizer_digest
+from .prefix import _restore_layer, _save_layer, state_digest
+from .state.layer_state import is_paged
 
-PAGED = ("_packed", "_norms")
 
 
 def capture(cache, rows: torch.Tensor, static: bool, page_tokens: int) -> tuple[dict, list[dict], str, set, int]:
@@ -21,15 +21,15 @@ def capture(cache, rows: torch.Tensor, static: bool, page_tokens: int) -> tuple[
         quantized = [rows.shape[1]]  # a static layer holds the codes of every position
     else:
         for layer in cache.layers:
-            if getattr(layer, "is_initialized", False) and hasattr(layer, "_settle"):
-                layer._settle()  # what a decode step left beyond the residual window, as a dense step leaves it
+            if getattr(layer, "is_initialized", False) and hasattr(getattr(layer, "kv", None), "settle"):
+                layer.kv.settle()  # what a decode step left beyond the window, as a dense step leaves it
         tensors = {}
         infos = [_save_layer(layer, i, tensors, rows.shape[0]) for i, layer in enumerate(cache.layers)]
         infos = [{**info, "batch": 1} if "batch" in info else info for info in infos]
         # pages: the full-attention TurboQuant layers' packed tokens, which are the sequence's first ones (a
         # sliding layer's packed buffers begin wherever its window does: they go whole into the snapshot)
         tq = [i for i, info in enumerate(infos) if info.get("class") == "TurboQuantLayer" and info["initialized"]]
-        paged = {n for n in tensors if n.endswith(PAGED) and n.startswith(tuple(f"layers.{i}." for i in tq))}
+        paged = {n for n in tensors if is_paged(n) and n.startswith(tuple(f"layers.{i}." for i in tq))}
         quantized = [infos[i]["quantized"] for i in tq]
     m = (min(quantized) if quantized else 0) // page_tokens
     # the layer layout every row's endpoint is stored under (one for the batch: the rows share their layers)
@@ -84,9 +84,6 @@ def rows_of(input_ids) -> torch.Tensor:
     return t.to(torch.int64)
 
 
-_STATIC_PAGED = ("k_packed", "k_norms", "v_packed", "v_norms")  # a static layer's parts with a row per position
-
-
 def check_static(cache) -> None:
     from .static_cache import TurboQuantStaticLayer
 
@@ -98,8 +95,8 @@ def check_static(cache) -> None:
 
 
 def _static_state(cache, batch: int) -> tuple[dict, list[dict], set]:
-    """(tensors, infos, paged names) of a TurboQuantStaticCache: every layer's state (`TurboQuantStaticLayer.state`),
-    the lengths in the infos."""
+    """(tensors, infos, paged names) of a TurboQuantStaticCache: every layer's state (`FixedState.state`), the codes
+    and norms cut to the positions held, the lengths in the infos."""
     check_static(cache)
     tensors, infos, paged = {}, [], set()
     for i, layer in enumerate(cache.layers):
@@ -108,15 +105,14 @@ def _static_state(cache, batch: int) -> tuple[dict, list[dict], set]:
             continue
         if layer.batch_size != batch:
             raise ValueError(f"layer {i} holds batch {layer.batch_size} but token_ids has batch {batch}")
-        state = layer.state()
-        length, exact_from = (int(x) for x in state.pop("lengths"))
+        state, lengths = layer.state(), layer.kv.lengths()
         for name, t in state.items():
-            tensors[f"layers.{i}.{name}"] = t[:, :, :length] if name.startswith(_STATIC_PAGED) else t
-            if name.startswith(_STATIC_PAGED):
+            tensors[f"layers.{i}.{name}"] = t[:, :, : lengths["length"]] if is_paged(name) else t
+            if is_paged(name):
                 paged.add(f"layers.{i}.{name}")
         infos.append({"class": "TurboQuantStaticLayer", "initialized": True, "dtype": str(layer.dtype),
-                      "heads": layer.num_heads, "head_dim": layer.k_head_dim, "length": length,
-                      "exact_from": exact_from, "digest": quantizer_digest(*layer._quantizers, layer.key_split)})
+                      "heads": layer.num_heads, "head_dim": layer.k_head_dim, **lengths,
+                      "digest": state_digest(layer.kv)})
     return tensors, infos, paged
 
 
@@ -128,20 +124,13 @@ def _restore_static(cache, infos: list[dict], tensors: dict, batch: int, device)
         dtype = getattr(torch, info["dtype"].removeprefix("torch."))
         x = torch.zeros(batch, info["heads"], 1, info["head_dim"], dtype=dtype, device=device)
         layer.lazy_initialization(x, x)
-        if quantizer_digest(*layer._quantizers, layer.key_split) != info["digest"]:
+        if state_digest(layer.kv) != info["digest"]:
             raise ValueError(f"the store's static layer {i} was quantized with other rotations or codebooks than this "
                              "cache's")
-        state = layer.state()
-        old = state.pop("lengths")
-        for name, view in state.items():
-            t = tensors[f"layers.{i}.{name}"]
-            dst = view[:, :, : info["length"]] if name.startswith(_STATIC_PAGED) else view
-            if tuple(dst.shape) != tuple(t.shape) or dst.dtype != t.dtype:
-                raise ValueError(f"the store's layer {i} tensor {name!r} is {tuple(t.shape)} {t.dtype}, this cache's "
-                                 f"{tuple(dst.shape)} {dst.dtype}")
-            dst.copy_(t)
-        old.copy_(torch.tensor([info["length"], info["exact_from"]], dtype=torch.int64))
-        layer._mu_pending = False  # the key mean, when there is one, came with the state
+        prefix = f"layers.{i}."
+        layer.kv.load_state({n[len(prefix):]: t for n, t in tensors.items() if n.startswith(prefix)},
+                            {"length": info["length"], "exact_from": info["exact_from"]},
+                            where=f"the store's layer {i}")
 
 
 def binding(tensors: dict, paged: set) -> str:

@@ -21,22 +21,24 @@ class TurboQuantSlidingLayer(TurboQuantLayer):
     is_croppable = True
 
     def __init__(self, *, sliding_window: int, **kwargs):
+        self._record_past = False
         TurboQuantLayer.__init__(self, **kwargs)
         self.sliding_window = int(sliding_window)
-        self.record_past = False
 
-    def _drop_old(self, fp_tokens: int) -> int:
-        """Drop tokens beyond `sliding_window - 1` from the packed front; return how many of the oldest
-        full-precision tokens (residual, then new) must go too. Nothing is dropped while recording the past."""
-        if self.record_past:
-            return 0
-        excess = self.k_buf.length + fp_tokens - (self.sliding_window - 1)
-        if excess <= 0:
-            return 0
-        from_packed = min(excess, self.k_buf.length)
-        for buf in self._buffers():
-            buf.drop_front(from_packed)
-        return excess - from_packed
+    @property
+    def record_past(self) -> bool:
+        """Whether tokens that leave the window are kept (until the next `crop`); see `activate_past_recording`."""
+        return self._record_past
+
+    @record_past.setter
+    def record_past(self, value: bool) -> None:
+        self._record_past = bool(value)
+        if self.kv is not None:
+            self.kv.keep = None if self._record_past else self.sliding_window - 1
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor | None = None) -> None:
+        TurboQuantLayer.lazy_initialization(self, key_states, value_states)
+        self.record_past = self._record_past  # the state drops what leaves the window, unless recording
 
     def get_mask_sizes(self, query_length_or_cache_position, *args) -> tuple[int, int]:
         q = _query_length(query_length_or_cache_position)
@@ -73,7 +75,7 @@ class TurboQuantSlidingLayer(TurboQuantLayer):
         any): past the window only while recording, and only by a count (<= 0) of newest tokens to remove."""
         if not self.is_initialized:
             return
-        self._settle()  # what a decode step left beyond the residual window: no visible change
+        self.kv.settle()  # what a decode step left beyond the window: no visible change
         if self.get_seq_length() < self.sliding_window:
             return
         if not self.record_past:
@@ -86,7 +88,7 @@ class TurboQuantSlidingLayer(TurboQuantLayer):
                 "once its window is full, a sliding-window TurboQuant layer is cropped by a negative count of tokens "
                 f"to remove, got {max_length}"
             )
-        remove, stored = -max_length, self.k_buf.length + self._rlen
+        remove, stored = -max_length, self.kv.quantized + self.kv.window.length
         needed = min(self.cumulative_length - remove, self.sliding_window - 1)
         if remove > stored or stored - remove < needed:
             raise SlidingCropError(
@@ -97,27 +99,12 @@ class TurboQuantSlidingLayer(TurboQuantLayer):
     def crop(self, max_length: int) -> None:
         """As `DynamicSlidingWindowLayer.crop` (see `check_crop`); it also trims what is kept back to the window."""
         if self.is_initialized:
-            self._settle()
+            self.kv.settle()
         if not self.is_initialized or self.get_seq_length() < self.sliding_window:
             super().crop(max_length)
             return
         self.check_crop(max_length)
-        remove, stored = -max_length, self.k_buf.length + self._rlen
-        self._truncate(stored - remove)
-        self.cumulative_length -= remove
-        self._trim_front(self.sliding_window - 1)
-
-    def _trim_front(self, keep: int) -> None:
-        """Drop the oldest stored tokens beyond `keep`: packed ones first, then the residual's front."""
-        excess = self.k_buf.length + self._rlen - keep
-        if excess <= 0:
-            return
-        from_packed = min(excess, self.k_buf.length)
-        for buf in self._buffers():
-            buf.drop_front(from_packed)
-        e = excess - from_packed
-        if e:
-            rest = self._rlen - e
-            self._rk[:, :, :rest] = self._rk[:, :, e : self._rlen].clone()
-            self._rv[:, :, :rest] = self._rv[:, :, e : self._rlen].clone()
-            self._rlen = rest
+        remove, stored = -max_length, self.kv.quantized + self.kv.window.length
+        self.kv.truncate(stored - remove)
+        self.kv.seen -= remove
+        self.kv.trim_front(self.sliding_window - 1)

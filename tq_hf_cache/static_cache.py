@@ -38,7 +38,6 @@ every layer's check at once.
 from __future__ import annotations
 
 import copy
-import dataclasses
 from functools import partial
 
 import torch
@@ -50,15 +49,13 @@ from .attention import NAME
 from .cache import _check_codebook_rotation, _check_codebooks, _codebook, _rotation, resolve_config
 from .config import model_facts
 from .crop import crop_layers
-from .codebook import theoretical_codebook
-from .kernels import DECODE_MAX_ROWS, select
-from .key_split import make_split
+from .kernels import DECODE_MAX_ROWS
 from .layer import _query_length
-from .norm_check import FP16_MAX, note_largest, row_norms, warn_widened
-from .packed_kv import MAX_FUSED_QUERIES, PACKED_ATTR, PackedKV, StaticKV, static_parts, static_views
-from .reference import overlay_exact
-from .packing import packed_bytes
-from .rope import RopeAngles, key_mean, rope_angles
+from .norm_check import FP16_MAX, warn_widened
+from .packed_kv import MAX_FUSED_QUERIES, PackedKV
+from .rope import rope_angles
+from .state import FixedState, make_quantizers
+from .state.fixed import mark_static
 
 
 class _Shared:
@@ -93,7 +90,7 @@ class _Shared:
             by_device.setdefault(layer.keys.device, []).append(layer)
         error = None
         for group in by_device.values():
-            for layer, guard in zip(group, torch.stack([x._norm_guard() for x in group]).tolist()):
+            for layer, guard in zip(group, torch.stack([x.kv.norm_guard() for x in group]).tolist()):
                 try:
                     layer._settle_norms(guard)
                 except RuntimeError as e:
@@ -109,15 +106,10 @@ class _Shared:
     def ensure(self, numel: int, counters: int, device: torch.device) -> None:
         if self.scratch is None or self.scratch.numel() < numel or self.scratch.device != device:
             self.scratch = torch.empty(numel, dtype=torch.float32, device=device)
-            _mark_static(self.scratch)
+            mark_static(self.scratch)
         if self.counters is None or self.counters.numel() < counters or self.counters.device != device:
             self.counters = torch.zeros(counters, dtype=torch.int32, device=device)
-            _mark_static(self.counters)
-
-
-def _mark_static(t: torch.Tensor) -> None:
-    if not torch.compiler.is_compiling():
-        torch._dynamo.mark_static_address(t)
+            mark_static(self.counters)
 
 
 def held_only(attn_config, n: int) -> bool:
@@ -174,7 +166,9 @@ class ExactStaticLayer(StaticLayer):
 
 
 class TurboQuantStaticLayer(StaticLayer):
-    """A full-attention layer of fixed capacity; see the module docstring."""
+    """A full-attention layer of fixed capacity: the transformers side (checks, what `update` returns, masks, crop,
+    beam reorder, pickling) over the layer's `FixedState`, `kv` (None until the first update); see the module
+    docstring. `keys` / `values` are the state's rings."""
 
     is_compileable = True
     is_sliding = False
@@ -199,25 +193,36 @@ class TurboQuantStaticLayer(StaticLayer):
         key_split: dict | None = None,
         rope=None,
     ):
+        self.kv: FixedState | None = None
         StaticLayer.__init__(self, max_cache_len=max_cache_len)
         self.key_split_spec = key_split  # keys split in parts (`key_split`), checked at the first update
         self.rope = rope  # set: keys are centred (k - R(t) mu is quantized; mu from the first update's keys)
-        self._mu_pending = rope is not None
         self.key_bits, self.value_bits = key_bits, value_bits
         self.residual_length, self.sink_tokens = residual_length, sink_tokens
-        self.norm_dtype, self.layer_idx = norm_dtype, layer_idx
+        self.config_norm_dtype, self.layer_idx = norm_dtype, layer_idx
         self.max_batch_size = max_batch_size
         self._rotation_for, self._codebook_for = rotation_for, codebook_for
         self._attn_config, self._group = attn_config, query_group
         self._shared = shared
         self._codebook_check = codebook_check
         self._length_read: torch.Tensor | None = None  # a compiled step's read of the length before its append
-        self._pending: tuple | None = None  # (first position, float32 norms) of the last eager append not yet checked
-        self._guard_at = 0  # byte offset of the norm guard in the buffer
 
     @property
     def ring_size(self) -> int:
         return min(self.residual_length + MAX_FUSED_QUERIES, self.max_cache_len)
+
+    @property
+    def norm_dtype(self) -> torch.dtype:
+        return self.kv.norm_dtype if self.kv is not None else self.config_norm_dtype
+
+    @property
+    def key_split(self):
+        return self.kv.key_split if self.kv is not None else None
+
+    @property
+    def packed(self) -> PackedKV:
+        """The state as a `PackedKV` of views of its buffer and rings (traced as view ops when compiled)."""
+        return self.kv.view()
 
     def _check(self, key_states: torch.Tensor, value_states: torch.Tensor) -> int | None:
         """Refuse states that do not fit; returns the positions held before them (eager steps of an initialized
@@ -253,60 +258,28 @@ class TurboQuantStaticLayer(StaticLayer):
         self.dtype, self.device = key_states.dtype, key_states.device
         self.batch_size, self.num_heads, self.k_head_dim, self.v_head_dim = b, h, d, d
         cap, dev = self.max_cache_len, self.device
-        rotation = self._rotation_for(d).to(dev)
-        kcb = self._codebook_for("key", self.key_bits, d).to(dev)
-        vcb = self._codebook_for("value", self.value_bits, d).to(dev)
-        sinks = min(self.sink_tokens, cap)
-        self.key_split = None
-        if self.rope is not None:  # its angles on the device: a captured step must not copy from the host
-            self.rope = RopeAngles(self.rope.theta.to(dev), self.rope.scale)
-        if self.key_split_spec is not None:  # the parts' codebooks are the theoretical ones of their dims
-            self.key_split = make_split(self.key_split_spec, self.layer_idx, h, d, self._rotation_for,
-                                        theoretical_codebook).to(dev)
-        store, self._guard_at = self._new_store(b, h, sinks, self.norm_dtype)  # packed K/V, norms, sinks, lengths
-        self.keys = torch.zeros(b, h, self.ring_size, d, dtype=self.dtype, device=dev)  # the ring
-        self.values = torch.zeros(b, h, self.ring_size, d, dtype=self.dtype, device=dev)
+        quantizers = make_quantizers(self.layer_idx, h, d, self.key_bits, self.value_bits, self._rotation_for,
+                                     self._codebook_for, self.key_split_spec, dev)
         rows = min(DECODE_MAX_ROWS, _next_pow2(self._group * MAX_FUSED_QUERIES))
-        splits = _max_splits(b * h, cap, dev, d, self.key_bits, self.value_bits, self.key_split is not None)
+        splits = _max_splits(b * h, cap, dev, d, self.key_bits, self.value_bits, quantizers.key_split is not None)
         self._shared.ensure(b * h * (splits + 1) * rows * (d + 2), b * h, dev)
-        self._quantizers = (rotation, kcb, vcb)  # owned here: the ops' ids hold them weakly
-        # the ring is what update returns, and it carries the StaticKV that the attention reads
-        setattr(self.keys, PACKED_ATTR, StaticKV(store, cap, sinks, ops.dtype_name(self.norm_dtype), -1, -1,
-                                                 self._shared.scratch, self._shared.counters))
-        self._bind()
+        self.kv = FixedState(quantizers, capacity=cap, ring_size=self.ring_size, scratch=self._shared.scratch,
+                             counters=self._shared.counters, batch=b, heads=h, head_dim=d, dtype=self.dtype,
+                             device=dev, sink_tokens=self.sink_tokens, norm_dtype=self.config_norm_dtype,
+                             rope=self.rope, layer_idx=self.layer_idx)
+        self.keys, self.values = self.kv.window_k, self.kv.window_v
         self.is_initialized = True
-
-    def _new_store(self, b: int, h: int, sinks: int, norm_dtype: torch.dtype) -> tuple[torch.Tensor, int]:
-        """A zeroed buffer of this layer's layout with norms of `norm_dtype`, and its norm guard's byte offset."""
-        key_bytes, more = self._key_bytes()
-        d = self.k_head_dim
-        parts, nbytes = static_parts(b, h, self.max_cache_len, d, key_bytes, packed_bytes(d, self.value_bits), sinks,
-                                     norm_dtype, self.dtype, more, self.rope is not None)
-        at = next(off for name, _, _, off in parts if name == "norm_guard")
-        return torch.zeros(nbytes, dtype=torch.uint8, device=self.device), at
-
-    def _norm_guard(self) -> torch.Tensor:
-        """The buffer's norm guard (`packed_kv.static_parts`): [largest finite norm a compiled append stored or
-        read, largest an eager append stored since the last check], a (2,) float32 view."""
-        return getattr(self.keys, PACKED_ATTR).store[self._guard_at : self._guard_at + 8].view(torch.float32)
 
     def settle_norms(self) -> None:
         """Run this layer's norm check now (the host waits for the GPU); see the module docstring."""
         if self.is_initialized:
-            self._settle_norms(self._norm_guard().tolist())
+            self._settle_norms(self.kv.norm_guard().tolist())
 
     def _settle_norms(self, guard: list[float]) -> None:
-        """Act on the norm guard's values: widen the norms where the unchecked eager append stored one past float16's
-        range (its exact norms replace the stored ones, then the warning), and raise where a compiled step stored
-        or read one. The check stays pending until the norms are final (an error while widening leaves it so)."""
-        compiled, eager = guard
-        pending = self._pending
-        widen = pending is not None and eager > FP16_MAX
-        if widen:
-            self._widen_norms(*pending)
-        if pending is not None:
-            self._norm_guard()[1].zero_()
-            self._pending = None
+        """Settle the state's norm check (`FixedState.settle`), then raise where a compiled step stored or read a
+        norm past float16's range, or warn where an eager one widened the norms."""
+        widened, eager, compiled = self.kv.settle(guard)
+        if self.kv.pending is None:
             self._shared.pending.pop(self.layer_idx, None)
         if compiled > FP16_MAX:
             raise RuntimeError(
@@ -315,56 +288,8 @@ class TurboQuantStaticLayer(StaticLayer):
                 "it gives NaN). Build the cache with norm_dtype='float32', or run TurboQuantStaticCache.check_norms() "
                 "after an eager prefill; reset() clears the layer"
             )
-        if widen:
+        if widened:
             warn_widened(self.layer_idx, eager, stacklevel=4)
-
-    def _widen_norms(self, start: int, norms: list[torch.Tensor]) -> None:
-        """Re-lay the buffer out with float32 norms (a new buffer: the caller is outside any captured graph, and a
-        compiled step recompiles for it), then write `norms` (key parts', values') at positions [start, start + n)."""
-        s = getattr(self.keys, PACKED_ATTR)
-        old = self._views()
-        store, at = self._new_store(self.batch_size, self.num_heads, s.sinks, torch.float32)
-        key_bytes, more = self._key_bytes()
-        new = static_views(store, self.keys, s.capacity, s.sinks, torch.float32, key_bytes,
-                           packed_bytes(self.k_head_dim, self.value_bits), more, self.rope is not None)
-        for name, t in old.items():
-            if name not in ("length", "exact_from"):
-                new[name].copy_(t)
-        names = ["k_norms", *(f"k_norms{p}" for p in range(1, len(more) + 1)), "v_norms"]
-        for name, n in zip(names, norms):
-            new[name][:, :, start : start + n.shape[2]].copy_(n)
-        setattr(self.keys, PACKED_ATTR, dataclasses.replace(s, store=store, norm_dtype="float32"))
-        self.norm_dtype, self._guard_at = torch.float32, at
-        _mark_static(store)
-
-    def _exact_norms(self, key_states: torch.Tensor, value_states: torch.Tensor, start: int) -> list[torch.Tensor]:
-        """The float32 norms an eager append at position `start` stores: of each key part's codes (k - R(t) mu for
-        centred keys), then of the values."""
-        codes = key_states
-        if self.rope is not None:
-            pos = torch.arange(start, start + key_states.shape[2], device=key_states.device)
-            codes = key_states.float() - self.rope.apply(self.packed.key_offset.mu, pos)
-        parts = self.key_split.split(codes) if self.key_split is not None else [codes]
-        return row_norms(*parts, value_states)
-
-    def _bind(self) -> None:
-        """Name this layer's quantizers, key split and RoPE to the custom ops by this process's ids, and build
-        what the fused path caches for them (made inside a captured graph, it would outlive the graph). Run when the
-        buffers are made and again when the layer is unpickled or copied: ids never leave their process."""
-        rotation, kcb, vcb = self._quantizers
-        s = getattr(self.keys, PACKED_ATTR)
-        setattr(self.keys, PACKED_ATTR, dataclasses.replace(
-            s, k_quantizer=ops.quantizer_id(rotation, kcb), v_quantizer=ops.quantizer_id(rotation, vcb),
-            key_split=ops.object_id(self.key_split), key_rope=ops.object_id(self.rope)))
-        if self.key_split is not None:
-            for r, cb in self.key_split.parts:
-                ops.quantizer_id(r, cb)
-        ops.prepare_fused(self.packed)
-        if self.rope is not None:
-            d, dev = self.k_head_dim, self.keys.device
-            self.rope.scores(torch.zeros(1, d, device=dev), torch.zeros(1, d, device=dev), 0, self.max_cache_len)
-        for t in (s.store, s.scratch, s.counters, self.keys, self.values):
-            _mark_static(t)
 
     def __getstate__(self) -> dict:
         """Pickled as it will read: the norm checks run first (they may widen the norms), every layer's at once, so
@@ -372,58 +297,26 @@ class TurboQuantStaticLayer(StaticLayer):
         self._shared.settle_norms()
         return dict(self.__dict__)
 
-    def __setstate__(self, state: dict) -> None:
-        """Unpickled (its config a copy: it follows the attention setting its model had when it was pickled)."""
-        self.__dict__.update(state)
-        if self.__dict__.get("is_initialized", False):
-            self._bind()
-
     def __deepcopy__(self, memo: dict) -> "TurboQuantStaticLayer":
         """A copy of the buffers that, like the original, follows its model's live attention setting."""
         self._shared.settle_norms()
         memo[id(self._attn_config)] = self._attn_config
         new = type(self).__new__(type(self))
         memo[id(self)] = new
-        new.__setstate__({k: copy.deepcopy(v, memo) for k, v in self.__dict__.items()})
+        new.__dict__.update({k: copy.deepcopy(v, memo) for k, v in self.__dict__.items()})
         return new
 
-    def _key_bytes(self) -> tuple[int, tuple[int, ...]]:
-        """Bytes a position takes in the packed keys, and in each further part of split keys."""
-        if self.key_split is None:
-            return packed_bytes(self.k_head_dim, self.key_bits), ()
-        first, *more = self.key_split.part_bytes
-        return first, tuple(more)
-
     def state(self) -> dict[str, torch.Tensor]:
-        """Views of everything the layer holds, by name: its buffer's parts (`packed_kv.static_parts`: the codes and
-        norms "k_packed", "k_norms", ... have one row per position on axis 2; the sinks, lengths and key mean) and
-        the rings ("ring_k", "ring_v"). Writing into them writes the layer. Its norm check runs first (and its guard
-        is left out: it is no state)."""
+        """The state's tensors by name (`FixedState.state`), its norm check run first."""
         self.settle_norms()
-        views = self._views()
-        for name in ("length", "exact_from", "norm_guard"):
-            views.pop(name)
-        return {**views, "ring_k": self.keys, "ring_v": self.values}
-
-    def _views(self) -> dict[str, torch.Tensor]:
-        s = getattr(self.keys, PACKED_ATTR)
-        key_bytes, more = self._key_bytes()
-        return static_views(s.store, self.keys, s.capacity, s.sinks, self.norm_dtype, key_bytes,
-                            packed_bytes(self.k_head_dim, self.value_bits), more, self.rope is not None)
-
-    @property
-    def packed(self) -> PackedKV:
-        """The layer's state as a `PackedKV` of views of its buffer and rings (traced as view ops when compiled)."""
-        s = getattr(self.keys, PACKED_ATTR)
-        return ops.static_packed_kv(s.store, self.keys, self.values, s.capacity, s.sinks, s.norm_dtype, s.k_quantizer,
-                                    s.v_quantizer, s.scratch, s.counters, s.key_split, s.key_rope)
+        return self.kv.state()
 
     @property
     def cumulative_length(self) -> torch.Tensor:
-        """Positions held, a 0-d int64 tensor (on the device once initialized: a view of the layer's buffer)."""
+        """Positions held, a 0-d int64 tensor (on the device once initialized: a view of the state's buffer)."""
         if not self.is_initialized:
             return torch.zeros((), dtype=torch.int64)
-        return self.packed.length
+        return self.kv.length
 
     @cumulative_length.setter
     def cumulative_length(self, value) -> None:
@@ -436,74 +329,39 @@ class TurboQuantStaticLayer(StaticLayer):
         selector's answer is a constant of a compiled step)."""
         if getattr(self._attn_config, "_attn_implementation", None) != NAME or n > MAX_FUSED_QUERIES:
             return False
-        split = self.key_split
-        return select.step(torch.device(self.device), self.k_head_dim, self.key_bits, self.value_bits, self._group, n,
-                           None if split is None else (tuple(split.sizes), tuple(split.bits)), self.max_cache_len,
-                           self.batch_size * self.num_heads * self.max_cache_len, static=True, quiet=True).fused
+        split = self.kv.key_split
+        return ops.static_step_fused(torch.device(self.device), self.k_head_dim, self.key_bits, self.value_bits,
+                                     self._group, n, None if split is None else (tuple(split.sizes), tuple(split.bits)),
+                                     self.max_cache_len, self.batch_size * self.num_heads * self.max_cache_len)
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         before = self._check(key_states, value_states)
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         compiling = torch.compiler.is_compiling()
-        if not compiling and self._pending is not None:  # an update with no mask since the last one
+        if not compiling and self.kv.pending is not None:  # an update with no mask since the last one
             self.settle_norms()
-        s = getattr(self.keys, PACKED_ATTR)  # the attention's path to it: one source for torch.compile to guard
-        n = key_states.shape[2]
-        if self._mu_pending and not compiling:
-            self._set_key_mean(key_states)
-        half = self.norm_dtype == torch.float16
-        norms = self._exact_norms(key_states, value_states, before) if half and not compiling and n else None
         read, self._length_read = getattr(self, "_length_read", None), None
-        ops.static_append(key_states, value_states, s.store, self.keys, self.values, s.capacity, s.sinks, s.norm_dtype,
-                          s.k_quantizer, s.v_quantizer, s.key_split, s.key_rope, read, half and compiling)
-        if norms is not None:  # checked later (`settle_norms`): the host does not wait for the GPU here
-            note_largest(self._norm_guard()[1], norms)
-            self._pending = (before, norms)
+        if self.kv.append(key_states, value_states, before, compiling, read):
             self._shared.pending[self.layer_idx] = self
+        n = key_states.shape[2]
         if self._fused(n):
             return self.keys, self.values
         return self._full(key_states, value_states, before)
 
-    def _set_key_mean(self, key_states: torch.Tensor) -> None:
-        """A centred layer's mu: the pre-RoPE mean of the first update's keys past the sinks, as `TurboQuantCache`
-        takes it (`rope.key_mean`; eager, at length 0: later positions' codes depend on it). Without such keys it
-        stays 0 (no centring), as it does for a first update inside a compiled step."""
-        self._mu_pending = False
-        if int(self.cumulative_length) != 0 or key_states.shape[2] <= self.sink_tokens:
-            return
-        pos = torch.arange(key_states.shape[2], device=key_states.device)
-        first = self.sink_tokens
-        self.packed.key_offset.mu.copy_(key_mean(self.rope, key_states[:, :, first:], pos[first:]))
-
     def _full(self, key_states, value_states, before: int | None = None):
-        """Keys and values of every position a step attends to: dequantized, the exact copies and this step's
-        tokens over them. All `max_cache_len` positions in a compiled step; in an eager one (`held_only`) only the
-        positions held, as `get_mask_sizes` says, so a long prefill costs what a dynamic cache's does."""
+        """Keys and values of every position a step attends to: all `max_cache_len` positions in a compiled step;
+        in an eager one (`held_only`) only the positions held, as `get_mask_sizes` says, so a long prefill costs
+        what a dynamic cache's does."""
         n = key_states.shape[2]
-        p, name = self.packed, ops.dtype_name(self.dtype)
         stop = held = self.max_cache_len
         if held_only(self._attn_config, n):
             # after the append (`before`: what the step's update found held, read once per forward for the mask)
-            held = int(p.length) if before is None else before + n  # the ring's dead slots, sinks need room too
+            held = int(self.kv.length) if before is None else before + n
             if held == n:  # every position held is one of this step's tokens (a first prefill chunk)
                 return key_states, value_states
-            stop = min(self.max_cache_len, max(held, self.ring_size, p.sinks))
-        pos = p.length - n + torch.arange(n, device=self.device)  # this step's, after the append
-        if p.key_split is None:
-            k = ops.dequantize(p.k_packed[:, :, :stop], p.k_norms[:, :, :stop], p.k_quantizer, name)
-        else:  # each part dequantized (its own quantizer id), then its channels put back in their places
-            dense = [ops.dequantize(pk[:, :, :stop], nk[:, :, :stop], ops.quantizer_id(r, cb), name)
-                     for (pk, nk), (r, cb) in zip(p.key_parts, p.key_split.parts)]
-            k = p.key_split.join(dense, dense[0].new_empty(*dense[0].shape[:-1], self.k_head_dim))
-        if p.key_offset is not None:  # centred: the packed keys are k - R(t) mu
-            p.key_offset.add_to(k, 0)
-        v = ops.dequantize(p.v_packed[:, :, :stop], p.v_norms[:, :, :stop], p.v_quantizer, name)
-        overlay_exact(k, self.keys, p.sink_k[:, :, : p.sinks], p.length, p.exact_from)
-        overlay_exact(v, self.values, p.sink_v[:, :, : p.sinks], p.length, p.exact_from)
-        k.index_copy_(2, pos, key_states)
-        v.index_copy_(2, pos, value_states)
-        return k[:, :, :held], v[:, :, :held]
+            stop = min(self.max_cache_len, max(held, self.ring_size, self.kv.sinks))  # dead ring slots, sinks
+        return self.kv.dense(key_states, value_states, stop, held)
 
     def get_seq_length(self) -> int:
         """Positions held: a 0-d tensor once initialized (a view of the buffer; in a compiled step a copy that this
@@ -512,8 +370,8 @@ class TurboQuantStaticLayer(StaticLayer):
         if not self.is_initialized:
             return 0
         if not torch.compiler.is_compiling():
-            return self.packed.length
-        self._length_read = ops.snapshot(self.packed.length)
+            return self.kv.length
+        self._length_read = ops.snapshot(self.kv.length)
         return self._length_read
 
     def get_mask_sizes(self, query_length, *args, **kwargs) -> tuple[int, int]:
@@ -523,12 +381,9 @@ class TurboQuantStaticLayer(StaticLayer):
         return self.max_cache_len
 
     def reset(self) -> None:
-        """Empty the layer, its norm guard too. Norms widened to float32 stay so: the buffers keep their addresses."""
+        """Empty the layer, its norm guard too (`FixedState.reset`)."""
         if self.is_initialized:
-            for t in (getattr(self.keys, PACKED_ATTR).store, self.keys, self.values):
-                t.zero_()
-            self._mu_pending = self.rope is not None
-            self._pending = None
+            self.kv.reset()
             self._shared.pending.pop(self.layer_idx, None)
 
     def check_crop(self, max_length: int) -> None:
@@ -539,31 +394,16 @@ class TurboQuantStaticLayer(StaticLayer):
         if not self.is_initialized:
             return
         self.settle_norms()  # the pending norms are those of positions a crop may drop
-        p = self.packed
-        seq = int(p.length)
+        seq = int(self.kv.length)
         target = seq - abs(max_length) if max_length < 0 or (max_length == 0 and _compat.IS_V5) else max_length
-        if target >= seq:
-            return
-        target = max(target, 0)
-        p.length.fill_(target)
-        p.exact_from.clamp_(max=target)
-
-    def _map_batch(self, fn) -> None:
-        """Apply a batch-dim map to every buffer, in place (their addresses stay, as compiled graphs need)."""
-        if not self.is_initialized:
-            return
-        p = self.packed
-        keys = [t for part in p.key_parts for t in part] if p.key_parts else [p.k_packed, p.k_norms]
-        if p.key_offset is not None:
-            keys.append(p.key_offset.mu)
-        for t in (*keys, p.v_packed, p.v_norms, p.sink_k, p.sink_v, self.keys, self.values):
-            t.copy_(fn(t))
+        if target < seq:
+            self.kv.crop(max(target, 0))
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         if self.is_initialized:
             self.settle_norms()
             idx = beam_idx.to(self.device)
-            self._map_batch(lambda t: t.index_select(0, idx))
+            self.kv.map_batch(lambda t: t.index_select(0, idx))
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         raise NotImplementedError("a static cache keeps its batch size; TurboQuantStaticCache cannot drop rows")
@@ -574,14 +414,7 @@ class TurboQuantStaticLayer(StaticLayer):
     def nbytes(self) -> dict[str, int]:
         if not self.is_initialized:
             return {"packed": 0, "residual": 0, "sinks": 0}
-        p = self.packed
-        size = lambda *ts: sum(t.numel() * t.element_size() for t in ts)  # noqa: E731
-        keys = [t for part in p.key_parts for t in part] if p.key_parts else [p.k_packed, p.k_norms]
-        return {
-            "packed": size(*keys, p.v_packed, p.v_norms),
-            "residual": size(self.keys, self.values),
-            "sinks": size(p.sink_k, p.sink_v),
-        }
+        return self.kv.nbytes()
 
     def __repr__(self) -> str:
         return f"TurboQuantStaticLayer(k{self.key_bits}v{self.value_bits}, max_cache_len={self.max_cache_len})"
@@ -686,7 +519,7 @@ class TurboQuantStaticCache(Cache):
             centred = [(layer, t) for layer, t in zip(layers, layer_types) if isinstance(layer, TurboQuantStaticLayer)]
             ropes = rope_angles(config, sorted({t for _, t in centred}))
             for layer, t in centred:
-                layer.rope, layer._mu_pending = ropes[t], True
+                layer.rope = ropes[t]
         shared.layers = [layer for layer in layers if isinstance(layer, TurboQuantStaticLayer)]
         Cache.__init__(self, layers=layers, offloading=offloading, offload_only_non_sliding=offload_only_non_sliding)
 
