@@ -17,11 +17,13 @@ Definitions:
 - floor: the longest-path depth over the arrows (lazy ones included): a room importing no room is floor 0, any other
   is 1 + the highest floor it imports. Rooms in an import cycle (reported) share one floor.
 - walk: on CPU, in a subprocess that imports the package from REPO_TREE alone, a tiny random Llama (2 layers, head
-  dim 64: one the fused decode attention takes, so a step reaches a kernel, here the C one) runs (a) one decode step of `TurboQuantCache` through `model(...)` with attn_implementation
-  "turboquant", (b) one eager decode step of `TurboQuantStaticCache` with "turboquant", (c) one
-  `PrefixStore.match`. Prefill, store building and one untraced warm run of the same step (so that lazy imports,
-  first-step allocations and JIT builds stay outside) come first; then `sys.setprofile` records the Python calls
-  of that one step whose code lives in the package: the rooms entered, in the order first entered.
+  dim 64: one the fused decode attention takes, so that a step reaches a kernel, on a CPU the C one) runs (a) one
+  decode step of `TurboQuantCache` through `model(...)` with attn_implementation "turboquant", (b) one eager decode
+  step of `TurboQuantStaticCache` with "turboquant", (c) one `PrefixStore.match` (default config, a 300-token
+  prompt past the 128-token residual window, 64-token pages). Prefill, store building and one untraced warm run of
+  the same step (so that lazy imports, first-step allocations and JIT builds stay outside) come first; then
+  `sys.setprofile` records the Python calls of that one step whose code lives in the package: the rooms entered,
+  in the order first entered. On a GPU a step would enter the CUDA or Triton launchers' rooms instead of the C's.
 
 Writes DIR/house_LABEL.json and DIR/house_LABEL.png (rooms as boxes by floor, coloured by sub-package; arrows from
 importer down to imported, lazy ones dashed; the letters a b c under a room: the walks that enter it), and prints
@@ -511,8 +513,8 @@ def main() -> None:
     for k, v in letters.items():
         w = res.get("walks", {}).get(v)
         if w:
-            print(f"walk {k} {v}: " + (f"{w['rooms']} rooms: " + " > ".join(_short(m, h["packages"]) for m in w["modules"])
-                                      if "rooms" in w else w["error"]))
+            path = " > ".join(_short(m, h["packages"]) for m in w.get("modules", []))
+            print(f"walk {k} {v}: " + (f"{w['rooms']} rooms: {path}" if "rooms" in w else w["error"]))
     print("wrote", base + ".json", "and", base + ".png")
 
 
