@@ -28,6 +28,7 @@ import torch
 from . import _io
 from ._compat import IS_V5
 from .config import MODEL_FACT_KEYS, TurboQuantConfig, model_facts
+from .packing import packed_bytes
 
 PREFIX_JSON = "turboquant_prefix.json"
 PREFIX_TENSORS = "turboquant_prefix.safetensors"
@@ -502,8 +503,8 @@ def _restore_tq_layer(layer, i: int, info: dict, facts: dict, get, where: str, d
                          f"cache's config has key_centering={centred}")
     norm_dtype, p = _DTYPES[info["norm_dtype"]], f"layers.{i}."
     tensors = {}
-    for (name, dim, bits), nbytes in zip(kv.part_dims(), (buf.nbytes_per_vec for buf in kv.buffers())):
-        tensors[f"{name}_packed"] = get(p + f"{name}_packed", (b, h, q, nbytes), torch.uint8, i)
+    for name, dim, bits in kv.part_dims():
+        tensors[f"{name}_packed"] = get(p + f"{name}_packed", (b, h, q, packed_bytes(dim, bits)), torch.uint8, i)
         tensors[f"{name}_norms"] = get(p + f"{name}_norms", (b, h, q), norm_dtype, i)
     if info["key_mean"]:
         tensors["key_mean"] = get(p + "key_mean", (b, h, 1, d), torch.float32, i)
