@@ -69,6 +69,11 @@ class Rotation:
             moved.derived = self.derived
         return moved
 
+    def __getstate__(self) -> dict:
+        """Pickled and deep-copied without its copies on other devices (made again by `to`): a pickle holds the
+        rotation once, on its own device, and loads where the other devices are missing."""
+        return {**self.__dict__, "_on": {}}
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # one GEMM beats log2(d) butterfly passes of small torch ops on CPU; Triton kernels do the butterfly
         x = x.float()
