@@ -362,7 +362,7 @@ def test_prepare_makes_a_rotations_kernel_operands_once(d):
     neg = [bool((int(w[c // 32]) >> (c % 32)) & 1) for c in range(d)]
     assert w.dtype == torch.int32 and w.shape == (d // 32,) and neg == (had.signs < 0).tolist()
     assert fast._signs(had, had.signs.device) is w
-    assert ("fast.halves", had.signs.device) not in had.derived and ("fast.fragments", had.signs.device) not in had.derived
+    assert all((name, had.signs.device) not in had.derived for name in ("fast.halves", "fast.fragments"))
     rot = make_rotation(d, 3, "orthogonal")
     assert not fast.hadamard(rot)
     pi = rot.matrix

@@ -58,7 +58,7 @@ class Rotation:
         return self._matrix
 
     def to(self, device: torch.device | str) -> "Rotation":
-        """The same rotation on `device`: one object per device, sharing this one's derived tensors (kept per device)."""
+        """The same rotation on `device`: one object per device, sharing this one's derived tensors (per device)."""
         device = torch.device(device)
         if self._matrix.device == device:
             return self
