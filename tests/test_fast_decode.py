@@ -358,18 +358,20 @@ def test_prepare_makes_a_rotations_kernel_operands_once(d):
     had = make_rotation(d, 3)
     assert fast.hadamard(had)
     fast.prepare(had, *cbs, 2, had.signs.device)
-    w = fast._SGN[had][had.signs.device]
+    w = had.derived.find(("fast.signs", had.signs.device))
     neg = [bool((int(w[c // 32]) >> (c % 32)) & 1) for c in range(d)]
     assert w.dtype == torch.int32 and w.shape == (d // 32,) and neg == (had.signs < 0).tolist()
-    assert fast._signs(had, had.signs.device) is w and had not in fast._PIH and had not in fast._PIF
+    assert fast._signs(had, had.signs.device) is w
+    assert all((name, had.signs.device) not in had.derived for name in ("fast.halves", "fast.fragments"))
     rot = make_rotation(d, 3, "orthogonal")
     assert not fast.hadamard(rot)
     pi = rot.matrix
     fast.prepare(rot, *cbs, 2, pi.device)
-    h = fast._PIH[rot][pi.device]
+    h = rot.derived.find(("fast.halves", pi.device))
     assert h.dtype == torch.float16 and h.is_contiguous() and torch.equal(h, pi.to(torch.float16))
-    assert fast._halves(rot, pi.device) is h and fast._fragments(rot, pi.device) is fast._PIF[rot][pi.device]
-    assert rot not in fast._SGN
+    assert fast._halves(rot, pi.device) is h
+    assert fast._fragments(rot, pi.device) is rot.derived.find(("fast.fragments", pi.device))
+    assert ("fast.signs", pi.device) not in rot.derived
 
 
 def test_sixteen_warps_where_two_ctas_would_hold_fewer_table_copies():

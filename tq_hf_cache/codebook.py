@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import hashlib
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import lru_cache
 
 import torch
+
+from .derived import Derived
 
 MIN_BITS, MAX_BITS = 1, 8
 
@@ -36,7 +38,8 @@ class Codebook:
     bits: int
     centroids: torch.Tensor
     boundaries: torch.Tensor
-    fingerprint: str = ""  # of the centroids (from_centroids): kernel tables are cached by it, not by identity
+    fingerprint: str = ""  # of the centroids (from_centroids): equal codebooks share an op id by it (`ops`)
+    derived: Derived = field(default_factory=Derived, init=False, repr=False)  # kernel tables, per device
 
     @classmethod
     def from_centroids(cls, centroids: torch.Tensor, bits: int) -> "Codebook":
@@ -58,13 +61,16 @@ class Codebook:
         return self.centroids.dim() == 2
 
     def to(self, device) -> "Codebook":
-        """This codebook on `device`. From the host to a GPU the copies do not wait for the GPU's queue (a pageable
-        source is read before the call returns): a cache's layers make theirs during a prefill, where a wait per
-        layer would keep the host from running ahead of the GPU."""
+        """This codebook on `device`, sharing this one's derived tables (kept per device). From the host to a GPU
+        the copies do not wait for the GPU's queue (a pageable source is read before the call returns): a cache's
+        layers make theirs during a prefill, where a wait per layer would keep the host from running ahead of the
+        GPU."""
         device = torch.device(device)
         ahead = device.type == "cuda" and self.centroids.device.type == "cpu" and not self.centroids.is_pinned()
-        return Codebook(self.bits, self.centroids.to(device, non_blocking=ahead),
-                        self.boundaries.to(device, non_blocking=ahead), self.fingerprint)
+        moved = Codebook(self.bits, self.centroids.to(device, non_blocking=ahead),
+                         self.boundaries.to(device, non_blocking=ahead), self.fingerprint)
+        moved.derived = self.derived
+        return moved
 
 
 def coordinate_density(x: torch.Tensor, dim: int) -> torch.Tensor:
@@ -115,12 +121,22 @@ def _theoretical(bits: int, dim: int) -> torch.Tensor:
     return c.float()
 
 
+@lru_cache(maxsize=None)
+def _theoretical_tables(bits: int, dim: int) -> Derived:
+    """The derived tables of the theoretical codebook of (bits, dim), shared by all its copies: every new cache makes
+    new Codebook objects, and building their tables again (the 'poly' fit: milliseconds per layer, ~1.7 s of host
+    time per Llama-8B-sized cache) or reading a GPU codebook back to build them would slow every first prefill."""
+    return Derived(shared=(_theoretical_tables, (bits, dim)))
+
+
 def theoretical_codebook(bits: int, dim: int) -> Codebook:
     """The Lloyd-Max codebook for the rotated-coordinate law in `dim` dimensions (cached)."""
     check_bits(bits)
     if not isinstance(dim, int) or dim < 3:
         raise ValueError(f"head dim must be an integer >= 3, got {dim!r}")
-    return Codebook.from_centroids(_theoretical(bits, dim).clone(), bits)
+    codebook = Codebook.from_centroids(_theoretical(bits, dim).clone(), bits)
+    codebook.derived = _theoretical_tables(bits, dim)
+    return codebook
 
 
 def expected_mse(codebook: Codebook, dim: int) -> float:

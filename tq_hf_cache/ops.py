@@ -149,6 +149,11 @@ class _Ids:
             "layers, again when a cache is unpickled or copied); this one was never made here or its cache is gone"
         )
 
+    def every(self, oid: int) -> list[tuple]:
+        """The object tuples of every live holder of an id (`get` answers with the first)."""
+        live = [tuple(r() for r in refs) for refs in self._refs.get(oid, ())]
+        return [objs for objs in live if all(o is not None for o in objs)]
+
     def __len__(self) -> int:
         self._sweep()
         return len(self._refs)
@@ -433,20 +438,29 @@ def _under_mask(bias: torch.Tensor, mask: torch.Tensor | None, length) -> torch.
 
 
 def prepare_fused(kv) -> None:
-    """Build now, outside any CUDA graph, what the fused kernels that can run here cache per codebook and rotation
-    (lookup and pair tables, Pi's fragments): made while torch.compile's cudagraph trees record, they would come from
-    the graph's pool and outlive the recording."""
-    dev = kv.k_packed.device
+    """Build now, outside any CUDA graph, the tables that the kernels which can run here read of a static layer's
+    quantizers (decode lookup and pair tables, Pi's fragments, the codebooks' search tables), each held by its
+    rotation or codebook: made while torch.compile's cudagraph trees record, they would come from the graph's pool
+    and outlive the recording. Built for every live quantizer the layer's ids name: an id resolves to whichever of
+    them lives (equal codebooks of another cache, or of this one's copy, which may hold tables of their own)."""
+    dev, heads = kv.k_packed.device, kv.k_packed.shape[1]
+    if kv.key_split is not None:
+        keys = list(kv.key_split.parts)
+    else:
+        keys = [(kv.rotation, kv.k_codebook), *(_QUANTIZERS.every(kv.k_quantizer) if kv.k_quantizer >= 0 else ())]
+    values = [(kv.rotation, kv.v_codebook), *(_QUANTIZERS.every(kv.v_quantizer) if kv.v_quantizer >= 0 else ())]
     if select.machine_runs("triton", dev):
         from .kernels.decode_attention import lookup_table
+        from .kernels.quantize import prepare
 
-        parts = kv.key_split.parts[1:] if kv.key_split is not None else ()
-        for codebook in (kv.k_codebook, kv.v_codebook, *(cb for _, cb in parts)):
-            lookup_table(codebook, kv.k_packed.shape[1], dev)
+        for _, codebook in (*keys, *values):
+            lookup_table(codebook, heads, dev)
+            prepare(codebook, heads, dev)
     if kv.key_split is None and select.machine_runs("cuda", dev):
         from .kernels import fast
 
-        fast.prepare(kv.rotation, kv.k_codebook, kv.v_codebook, kv.k_packed.shape[1], dev)
+        for rotation, codebook in (*keys, *values):
+            fast.prepare(rotation, codebook, codebook, heads, dev)
 
 
 @torch.library.custom_op("tq_hf_cache::static_attention", mutates_args=("scratch", "counters"))

@@ -8,7 +8,6 @@ it comes back as ||x|| * Pi^T c[idx].
 from __future__ import annotations
 
 import sys
-import weakref
 
 import torch
 
@@ -52,24 +51,21 @@ _ROW_COORDS = {1: 4, 2: 4, 3: 4, 4: 2, 5: 2, 6: 2, 7: 1, 8: 1}
 # bits, moved unchanged: two centroids in [-1, 1] never make a NaN or inf pattern; torch's CPU gather of float64 ran
 # 1.5x faster than of int64 here)
 _ROW_DTYPE = {1: torch.float32, 2: torch.float64, 4: torch.complex128}
-_TABLES: dict = {}
 
 
 def _centroid_table(codebook: Codebook, device) -> torch.Tensor:
     """(heads * rows,) of one w-float element each: row r holds the centroids of the w indices packed in the bits
-    of r."""
-    key = (codebook.fingerprint or id(codebook), codebook.bits, str(device))
-    table = _TABLES.get(key)
-    if table is None:
-        bits, w = codebook.bits, _ROW_COORDS[codebook.bits]
-        c = codebook.centroids.to(device=device, dtype=torch.float32)
-        r = torch.arange(2 ** (bits * w), device=device)
-        table = torch.stack([c[..., (r >> (bits * i)) & (2**bits - 1)] for i in range(w)], dim=-1)
-        table = table.reshape(-1, w).contiguous().view(_ROW_DTYPE[w]).view(-1)
-        if not codebook.fingerprint:
-            _TABLES.clear()  # keyed by identity: never let a dead codebook's id find a table
-        _TABLES[key] = table
-    return table
+    of r. Made once per device, held by the codebook (`codebook.derived`)."""
+    device = torch.device(device)
+    return codebook.derived.get(("reference.centroid_table", device), lambda: _build_centroid_table(codebook, device))
+
+
+def _build_centroid_table(codebook: Codebook, device: torch.device) -> torch.Tensor:
+    bits, w = codebook.bits, _ROW_COORDS[codebook.bits]
+    c = codebook.centroids.to(device=device, dtype=torch.float32)
+    r = torch.arange(2 ** (bits * w), device=device)
+    table = torch.stack([c[..., (r >> (bits * i)) & (2**bits - 1)] for i in range(w)], dim=-1)
+    return table.reshape(-1, w).contiguous().view(_ROW_DTYPE[w]).view(-1)
 
 
 def centroids(packed: torch.Tensor, codebook: Codebook, dim: int, row_major: bool = False) -> torch.Tensor:
@@ -129,18 +125,16 @@ def row_order(bits: int, dim: int) -> list[int]:
     return [g * 8 + i * w + j for i in range(8 // w) for g in range(dim // 8) for j in range(w)]
 
 
-_ROW_MAJOR: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
-
-
 def row_major_matrix(rotation: Rotation, bits: int) -> torch.Tensor:
     """Pi's rows in `row_order(bits)`: y_rm @ this == y @ Pi (the inverse rotation) and x @ this.T == Pi x in that
-    order, for y_rm / Pi x in the row-major order of `centroids(..., row_major=True)`."""
-    per = _ROW_MAJOR.setdefault(rotation, {})
-    m = per.get(bits)
-    if m is None:
-        order = torch.tensor(row_order(bits, rotation.dim), device=rotation.matrix.device)
-        m = per[bits] = rotation.matrix.index_select(0, order).contiguous()
-    return m
+    order, for y_rm / Pi x in the row-major order of `centroids(..., row_major=True)`. On the rotation's device, made
+    once and held by the rotation (`rotation.derived`)."""
+    pi = rotation.matrix
+
+    def build() -> torch.Tensor:
+        return pi.index_select(0, torch.tensor(row_order(bits, rotation.dim), device=pi.device)).contiguous()
+
+    return rotation.derived.get(("reference.row_major", pi.device, bits), build)
 
 
 def store_norm(norm: torch.Tensor, norm_dtype: torch.dtype) -> torch.Tensor:

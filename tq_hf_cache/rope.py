@@ -15,10 +15,11 @@ from __future__ import annotations
 import copy
 import importlib
 import inspect
-import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
+
+from .derived import Derived
 
 
 @dataclass(frozen=True, eq=False)
@@ -30,6 +31,7 @@ class RopeAngles:
 
     theta: torch.Tensor
     scale: float
+    derived: Derived = field(default_factory=Derived, init=False, repr=False)  # `scores`' tables, per device
 
     def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(cos, sin), each (T, D) float32 on the positions' device, for absolute positions (T,)."""
@@ -68,21 +70,17 @@ class RopeAngles:
 
     def _tables(self, n_blocks: int, block: int, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """cos / sin of a * block * theta for a < n_blocks (float32 (n_blocks, D/2)), and the (D, block) table of
-        scale * [cos(b theta); sin(b theta)], built once per device and grown by doubling."""
-        per = _TABLES.setdefault(self, {})
-        key = (torch.device(device), block)
-        got = per.get(key)
+        scale * [cos(b theta); sin(b theta)], built once per device and grown by doubling; held by this object."""
+        key = ("rope.tables", torch.device(device), block)
+        got = self.derived.find(key)
         if got is None or got[0].shape[0] < n_blocks:
             n = max(n_blocks, 2 * got[0].shape[0] if got is not None else 64)
             theta = self.theta.to(device)
             a = (block * torch.arange(n, device=device, dtype=torch.float64))[:, None] * theta
             b = torch.arange(block, device=device, dtype=torch.float64)[:, None] * theta
             table = (torch.cat([b.cos(), b.sin()], dim=-1) * self.scale).float().T.contiguous()
-            got = per[key] = (a.cos().float(), a.sin().float(), table)
+            got = self.derived.put(key, (a.cos().float(), a.sin().float(), table))
         return got[0][:n_blocks], got[1][:n_blocks], got[2]
-
-
-_TABLES: "weakref.WeakKeyDictionary[RopeAngles, dict]" = weakref.WeakKeyDictionary()
 
 OUTLIER_NORM_RATIO = 4.0  # a key whose pre-RoPE norm passes this multiple of its block's median is left out of mu
 

@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .derived import Derived
+
 ROTATION_KINDS = ("auto", "hadamard", "orthogonal")
 
 
@@ -48,6 +50,7 @@ class Rotation:
     signs: torch.Tensor | None  # (dim,) float32 of +-1, hadamard only
     _matrix: torch.Tensor  # (dim, dim) float32, Pi
     _on: dict = field(default_factory=dict, repr=False)  # device -> this rotation there
+    derived: Derived = field(default_factory=Derived, init=False, repr=False)  # kernel operands, per device
 
     @property
     def matrix(self) -> torch.Tensor:
@@ -55,7 +58,7 @@ class Rotation:
         return self._matrix
 
     def to(self, device: torch.device | str) -> "Rotation":
-        """The same rotation on `device`, one object per device (kernel operands are cached per object)."""
+        """The same rotation on `device`: one object per device, sharing this one's derived tensors (per device)."""
         device = torch.device(device)
         if self._matrix.device == device:
             return self
@@ -63,7 +66,13 @@ class Rotation:
         if moved is None:
             signs = None if self.signs is None else self.signs.to(device)
             moved = self._on[device] = Rotation(self.dim, self.seed, self.kind, signs, self._matrix.to(device))
+            moved.derived = self.derived
         return moved
+
+    def __getstate__(self) -> dict:
+        """Pickled and deep-copied without its copies on other devices (made again by `to`): a pickle holds the
+        rotation once, on its own device, and loads where the other devices are missing."""
+        return {**self.__dict__, "_on": {}}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # one GEMM beats log2(d) butterfly passes of small torch ops on CPU; Triton kernels do the butterfly

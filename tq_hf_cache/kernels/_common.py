@@ -1,4 +1,5 @@
-"""Shared pieces of the quantize/dequantize launchers: input checks, cached rotation operands, block sizes.
+"""Shared pieces of the quantize/dequantize launchers: input checks, rotation operands and codebook tables (held by
+the rotation / codebook they derive from: `derived`), block sizes.
 
 Kept free of kernel code so that the checks stay readable and both launchers raise the same errors.
 """
@@ -8,8 +9,6 @@ from __future__ import annotations
 import functools
 import math
 import os
-import collections
-import weakref
 
 import torch
 
@@ -75,22 +74,19 @@ def mma_column_order(dim: int) -> torch.Tensor:
     return (n % 8 // 2) * (dim // 4) + (n // 8) * 2 + n % 2
 
 
-_ROT_CACHE: "weakref.WeakKeyDictionary[Rotation, dict]" = weakref.WeakKeyDictionary()
-
-
 def rotation_operand(rotation: Rotation, device: torch.device, what: str, dtype: torch.dtype) -> torch.Tensor:
-    """Device copy of one rotation operand, built once per (rotation, device, what, dtype).
+    """Device copy of one rotation operand, built once per (device, what, dtype) and held by the rotation.
 
     what: "fwd" = the (D, D) right operand of y_row = x_row @ Pi^T; "fwd_mma" = the same with its columns in
     mma_column_order(D); "inv" = that of out_row = c_row @ Pi. For hadamard they are scaled by sqrt(D) so every
     entry is exactly +-1 (then a 16-bit dot of 16-bit data is exact up to fp32 accumulation); the kernels apply
     1/sqrt(D).
     """
-    per = _ROT_CACHE.setdefault(rotation, {})
-    key = (torch.device(device), what, dtype)
-    t = per.get(key)
-    if t is not None:
-        return t
+    return rotation.derived.get(("rotation_operand", torch.device(device), what, dtype),
+                                lambda: _rotation_operand(rotation, device, what, dtype))
+
+
+def _rotation_operand(rotation: Rotation, device: torch.device, what: str, dtype: torch.dtype) -> torch.Tensor:
     if what not in ("fwd", "fwd_mma", "inv"):
         raise ValueError(f"rotation operand must be 'fwd', 'fwd_mma' or 'inv', got {what!r}")
     pi = rotation.matrix.detach().to("cpu", torch.float64)
@@ -103,9 +99,7 @@ def rotation_operand(rotation: Rotation, device: torch.device, what: str, dtype:
         if not (bool((r.abs() == 1).all()) and float((s - r).abs().max()) < 1e-4):
             raise ValueError("a hadamard rotation's sqrt(D) * Pi should hold only +-1 entries")
         m = r
-    t = m.to(device=device, dtype=dtype).contiguous()
-    per[key] = t
-    return t
+    return m.to(device=device, dtype=dtype).contiguous()
 
 
 def codebook_tables(codebook: Codebook, heads: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, int, int]:
@@ -168,34 +162,16 @@ def check_norms(where: str, norms: torch.Tensor, lead: tuple) -> None:
         raise ValueError(f"{where}: norms must have shape {tuple(lead)}, got {tuple(norms.shape)}")
 
 
-_CONTENT_CACHE_SIZE = 1024
-
-
 def _per_codebook_and_device(build):
-    """Cache build(codebook, heads, device) per codebook and device: the tables are read on the host once.
-
-    By identity first (weakly, the per-launch path), then by the centroids' fingerprint: every new cache holds new
-    Codebook objects with the same centroids, and rebuilding their tables (a polynomial fit for 'poly') cost ~1.7 s of
-    host time per Llama-8B-sized cache."""
-    by_object: "weakref.WeakKeyDictionary[Codebook, dict]" = weakref.WeakKeyDictionary()
-    by_content: "collections.OrderedDict[tuple, object]" = collections.OrderedDict()
+    """build(codebook, heads, device), made once per device and held by the codebook (`codebook.derived`, which its
+    copies on other devices share, as do all copies of a theoretical codebook): the tables are read on the host once.
+    The tables depend on the heads only through the codebook (one row per head of a per-head codebook)."""
+    name = f"{build.__module__}.{build.__qualname__}"
 
     @functools.wraps(build)
     def cached(codebook: Codebook, heads: int, device: torch.device):
-        per = by_object.setdefault(codebook, {})
         key = torch.device(device)
-        if key not in per:
-            content = (codebook.fingerprint, heads, key) if codebook.fingerprint else None
-            if content is not None and content in by_content:
-                by_content.move_to_end(content)
-                per[key] = by_content[content]
-            else:
-                per[key] = build(codebook, heads, key)
-                if content is not None:
-                    by_content[content] = per[key]
-                    if len(by_content) > _CONTENT_CACHE_SIZE:
-                        by_content.popitem(last=False)
-        return per[key]
+        return codebook.derived.get((name, key), lambda: build(codebook, heads, key))
 
     return cached
 

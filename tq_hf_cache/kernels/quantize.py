@@ -424,9 +424,21 @@ def _symmetric(codebook: Codebook, heads: int, device: torch.device) -> bool:
 def is_symmetric(codebook: Codebook) -> bool:
     """Boundaries exactly mirrored around an exact 0 (the theoretical codebooks; calibrated ones rarely are).
 
-    Cached per codebook, and by the centroids' fingerprint (the boundaries are their midpoints): the check reads the
-    boundaries on the host, which waits for the GPU, and each new cache's layers hold new Codebook objects."""
+    Held by the codebook (`derived`, shared by its copies and by every copy of a theoretical codebook): the check
+    reads the boundaries on the host, which waits for the GPU, and each new cache's layers hold new Codebook
+    objects."""
     return _symmetric(codebook, 0, codebook.boundaries.device)
+
+
+def prepare(codebook: Codebook, heads: int, device: torch.device) -> None:
+    """Build now the search tables the default search of this codebook reads (`_search_args`), held by the codebook
+    (outside any CUDA graph: the symmetry check reads the codebook on the host, which a captured graph cannot)."""
+    sym = is_symmetric(codebook)
+    if codebook.bits > 4:
+        if not sym or C.poly_table(codebook, heads, device) is None:
+            C.search_lut(codebook, heads, device)
+    elif sym:
+        C.sat_table(codebook, heads, device)
 
 
 def _store_aligned(packed: torch.Tensor, bits: int, dim: int) -> bool:

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import weakref
 from importlib import resources
 
 import torch
@@ -203,10 +202,6 @@ def pair_table(codebook, heads: int, device: torch.device) -> tuple[torch.Tensor
     return table, (table.stride(0) if codebook.per_head else 0)
 
 
-_PIF: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
-_PIH: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
-
-
 def pi_fragments(pi: torch.Tensor) -> torch.Tensor:
     """Pi as fp16 pairs in the B fragment order of the kernel's query rotation (`QueryRot`): int32
     (D / 8, 32, D / 16, 2), entry [nt, lane, kk, j] = (Pi[x, c], Pi[x, c + 1]) for output channel
@@ -223,9 +218,6 @@ def pi_fragments(pi: torch.Tensor) -> torch.Tensor:
     return f.contiguous().view(torch.int32).squeeze(-1).contiguous()
 
 
-_SGN: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
-
-
 def hadamard(rotation) -> bool:
     """Whether the kernel rotates by butterflies (the source's HAD): Pi = H diag(s) / sqrt(D), no matrix read."""
     return rotation.kind == "hadamard" and rotation.signs is not None
@@ -239,32 +231,29 @@ def sign_words(signs: torch.Tensor) -> torch.Tensor:
     return w.where(w < 2**31, w - 2**32).to(torch.int32).contiguous()
 
 
-def _per_rotation(store, rotation, device: torch.device, make) -> torch.Tensor:
-    """make(), made once per rotation and device (looked up first: a copy of the rotation to another device on every
-    call would cost a transfer, and fail under CUDA-graph capture)."""
-    per = store.setdefault(rotation, {})
-    t = per.get(device)
-    if t is None:
-        t = per[device] = make()
-    return t
+def _per_rotation(name: str, rotation, device: torch.device, make) -> torch.Tensor:
+    """make(), made once per device and held by the rotation (`rotation.derived`; looked up first: a copy of the
+    rotation to another device on every call would cost a transfer, and fail under CUDA-graph capture)."""
+    return rotation.derived.get((name, device), make)
 
 
 def _signs(rotation, device: torch.device) -> torch.Tensor:
-    return _per_rotation(_SGN, rotation, device, lambda: sign_words(rotation.signs.to(device)))
+    return _per_rotation("fast.signs", rotation, device, lambda: sign_words(rotation.signs.to(device)))
 
 
 def _fragments(rotation, device: torch.device) -> torch.Tensor:
-    return _per_rotation(_PIF, rotation, device, lambda: pi_fragments(rotation.matrix.to(device)))
+    return _per_rotation("fast.fragments", rotation, device, lambda: pi_fragments(rotation.matrix.to(device)))
 
 
 def _halves(rotation, device: torch.device) -> torch.Tensor:
     """Pi as fp16 (the merge's rotation back: half the bytes of fp32 on the call's last CTA)."""
-    return _per_rotation(_PIH, rotation, device, lambda: rotation.matrix.to(device, torch.float16).contiguous())
+    return _per_rotation("fast.halves", rotation, device,
+                         lambda: rotation.matrix.to(device, torch.float16).contiguous())
 
 
 def prepare(rotation, k_codebook, v_codebook, heads: int, device: torch.device) -> None:
-    """Build what the kernels cache per codebook and rotation now (outside any CUDA graph: made while torch.compile's
-    cudagraph trees record, they would come from the graph's pool and outlive the recording)."""
+    """Build now what the kernel reads of the codebooks and the rotation, held by them (outside any CUDA graph: made
+    while torch.compile's cudagraph trees record, they would come from the graph's pool and outlive the recording)."""
     for cb in (k_codebook, v_codebook):
         if cb.bits in BITS:
             pair_table(cb, heads, device)
