@@ -141,7 +141,7 @@ def test_a_caches_tables_are_freed_with_the_cache():
     with torch.no_grad():
         model(_ids(40), **with_cache(cache))
         model(_ids(1, 2), **with_cache(cache))
-    layer = cache.layers[0]
+    layer = cache.layers[0].kv
     holders = [layer.k_codebook.derived, layer.v_codebook.derived]
     assert all(len(h) for h in holders), "the cache built no table: the test would prove nothing"
     tables = [h.find(k) for h in holders for k in h.keys() if isinstance(h.find(k), torch.Tensor)]
@@ -214,8 +214,8 @@ def test_a_static_layer_builds_the_tables_of_every_quantizer_its_ids_name():
     cache = TurboQuantStaticCache(config=model.config, max_cache_len=64, residual_length=8, codebooks=Calibrated())
     static_logits(model, cache, _ids(41), 40, "turboquant")
     twin = copy.deepcopy(cache)
-    mine, its = cache.layers[0]._quantizers, twin.layers[0]._quantizers
-    assert its[1].derived is not mine[1].derived and twin.layers[0].packed.k_codebook is mine[1]
-    for cb in (*mine[1:], *its[1:]):
+    mine, its = (layer.kv for layer in (cache.layers[0], twin.layers[0]))
+    assert its.k_codebook.derived is not mine.k_codebook.derived and twin.layers[0].packed.k_codebook is mine.k_codebook
+    for cb in (mine.k_codebook, mine.v_codebook, its.k_codebook, its.v_codebook):
         names = {key[0].rsplit(".", 1)[-1] for key in cb.derived.keys()}
         assert {"lookup_table", "_symmetric"} <= names, names
