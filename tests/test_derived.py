@@ -1,5 +1,5 @@
 """Tensors derived from a quantizer (kernel tables, rotation operands, RoPE tables) are held by the object they derive
-from (`tq_hf_cache.derived`): no module of the package keeps them in a process-wide table, they go with the cache
+from (`tq_hf_cache.quant.derived`): no module of the package keeps them in a process-wide table, they go with the cache
 that owns their objects, and no pickle or deep copy carries them."""
 
 import collections
@@ -16,7 +16,7 @@ import torch
 from conftest import static_logits, tiny_gemma3_config, tiny_llama_config, with_cache
 from tq_hf_cache import Codebook, TurboQuantCache, make_rotation, theoretical_codebook
 from tq_hf_cache._compat import IS_V5
-from tq_hf_cache.derived import Derived
+from tq_hf_cache.quant.derived import Derived
 
 CPU = torch.device("cpu")
 # module globals that may hold tensors, and why they are no quantizer's tables
@@ -32,7 +32,7 @@ def _use_every_table():
     from tq_hf_cache import reference
     from tq_hf_cache.kernels import _common, fast, quantize
     from tq_hf_cache.kernels.decode_attention import lookup_table
-    from tq_hf_cache.rope import RopeAngles
+    from tq_hf_cache.quant.rope import RopeAngles
 
     had, orth = make_rotation(64, 5), make_rotation(48, 5, "orthogonal")
     cbs = [theoretical_codebook(b, 64) for b in (2, 4, 5)]
@@ -141,7 +141,7 @@ def test_a_caches_tables_are_freed_with_the_cache():
     with torch.no_grad():
         model(_ids(40), **with_cache(cache))
         model(_ids(1, 2), **with_cache(cache))
-    layer = cache.layers[0]
+    layer = cache.layers[0].kv
     holders = [layer.k_codebook.derived, layer.v_codebook.derived]
     assert all(len(h) for h in holders), "the cache built no table: the test would prove nothing"
     tables = [h.find(k) for h in holders for k in h.keys() if isinstance(h.find(k), torch.Tensor)]
@@ -172,7 +172,7 @@ def test_a_pickle_or_deep_copy_of_a_used_quantizer_carries_no_table():
 
 
 def test_a_copy_on_another_device_shares_the_holder_keyed_by_device():
-    from tq_hf_cache.reference import _centroid_table, row_major_matrix
+    from tq_hf_cache.quant.reference import _centroid_table, row_major_matrix
 
     own = Codebook.from_centroids(theoretical_codebook(4, 64).centroids * 1.5, 4)
     rot = make_rotation(64, 9)
@@ -214,8 +214,8 @@ def test_a_static_layer_builds_the_tables_of_every_quantizer_its_ids_name():
     cache = TurboQuantStaticCache(config=model.config, max_cache_len=64, residual_length=8, codebooks=Calibrated())
     static_logits(model, cache, _ids(41), 40, "turboquant")
     twin = copy.deepcopy(cache)
-    mine, its = cache.layers[0]._quantizers, twin.layers[0]._quantizers
-    assert its[1].derived is not mine[1].derived and twin.layers[0].packed.k_codebook is mine[1]
-    for cb in (*mine[1:], *its[1:]):
+    mine, its = (layer.kv for layer in (cache.layers[0], twin.layers[0]))
+    assert its.k_codebook.derived is not mine.k_codebook.derived and twin.layers[0].packed.k_codebook is mine.k_codebook
+    for cb in (mine.k_codebook, mine.v_codebook, its.k_codebook, its.v_codebook):
         names = {key[0].rsplit(".", 1)[-1] for key in cb.derived.keys()}
         assert {"lookup_table", "_symmetric"} <= names, names
