@@ -39,12 +39,12 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from triton.testing import do_bench_cudagraph  # noqa: E402
 
 from tq_hf_cache import TurboQuantConfig, kernels  # noqa: E402
-from tq_hf_cache.codebook import theoretical_codebook  # noqa: E402
+from tq_hf_cache.quant.codebook import theoretical_codebook  # noqa: E402
 from tq_hf_cache.kernels import decode_attention as da  # noqa: E402
 from tq_hf_cache.kernels import dequantize  # noqa: E402
-from tq_hf_cache.packed_kv import PackedKV  # noqa: E402
-from tq_hf_cache.packing import packed_bytes  # noqa: E402
-from tq_hf_cache.rotation import make_rotation  # noqa: E402
+from tq_hf_cache.quant.packed_kv import PackedKV  # noqa: E402
+from tq_hf_cache.quant.packing import packed_bytes  # noqa: E402
+from tq_hf_cache.quant.rotation import make_rotation  # noqa: E402
 
 HQ, HKV, D, RESIDUAL, SINKS = 32, 8, 128, 128, 4
 SHAPES = {"llama-3.1-8b": (32, 8, 128), "gemma-3-12b": (16, 8, 256), "gemma-3-4b": (8, 4, 256),
@@ -94,7 +94,7 @@ def split_keys(kv: PackedKV, parts: list[tuple[int, int]]) -> tuple[PackedKV, in
     """kv with its keys split in `parts` [(channels, bits)], random codes and norms; and the bytes its keys add."""
     from dataclasses import replace
 
-    from tq_hf_cache.key_split import check_spec, make_split
+    from tq_hf_cache.quant.key_split import check_spec, make_split
 
     b, _, lq, _ = kv.k_packed.shape
     sizes, bits = [n for n, _ in parts], [w for _, w in parts]

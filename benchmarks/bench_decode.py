@@ -1,6 +1,6 @@
 """Decode step through the model after a real chunked prefill, on a Llama-3.1-8B-shaped model with random bf16
 weights (32 layers, 32 query heads, 8 KV heads, head dim 128), one process, four rows per (batch, context), each
-measured by `tq_hf_cache.bench.run_row` (the code behind `tq-hf-cache bench`):
+measured by `tq_hf_cache.tools.bench.run_row` (the code behind `tq-hf-cache bench`):
 
 - dynamic:        DynamicCache, sdpa, eager
 - static_compiled: StaticCache, sdpa, torch.compile(mode="reduce-overhead", fullgraph=True) (CUDA graphs)
@@ -19,7 +19,7 @@ Usage: python benchmarks/bench_decode.py [--contexts 4096,32768,131072] [--batch
 Writes DIR/bench_decode.json, bench_decode.png (the rows) and bench_decode_generate.png (the generate() check).
 
 Tensor parallel (`--tp`): the compiled static caches (rows static_compiled and tq_static_compiled, interleaved as
-`tq_hf_cache.bench.decode_bench` does) on a checkpoint loaded with `tp_plan="auto"` over the ranks of torchrun, or
+`tq_hf_cache.tools.bench.decode_bench` does) on a checkpoint loaded with `tp_plan="auto"` over the ranks of torchrun, or
 on one GPU when the world size is 1; each rank holds its share of the KV heads. Rank 0 writes
 DIR/bench_decode_tp{world size}.json (cache MiB of every rank); --plot_tp merges such files (any world sizes,
 any contexts) into DIR/bench_decode_tp.json and its PNG:
@@ -46,7 +46,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import transformers  # noqa: E402
 
 import tq_hf_cache  # noqa: E402
-import tq_hf_cache.distributed  # noqa: E402
+import tq_hf_cache.hf.distributed  # noqa: E402
 from tq_hf_cache import TurboQuantStaticCache, bench, cache_kwargs  # noqa: E402
 
 p = argparse.ArgumentParser()
@@ -180,7 +180,7 @@ if a.tp:
     try:
         run_tp()
     finally:
-        tq_hf_cache.distributed.shutdown()  # the compiled steps' CUDA graphs first: they hold NCCL communicators
+        tq_hf_cache.hf.distributed.shutdown()  # the compiled steps' CUDA graphs first: they hold NCCL communicators
     sys.exit(0)
 
 cfg = bench.llama_8b_config(a.layers)

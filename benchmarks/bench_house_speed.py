@@ -10,7 +10,7 @@ alternates which goes first). A row's figure per rep is measured inside one proc
 median over reps; the ratio is after / before of those medians (and per rep, paired).
 
 The harness is this file, the same code for both trees, using only the public API (`TurboQuantCache`,
-`TurboQuantStaticCache`, `model.generate`): `tq_hf_cache.bench` is itself part of what the refactor may move.
+`TurboQuantStaticCache`, `model.generate`): `tq_hf_cache.tools.bench` is itself part of what the refactor may move.
 
 Rows:
 - compiled: a `TurboQuantStaticCache` (k5v3) holding `context` tokens, then `model.generate` with it, which compiles
@@ -118,7 +118,7 @@ def _worker(a) -> None:
         cfg = transformers.LlamaConfig(vocab_size=128, hidden_size=256, intermediate_size=256, num_hidden_layers=2,
                                        num_attention_heads=4, num_key_value_heads=2, head_dim=64,
                                        max_position_embeddings=1024)
-    else:  # tq_hf_cache.bench.llama_8b_config
+    else:  # tq_hf_cache.tools.bench.llama_8b_config
         cfg = transformers.LlamaConfig(vocab_size=32000, hidden_size=4096, intermediate_size=14336,
                                        num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
                                        head_dim=128, max_position_embeddings=140_000, rope_theta=500000.0)

@@ -32,7 +32,7 @@ from tq_hf_cache import TurboQuantCache, cache_kwargs  # noqa: E402
 
 def load_model(name: str, device: str, dtype: torch.dtype):
     if name == "smollm2":
-        from tq_hf_cache.models import load_smollm2
+        from tq_hf_cache.tools.models import load_smollm2
 
         model, _ = load_smollm2(dtype)
         return model.to(device)

@@ -39,8 +39,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from transformers import DynamicCache  # noqa: E402
 
 from tq_hf_cache import TurboQuantCache, cache_kwargs  # noqa: E402
-from tq_hf_cache.prefix_store import PrefixStore  # noqa: E402
-from tq_hf_cache.texts import package_text  # noqa: E402
+from tq_hf_cache.prefix.store import PrefixStore  # noqa: E402
+from tq_hf_cache.tools.texts import package_text  # noqa: E402
 
 QUESTIONS = ["What is this document about?", "Name one term it defines.", "Summarize it in five words.",
              "Which part matters most?"]
@@ -58,7 +58,7 @@ def template(tok, system: str, turns: list[tuple[str, str | None]]) -> torch.Ten
 def random_llama(a):
     """The Llama-3.1-8B shape with random bf16 weights on the GPU, and the workload's prompts as random token ids:
     (model, prompt_of(user, turn, history) -> (ids, turns), the system prompts' ids, a label)."""
-    from tq_hf_cache.bench import random_llama_8b
+    from tq_hf_cache.tools.bench import random_llama_8b
 
     model = random_llama_8b(32, "cuda", max_position_embeddings=1 << 17).eval()
     cfg = model.config
@@ -124,7 +124,7 @@ def main(argv=None) -> int:
         dev = model.device
         tiers = dict(gpu_bytes=a.gpu_bytes, cpu_bytes=1 << 36, device=dev)
     else:
-        from tq_hf_cache.models import load_smollm2
+        from tq_hf_cache.tools.models import load_smollm2
 
         model, tok = load_smollm2()
         systems = [f"You answer from the manual below.\n\n{package_text(a.prompt_chars, start=200 * s)}"

@@ -24,11 +24,11 @@ import triton
 from triton.testing import do_bench
 
 from tq_hf_cache import ops, reference
-from tq_hf_cache.codebook import Codebook, theoretical_codebook
+from tq_hf_cache.quant.codebook import Codebook, theoretical_codebook
 from tq_hf_cache.kernels import dequantize as DQ
 from tq_hf_cache.kernels import quantize as Q
-from tq_hf_cache.packing import packed_bytes, unpack_indices
-from tq_hf_cache.rotation import make_rotation
+from tq_hf_cache.quant.packing import packed_bytes, unpack_indices
+from tq_hf_cache.quant.rotation import make_rotation
 
 H, D = 8, 128
 DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # cpu: --quick dry run under TRITON_INTERPRET=1

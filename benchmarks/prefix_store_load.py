@@ -43,8 +43,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from tq_hf_cache import TurboQuantCache, cache_kwargs  # noqa: E402
 from tq_hf_cache import prefix_pages as pp  # noqa: E402
-from tq_hf_cache.prefix_disk import SUFFIX, DiskTier  # noqa: E402
-from tq_hf_cache.prefix_store import PrefixStore  # noqa: E402
+from tq_hf_cache.prefix.disk import SUFFIX, DiskTier  # noqa: E402
+from tq_hf_cache.prefix.store import PrefixStore  # noqa: E402
 
 PAGE = 16
 RESIDUAL = 16

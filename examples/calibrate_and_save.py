@@ -24,9 +24,9 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import torch  # noqa: E402
 
 from tq_hf_cache import PRESETS, TurboQuantCache, TurboQuantConfig  # noqa: E402
-from tq_hf_cache.calibration import calibrate, measure_reconstruction  # noqa: E402
-from tq_hf_cache.eval.tasks import perplexity  # noqa: E402
-from tq_hf_cache.texts import HELD_OUT_START, package_text  # noqa: E402
+from tq_hf_cache.calibrate.calibration import calibrate, measure_reconstruction  # noqa: E402
+from tq_hf_cache.tools.eval.tasks import perplexity  # noqa: E402
+from tq_hf_cache.tools.texts import HELD_OUT_START, package_text  # noqa: E402
 
 
 def main(argv=None) -> int:
@@ -39,7 +39,7 @@ def main(argv=None) -> int:
                    help="folder to save into and keep (default: a temporary folder, removed at the end)")
     args = p.parse_args(argv)
 
-    from tq_hf_cache.models import load_smollm2
+    from tq_hf_cache.tools.models import load_smollm2
 
     model, tok = load_smollm2()
     if args.out:

@@ -23,8 +23,8 @@ import torch  # noqa: E402
 import transformers  # noqa: E402
 
 from tq_hf_cache import TurboQuantStaticCache, cache_kwargs  # noqa: E402
-from tq_hf_cache.bench import cache_bytes  # noqa: E402
-from tq_hf_cache.texts import package_text  # noqa: E402
+from tq_hf_cache.tools.bench import cache_bytes  # noqa: E402
+from tq_hf_cache.tools.texts import package_text  # noqa: E402
 
 
 def main(argv=None) -> int:
@@ -34,7 +34,7 @@ def main(argv=None) -> int:
     p.add_argument("--calls", type=int, default=2, help="generate calls per cache (the first one compiles)")
     args = p.parse_args(argv)
 
-    from tq_hf_cache.models import load_smollm2
+    from tq_hf_cache.tools.models import load_smollm2
 
     cuda = torch.cuda.is_available()
     model, tok = load_smollm2(torch.bfloat16 if cuda else torch.float32)

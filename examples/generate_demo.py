@@ -24,12 +24,12 @@ import torch  # noqa: E402
 from transformers import DynamicCache, StoppingCriteria, StoppingCriteriaList  # noqa: E402
 
 from tq_hf_cache import DEFAULT_PRESET, PRESETS, TurboQuantCache, cache_kwargs  # noqa: E402
-from tq_hf_cache.texts import package_text  # noqa: E402
+from tq_hf_cache.tools.texts import package_text  # noqa: E402
 
 
 def load(args):
     if args.model is None:
-        from tq_hf_cache.models import load_smollm2
+        from tq_hf_cache.tools.models import load_smollm2
 
         return load_smollm2()
     from transformers import AutoModelForCausalLM, AutoTokenizer

@@ -25,8 +25,8 @@ import torch  # noqa: E402
 from transformers import DynamicCache  # noqa: E402
 
 from tq_hf_cache import DEFAULT_PRESET, PRESETS, TurboQuantCache  # noqa: E402
-from tq_hf_cache.eval.tasks import build_needle_prompt, chunked_prefill, greedy_decode  # noqa: E402
-from tq_hf_cache.texts import HELD_OUT_START, paragraphs  # noqa: E402
+from tq_hf_cache.tools.eval.tasks import build_needle_prompt, chunked_prefill, greedy_decode  # noqa: E402
+from tq_hf_cache.tools.texts import HELD_OUT_START, paragraphs  # noqa: E402
 
 CODE = "48213"
 
@@ -49,7 +49,7 @@ def main(argv=None) -> int:
     if not 0.0 <= args.depth <= 1.0:
         p.error(f"--depth must be in [0, 1], got {args.depth}")
 
-    from tq_hf_cache.models import load_smollm2
+    from tq_hf_cache.tools.models import load_smollm2
 
     model, tok = load_smollm2()
     longest = model.config.max_position_embeddings

@@ -26,14 +26,14 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import torch  # noqa: E402
 import transformers  # noqa: E402
 
-import tq_hf_cache.distributed  # noqa: E402
+import tq_hf_cache.hf.distributed  # noqa: E402
 from tq_hf_cache import TurboQuantCache, cache_kwargs  # noqa: E402
 from tq_hf_cache._compat import IS_V5  # noqa: E402
 
 
 def save_random(folder: str, layers: int, dtype: torch.dtype) -> None:
     """A Llama-3.1-8B-shaped checkpoint with random weights (16 GB in bf16 at 32 layers)."""
-    from tq_hf_cache.bench import random_llama_8b
+    from tq_hf_cache.tools.bench import random_llama_8b
 
     model = random_llama_8b(layers, "cuda" if torch.cuda.is_available() else "cpu", dtype,
                             max_position_embeddings=16384)
@@ -52,7 +52,7 @@ def sharpen(model, factor: float = 30.0) -> None:
 def load(args, rank_device):
     kw = {"dtype": getattr(torch, args.dtype)}
     if args.model == "smollm2":
-        from tq_hf_cache.models import SMOLLM2_GGUF, smollm2_path
+        from tq_hf_cache.tools.models import SMOLLM2_GGUF, smollm2_path
 
         folder, kw["gguf_file"] = smollm2_path(), SMOLLM2_GGUF
     else:
@@ -185,5 +185,5 @@ if __name__ == "__main__":
     try:
         code = main()
     finally:  # tensor parallel: free the compiled steps' CUDA graphs, then the process group (else no rank exits)
-        tq_hf_cache.distributed.shutdown()
+        tq_hf_cache.hf.distributed.shutdown()
     sys.exit(code)

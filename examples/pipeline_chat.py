@@ -23,7 +23,7 @@ import torch  # noqa: E402
 from transformers import pipeline  # noqa: E402
 
 from tq_hf_cache import DEFAULT_PRESET, PRESETS, TurboQuantCache, cache_kwargs  # noqa: E402
-from tq_hf_cache.texts import package_text  # noqa: E402
+from tq_hf_cache.tools.texts import package_text  # noqa: E402
 
 QUESTIONS = [
     "Summarize the passage above in one sentence.",
@@ -49,7 +49,7 @@ def main(argv=None) -> int:
     p.add_argument("--turns", type=int, default=3, choices=range(1, len(QUESTIONS) + 1))
     args = p.parse_args(argv)
 
-    from tq_hf_cache.models import load_smollm2
+    from tq_hf_cache.tools.models import load_smollm2
 
     model, tok = load_smollm2()
     chat = pipeline("text-generation", model=model, tokenizer=tok)

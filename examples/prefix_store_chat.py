@@ -19,8 +19,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import torch  # noqa: E402
 
 from tq_hf_cache import TurboQuantCache, cache_kwargs  # noqa: E402
-from tq_hf_cache.prefix_store import PrefixStore  # noqa: E402
-from tq_hf_cache.texts import package_text  # noqa: E402
+from tq_hf_cache.prefix.store import PrefixStore  # noqa: E402
+from tq_hf_cache.tools.texts import package_text  # noqa: E402
 
 USERS = ["What is the passage about?", "Name one keyword it explains.", "Is the passage about Python?"]
 FOLLOW_UP = "Answer again in five words."
@@ -55,7 +55,7 @@ def main(argv=None) -> int:
     p.add_argument("--page-tokens", type=int, default=64)
     args = p.parse_args(argv)
 
-    from tq_hf_cache.models import load_smollm2
+    from tq_hf_cache.tools.models import load_smollm2
 
     model, tok = load_smollm2()
     store = PrefixStore(config=model.config, page_tokens=args.page_tokens, cpu_bytes=256 << 20, model=model)

@@ -2,7 +2,7 @@
 
     python scripts/calibration_figures.py [--calib-tokens 4096] [--heldout-tokens 2048]
 
-Calibrates on the first paragraphs of tq_hf_cache.texts.package_text (stdlib pydoc topics) and measures on
+Calibrates on the first paragraphs of tq_hf_cache.tools.texts.package_text (stdlib pydoc topics) and measures on
 paragraphs from texts.HELD_OUT_START on (disjoint text). Prints a Markdown table of mean relative MSE
 ||x - x_hat||^2 / ||x||^2 over all layers, heads and tokens.
 """
@@ -13,9 +13,9 @@ import time
 import torch
 
 from tq_hf_cache import TurboQuantConfig
-from tq_hf_cache.calibration import calibrate, measure_reconstruction
-from tq_hf_cache.models import load_smollm2
-from tq_hf_cache.texts import HELD_OUT_START, package_text
+from tq_hf_cache.calibrate.calibration import calibrate, measure_reconstruction
+from tq_hf_cache.tools.models import load_smollm2
+from tq_hf_cache.tools.texts import HELD_OUT_START, package_text
 
 p = argparse.ArgumentParser()
 p.add_argument("--calib-tokens", type=int, default=4096)

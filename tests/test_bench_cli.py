@@ -159,7 +159,7 @@ def test_bench_checks_its_output_paths_before_any_work(out, message, tmp_path, c
     (["--output", "{DIR}/a.json", "--markdown", "{DIR}/a.json"], "must name different files"),
 ])
 def test_eval_checks_its_output_paths_before_any_work(args, message, tmp_path, capsys, monkeypatch):
-    import tq_hf_cache.eval.models as models
+    import tq_hf_cache.tools.eval.models as models
 
     (tmp_path / "sub.png").mkdir()
     (tmp_path / "FILE").write_text("")

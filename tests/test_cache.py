@@ -215,7 +215,7 @@ def test_sliding_window_layers_keep_their_window():
 
 
 def test_sliding_buffer_stays_bounded_over_long_runs():
-    from tq_hf_cache.layer import GROW_TOKENS
+    from tq_hf_cache.hf.layer import GROW_TOKENS
 
     window, res = 40, 8
     cache = TurboQuantCache(key_bits=8, value_bits=8, residual_length=res)

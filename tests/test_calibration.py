@@ -12,7 +12,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from tq_hf_cache import TurboQuantCache, TurboQuantConfig, theoretical_codebook
-from tq_hf_cache.calibration import (
+from tq_hf_cache.calibrate.calibration import (
     CODEBOOKS_NAME,
     CalibratedCodebooks,
     _fit,
@@ -21,8 +21,8 @@ from tq_hf_cache.calibration import (
     calibrate,
     measure_reconstruction,
 )
-from tq_hf_cache.cli import main
-from tq_hf_cache.codebook import lloyd_max
+from tq_hf_cache.tools.cli import main
+from tq_hf_cache.quant.codebook import lloyd_max
 from tq_hf_cache.config import TURBOQUANT_CONFIG_NAME
 
 from conftest import tiny_llama_config, with_cache
@@ -318,7 +318,7 @@ def _tiny_tokenizer(folder):
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
-    from tq_hf_cache.texts import package_text
+    from tq_hf_cache.tools.texts import package_text
 
     tk = Tokenizer(models.BPE(unk_token="<unk>"))
     tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -335,7 +335,7 @@ def test_cli_calibrate_and_info(tiny, tmp_path, capsys):
     tiny.save_pretrained(model_dir)
     _tiny_tokenizer(model_dir)
     text = tmp_path / "calib.txt"
-    from tq_hf_cache.texts import package_text
+    from tq_hf_cache.tools.texts import package_text
 
     text.write_text(package_text(2000), encoding="utf-8")
     rc = main(["calibrate", str(model_dir), "--text", str(text), "--key-bits", "3", "--value-bits", "2",
@@ -374,7 +374,7 @@ def test_cli_errors(tmp_path, capsys):
 
 
 def test_cli_eval_delegates(monkeypatch, capsys):
-    fake = types.ModuleType("tq_hf_cache.eval.cli")
+    fake = types.ModuleType("tq_hf_cache.tools.eval.cli")
     seen = {}
 
     def add_arguments(p):
@@ -385,11 +385,11 @@ def test_cli_eval_delegates(monkeypatch, capsys):
         return 3
 
     fake.add_arguments, fake.run = add_arguments, run
-    monkeypatch.setitem(sys.modules, "tq_hf_cache.eval.cli", fake)
+    monkeypatch.setitem(sys.modules, "tq_hf_cache.tools.eval.cli", fake)
     assert main(["eval", "--foo", "7"]) == 3 and seen == {"foo": 7}
-    monkeypatch.setitem(sys.modules, "tq_hf_cache.eval.cli", None)  # makes the import fail
+    monkeypatch.setitem(sys.modules, "tq_hf_cache.tools.eval.cli", None)  # makes the import fail
     assert main(["eval"]) == 2
-    assert "tq_hf_cache.eval.cli" in capsys.readouterr().err
+    assert "tq_hf_cache.tools.eval.cli" in capsys.readouterr().err
 
 
 def test_python_dash_m(saved):
@@ -403,7 +403,7 @@ def test_python_dash_m(saved):
 
 
 def test_package_text():
-    from tq_hf_cache.texts import HELD_OUT_START, package_text, paragraphs, total_chars
+    from tq_hf_cache.tools.texts import HELD_OUT_START, package_text, paragraphs, total_chars
 
     a = package_text(20_000)
     b = package_text(20_000, start=HELD_OUT_START)
@@ -431,7 +431,7 @@ def test_smollm2_path_missing(monkeypatch):
 
 @pytest.mark.model
 def test_calibrated_lowers_heldout_error_on_smollm2(smollm2):
-    from tq_hf_cache.texts import HELD_OUT_START, package_text
+    from tq_hf_cache.tools.texts import HELD_OUT_START, package_text
 
     model, tok = smollm2
     cfg = TurboQuantConfig(key_bits=4, value_bits=4)
@@ -493,7 +493,7 @@ def test_malformed_codebook_fields_are_value_errors_naming_file_and_field(saved,
 def test_the_tensors_file_is_bound_to_its_index(tiny, calibrated, saved, tmp_path):
     """A tensors file of another calibration of the same layout (every centroid moved by 1 %) is refused by its
     digest, where every name, shape and value check passes."""
-    from tq_hf_cache.codebook import Codebook
+    from tq_hf_cache.quant.codebook import Codebook
 
     moved = {k: Codebook.from_centroids(cb.centroids * 0.99, k[2]) for k, cb in calibrated.codebooks.items()}
     other = CalibratedCodebooks(calibrated.config, calibrated.model, codebooks=moved, entries=calibrated.entries,

@@ -10,7 +10,7 @@ from transformers import LlamaForCausalLM
 
 from conftest import tiny_llama_config
 from tq_hf_cache import TurboQuantCache, TurboQuantConfig, cli
-from tq_hf_cache.calibration import CODEBOOKS_NAME, CalibratedCodebooks
+from tq_hf_cache.calibrate.calibration import CODEBOOKS_NAME, CalibratedCodebooks
 from tq_hf_cache.config import TURBOQUANT_CONFIG_NAME, read_turboquant_json
 
 

@@ -9,7 +9,7 @@ import pytest
 import transformers
 
 from tq_hf_cache import TurboQuantConfig, cli
-from tq_hf_cache.allocation import bits_per_coordinate
+from tq_hf_cache.calibrate.allocation import bits_per_coordinate
 
 ALLOCATIONS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks", "results",
                            "allocations")
@@ -105,7 +105,7 @@ def test_calibration_text_is_shown_when_recorded_and_omitted_otherwise(tmp_path,
     import torch
 
     from conftest import tiny_llama_config
-    from tq_hf_cache.calibration import calibrate
+    from tq_hf_cache.calibrate.calibration import calibrate
 
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(tiny_llama_config()).eval()

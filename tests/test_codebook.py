@@ -3,7 +3,7 @@ import math
 import pytest
 import torch
 
-from tq_hf_cache.codebook import Codebook, coordinate_density, expected_mse, theoretical_codebook
+from tq_hf_cache.quant.codebook import Codebook, coordinate_density, expected_mse, theoretical_codebook
 
 
 @pytest.mark.parametrize("dim", [64, 128, 256])

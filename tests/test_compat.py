@@ -10,7 +10,7 @@ from transformers import DynamicCache
 
 from tq_hf_cache import TurboQuantCache, TurboQuantLayer, TurboQuantSlidingLayer, cache_kwargs
 from tq_hf_cache._compat import IS_V5, TRANSFORMERS_VERSION
-from tq_hf_cache.hybrid_layer import hybrid_classes
+from tq_hf_cache.hf.hybrid_layer import hybrid_classes
 
 COMMON = dict(
     vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,

@@ -14,11 +14,11 @@ import pytest
 import torch
 
 from tq_hf_cache import ops, reference
-from tq_hf_cache.codebook import Codebook
+from tq_hf_cache.quant.codebook import Codebook
 from tq_hf_cache.kernels import cpu
 from tq_hf_cache.kernels import select
 from tq_hf_cache.kernels.cpu import jit
-from tq_hf_cache.packing import pack_indices
+from tq_hf_cache.quant.packing import pack_indices
 
 from test_static_attention import CASES as STATIC_CASES, SPLIT_CASES as STATIC_SPLIT_CASES
 from test_static_attention import make_kv as make_static_kv

@@ -17,9 +17,9 @@ import pytest  # noqa: E402
 
 import tq_hf_cache  # noqa: E402
 from tq_hf_cache import TurboQuantCache, attention, ops, packed_kv, reference  # noqa: E402
-from tq_hf_cache.codebook import Codebook, theoretical_codebook  # noqa: E402
-from tq_hf_cache.packed_kv import PackedKV, packed_source  # noqa: E402
-from tq_hf_cache.rotation import make_rotation  # noqa: E402
+from tq_hf_cache.quant.codebook import Codebook, theoretical_codebook  # noqa: E402
+from tq_hf_cache.quant.packed_kv import PackedKV, packed_source  # noqa: E402
+from tq_hf_cache.quant.rotation import make_rotation  # noqa: E402
 from tq_hf_cache.kernels import select  # noqa: E402
 from conftest import with_cache
 
@@ -489,7 +489,7 @@ def test_head_dim_256_takes_the_fused_path_where_it_pays(count_paths, caplog):
     ids, mask = _left_padded_batch(fresh_seed(), lengths=(21, 17))
     ids, mask = ids.to(DEVICE), mask.to(DEVICE)
     a, _ = _generate(model, "sdpa", ids, mask, new_tokens=5, preset="k5v3")
-    with caplog.at_level("WARNING", logger="tq_hf_cache.attention"):
+    with caplog.at_level("WARNING", logger="tq_hf_cache.hf.attention"):
         attention._warned.clear()
         b, _ = _generate(model, attention.NAME, ids, mask, new_tokens=5, preset="k5v3")
     assert not caplog.records
@@ -504,7 +504,7 @@ def test_unsupported_head_dim_falls_back_with_a_warning(count_paths, caplog):
     model = _llama(head_dim=32, heads=4)
     ids, mask = _left_padded_batch(fresh_seed(), lengths=(21, 17))
     a, _ = _generate(model, "sdpa", ids, mask, new_tokens=5)
-    with caplog.at_level("WARNING", logger="tq_hf_cache.attention"):
+    with caplog.at_level("WARNING", logger="tq_hf_cache.hf.attention"):
         attention._warned.clear()
         b, _ = _generate(model, attention.NAME, ids, mask, new_tokens=5)
     assert count_paths["fused"] == 0 and count_paths["filled"] == 2 * 2 * 2 * 4  # both runs: sdpa-filled K, V
@@ -604,7 +604,7 @@ def test_layer_steps_through_the_kernel_across_settles_and_growth(preset, group,
     """A TurboQuantLayer's decode steps: the kernel on the PackedKV its update returns against the oracle on the
     dense keys and values the same LazyKVs fill, over steps that cross a residual settle (FLUSH_BLOCK) and a
     packed-buffer growth (GROW_TOKENS), and one step past both."""
-    from tq_hf_cache.layer import FLUSH_BLOCK, GROW_TOKENS
+    from tq_hf_cache.hf.layer import FLUSH_BLOCK, GROW_TOKENS
 
     seed = fresh_seed()
     g = torch.Generator().manual_seed(seed)
@@ -696,7 +696,7 @@ def test_lookup_table_entries_hold_the_fp16_centroids_side_by_side(bits, per_hea
 def test_kernel_at_batch_8_long_context_is_deterministic_and_matches_the_torch_math(kbits, vbits):
     """Batch 8 x 8 KV heads x 32k packed tokens: two launches give the same bits, also after launches with other
     split counts in between (the arrival counters must come back to zero), and equal reference.packed_attention."""
-    from tq_hf_cache.packing import packed_bytes
+    from tq_hf_cache.quant.packing import packed_bytes
 
     seed = fresh_seed()
     g = torch.Generator("cuda").manual_seed(seed)
@@ -748,7 +748,7 @@ def test_kernel_launches_on_two_streams_at_once_do_not_share_scratch():
 def make_split_state(b, hkv, lq, lr, n, d, sizes, bits, vbits, dtype, seed, sinks=0, device=DEVICE):
     """`make_state` with its keys split (a random channel order per KV head): each part's packed codes and norms
     are live slices of bigger buffers poisoned around them; the oracle's keys are the split's dequantized ones."""
-    from tq_hf_cache.key_split import check_spec, make_split
+    from tq_hf_cache.quant.key_split import check_spec, make_split
 
     state, kf, vf = make_state(b, hkv, lq, lr, n, d, bits[0], vbits, dtype, seed, device=device, sinks=sinks)
     g = torch.Generator().manual_seed(seed + 2)

@@ -1,5 +1,5 @@
 """Tensors derived from a quantizer (kernel tables, rotation operands, RoPE tables) are held by the object they derive
-from (`tq_hf_cache.derived`): no module of the package keeps them in a process-wide table, they go with the cache
+from (`tq_hf_cache.quant.derived`): no module of the package keeps them in a process-wide table, they go with the cache
 that owns their objects, and no pickle or deep copy carries them."""
 
 import collections
@@ -16,7 +16,7 @@ import torch
 from conftest import static_logits, tiny_gemma3_config, tiny_llama_config, with_cache
 from tq_hf_cache import Codebook, TurboQuantCache, make_rotation, theoretical_codebook
 from tq_hf_cache._compat import IS_V5
-from tq_hf_cache.derived import Derived
+from tq_hf_cache.quant.derived import Derived
 
 CPU = torch.device("cpu")
 # module globals that may hold tensors, and why they are no quantizer's tables
@@ -32,7 +32,7 @@ def _use_every_table():
     from tq_hf_cache import reference
     from tq_hf_cache.kernels import _common, fast, quantize
     from tq_hf_cache.kernels.decode_attention import lookup_table
-    from tq_hf_cache.rope import RopeAngles
+    from tq_hf_cache.quant.rope import RopeAngles
 
     had, orth = make_rotation(64, 5), make_rotation(48, 5, "orthogonal")
     cbs = [theoretical_codebook(b, 64) for b in (2, 4, 5)]
@@ -172,7 +172,7 @@ def test_a_pickle_or_deep_copy_of_a_used_quantizer_carries_no_table():
 
 
 def test_a_copy_on_another_device_shares_the_holder_keyed_by_device():
-    from tq_hf_cache.reference import _centroid_table, row_major_matrix
+    from tq_hf_cache.quant.reference import _centroid_table, row_major_matrix
 
     own = Codebook.from_centroids(theoretical_codebook(4, 64).centroids * 1.5, 4)
     rot = make_rotation(64, 9)

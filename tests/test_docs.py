@@ -39,7 +39,7 @@ def test_the_manual_builds_strict(tmp_path):
 def test_a_docstring_warning_fails_the_strict_build(tmp_path):
     """The guard itself: a planted docstring naming a parameter the signature lacks must abort the build."""
     root = _copy(tmp_path)
-    path = os.path.join(root, "tq_hf_cache", "packed_kv.py")
+    path = os.path.join(root, "tq_hf_cache", "quant", "packed_kv.py")
     with open(path, encoding="utf-8") as f:
         text = f.read()
     planted = text.replace("        store: the uint8 buffer laid out by `static_parts`.",

@@ -22,7 +22,7 @@ def _no_model(*a, **k):
     (["--model", "/no/such/model"], "--model: model '/no/such/model' is neither a builtin"),
 ])
 def test_eval_refuses_bad_arguments_before_loading(args, message, tmp_path, capsys, monkeypatch):
-    import tq_hf_cache.eval.models as models
+    import tq_hf_cache.tools.eval.models as models
 
     monkeypatch.setattr(models, "load_model", _no_model)
     rc = cli.main(["eval", "--output", str(tmp_path / "r.json"), *args])

@@ -20,9 +20,9 @@ def load_example(name):
 def test_generate_demo(smollm2, monkeypatch, capsys):
     import re
 
-    import tq_hf_cache.models
+    import tq_hf_cache.tools.models
 
-    monkeypatch.setattr(tq_hf_cache.models, "load_smollm2", lambda *a, **k: smollm2)
+    monkeypatch.setattr(tq_hf_cache.tools.models, "load_smollm2", lambda *a, **k: smollm2)
     demo = load_example("generate_demo")
     assert demo.main(["--new-tokens", "12", "--context-chars", "2500"]) == 0
     out = capsys.readouterr().out
@@ -43,9 +43,9 @@ def test_generate_demo(smollm2, monkeypatch, capsys):
 def test_pipeline_chat_reuses_the_cache_across_turns(smollm2, monkeypatch, capsys):
     import re
 
-    import tq_hf_cache.models
+    import tq_hf_cache.tools.models
 
-    monkeypatch.setattr(tq_hf_cache.models, "load_smollm2", lambda *a, **k: smollm2)
+    monkeypatch.setattr(tq_hf_cache.tools.models, "load_smollm2", lambda *a, **k: smollm2)
     assert load_example("pipeline_chat").main(["--new-tokens", "6", "--context-chars", "1200", "--turns", "2"]) == 0
     out = capsys.readouterr().out
     turns = re.findall(r"\[turn (\d)\] (\d+) prompt tokens, (\d+) prefilled this turn", out)
@@ -59,9 +59,9 @@ def test_pipeline_chat_reuses_the_cache_across_turns(smollm2, monkeypatch, capsy
 def test_prefix_store_chat_reuses_system_prompts_and_turns_exactly(smollm2, monkeypatch, capsys):
     import re
 
-    import tq_hf_cache.models
+    import tq_hf_cache.tools.models
 
-    monkeypatch.setattr(tq_hf_cache.models, "load_smollm2", lambda *a, **k: smollm2)
+    monkeypatch.setattr(tq_hf_cache.tools.models, "load_smollm2", lambda *a, **k: smollm2)
     assert load_example("prefix_store_chat").main(["--users", "2", "--new-tokens", "4", "--context-chars", "1200"]) == 0
     out = capsys.readouterr().out
     reqs = [(int(a), int(b)) for a, b in re.findall(r"(\d+) prompt tokens, (\d+) reused", out)]
@@ -71,9 +71,9 @@ def test_prefix_store_chat_reuses_system_prompts_and_turns_exactly(smollm2, monk
 
 @pytest.mark.model
 def test_calibrate_and_save(smollm2, monkeypatch, capsys, tmp_path):
-    import tq_hf_cache.models
+    import tq_hf_cache.tools.models
 
-    monkeypatch.setattr(tq_hf_cache.models, "load_smollm2", lambda *a, **k: smollm2)
+    monkeypatch.setattr(tq_hf_cache.tools.models, "load_smollm2", lambda *a, **k: smollm2)
     example = load_example("calibrate_and_save")
     assert example.main(["--tokens", "256", "--eval-tokens", "300", "--out", str(tmp_path)]) == 0
     out = capsys.readouterr().out
@@ -83,9 +83,9 @@ def test_calibrate_and_save(smollm2, monkeypatch, capsys, tmp_path):
 
 @pytest.mark.model
 def test_long_context(smollm2, monkeypatch, capsys):
-    import tq_hf_cache.models
+    import tq_hf_cache.tools.models
 
-    monkeypatch.setattr(tq_hf_cache.models, "load_smollm2", lambda *a, **k: smollm2)
+    monkeypatch.setattr(tq_hf_cache.tools.models, "load_smollm2", lambda *a, **k: smollm2)
     assert load_example("long_context").main(["--tokens", "1200", "--new-tokens", "8"]) == 0
     out = capsys.readouterr().out
     prompt = int(out.split("prompt: ")[1].split(" tokens")[0])
@@ -139,9 +139,9 @@ def test_compiled_generate_runs_both_static_caches(smollm2, monkeypatch, capsys)
 
     if not IS_V5:
         pytest.skip("TurboQuantStaticCache needs transformers >= 5")
-    import tq_hf_cache.models
+    import tq_hf_cache.tools.models
 
-    monkeypatch.setattr(tq_hf_cache.models, "load_smollm2", lambda *a, **k: smollm2)
+    monkeypatch.setattr(tq_hf_cache.tools.models, "load_smollm2", lambda *a, **k: smollm2)
     try:
         assert load_example("compiled_generate").main(["--context-chars", "2500", "--new-tokens", "8", "--calls", "1"]) == 0
     finally:

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from tq_hf_cache import reference
-from tq_hf_cache.codebook import Codebook
+from tq_hf_cache.quant.codebook import Codebook
 from tq_hf_cache.kernels import disk_cache, fast, select, support
 from tq_hf_cache.kernels.fast import jit
 
@@ -351,8 +351,8 @@ def test_prepare_makes_a_rotations_kernel_operands_once(d):
     """`prepare` (outside any CUDA graph) makes what the kernel reads of a rotation, once per rotation and device: a
     Hadamard rotation's signs as bit words (the kernel's butterflies need nothing else), a dense rotation's Pi in the
     query rotation's fragment order and rounded to fp16 for the merge."""
-    from tq_hf_cache.codebook import theoretical_codebook
-    from tq_hf_cache.rotation import make_rotation
+    from tq_hf_cache.quant.codebook import theoretical_codebook
+    from tq_hf_cache.quant.rotation import make_rotation
 
     cbs = theoretical_codebook(4, d), theoretical_codebook(3, d)
     had = make_rotation(d, 3)

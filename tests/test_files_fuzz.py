@@ -19,7 +19,7 @@ from transformers import LlamaForCausalLM
 
 from conftest import tiny_llama_config
 from tq_hf_cache import TurboQuantConfig
-from tq_hf_cache.calibration import CODEBOOKS_NAME, CalibratedCodebooks, calibrate
+from tq_hf_cache.calibrate.calibration import CODEBOOKS_NAME, CalibratedCodebooks, calibrate
 from tq_hf_cache.config import TURBOQUANT_CONFIG_NAME
 
 N_FAST, N_SLOW = 12, 150

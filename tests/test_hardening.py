@@ -102,7 +102,7 @@ class _CharTokenizer:
 
 def test_bench_contexts_longer_than_the_package_text_repeat_it_and_say_so(tmp_path, monkeypatch, capsys):
     from tq_hf_cache import bench
-    from tq_hf_cache.texts import total_chars
+    from tq_hf_cache.tools.texts import total_chars
 
     cfg = transformers.LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=32, num_hidden_layers=1,
                                    num_attention_heads=2, num_key_value_heads=1, head_dim=16,
@@ -175,7 +175,7 @@ def test_allocate_refuses_an_unreachable_budget_before_measuring(tmp_path, monke
 
 
 def test_min_budget_is_the_narrowest_widths():
-    from tq_hf_cache.allocation import bits_per_coordinate, check_budget, min_budget
+    from tq_hf_cache.calibrate.allocation import bits_per_coordinate, check_budget, min_budget
 
     assert min_budget(64) == bits_per_coordinate({0: [2, 1]}, 64) == 1.75
     assert min_budget(64, key_bits=(3, 4), value_bits=(2,)) == bits_per_coordinate({0: [3, 2]}, 64)

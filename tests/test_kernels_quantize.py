@@ -25,10 +25,10 @@ if not CUDA:
 triton = pytest.importorskip("triton", reason="triton is not installed: the kernel tests need it")
 
 from tq_hf_cache import kernels, ops, reference  # noqa: E402
-from tq_hf_cache.codebook import Codebook, theoretical_codebook  # noqa: E402
+from tq_hf_cache.quant.codebook import Codebook, theoretical_codebook  # noqa: E402
 from tq_hf_cache.kernels import _common  # noqa: E402
-from tq_hf_cache.packing import packed_bytes, unpack_indices  # noqa: E402
-from tq_hf_cache.rotation import make_rotation  # noqa: E402
+from tq_hf_cache.quant.packing import packed_bytes, unpack_indices  # noqa: E402
+from tq_hf_cache.quant.rotation import make_rotation  # noqa: E402
 
 DEV = torch.device("cuda" if CUDA else "cpu")
 if not CUDA and not _common.INTERPRET:
@@ -668,7 +668,7 @@ def test_static_append_of_split_keys_matches_reference(n, start):
     """A static layer's append with split keys (`key_split`): the values and both tensors' exact copies as
     `reference.static_append`, each key part's codes as the quantize kernel gives them for that part's channels,
     nothing written outside the new rows (capacity 33: the last case runs past it)."""
-    from tq_hf_cache.key_split import check_spec, make_split
+    from tq_hf_cache.quant.key_split import check_spec, make_split
 
     seed, g = fresh_gen()
     b, h, d, cap, ring, sinks = 2, 3, 64, 33, 8, 4

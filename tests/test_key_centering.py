@@ -9,7 +9,7 @@ from transformers import DynamicCache
 from conftest import chunked_logits, static_logits, tiny_gemma3_config, tiny_llama_config, with_cache
 from tq_hf_cache import TurboQuantCache, TurboQuantConfig, TurboQuantStaticCache, ops
 from tq_hf_cache._compat import IS_V5
-from tq_hf_cache.rope import KeyOffset, RopeAngles, rope_angles
+from tq_hf_cache.quant.rope import KeyOffset, RopeAngles, rope_angles
 from tq_hf_cache.kernels import select
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"  # on a CPU the kernel runs in the interpreter (conftest)

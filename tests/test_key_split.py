@@ -11,10 +11,10 @@ from transformers import DynamicCache
 from conftest import chunked_logits, static_logits, tiny_gemma3_config, tiny_llama_config, with_cache
 from tq_hf_cache import TurboQuantCache, TurboQuantConfig, TurboQuantStaticCache, ops, reference
 from tq_hf_cache._compat import IS_V5
-from tq_hf_cache.codebook import theoretical_codebook
-from tq_hf_cache.key_split import calibrate_key_split, check_spec, make_split
-from tq_hf_cache.packing import packed_bytes
-from tq_hf_cache.rotation import make_rotation
+from tq_hf_cache.quant.codebook import theoretical_codebook
+from tq_hf_cache.quant.key_split import calibrate_key_split, check_spec, make_split
+from tq_hf_cache.quant.packing import packed_bytes
+from tq_hf_cache.quant.rotation import make_rotation
 from tq_hf_cache.kernels import select
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -237,7 +237,7 @@ def test_a_split_config_saves_and_loads_with_the_model(tmp_path):
 
 def test_split_keys_cli_writes_a_folder_the_cache_and_the_eval_read(tmp_path, capsys, monkeypatch):
     from tq_hf_cache import cli
-    from tq_hf_cache.eval.caches import folder_spec
+    from tq_hf_cache.tools.eval.caches import folder_spec
 
     model = _pair_heavy_llama()
 

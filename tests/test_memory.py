@@ -5,7 +5,7 @@ from transformers import LlamaForCausalLM
 
 from conftest import tiny_llama_config, with_cache
 from tq_hf_cache import TurboQuantCache
-from tq_hf_cache.packing import packed_bytes
+from tq_hf_cache.quant.packing import packed_bytes
 
 
 def reachable_tensors(root):

@@ -13,8 +13,8 @@ import transformers
 from conftest import tiny_llama_config, with_cache
 from tq_hf_cache import TurboQuantCache, TurboQuantStaticCache, kernels, reference
 from tq_hf_cache._compat import IS_V5
-from tq_hf_cache.norm_check import FP16_MAX, note_largest, row_norms
-from tq_hf_cache.rope import OUTLIER_NORM_RATIO, key_mean, rope_angles
+from tq_hf_cache.quant.norm_check import FP16_MAX, note_largest, row_norms
+from tq_hf_cache.quant.rope import OUTLIER_NORM_RATIO, key_mean, rope_angles
 
 static_only = pytest.mark.skipif(not IS_V5, reason="TurboQuantStaticCache needs transformers >= 5")
 CAP, T, BIG = 64, 40, 1e5  # positions held at most; tokens of the first update; the planted norm

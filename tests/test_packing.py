@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from tq_hf_cache.packing import pack_indices, packed_bytes, unpack_indices
+from tq_hf_cache.quant.packing import pack_indices, packed_bytes, unpack_indices
 
 
 @pytest.mark.parametrize("bits", range(1, 9))

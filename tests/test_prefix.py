@@ -16,7 +16,7 @@ from transformers import LlamaForCausalLM
 
 from conftest import tiny_llama_config, with_cache
 from tq_hf_cache import TurboQuantCache
-from tq_hf_cache.prefix import PREFIX_JSON, PREFIX_TENSORS
+from tq_hf_cache.prefix.file import PREFIX_JSON, PREFIX_TENSORS
 
 
 def ids(batch, length, seed=0):
@@ -467,9 +467,9 @@ def test_a_huge_key_split_size_in_the_index_is_refused_without_building_it(tmp_p
 def test_quantizer_digest_remembered_per_rotation_and_codebooks_is_the_computed_one():
     """The digest is remembered per rotation object and codebook fingerprints (no read of GPU tensors per restored
     layer); what it returns is the digest of the tensors, and another codebook or rotation gives another."""
-    from tq_hf_cache.codebook import theoretical_codebook
-    from tq_hf_cache.prefix import _quantizer_digest, quantizer_digest
-    from tq_hf_cache.rotation import make_rotation
+    from tq_hf_cache.quant.codebook import theoretical_codebook
+    from tq_hf_cache.prefix.file import _quantizer_digest, quantizer_digest
+    from tq_hf_cache.quant.rotation import make_rotation
 
     rot, other_rot = make_rotation(32, 3), make_rotation(32, 4)
     k3, v2 = theoretical_codebook(3, 32), theoretical_codebook(2, 32)

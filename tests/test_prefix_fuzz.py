@@ -24,7 +24,7 @@ from transformers import LlamaForCausalLM
 from conftest import tiny_llama_config, with_cache
 from test_prefix import reseal
 from tq_hf_cache import TurboQuantCache, TurboQuantLayer
-from tq_hf_cache.prefix import PREFIX_JSON, PREFIX_TENSORS
+from tq_hf_cache.prefix.file import PREFIX_JSON, PREFIX_TENSORS
 
 FILES = (PREFIX_JSON, PREFIX_TENSORS)
 NEXT_TOKENS = torch.tensor([[5, 9, 17, 33, 65]])

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tq_hf_cache.prefix_index import PrefixIndex, page_keys
+from tq_hf_cache.prefix.index import PrefixIndex, page_keys
 
 PAGE = 4
 

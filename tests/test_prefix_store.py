@@ -11,8 +11,8 @@ import torch
 
 from tq_hf_cache import TurboQuantCache
 from tq_hf_cache import prefix_store
-from tq_hf_cache.prefix_store import PrefixStore
-from tq_hf_cache.prefix_disk import Loc
+from tq_hf_cache.prefix.store import PrefixStore
+from tq_hf_cache.prefix.disk import Loc
 
 from conftest import tiny_llama_and_config as model_and_config, token_ids as ids, with_cache
 

@@ -15,11 +15,11 @@ import pytest
 import torch
 
 from tq_hf_cache import TurboQuantCache
-from tq_hf_cache.codebook import Codebook, theoretical_codebook
+from tq_hf_cache.quant.codebook import Codebook, theoretical_codebook
 from tq_hf_cache import prefix_disk
-from tq_hf_cache.prefix_disk import Loc
-from tq_hf_cache.prefix_index import PrefixIndex, page_keys
-from tq_hf_cache.prefix_store import PrefixStore
+from tq_hf_cache.prefix.disk import Loc
+from tq_hf_cache.prefix.index import PrefixIndex, page_keys
+from tq_hf_cache.prefix.store import PrefixStore
 
 from conftest import tiny_llama_and_config as model_and_config, token_ids as ids, with_cache
 
@@ -197,7 +197,7 @@ def test_a_failed_disk_write_leaves_the_store_as_it_was(tmp_path, monkeypatch):
     store.insert(x[:, :64], cx)
     before = store.stats()
     files = sorted(glob.glob(str(tmp_path / "*")))
-    from tq_hf_cache.prefix_disk import DiskTier
+    from tq_hf_cache.prefix.disk import DiskTier
 
     real = prefix_disk._write_all
 
@@ -264,7 +264,7 @@ def test_a_lookup_does_not_wait_for_an_inserts_disk_writes(tmp_path, monkeypatch
                         disk_bytes=1 << 30)
     store.insert(x[:, :40], cx)
     store.index.capacity[0] = store.stats()["bytes"][0]  # full: the next insert moves pages to disk
-    from tq_hf_cache.prefix_disk import DiskTier
+    from tq_hf_cache.prefix.disk import DiskTier
 
     entered, release = threading.Event(), threading.Event()
     real = DiskTier.write_pack

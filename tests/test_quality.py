@@ -1,4 +1,4 @@
-"""The quality-evaluation harness (tq_hf_cache.eval): unit tests on a tiny random Llama, and a small CI subset
+"""The quality-evaluation harness (tq_hf_cache.tools.eval): unit tests on a tiny random Llama, and a small CI subset
 of the quality floors on the real SmolLM2 model (marked `model`)."""
 
 from __future__ import annotations
@@ -11,10 +11,10 @@ import torch
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
 from tq_hf_cache import DEFAULT_PRESET, TurboQuantCache
-from tq_hf_cache.eval import tasks
-from tq_hf_cache.eval.caches import CacheSpec, all_specs, backend_status, cache_bytes, measure_bytes_synthetic
-from tq_hf_cache.eval.report import markdown_table, plot, seed_groups, update_markdown
-from tq_hf_cache.eval.runner import EvalSettings, run_eval
+from tq_hf_cache.tools.eval import tasks
+from tq_hf_cache.tools.eval.caches import CacheSpec, all_specs, backend_status, cache_bytes, measure_bytes_synthetic
+from tq_hf_cache.tools.eval.report import markdown_table, plot, seed_groups, update_markdown
+from tq_hf_cache.tools.eval.runner import EvalSettings, run_eval
 
 
 def _tiny_config(**kw):
@@ -175,7 +175,7 @@ def test_run_eval_end_to_end(tiny, tmp_path):
 
 
 def test_unavailable_backend_is_reported(tiny, monkeypatch):
-    import tq_hf_cache.eval.runner as runner
+    import tq_hf_cache.tools.eval.runner as runner
 
     monkeypatch.setattr(runner, "backend_status", lambda fam: (fam != "quanto", "ImportError: no quanto here"))
     s = EvalSettings(ppl_tokens=130, chunk=64, needle_lengths=[], agreement_prompts=0, bytes_tokens=0)
@@ -197,7 +197,7 @@ ALLOCATED_3BIT = os.path.join(os.path.dirname(__file__), os.pardir, "benchmarks"
 @pytest.fixture(scope="module")
 def smollm2_model(smollm2):
     """The session's SmolLM2 (tests/conftest.py) plus the eval's model description."""
-    from tq_hf_cache.eval.models import model_shape
+    from tq_hf_cache.tools.eval.models import model_shape
 
     model, tok = smollm2
     return model, tok, {"name": "smollm2", "label": "SmolLM2-135M-Instruct", **model_shape(model.config)}
@@ -207,7 +207,7 @@ def smollm2_model(smollm2):
 def smollm2_quality(smollm2_model):
     """One small run shared by the floor tests: 512 tokens of package text, chunk 128, a needle at 512 tokens,
     64 greedy tokens after a 256-token prompt."""
-    from tq_hf_cache.eval.caches import folder_spec
+    from tq_hf_cache.tools.eval.caches import folder_spec
 
     model, tok, info = smollm2_model
     specs = [all_specs()[n] for n in ("fp", DEFAULT_PRESET, "k4v2")] + [folder_spec(ALLOCATED_3BIT)]
@@ -233,7 +233,7 @@ def test_smollm2_perplexity_floors(smollm2_quality):
 def test_smollm2_allocated_three_bits(smollm2_quality, smollm2_model):
     """The 3-bit floor (+0.5 %) for the per-layer allocation of 3.25 bits per coordinate, its needle as fp's, and
     its bytes: at most k4v2's by the formula."""
-    from tq_hf_cache.allocation import bits_per_coordinate
+    from tq_hf_cache.calibrate.allocation import bits_per_coordinate
     from tq_hf_cache.config import TurboQuantConfig
 
     c = smollm2_quality["caches"]["smollm2-3.25"]

@@ -5,7 +5,7 @@ import torch
 from transformers import DynamicCache, pipeline
 
 from tq_hf_cache import TurboQuantCache
-from tq_hf_cache.texts import package_text
+from tq_hf_cache.tools.texts import package_text
 from conftest import with_cache
 
 pytestmark = pytest.mark.model

@@ -2,8 +2,8 @@ import pytest
 import torch
 
 from tq_hf_cache import reference
-from tq_hf_cache.codebook import Codebook, expected_mse, theoretical_codebook
-from tq_hf_cache.rotation import make_rotation
+from tq_hf_cache.quant.codebook import Codebook, expected_mse, theoretical_codebook
+from tq_hf_cache.quant.rotation import make_rotation
 
 PAPER = {1: 0.36, 2: 0.117, 3: 0.03, 4: 0.009}
 
@@ -83,7 +83,7 @@ def test_reference_attention_matches_sdpa():
 @pytest.mark.parametrize("bits", range(1, 9))
 def test_centroids_equal_unpack_then_lookup(bits, dim, per_head):
     """The table decode of the CPU path (8 coordinates per word, rows of w centroids) is exact."""
-    from tq_hf_cache.packing import pack_indices
+    from tq_hf_cache.quant.packing import pack_indices
 
     seed = torch.seed() % 2**31
     g = torch.Generator().manual_seed(seed)

@@ -16,10 +16,10 @@ from transformers.cache_utils import DynamicSlidingWindowLayer
 from conftest import tiny_llama_config, with_cache
 from tq_hf_cache import TurboQuantCache, TurboQuantConfig, TurboQuantSlidingLayer, reference
 from tq_hf_cache._compat import IS_V5
-from tq_hf_cache.calibration import CODEBOOKS_NAME, CalibratedCodebooks, calibrate
-from tq_hf_cache.codebook import theoretical_codebook
+from tq_hf_cache.calibrate.calibration import CODEBOOKS_NAME, CalibratedCodebooks, calibrate
+from tq_hf_cache.quant.codebook import theoretical_codebook
 from tq_hf_cache.config import TURBOQUANT_CONFIG_NAME
-from tq_hf_cache.packed_kv import PackedKV
+from tq_hf_cache.quant.packed_kv import PackedKV
 
 
 def ids(batch, length, seed=0):
@@ -265,7 +265,7 @@ def test_reference_never_makes_up_a_finite_norm():
 
 
 def reference_rot_cb(d=32, bits=4):
-    from tq_hf_cache.rotation import make_rotation
+    from tq_hf_cache.quant.rotation import make_rotation
 
     return make_rotation(d, 0), theoretical_codebook(bits, d)
 
@@ -544,7 +544,7 @@ def test_the_largest_seed_saves_and_loads(tmp_path):
 
 def cli(capsys, *args):
     """(exit code, stderr) of `tq-hf-cache ARGS`; any exception other than an exit is a test failure."""
-    from tq_hf_cache.cli import main
+    from tq_hf_cache.tools.cli import main
 
     try:
         rc = main(list(args))
@@ -577,8 +577,8 @@ def test_info_names_the_bad_value_without_a_traceback(tmp_path, capsys, doc, mat
     (["calibrate", "smollm2", "--out", "OUT", "--seed", str(2**63 - 1)], "seed must be an integer in"),
 ])
 def test_cli_refuses_bad_arguments_up_front(tmp_path, capsys, monkeypatch, args, match):
-    import tq_hf_cache.cli as cli_module
-    import tq_hf_cache.models as models
+    import tq_hf_cache.tools.cli as cli_module
+    import tq_hf_cache.tools.models as models
 
     def no_model(*a, **k):
         raise AssertionError("the model was loaded before the arguments were checked")
@@ -677,7 +677,7 @@ def test_attention_switch_and_nan_keys_through_the_fused_kernel(monkeypatch):
 
 
 def test_eval_default_output_never_overwrites(tmp_path):
-    from tq_hf_cache.eval.cli import new_output_name
+    from tq_hf_cache.tools.eval.cli import new_output_name
 
     first = new_output_name("smollm2", str(tmp_path))
     open(first, "w").close()

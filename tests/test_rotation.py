@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from tq_hf_cache.rotation import fwht, is_power_of_two, make_rotation
+from tq_hf_cache.quant.rotation import fwht, is_power_of_two, make_rotation
 
 
 @pytest.mark.parametrize("dim", [64, 80, 96, 112, 128, 256])

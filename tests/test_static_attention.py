@@ -11,10 +11,10 @@ if not torch.cuda.is_available():
 import pytest  # noqa: E402
 
 from tq_hf_cache import ops, reference  # noqa: E402
-from tq_hf_cache.codebook import Codebook, theoretical_codebook  # noqa: E402
-from tq_hf_cache.packed_kv import PackedKV, static_parts, static_views  # noqa: E402
-from tq_hf_cache.reference import ring_positions  # noqa: E402
-from tq_hf_cache.rotation import make_rotation  # noqa: E402
+from tq_hf_cache.quant.codebook import Codebook, theoretical_codebook  # noqa: E402
+from tq_hf_cache.quant.packed_kv import PackedKV, static_parts, static_views  # noqa: E402
+from tq_hf_cache.quant.reference import ring_positions  # noqa: E402
+from tq_hf_cache.quant.rotation import make_rotation  # noqa: E402
 
 try:
     from tq_hf_cache.kernels.decode_attention import decode_attention
@@ -50,7 +50,7 @@ def make_kv(b, hkv, cap, ring, sinks, length, exact_from, d, kbits, vbits, dtype
     if split is None:
         key_parts = [reference.quantize(k, rot, kcb)]
     else:
-        from tq_hf_cache.key_split import check_spec, make_split
+        from tq_hf_cache.quant.key_split import check_spec, make_split
 
         spec = check_spec({"sizes": list(split[0]), "bits": list(split[1]),
                            "order": [torch.randperm(d, generator=g).tolist() for _ in range(hkv)]}, 0)

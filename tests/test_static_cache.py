@@ -11,7 +11,7 @@ import transformers
 
 from tq_hf_cache import TurboQuantStaticCache, TurboQuantStaticLayer, kernels
 from tq_hf_cache._compat import IS_V5
-from tq_hf_cache.packed_kv import MAX_FUSED_QUERIES
+from tq_hf_cache.quant.packed_kv import MAX_FUSED_QUERIES
 from tq_hf_cache.kernels import select
 from conftest import with_cache
 
@@ -228,7 +228,7 @@ def test_a_compiled_step_appends_into_each_buffer_in_place():
     to keep the old value. The generated code allocates no buffer of a layer's size, and its steps equal eager's."""
     from torch._inductor.utils import run_and_get_code
 
-    from tq_hf_cache.packed_kv import PACKED_ATTR
+    from tq_hf_cache.quant.packed_kv import PACKED_ATTR
 
     cfg, model = build("llama")
     model.set_attn_implementation("turboquant")

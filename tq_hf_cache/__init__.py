@@ -1,15 +1,19 @@
 """tq_hf_cache: TurboQuant KV-cache compression as a drop-in transformers `DynamicCache`."""
 
-from . import attention  # noqa: F401  (registers attn_implementation="turboquant")
+from . import _moved
+
+_moved.install()  # the module paths from before the sub-packages stay importable
+
+from .hf import attention  # noqa: F401  (registers attn_implementation="turboquant")
 from ._compat import cache_kwargs
-from .cache import TurboQuantCache
-from .codebook import Codebook, theoretical_codebook
+from .hf.cache import TurboQuantCache
+from .quant.codebook import Codebook, theoretical_codebook
 from .config import DEFAULT_PRESET, PRESETS, TurboQuantConfig
-from .layer import TurboQuantLayer
-from .prefix_store import PrefixStore
-from .sliding_layer import TurboQuantSlidingLayer
-from .rotation import Rotation, make_rotation
-from .static_cache import TurboQuantStaticCache, TurboQuantStaticLayer
+from .hf.layer import TurboQuantLayer
+from .prefix.store import PrefixStore
+from .hf.sliding_layer import TurboQuantSlidingLayer
+from .quant.rotation import Rotation, make_rotation
+from .hf.static_cache import TurboQuantStaticCache, TurboQuantStaticLayer
 
 __version__ = "0.1.0"
 

@@ -7,13 +7,13 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from . import codebooks_file
+from .calibrate import codebooks_file
 from ._io import parse_json, write_text
-from .codebook import check_bits
+from .quant.codebook import check_bits
 from .config_file import (  # noqa: F401  (the document's names, where users and modules import them)
     TURBOQUANT_CONFIG_NAME, TURBOQUANT_FORMAT, TURBOQUANT_FORMAT_VERSION, MODEL_FACT_KEYS, model_facts, DOC_DIGEST, doc_digest, check_doc_digest, read_format_json, read_turboquant_json, fact_mismatch, check_model_facts,
 )
-from .rotation import ROTATION_KINDS
+from .quant.rotation import ROTATION_KINDS
 
 SPEC_KEYS = ("bits", "sizes", "order")  # a layer's key split (`key_split`): its fields
 MIN_PART = 3  # channels of a key-split part: `theoretical_codebook` needs 3 or more dimensions

@@ -1,5 +1,5 @@
 """The kernels and their launchers: Triton (quantize, dequantize, decode attention), CUDA (`fast`: decode attention),
-C (`cpu`: decode attention on a CPU). The cache reaches them only through `tq_hf_cache.ops`; which decode kernel
+C (`cpu`: decode attention on a CPU). The cache reaches them only through `tq_hf_cache.kernels.ops`; which decode kernel
 serves a step is `select`'s answer.
 
 Triton is imported lazily, so that importing tq_hf_cache works (and falls back to the torch reference)

@@ -12,9 +12,9 @@ import os
 
 import torch
 
-from ..codebook import Codebook
-from ..packing import packed_bytes
-from ..rotation import Rotation
+from ..quant.codebook import Codebook
+from ..quant.packing import packed_bytes
+from ..quant.rotation import Rotation
 
 import triton  # noqa: E402  (the package imports this module only after checking triton imports)
 import triton.language as tl  # noqa: E402

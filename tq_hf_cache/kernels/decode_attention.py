@@ -39,7 +39,7 @@ from . import decode_args as A
 from .decode_args import LOG2E, scratch as _scratch  # noqa: F401  (the eager scratch, by its old name too)
 
 if TYPE_CHECKING:
-    from ..packed_kv import PackedKV
+    from ..quant.packed_kv import PackedKV
 
 BLOCK_N = 32
 

@@ -17,8 +17,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ..codebook import Codebook
-from ..rotation import Rotation
+from ..quant.codebook import Codebook
+from ..quant.rotation import Rotation
 from . import _common as C
 from .quantize import _load_rot
 

@@ -41,8 +41,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ..codebook import Codebook
-from ..rotation import Rotation
+from ..quant.codebook import Codebook
+from ..quant.rotation import Rotation
 from . import _common as C
 
 POLY_NC: tl.constexpr = tl.constexpr(C.POLY_DEG + 1)

@@ -18,12 +18,12 @@ import dataclasses
 
 import torch
 
-from .. import ops
-from ..norm_check import FP16_MAX, note_largest, row_norms
-from ..packed_kv import PACKED_ATTR, PackedKV, StaticKV, static_parts, static_views
-from ..packing import packed_bytes
-from ..reference import overlay_exact
-from ..rope import RopeAngles, key_mean
+from ..kernels import ops
+from ..quant.norm_check import FP16_MAX, note_largest, row_norms
+from ..quant.packed_kv import PACKED_ATTR, PackedKV, StaticKV, static_parts, static_views
+from ..quant.packing import packed_bytes
+from ..quant.reference import overlay_exact
+from ..quant.rope import RopeAngles, key_mean
 from .layer_state import LayerState, check_tensors, is_paged
 
 

@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import torch
 
-from .. import ops
-from ..norm_check import NormCheck, largest_finite_norm
-from ..packed_kv import PackedKV
-from ..rope import KeyOffset, key_mean
+from ..kernels import ops
+from ..quant.norm_check import NormCheck, largest_finite_norm
+from ..quant.packed_kv import PackedKV
+from ..quant.rope import KeyOffset, key_mean
 from .layer_state import LayerState, check_tensors, part_names
 from .packed_buffer import PackedBuffer
 from .window import Window

@@ -19,9 +19,9 @@ from dataclasses import dataclass
 
 import torch
 
-from ..codebook import Codebook, theoretical_codebook
-from ..key_split import KeySplit, make_split
-from ..rotation import Rotation
+from ..quant.codebook import Codebook, theoretical_codebook
+from ..quant.key_split import KeySplit, make_split
+from ..quant.rotation import Rotation
 
 
 @dataclass(eq=False)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from ..packing import packed_bytes
+from ..quant.packing import packed_bytes
 
 GROW_TOKENS = 256
 

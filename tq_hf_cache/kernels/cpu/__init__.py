@@ -11,7 +11,7 @@ from dataclasses import replace
 
 import torch
 
-from ... import reference
+from ...quant import reference
 from .jit import JitError, library
 
 __all__ = ["JitError", "available", "serves", "dynamic_view", "decode_attention", "packed_scores_into",

@@ -28,8 +28,8 @@ import weakref
 import torch
 from torch.utils._pytree import tree_map_only
 
-from . import ops  # registers the tq_hf_cache:: custom ops
-from .packed_kv import MAX_FUSED_QUERIES, PACKED_ATTR, PackedKV, StaticKV, packed_source
+from ..kernels import ops  # registers the tq_hf_cache:: custom ops
+from ..quant.packed_kv import MAX_FUSED_QUERIES, PACKED_ATTR, PackedKV, StaticKV, packed_source
 
 NAME = "turboquant"
 # dense bytes one row group of a long step may take: its keys and values plus SDPA's copies per query head

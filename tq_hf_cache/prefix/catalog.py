@@ -11,8 +11,8 @@ from __future__ import annotations
 import hashlib
 from typing import Any
 
-from . import prefix_pages as pp
-from .prefix_index import token_bytes
+from . import pages as pp
+from .index import token_bytes
 
 ROOT = "root"
 

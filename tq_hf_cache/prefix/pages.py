@@ -8,9 +8,9 @@ import json
 
 import torch
 
-from .config import model_facts
-from .prefix import _restore_layer, _save_layer, state_digest
-from .state.layer_state import is_paged
+from ..config import model_facts
+from .file import _restore_layer, _save_layer, state_digest
+from ..state.layer_state import is_paged
 
 
 
@@ -85,7 +85,7 @@ def rows_of(input_ids) -> torch.Tensor:
 
 
 def check_static(cache) -> None:
-    from .static_cache import TurboQuantStaticLayer
+    from ..hf.static_cache import TurboQuantStaticLayer
 
     other = [(i, type(layer).__name__) for i, layer in enumerate(cache.layers)
              if not isinstance(layer, TurboQuantStaticLayer)]

@@ -19,9 +19,9 @@ import math
 
 import torch
 
-from ._compat import cache_kwargs
-from .config import TurboQuantConfig, model_facts
-from .packing import packed_bytes
+from .._compat import cache_kwargs
+from ..config import TurboQuantConfig, model_facts
+from ..quant.packing import packed_bytes
 
 KEY_BITS = (2, 3, 4, 5, 6)
 VALUE_BITS = (1, 2, 3, 4)
@@ -72,7 +72,7 @@ def check_budget(budget, head_dim: int, key_bits=KEY_BITS, value_bits=VALUE_BITS
 def layer_token_weights(model_config, context: int) -> dict[int, float]:
     """{layer: tokens it holds at `context` tokens / context}: 1 for full attention, window / context for a
     sliding-window layer. A budget weighted by these is a budget on the bytes the cache holds at that context."""
-    from ._compat import layer_types_and_kwargs
+    from .._compat import layer_types_and_kwargs
 
     if isinstance(context, bool) or not isinstance(context, int) or context < 1:
         raise ValueError(f"context must be a positive number of tokens, got {context!r}")
@@ -92,7 +92,7 @@ def min_tokens(chunk: int, base: TurboQuantConfig | None = None) -> int:
     the window past its capacity (residual_length + min(FLUSH_BLOCK, residual_length)), and then all but the newest
     residual_length; the first sink_tokens are kept exact. So some chunk boundary e < T must exceed both the
     capacity and residual_length + sink_tokens."""
-    from .layer import FLUSH_BLOCK
+    from ..hf.layer import FLUSH_BLOCK
 
     base = base or TurboQuantConfig()
     if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
@@ -142,7 +142,7 @@ def measure_sensitivity(
     """
     from tqdm.auto import tqdm
 
-    from .cache import TurboQuantCache
+    from ..hf.cache import TurboQuantCache
 
     base = base or TurboQuantConfig()
     ids = torch.as_tensor(input_ids)

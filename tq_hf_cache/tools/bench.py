@@ -29,7 +29,7 @@ import time
 
 import torch
 
-from ._compat import cache_kwargs
+from .._compat import cache_kwargs
 
 GPU_ROWS = ("dynamic", "static_compiled", "tq_fused", "tq_static_compiled")
 CPU_ROWS = ("dynamic", "tq_sdpa", "tq_fused")
@@ -62,7 +62,7 @@ def random_llama_8b(layers: int = 32, device="cpu", dtype: torch.dtype = torch.b
 
 def check_rows(rows, device: torch.device) -> list[str]:
     """The rows as a list; unknown names, or compiled rows off CUDA / on transformers 4.x, are refused by name."""
-    from ._compat import IS_V5
+    from .._compat import IS_V5
 
     rows = list(rows)
     bad = [r for r in rows if r not in ALL_ROWS]
@@ -79,7 +79,7 @@ def check_rows(rows, device: torch.device) -> list[str]:
 def _make_cache(row: str, config, capacity: int, preset: str):
     import transformers
 
-    from . import TurboQuantCache
+    from .. import TurboQuantCache
 
     if row == "dynamic":
         return transformers.DynamicCache(config=config), "sdpa"
@@ -89,7 +89,7 @@ def _make_cache(row: str, config, capacity: int, preset: str):
         return TurboQuantCache(preset, config=config, fused_sdpa=False), "sdpa"
     if row == "tq_fused":
         return TurboQuantCache(preset, config=config), "turboquant"
-    from .static_cache import TurboQuantStaticCache
+    from ..hf.static_cache import TurboQuantStaticCache
 
     return TurboQuantStaticCache(config, max_cache_len=capacity, tq_config=preset), "turboquant"
 
@@ -149,7 +149,7 @@ def prompt(batch: int, context: int, vocab_size: int, text_ids: torch.Tensor | N
 
 
 def text_prompt_ids(tokenizer, context: int) -> tuple[torch.Tensor, str]:
-    """(1, n) token ids of the package text (`tq_hf_cache.texts`) for prompts of up to `context` tokens, and what the
+    """(1, n) token ids of the package text (`tq_hf_cache.tools.texts`) for prompts of up to `context` tokens, and what the
     prompt is. The text holds ~55k SmolLM2 tokens; a longer context repeats it (see `prompt`), as the note says:
     the timings need only the token count, `agree` a real text."""
     from .texts import TEXT_SOURCE, package_text, total_chars

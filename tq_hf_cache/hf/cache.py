@@ -8,15 +8,15 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import Cache, DynamicLayer
 
-from . import _compat
-from .codebook import Codebook, theoretical_codebook
-from .config import TurboQuantConfig, model_facts
+from .. import _compat
+from ..quant.codebook import Codebook, theoretical_codebook
+from ..config import TurboQuantConfig, model_facts
 from .crop import crop_layers
 from .hybrid_layer import hybrid_classes
 from .layer import TurboQuantLayer
 from .sliding_layer import TurboQuantSlidingLayer
-from .rope import rope_angles
-from .rotation import make_rotation
+from ..quant.rope import rope_angles
+from ..quant.rotation import make_rotation
 from .workspace import Workspace
 
 _NORM_DTYPES = {"float16": torch.float16, "float32": torch.float32}
@@ -131,8 +131,8 @@ class TurboQuantCache(DynamicCache):
         change config fields; the calibrated codebooks must still cover every bit width the result needs."""
         import os
 
-        from .calibration import CODEBOOKS_NAME, CalibratedCodebooks
-        from .config import read_turboquant_json
+        from ..calibrate.calibration import CODEBOOKS_NAME, CalibratedCodebooks
+        from ..config import read_turboquant_json
 
         tq = TurboQuantConfig.from_pretrained(dir_or_model_path, config=config)
         codebooks = None
@@ -167,7 +167,7 @@ class TurboQuantCache(DynamicCache):
             model(prefix_ids, cache=cache)
             cache.save_prefix("prefixes/manual", prefix_ids, model=model)
         """
-        from .prefix import save_prefix
+        from ..prefix.file import save_prefix
 
         return save_prefix(self, path, token_ids, model=model)
 
@@ -193,7 +193,7 @@ class TurboQuantCache(DynamicCache):
             cache = TurboQuantCache.load_prefix("prefixes/manual", model.config, token_ids=prompt_ids, model=model)
             out = model.generate(prompt_ids, cache=cache, max_new_tokens=64)
         """
-        from .prefix import load_prefix
+        from ..prefix.file import load_prefix
 
         return load_prefix(cls, path, config, token_ids=token_ids, codebooks=codebooks, device=device, model=model)
 

@@ -27,7 +27,7 @@ class EvalSettings:
     agreement_prompt_tokens: int = 512
     agreement_new_tokens: int = 256
     bytes_tokens: int = 4096
-    text_start: int | None = None  # paragraph index into tq_hf_cache.texts; None: texts.HELD_OUT_START
+    text_start: int | None = None  # paragraph index into tq_hf_cache.tools.texts; None: texts.HELD_OUT_START
     seed: int = 0
 
 
@@ -188,7 +188,7 @@ def _bytes_entry(spec, cfg, info, cache, tokens, synthetic_tokens, dtype_name) -
 def _write(path, result):
     if not path:
         return
-    from .._io import write_text
+    from ..._io import write_text
 
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     write_text(path, json.dumps(result, indent=1, default=str))

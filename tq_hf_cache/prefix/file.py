@@ -25,14 +25,14 @@ from typing import Any
 
 import torch
 
-from . import _io
-from ._compat import IS_V5
-from .config import MODEL_FACT_KEYS, TurboQuantConfig, model_facts
-from .packing import packed_bytes
+from .. import _io
+from .._compat import IS_V5
+from ..config import MODEL_FACT_KEYS, TurboQuantConfig, model_facts
+from ..quant.packing import packed_bytes
 
 PREFIX_JSON = "turboquant_prefix.json"
 PREFIX_TENSORS = "turboquant_prefix.safetensors"
-PREFIX_FORMAT = "tq_hf_cache.prefix"
+PREFIX_FORMAT = "tq_hf_cache.prefix.file"
 PREFIX_FORMAT_VERSION = 3
 # version 2 named the exact window "res_k" / "res_v" (field "residual"): read and converted on load
 _V2_NAMES = {"res_k": "window_k", "res_v": "window_v"}
@@ -125,7 +125,7 @@ def _dtype_name(dtype: torch.dtype) -> str:
 def save_prefix(cache, path: str, token_ids, model=None) -> str:
     """Write `cache` (a TurboQuantCache holding exactly the tokens `token_ids`) into folder `path`; returns it.
     With `model`, the prefix is bound to its weights (`weights_digest`)."""
-    from .layer import TurboQuantLayer
+    from ..hf.layer import TurboQuantLayer
 
     ids = _check_save_args(cache, token_ids, model)
     for layer in cache.layers:
@@ -179,7 +179,7 @@ def _check_save_args(cache, token_ids, model) -> torch.Tensor:
 
 
 def _save_layer(layer, i: int, tensors: dict, batch: int) -> dict[str, Any]:
-    from .layer import TurboQuantLayer
+    from ..hf.layer import TurboQuantLayer
 
     info = None
     if hasattr(layer, "conv_states") or hasattr(layer, "recurrent_states"):
@@ -250,7 +250,7 @@ _OBJECT = ("an object", lambda v: isinstance(v, dict))
 _STR_OR_NULL = ("a string or null", lambda v: v is None or isinstance(v, str))
 
 _TOP = {
-    "format": ("'tq_hf_cache.prefix'", lambda v: v == PREFIX_FORMAT),
+    "format": ("'tq_hf_cache.prefix.file'", lambda v: v == PREFIX_FORMAT),
     "format_version": (str(PREFIX_FORMAT_VERSION), lambda v: _is_int(v) and v == PREFIX_FORMAT_VERSION),
     "tq_config": _OBJECT, "model": _OBJECT,
     "weights": ("null or an object", lambda v: v is None or isinstance(v, dict)),
@@ -442,7 +442,7 @@ def _read_tensors(path: str, digest: str, device) -> dict[str, torch.Tensor]:
 
 
 def _restore_layer(layer, i: int, info: dict, doc: dict, facts: dict, get, where: str, device) -> None:
-    from .layer import TurboQuantLayer
+    from ..hf.layer import TurboQuantLayer
 
     kind = "turboquant" if isinstance(layer, TurboQuantLayer) else "plain"
     if info["kind"] != kind:

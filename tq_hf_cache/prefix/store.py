@@ -40,13 +40,13 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from . import prefix_pages as pp
-from .config import model_facts
-from .prefix import weights_digest
-from .prefix_catalog import ROOT, Catalog
-from .prefix_checks import QuantizerCheck, check_args, check_cache
-from .prefix_disk import DiskTier, Loc, PageDamaged, StagedReader
-from .prefix_index import PrefixIndex, page_keys
+from . import pages as pp
+from ..config import model_facts
+from .file import weights_digest
+from .catalog import ROOT, Catalog
+from .checks import QuantizerCheck, check_args, check_cache
+from .disk import DiskTier, Loc, PageDamaged, StagedReader
+from .index import PrefixIndex, page_keys
 
 __all__ = ["PrefixStore"]
 
@@ -87,7 +87,7 @@ class PrefixStore:
     def __init__(self, *, config, tq_config=None, page_tokens: int = 256, cpu_bytes: int = 1 << 30,
                  gpu_bytes: int = 0, device=None, disk_dir: str | None = None, disk_bytes: int = 0, model=None,
                  codebooks=None, max_cache_len: int | None = None, **overrides):
-        from .cache import TurboQuantCache
+        from ..hf.cache import TurboQuantCache
 
         self.device = check_args(page_tokens, cpu_bytes, gpu_bytes, disk_dir, disk_bytes, device)
         self.config, self.codebooks, self.max_cache_len = config, codebooks, max_cache_len
@@ -349,8 +349,8 @@ class PrefixStore:
             _remove_file(self.disk.path(pack))
 
     def _new_cache(self):
-        from .cache import TurboQuantCache
-        from .static_cache import TurboQuantStaticCache
+        from ..hf.cache import TurboQuantCache
+        from ..hf.static_cache import TurboQuantStaticCache
 
         if self.max_cache_len is None:
             return TurboQuantCache(self.tq_config, config=self.config, codebooks=self.codebooks)

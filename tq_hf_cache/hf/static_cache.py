@@ -44,18 +44,19 @@ import torch
 from transformers import cache_utils
 from transformers.cache_utils import Cache, StaticLayer
 
-from . import _compat, ops
+from .. import _compat
+from ..kernels import ops
 from .attention import NAME
 from .cache import _check_codebook_rotation, _check_codebooks, _codebook, _rotation, resolve_config
-from .config import model_facts
+from ..config import model_facts
 from .crop import crop_layers
-from .kernels import DECODE_MAX_ROWS
+from ..kernels import DECODE_MAX_ROWS
 from .layer import _query_length
-from .norm_check import FP16_MAX, warn_widened
-from .packed_kv import MAX_FUSED_QUERIES, PackedKV
-from .rope import rope_angles
-from .state import FixedState, make_quantizers
-from .state.fixed import mark_static
+from ..quant.norm_check import FP16_MAX, warn_widened
+from ..quant.packed_kv import MAX_FUSED_QUERIES, PackedKV
+from ..quant.rope import rope_angles
+from ..state import FixedState, make_quantizers
+from ..state.fixed import mark_static
 
 
 class _Shared:
@@ -562,7 +563,7 @@ def _next_pow2(n: int) -> int:
 def _max_splits(batch_heads: int, capacity: int, device: torch.device, head_dim: int, key_bits: int, value_bits: int,
                 split: bool) -> int:
     """The fused kernel's splits over the whole capacity: what its scratch must hold (the launcher's own count)."""
-    from .kernels import decode_plan, num_splits_for
+    from ..kernels import decode_plan, num_splits_for
 
     _, per_sm, _ = decode_plan(head_dim, key_bits, value_bits, split, batch_heads * capacity)
     return num_splits_for(batch_heads, capacity, device, per_sm)

@@ -33,21 +33,13 @@ from typing import Any, Iterable
 import torch
 from transformers import DynamicCache
 
-from .codebook import Codebook, check_bits, theoretical_codebook
+from ..quant.codebook import Codebook, check_bits, theoretical_codebook
 from . import codebooks_file
 from .codebooks_file import CODEBOOKS_FORMAT_VERSION, CODEBOOKS_NAME, KINDS  # noqa: F401  (imported from here too)
-from .config import (
-    TURBOQUANT_CONFIG_NAME,
-    TurboQuantConfig,
-    check_doc_digest,
-    check_model_facts,
-    fact_mismatch,
-    model_facts,
-    read_turboquant_json,
-)
-from ._compat import cache_kwargs
-from ._io import safetensors_bytes, sha256_bytes, write_bytes
-from .rotation import make_rotation
+from ..config import TURBOQUANT_CONFIG_NAME, TurboQuantConfig, check_doc_digest, check_model_facts, fact_mismatch, model_facts, read_turboquant_json
+from .._compat import cache_kwargs
+from .._io import safetensors_bytes, sha256_bytes, write_bytes
+from ..quant.rotation import make_rotation
 
 DEFAULT_BINS = 8192
 HOLDOUT_BLOCK = 32
@@ -486,7 +478,7 @@ def measure_reconstruction(
     quantizer, per "key_{b}bit" / "value_{b}bit", over the layers `config` quantizes. `codebooks` (anything with
     `get(layer, kind, bits)`) replaces the theoretical codebook where it returns one; None measures theoretical.
     `bits` defaults to the config's key/value bits. Streams: nothing but running sums is kept."""
-    from .reference import dequantize, quantize
+    from ..quant.reference import dequantize, quantize
 
     config = config or TurboQuantConfig()
     facts = model_facts(model.config)

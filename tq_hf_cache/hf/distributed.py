@@ -20,8 +20,8 @@ def shutdown() -> None:
     A no-op without one. Call it at the end of every rank, after the last compiled step.
 
     Example:
-        >>> import tq_hf_cache.distributed
-        >>> tq_hf_cache.distributed.shutdown()    # at the end of a torchrun script
+        >>> import tq_hf_cache.hf.distributed
+        >>> tq_hf_cache.hf.distributed.shutdown()    # at the end of a torchrun script
     """
     if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
         return

@@ -16,13 +16,13 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import DynamicLayer
 
-from ._compat import IS_V5
+from .._compat import IS_V5
 from .attention import lazy_pair
-from .packed_kv import MAX_FUSED_QUERIES, PackedKV
-from .rope import RopeAngles
-from .state import GrowableState, make_quantizers
-from .state.growable import FLUSH_BLOCK
-from .state.packed_buffer import GROW_TOKENS, PackedBuffer  # noqa: F401  (imported from here too)
+from ..quant.packed_kv import MAX_FUSED_QUERIES, PackedKV
+from ..quant.rope import RopeAngles
+from ..state import GrowableState, make_quantizers
+from ..state.growable import FLUSH_BLOCK
+from ..state.packed_buffer import GROW_TOKENS, PackedBuffer  # noqa: F401  (imported from here too)
 from .workspace import Workspace
 
 MODEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)

@@ -5,7 +5,7 @@
     tq-hf-cache eval --model gemma3-270m --caches fp,k4v4,quanto-int4 --tasks ppl,bytes
     tq-hf-cache eval --model /path/to/hf_folder_or.gguf --output results.json
 
-Also `python -m tq_hf_cache.eval ...` with the same options.
+Also `python -m tq_hf_cache.tools.eval ...` with the same options.
 """
 
 from __future__ import annotations
@@ -107,7 +107,7 @@ def output_problem(path: str, option: str, suffix: str | None = None, read: bool
     """Why `path` cannot take an output file of `option` (None when it can), checked before any work: a folder, a
     non-regular or read-only file, a wrong suffix, a folder that cannot be written into (created if missing).
     `read`: the file is updated, so an existing one must be readable."""
-    from .._io import probe_writable
+    from ..._io import probe_writable
 
     full = os.path.abspath(path)
     if suffix and not full.lower().endswith(suffix):
@@ -145,8 +145,8 @@ def run(args) -> int:
     from .models import load_model
     from .runner import run_eval
 
-    from .._io import write_text
-    from ..config import TURBOQUANT_CONFIG_NAME
+    from ..._io import write_text
+    from ...config import TURBOQUANT_CONFIG_NAME
     from .caches import folder_spec
 
     from .models import model_problem

@@ -8,7 +8,7 @@ from typing import Callable
 
 import torch
 
-from .prefix import state_digest
+from .file import state_digest
 
 
 def check_args(page_tokens, cpu_bytes, gpu_bytes, disk_dir, disk_bytes, device) -> torch.device:
@@ -32,8 +32,8 @@ def check_args(page_tokens, cpu_bytes, gpu_bytes, disk_dir, disk_bytes, device) 
 
 def check_cache(cache, rows: torch.Tensor, tq_config, max_cache_len: int | None) -> None:
     """`cache` is the kind of cache the store holds, holds exactly `rows`' tokens and was made under `tq_config`."""
-    from .cache import TurboQuantCache
-    from .static_cache import TurboQuantStaticCache
+    from ..hf.cache import TurboQuantCache
+    from ..hf.static_cache import TurboQuantStaticCache
 
     want = TurboQuantCache if max_cache_len is None else TurboQuantStaticCache
     if not isinstance(cache, want) or getattr(cache, "capacity", None) != max_cache_len:

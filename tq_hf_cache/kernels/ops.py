@@ -11,11 +11,12 @@ import weakref
 
 import torch
 
-from . import kernels, reference
-from .kernels import select
-from .codebook import Codebook
-from .norm_check import note_largest, row_norms
-from .rotation import Rotation
+from .. import kernels
+from ..quant import reference
+from . import select
+from ..quant.codebook import Codebook
+from ..quant.norm_check import note_largest, row_norms
+from ..quant.rotation import Rotation
 
 
 def _kernel_ok(t: torch.Tensor, rotation: Rotation, bits: int, quantize: bool = True) -> bool:
@@ -222,10 +223,10 @@ def static_packed_kv(store: torch.Tensor, ring_k: torch.Tensor, ring_v: torch.Te
     """The `PackedKV` (views) of a static layer's one buffer (`packed_kv.static_parts`) and its rings; `key_split`:
     the `object_id` of its keys' split, `key_rope`: that of its RoPE when its keys are centred (the packed keys are
     k - R(t) mu, mu in the buffer), or -1."""
-    from .key_split import KeySplit
-    from .packed_kv import PackedKV, static_views
-    from .packing import packed_bytes
-    from .rope import KeyOffset, RopeAngles
+    from ..quant.key_split import KeySplit
+    from ..quant.packed_kv import PackedKV, static_views
+    from ..quant.packing import packed_bytes
+    from ..quant.rope import KeyOffset, RopeAngles
 
     if norm_dtype not in NORM_DTYPES:
         raise ValueError(f"norm_dtype must be one of {sorted(NORM_DTYPES)}, got {norm_dtype!r}")
@@ -377,7 +378,7 @@ def decode_attention(query: torch.Tensor, kv, mask: torch.Tensor | None, scale: 
 def _launch(kernel: str, query: torch.Tensor, kv, mask, scale, chunk: int = 0, out=None) -> torch.Tensor | None:
     """The launcher of `kernel`; None where it declines this call (its layout, a failed build)."""
     if kernel == "cuda":
-        from .kernels import fast
+        from . import fast
 
         try:
             return fast.decode_attention(query, kv, mask, scale, out=out, chunk=chunk)
@@ -385,11 +386,11 @@ def _launch(kernel: str, query: torch.Tensor, kv, mask, scale, chunk: int = 0, o
             select.cuda_failed(query.device, str(e).splitlines()[0])
             return None
     if kernel == "triton":
-        from .kernels import decode_attention as triton_launcher
+        from . import decode_attention as triton_launcher
 
         return triton_launcher.decode_attention(query, kv, mask, scale, out=out)
     if kernel == "cpu":
-        from .kernels import cpu
+        from . import cpu
 
         view = cpu.dynamic_view(kv) if kv.static else kv
         return cpu.decode_attention(query, view, mask, scale) if cpu.serves(query, view) else None
@@ -450,14 +451,14 @@ def prepare_fused(kv) -> None:
         keys = [(kv.rotation, kv.k_codebook), *(_QUANTIZERS.every(kv.k_quantizer) if kv.k_quantizer >= 0 else ())]
     values = [(kv.rotation, kv.v_codebook), *(_QUANTIZERS.every(kv.v_quantizer) if kv.v_quantizer >= 0 else ())]
     if select.machine_runs("triton", dev):
-        from .kernels.decode_attention import lookup_table
-        from .kernels.quantize import prepare
+        from .decode_attention import lookup_table
+        from .quantize import prepare
 
         for _, codebook in (*keys, *values):
             lookup_table(codebook, heads, dev)
             prepare(codebook, heads, dev)
     if kv.key_split is None and select.machine_runs("cuda", dev):
-        from .kernels import fast
+        from . import fast
 
         for rotation, codebook in (*keys, *values):
             fast.prepare(rotation, codebook, codebook, heads, dev)

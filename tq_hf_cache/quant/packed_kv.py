@@ -40,7 +40,7 @@ class PackedKV:
             int64 tensors on the device (static layer).
         rotation, k_codebook, v_codebook: the quantizer (on the device).
         sinks: how many sink positions there are (may be 0).
-        k_quantizer, v_quantizer: their ids in `tq_hf_cache.ops` (custom ops take ids, not objects).
+        k_quantizer, v_quantizer: their ids in `tq_hf_cache.kernels.ops` (custom ops take ids, not objects).
         scratch, counters: the fused kernel's split-K scratch (float32) and arrival counters (int32, zero); None
             lets the kernel use its own per-device ones (eager use only).
         key_offset: a centred dynamic layer's `rope.KeyOffset`: its packed keys are k - R(t) mu, so every read adds
@@ -146,13 +146,13 @@ class StaticKV:
         capacity: positions held at most.
         sinks: the first positions, kept exact.
         norm_dtype: the norms' dtype name ("float16" or "float32").
-        k_quantizer: the `tq_hf_cache.ops` id of the keys' rotation and codebook (the layer owns them; the id,
+        k_quantizer: the `tq_hf_cache.kernels.ops` id of the keys' rotation and codebook (the layer owns them; the id,
             held weakly, is made again in each process the layer is unpickled in).
         v_quantizer: the same for the values.
         scratch: the fused kernel's split-K scratch, shared by a cache's layers.
         counters: the fused kernel's arrival counters, shared likewise.
-        key_split: the `tq_hf_cache.ops` id of the layer's `KeySplit` when its keys are split, else -1.
-        key_rope: the `tq_hf_cache.ops` id of the layer's `RopeAngles` when its keys are centred, else -1.
+        key_split: the `tq_hf_cache.kernels.ops` id of the layer's `KeySplit` when its keys are split, else -1.
+        key_rope: the `tq_hf_cache.kernels.ops` id of the layer's `RopeAngles` when its keys are centred, else -1.
     """
 
     store: torch.Tensor

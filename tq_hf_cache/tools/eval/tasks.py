@@ -13,7 +13,7 @@ import re
 
 import torch
 
-from .._compat import cache_kwargs
+from ..._compat import cache_kwargs
 
 
 def _forward(model, ids: torch.Tensor, cache, all_logits: bool) -> torch.Tensor:

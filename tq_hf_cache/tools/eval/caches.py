@@ -13,8 +13,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..config import PRESETS
-from ..packing import packed_bytes
+from ...config import PRESETS
+from ...quant.packing import packed_bytes
 
 # QuantizedCache defaults, spelled out so the byte formula and the cache agree
 QUANTIZED_CACHE_GROUP = 64
@@ -38,7 +38,7 @@ class CacheSpec:
 
             return DynamicCache(config=model_config)
         if self.family == "turboquant":
-            from ..cache import TurboQuantCache
+            from ...hf.cache import TurboQuantCache
 
             if "config_dir" in self.overrides:
                 return TurboQuantCache.from_pretrained(self.overrides["config_dir"], config=model_config)
@@ -114,7 +114,7 @@ def folder_spec(path: str) -> CacheSpec:
     folder; its bytes formula averages the folder's per-layer bits."""
     import os
 
-    from ..config import TurboQuantConfig
+    from ...config import TurboQuantConfig
 
     cfg = TurboQuantConfig.from_pretrained(path)
     over = {"config_dir": path, "residual_length": cfg.residual_length, "norm_dtype": cfg.norm_dtype}
@@ -219,7 +219,7 @@ def cache_bytes(cache) -> dict:
 def measure_bytes_synthetic(spec: CacheSpec, model_config, tokens: int, dtype=torch.float16, seed: int = 0) -> dict:
     """Fill a fresh cache with `tokens` random KV states of the model's shapes in `dtype` (one prefill, then one
     decode token, as in generation) and measure what it holds. No model forward: a deployment-dtype count."""
-    from .._compat import layer_types_and_kwargs
+    from ..._compat import layer_types_and_kwargs
 
     text_cfg = model_config.get_text_config(decoder=True) if hasattr(model_config, "get_text_config") else model_config
     h = text_cfg.num_key_value_heads

@@ -30,7 +30,7 @@ from typing import NamedTuple
 
 import torch
 
-from . import _io
+from .. import _io
 
 PAGE_FORMAT = "tq_hf_cache.prefix_page"
 PAGE_VERSION = "3"

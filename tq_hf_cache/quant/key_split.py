@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from .codebook import Codebook
-from .config import MIN_PART, SPEC_KEYS, TurboQuantConfig, check_spec  # noqa: F401  (the spec is config)
+from ..config import MIN_PART, SPEC_KEYS, TurboQuantConfig, check_spec  # noqa: F401  (the spec is config)
 from .packing import packed_bytes
 from .rotation import Rotation
 
@@ -159,7 +159,7 @@ def calibrate_key_split(model, input_ids: torch.Tensor, sizes: list[int], deltas
     Example: `calibrate_key_split(model, ids, [64, 64, 128], [2, 0, -1], TurboQuantConfig.from_preset("k4v2"))`
     gives Gemma 3's k4v2 keys 64 channels at 6 bits, 64 at 4 and 128 at 3: 1024 bits, as 256 at 4.
     """
-    from ._compat import layer_types_and_kwargs
+    from .._compat import layer_types_and_kwargs
 
     cfg = tq_config if tq_config is not None else TurboQuantConfig()
     sizes, deltas = list(sizes), list(deltas)

@@ -10,9 +10,9 @@ from typing import Any
 
 import torch
 
-from ._io import sha256_bytes, sha256_file
-from .codebook import Codebook, check_bits
-from .config_file import TURBOQUANT_CONFIG_NAME, check_doc_digest
+from .._io import sha256_bytes, sha256_file
+from ..quant.codebook import Codebook, check_bits
+from ..config_file import TURBOQUANT_CONFIG_NAME, check_doc_digest
 
 CODEBOOKS_NAME = "turboquant_codebooks.safetensors"
 CODEBOOKS_FORMAT_VERSION = 1
