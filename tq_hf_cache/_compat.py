@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import inspect
 
+import torch
 import transformers
 from packaging.version import Version
 from transformers import cache_utils
@@ -77,3 +78,10 @@ def cache_kwargs(model, cache) -> dict:
     except (TypeError, ValueError):  # a forward without a signature (a C extension, a partial)
         takes_cache = False
     return {"cache" if takes_cache else "past_key_values": cache}
+
+
+def query_length(arg) -> int:
+    """transformers 5.x passes the query length; 4.x passes cache_position."""
+    if isinstance(arg, torch.Tensor):
+        return int(arg.shape[0])
+    return int(arg)

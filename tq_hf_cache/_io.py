@@ -265,7 +265,7 @@ def write_folder(path: str, files: dict[str, bytes]) -> str:
         for name, data in files.items():
             write_bytes(os.path.join(tmp, name), data)
         os.rename(tmp, path)  # fails, rather than merging, if another writer made the folder meanwhile
-    except OSError as e:
+    except OSError:
         shutil.rmtree(tmp, ignore_errors=True)
         if os.path.isdir(path) and not os.path.islink(path):
             raise FileExistsError(errno.EEXIST, f"{path!r} was created by another writer while this one wrote it; "

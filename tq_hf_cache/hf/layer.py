@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import DynamicLayer
 
-from .._compat import IS_V5
+from .._compat import IS_V5, query_length
 from .attention import lazy_pair
 from ..quant.packed_kv import MAX_FUSED_QUERIES, PackedKV
 from ..quant.rope import RopeAngles
@@ -252,7 +252,7 @@ class TurboQuantLayer(DynamicLayer):
         return self.cumulative_length
 
     def get_mask_sizes(self, query_length_or_cache_position, *args) -> tuple[int, int]:
-        q = _query_length(query_length_or_cache_position)
+        q = query_length(query_length_or_cache_position)
         return self.get_seq_length() + q, 0
 
     def get_max_length(self) -> int:
@@ -318,10 +318,3 @@ class TurboQuantLayer(DynamicLayer):
             f"{type(self).__name__}(k{self.key_bits}v{self.value_bits}, residual={self.residual_length}, "
             f"quantized={self.quantized_length}, fp={self.residual_tokens})"
         )
-
-
-def _query_length(arg) -> int:
-    """transformers 5.x passes the query length; 4.x passes cache_position."""
-    if isinstance(arg, torch.Tensor):
-        return int(arg.shape[0])
-    return int(arg)

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import torch
 
-from .layer import TurboQuantLayer, _query_length
+from .._compat import query_length
+from .layer import TurboQuantLayer
 
 
 class SlidingCropError(RuntimeError, ValueError):
@@ -41,7 +42,7 @@ class TurboQuantSlidingLayer(TurboQuantLayer):
         self.record_past = self._record_past  # the state drops what leaves the window, unless recording
 
     def get_mask_sizes(self, query_length_or_cache_position, *args) -> tuple[int, int]:
-        q = _query_length(query_length_or_cache_position)
+        q = query_length(query_length_or_cache_position)
         kv_offset = max(self.cumulative_length - self.sliding_window + 1, 0)
         if self.cumulative_length >= self.sliding_window:
             return self.sliding_window - 1 + q, kv_offset

@@ -51,7 +51,6 @@ from .cache import _check_codebook_rotation, _check_codebooks, _codebook, _rotat
 from ..config import model_facts
 from .crop import crop_layers
 from ..kernels import DECODE_MAX_ROWS
-from .layer import _query_length
 from ..quant.norm_check import FP16_MAX, warn_widened
 from ..quant.packed_kv import MAX_FUSED_QUERIES, PackedKV
 from ..quant.rope import rope_angles
@@ -126,7 +125,7 @@ def held_only(attn_config, n: int) -> bool:
 def mask_sizes(layer, query_length) -> tuple[int, int]:
     """(kv_length, kv_offset) of a full-attention layer of the cache (see `held_only`). An eager step's mask reads
     the length held once, before the layers' updates, and leaves it for them (`_Shared.note_held`)."""
-    n = _query_length(query_length)
+    n = _compat.query_length(query_length)
     if not held_only(layer._attn_config, n):
         if not torch.compiler.is_compiling() and layer._shared.pending:  # before a step that may be compiled
             layer._shared.settle_norms()

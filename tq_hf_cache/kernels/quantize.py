@@ -559,7 +559,6 @@ def quantize_into(
     dev = x.device
     rmode, xmode, mdtype = _modes(x.dtype, rotation, rot)
     sargs, smode = _search_args(codebook, heads, dev, search, packed_out)
-    bnd = sargs[0]
     mat = C.rotation_operand(rotation, dev, "fwd_mma" if rmode == C.ROT_PM1_DOT else "fwd", mdtype)
     bt, nw = _launch_cfg(tokens, block_t, num_warps)
     if maxnreg is None and smode in (SEARCHES["poly"], SEARCHES["lut"]) and not C.INTERPRET:

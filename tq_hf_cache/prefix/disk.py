@@ -271,7 +271,7 @@ class DiskTier:
         except OSError:
             return []
         out = []
-        with os.fdopen(fd, "rb") as f:
+        with os.fdopen(fd, "rb"):
             st = os.fstat(fd)
             at = 0
             while at + 8 <= st.st_size:
