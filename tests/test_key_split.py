@@ -180,7 +180,7 @@ def test_a_split_cache_gives_the_same_logits_on_every_attention_and_through_batc
     pk, _ = layer.kv.k_buf.live()
     want = reference.split_dequantize([b.live() for b in (layer.kv.k_buf, *layer.kv.k_more)], layer.key_split, layer.dtype)
     if centred:
-        layer._key_offset(layer.get_seq_length()).add_to(want, 0)
+        layer.kv.key_offset(layer.get_seq_length()).add_to(want, 0)
     ns = layer.kv.exact_sinks
     torch.testing.assert_close(layer.keys[:, :, ns : pk.shape[2]], want[:, :, ns:], atol=1e-5, rtol=1e-5,
                                msg="dense keys of the split layer")
