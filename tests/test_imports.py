@@ -109,3 +109,20 @@ def test_the_check_finds_a_cycle_through_a_function_level_import(tmp_path):
     (pkg / "c.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from . import d\nfrom . import a\n")
     (pkg / "d.py").write_text("from . import c\n")
     assert cycles(import_graph(str(tmp_path), "cyc")) == [{"cyc.a", "cyc.sub.b", "cyc.c"}]
+
+
+def test_the_old_module_paths_are_the_new_modules():
+    """Every path from before the sub-packages imports as the new module itself, its spec the new one's (a lazy
+    relative import inside it must not warn that its package and spec disagree)."""
+    import importlib
+    import warnings
+
+    import tq_hf_cache  # noqa: F401  (installs the aliases)
+    from tq_hf_cache._moved import MOVED
+
+    for old, new in MOVED.items():
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", ImportWarning)
+            got = importlib.import_module(old)
+        assert got is importlib.import_module(new) and got.__spec__.name == new, old
+    assert importlib.import_module("tq_hf_cache.eval.models") is importlib.import_module("tq_hf_cache.tools.eval.models")

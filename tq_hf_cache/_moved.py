@@ -64,10 +64,12 @@ class _Alias(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         return importlib.util.spec_from_loader(name, self) if new_name(name) else None
 
     def create_module(self, spec):
-        return importlib.import_module(new_name(spec.name))
+        module = importlib.import_module(new_name(spec.name))
+        spec.loader_state = module.__spec__  # the import system sets the alias spec on it next: put back below
+        return module
 
     def exec_module(self, module) -> None:
-        pass
+        module.__spec__ = module.__spec__.loader_state
 
 
 def install() -> None:
