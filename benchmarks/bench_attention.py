@@ -40,6 +40,7 @@ from triton.testing import do_bench_cudagraph  # noqa: E402
 
 from tq_hf_cache import TurboQuantConfig, kernels  # noqa: E402
 from tq_hf_cache.quant.codebook import theoretical_codebook  # noqa: E402
+from tq_hf_cache.quant.pair_codebook import theoretical_pair_codebook  # noqa: E402
 from tq_hf_cache.kernels import decode_attention as da  # noqa: E402
 from tq_hf_cache.kernels import dequantize  # noqa: E402
 from tq_hf_cache.quant.packed_kv import PackedKV  # noqa: E402
@@ -82,12 +83,12 @@ def sdpa_bytes(b: int, t: int) -> int:
     return 2 * b * HKV * t * D * 2 + b * HQ * D * 2
 
 
-def parse_preset(name: str) -> tuple[int, int, list[tuple[int, int]] | None]:
-    """(key bits, value bits, split parts [(channels, bits)] or None) of "k4v2" or "k4v2:32x6+32x4+64x3"."""
+def parse_preset(name: str) -> tuple[int, int, list[tuple[int, int]] | None, str]:
+    """(key bits, value bits, split parts [(channels, bits)] or None, codes) of "k4v2" or "k4v2:32x6+32x4+64x3"."""
     preset, _, split = name.partition(":")
     cfg = TurboQuantConfig.from_preset(preset)
     parts = [tuple(int(x) for x in p.split("x")) for p in split.split("+")] if split else None
-    return cfg.key_bits, cfg.value_bits, parts
+    return cfg.key_bits, cfg.value_bits, parts, cfg.codes
 
 
 def split_keys(kv: PackedKV, parts: list[tuple[int, int]]) -> tuple[PackedKV, int]:
@@ -108,12 +109,13 @@ def split_keys(kv: PackedKV, parts: list[tuple[int, int]]) -> tuple[PackedKV, in
     return kv, added
 
 
-def packed_layer(b: int, t: int, kbits: int, vbits: int, split=None) -> tuple[PackedKV, int]:
+def packed_layer(b: int, t: int, kbits: int, vbits: int, split=None, codes: str = "scalar") -> tuple[PackedKV, int]:
     """A dynamic layer's PackedKV of t positions (t - RESIDUAL packed) and the bytes a step reads of it; `split`:
-    its keys split in these [(channels, bits)] parts."""
+    its keys split in these [(channels, bits)] parts; `codes`: "scalar" or "pair" codebooks."""
     lq = t - RESIDUAL
     rot = make_rotation(D, 0).to(DEV)
-    kcb, vcb = theoretical_codebook(kbits, D).to(DEV), theoretical_codebook(vbits, D).to(DEV)
+    book = theoretical_pair_codebook if codes == "pair" else theoretical_codebook
+    kcb, vcb = book(kbits, D).to(DEV), book(vbits, D).to(DEV)
     kp = torch.randint(0, 256, (b, HKV, lq, packed_bytes(D, kbits)), dtype=torch.uint8, device=DEV)
     vp = torch.randint(0, 256, (b, HKV, lq, packed_bytes(D, vbits)), dtype=torch.uint8, device=DEV)
     kn = torch.rand(b, HKV, lq, device=DEV).add_(1).half()

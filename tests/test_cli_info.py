@@ -70,6 +70,13 @@ def test_a_uniform_config_shows_one_width(tmp_path, capsys):
     assert "bits: key 3, value 2 in every layer" in out and "bits per layer" not in out
     assert f"stored: {bits_per_coordinate({0: [3, 2]}, 64, 'float32'):.3f} bits" in out
     assert "key centring: off" in out and "codebooks: theoretical" in out
+    assert "codes: scalar (a codebook per coordinate)" in out and "norm correction off" in out
+
+
+def test_pair_codes_and_norm_correction_are_shown(tmp_path, capsys):
+    out = _info(capsys, _save(tmp_path, **TurboQuantConfig.from_preset("k4v2-pairs").to_dict()))
+    assert "codes: pair (a 2-D codebook on each pair of coordinates), 3 code bits per coordinate; norm correction " \
+        "on" in out and "key centring: on" in out
 
 
 def test_split_keys_and_centring_are_shown_with_the_bits_they_spend(capsys):

@@ -19,7 +19,7 @@ def test_json_round_trip():
         skip_first=1, skip_layers=[5, 3], layer_bits={4: [8, 4]},
     )
     s = cfg.to_json_string()
-    assert json.loads(s)["tq_hf_cache_config_version"] == 2
+    assert json.loads(s)["tq_hf_cache_config_version"] == 3
     back = TurboQuantConfig.from_json_string(s)
     assert back == cfg and back.skip_layers == [3, 5] and back.layer_bits == {4: [8, 4]}
 

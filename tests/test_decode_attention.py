@@ -43,16 +43,31 @@ def codebook(bits, d):
     return theoretical_codebook(bits, d)
 
 
+def pair_codebooks(kbits, vbits, d, hkv, per_head, g):
+    """Pair codebooks (`pair_codebook`); per head: each head's points scaled by its own factor."""
+    from tq_hf_cache.quant.pair_codebook import theoretical_pair_codebook
+
+    out = []
+    for bits in (kbits, vbits):
+        cb = theoretical_pair_codebook(bits, d)
+        if per_head:
+            cb = Codebook.from_points(cb.centroids * (1 + 0.2 * torch.rand(hkv, 1, 1, generator=g)), bits)
+        out.append(cb)
+    return out
+
+
 def make_state(b, hkv, lq, lr, n, d, kbits, vbits, dtype, seed, per_head=False, device=DEVICE, sinks=0,
-               rotation="auto"):
+               rotation="auto", codes="scalar"):
     """A random dynamic-layer `PackedKV` (packed [0, lq), then lr residual and n new tokens in the ring) laid out as
     a TurboQuantLayer's views give it (slices of bigger buffers, poisoned past the live part), plus the oracle's
     K, V. With `sinks`, the first packed tokens also have exact copies (attention sinks), which the oracle uses;
-    `rotation` is make_rotation's kind."""
+    `rotation` is make_rotation's kind; `codes` "pair" takes pair codebooks."""
     g = torch.Generator().manual_seed(seed)
     rot = make_rotation(d, seed % 1000, rotation)
     kcb, vcb = codebook(kbits, d), codebook(vbits, d)
-    if per_head:  # calibrated-style per-KV-head codebooks: perturbed, still sorted
+    if codes == "pair":
+        kcb, vcb = pair_codebooks(kbits, vbits, d, hkv, per_head, g)
+    elif per_head:  # calibrated-style per-KV-head codebooks: perturbed, still sorted
         kcb = Codebook.from_centroids(kcb.centroids * (1 + 0.2 * torch.rand(hkv, 1, generator=g)), kbits)
         vcb = Codebook.from_centroids(vcb.centroids * (1 + 0.2 * torch.rand(hkv, 1, generator=g)), vbits)
     t = lq + lr + n
@@ -180,6 +195,40 @@ def test_kernel_matches_reference(case):
     ref = _oracle(q, kf, vf, mask, scale)
     err = rel_err(out, ref)
     assert err < TOL[dtype], f"seed {seed}: relative error {err:.2e}"
+
+
+# pair codes (`pair_codebook`): the kernel reads them through the same tables, made by `Codebook.coordinate_values`
+PAIR_CASES = [  # (kbits, vbits, d, group, n, lq, lr, dtype, mask, splits, per_head)
+    (4, 2, 64, 3, 1, 203, 17, torch.float16, None, 2, False),
+    (4, 2, 128, 4, 2, 150, 5, torch.bfloat16, "bool", None, True),
+    (3, 3, 64, 1, 3, 97, 0, torch.float16, "additive", 3, False),
+    (1, 4, 64, 2, 1, 66, 4, torch.float16, None, 1, False),
+    (2, 3, 256, 2, 1, 120, 5, torch.bfloat16, None, 2, False),
+]
+
+
+@needs_triton
+@pytest.mark.parametrize("case", PAIR_CASES, ids=_case_id)
+def test_kernel_and_torch_math_read_pair_codes(case):
+    kbits, vbits, d, group, n, lq, lr, dtype, mask_kind, splits, per_head = case
+    seed = fresh_seed()
+    b, hkv = 2, 2
+    hq = hkv * group
+    state, kf, vf = make_state(b, hkv, lq, lr, n, d, kbits, vbits, dtype, seed, per_head, codes="pair")
+    q = make_query(b, hq, n, d, dtype, seed)
+    t = lq + lr + n
+    mask = None if mask_kind is None else padding_mask(b, 1, n, t, [min(4, lq), 0], mask_kind)
+    scale = 0.7 * d**-0.5
+    ref = _oracle(q, kf, vf, mask, scale)
+    math = reference.packed_attention(q, state, mask, scale)
+    assert rel_err(math, ref) < TOL[dtype], f"seed {seed}: the torch math's relative error"
+    if not tq_hf_cache.kernels.decode_supports(d, kbits, vbits, n, group):
+        return
+    out = torch.full((b, n, hq, d), float("nan"), dtype=dtype, device=DEVICE)  # poisoned
+    decode_attention(q, state, mask, scale, num_splits=splits, out=out)
+    assert torch.isfinite(out).all(), f"seed {seed}: unwritten or non-finite outputs"
+    err = rel_err(out, ref)
+    assert err < TOL[dtype], f"seed {seed}: the kernel's relative error {err:.2e}"
 
 
 SINK_CASES = [  # (kbits, vbits, d, group, n, lq, lr, dtype, mask, splits, sinks)

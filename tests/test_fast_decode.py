@@ -196,6 +196,23 @@ def test_pair_table_entries_are_the_fp16_centroid_pairs(bits, per_head):
         torch.testing.assert_close(got, want[:, idx], rtol=0, atol=0, msg=lambda m: f"seed {seed}: {m}")
 
 
+@pytest.mark.parametrize("bits", [1, 2, 3, 4])
+@pytest.mark.parametrize("per_head", [False, True])
+def test_pair_table_entries_of_a_pair_codebook_are_its_fp16_points(bits, per_head):
+    """A pair codebook's point i is what the two codes packed in i mean: entry i holds it (x low, y high)."""
+    seed = fresh_seed()
+    g = torch.Generator().manual_seed(seed)
+    heads = 3
+    cb = Codebook.from_points(torch.randn((heads, 4**bits, 2) if per_head else (4**bits, 2), generator=g), bits)
+    table, stride = fast.pair_table(cb, heads, torch.device("cpu"))
+    assert table.dtype == torch.int32 and table.shape[-1] == 4**bits and stride == (4**bits if per_head else 0)
+    want = cb.centroids.to(torch.float16).reshape(-1, 4**bits, 2)
+    t = table.to(torch.int64).reshape(-1, 4**bits) & 0xFFFFFFFF
+    for half, j in ((t & 0xFFFF, 0), (t >> 16, 1)):
+        got = half.to(torch.int32).to(torch.int16).view(torch.float16)
+        torch.testing.assert_close(got, want[..., j], rtol=0, atol=0, msg=lambda m: f"seed {seed}: {m}")
+
+
 def test_the_query_rides_in_registers_two_k_steps_a_quad_over_long_splits_at_head_dim_128():
     assert fast.qpair(128, 1, 131072, 16, 16)  # Llama 3.1 8B at 1 x 128k: 512 tokens a warp
     assert not fast.qpair(128, 1, 4096, 15, 16)  # 1 x 4k: 17 a warp
@@ -865,3 +882,33 @@ def test_static_cache_through_the_fast_kernel_matches_the_triton_kernel_eager_an
         got = run("1", compiled)
         torch.testing.assert_close(got, ref, atol=3e-2, rtol=3e-2,
                                    msg=lambda m: f"{preset}, compiled={compiled}: fast vs Triton: {m}")
+
+
+PAIR_GPU_CASES = [  # (kbits, vbits, d, group, n, lq, lr, dtype, mask, sinks, per_head): pair codes
+    (4, 2, 64, 3, 1, 2000, 17, torch.float16, None, 4, False),
+    (4, 2, 128, 4, 1, 3001, 9, torch.bfloat16, "bool", 0, True),
+    (4, 2, 128, 4, 4, 1200, 100, torch.bfloat16, None, 2, False),
+    (3, 3, 128, 8, 1, 700, 5, torch.float16, "additive", 4, False),
+    (2, 2, 256, 2, 1, 2049, 7, torch.bfloat16, None, 4, False),
+]
+
+
+@gpu
+@pytest.mark.parametrize("case", PAIR_GPU_CASES, ids=_gpu_id)
+def test_fast_kernel_reads_pair_codes(case, launches):
+    kbits, vbits, d, group, n, lq, lr, dtype, mask_kind, sinks, per_head = case
+    seed = fresh_seed()
+    b, hkv = 2, 2
+    hq = hkv * group
+    state, kf, vf = make_state(b, hkv, lq, lr, n, d, kbits, vbits, dtype, seed, per_head, sinks=sinks, codes="pair")
+    q = make_query(b, hq, n, d, dtype, seed)
+    t = lq + lr + n
+    mask = None if mask_kind is None else padding_mask(b, 1, n, t, [min(4, lq), 0], mask_kind)
+    scale = 0.7 * d**-0.5
+    out = torch.full((b, n, hq, d), float("nan"), dtype=dtype, device="cuda")
+    _decode(q, state, mask, scale, out=out)
+    assert launches == [True], f"seed {seed}: the fast kernel did not serve ({launches})"
+    assert torch.isfinite(out).all(), f"seed {seed}: unwritten or non-finite outputs"
+    ref = reference.attention(q.cpu(), kf, vf, mask=None if mask is None else mask.cpu(), scale=scale).transpose(1, 2)
+    err = rel_err(out, ref)
+    assert err < TOL[dtype], f"seed {seed}: relative error {err:.2e} against the oracle"

@@ -29,7 +29,9 @@ def steps(model, cache, x, start):
 
 @torch.no_grad()
 @pytest.mark.parametrize("kw", [dict(residual_length=8), dict(residual_length=8, skip_layers=[1]),
-                                dict(residual_length=8, key_centering=True), dict(residual_length=0, sink_tokens=0)])
+                                dict(residual_length=8, key_centering=True), dict(residual_length=0, sink_tokens=0),
+                                dict(residual_length=8, key_bits=4, value_bits=2, codes="pair", norm_correction=True,
+                                     key_centering=True)])
 def test_a_matched_prefix_continues_exactly_as_the_inserted_cache(kw):
     model, cfg = model_and_config()
     store = PrefixStore(config=cfg, page_tokens=8, **kw)

@@ -57,16 +57,24 @@ PRESETS: dict[str, tuple[int, int]] = {
     "k4v4": (4, 4),
     "k3v4": (3, 4),
     "k4v2": (4, 2),
+    "k4v2-pairs": (4, 2),
     "k3v3": (3, 3),
     "k2v2": (2, 2),
 }
+# fields a preset sets beyond its bits. k4v2-pairs: k4v2's bytes with 2-D codebooks on pairs of rotated coordinates
+# (`pair_codebook`), norm correction and key centring: no calibration (docs/quality.md)
+PRESET_OPTIONS: dict[str, dict[str, Any]] = {
+    "k4v2-pairs": {"codes": "pair", "norm_correction": True, "key_centering": True},
+}
 DEFAULT_PRESET = "k5v3"
+CODES = ("scalar", "pair")
 NORM_DTYPES = ("float16", "float32")
-# version 2 files hold every field; version 1 files (written before key_centering and key_split existed) may lack
-# those two, which then read as off
-CONFIG_VERSION = 2
-READABLE_CONFIG_VERSIONS = (1, 2)
-_FIELDS_AFTER_VERSION_1 = ("key_centering", "key_split")
+# version 3 files hold every field; version 2 files (before pair codes) may lack codes and norm_correction, version 1
+# files (before key centring and split keys) those and key_centering and key_split too; a missing field reads as off
+CONFIG_VERSION = 3
+READABLE_CONFIG_VERSIONS = (1, 2, 3)
+_FIELDS_AFTER_VERSION_2 = ("codes", "norm_correction")
+_FIELDS_AFTER_VERSION_1 = ("key_centering", "key_split", *_FIELDS_AFTER_VERSION_2)
 # layer i uses rotation seed `seed + i`, stored as int64 beside calibrated codebooks: room for 2**31 layers
 MAX_SEED = 2**63 - 2**31
 # the residual window holds at most this many tokens per layer (its buffer grows with the sequence)
@@ -94,7 +102,16 @@ class TurboQuantConfig:
     key_split: per-layer {layer_idx: {"bits": [b0, b1, ...], "sizes": [n0, n1, ...], "order": [[channels] per KV
         head]}}: the layer's keys are TurboQuant vectors of parts of their channels, part p the next n_p channels of
         the order at b_p bits (`key_split`; `calibrate_key_split` orders the channels). It replaces the layer's key
-        bits. `TurboQuantCache` only.
+        bits.
+    codes: "scalar" (a Lloyd-Max codebook per coordinate) or "pair" (a 2-D codebook of 4**bits points on each pair
+        of rotated coordinates: lower error at the same bytes; bits 1..4, an even head dim, no calibrated codebooks
+        or key split).
+    norm_correction: store each vector's norm divided by the length of its decoded unit vector, so that decoded
+        vectors keep their length (no bytes; the quantize step does one more lookup).
+
+    Example:
+        TurboQuantConfig.from_preset("k4v2-pairs")  # 3 bits a coordinate, no calibration
+        TurboQuantConfig(key_bits=4, value_bits=2, codes="pair", norm_correction=True)
     """
 
     key_bits: int = PRESETS[DEFAULT_PRESET][0]
@@ -111,10 +128,15 @@ class TurboQuantConfig:
     layer_bits: dict[int, list[int]] = field(default_factory=dict)
     key_centering: bool = False
     key_split: dict[int, dict] = field(default_factory=dict)
+    codes: str = "scalar"
+    norm_correction: bool = False
 
     def __post_init__(self):
-        if not isinstance(self.key_centering, bool):
-            raise ValueError(f"key_centering must be True or False, got {self.key_centering!r}")
+        for name in ("key_centering", "norm_correction"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
+        if self.codes not in CODES:
+            raise ValueError(f"codes must be one of {CODES}, got {self.codes!r}")
         check_bits(self.key_bits, "key_bits")
         check_bits(self.value_bits, "value_bits")
         limits = {"residual_length": MAX_RESIDUAL_LENGTH, "sink_tokens": MAX_SINK_TOKENS,
@@ -140,6 +162,8 @@ class TurboQuantConfig:
                                            _check_layer_bits)
         self.key_split = self._layer_dict(self.key_split, "key_split",
                                           '{layer_idx: {"bits": [...], "sizes": [...], "order": [...]}}', check_spec)
+        if self.codes == "pair":
+            self._check_pair_codes()
         if self.rotation == "hadamard":
             for i, spec in self.key_split.items():
                 bad = [n for n in spec["sizes"] if n & (n - 1)]
@@ -147,6 +171,50 @@ class TurboQuantConfig:
                     raise ValueError(f"key_split[{i}] has parts of {bad} channels, but rotation='hadamard' needs "
                                      "power-of-two part sizes; use rotation='auto' or 'orthogonal', or sizes such as "
                                      "16, 16, 32")
+
+    def _check_pair_codes(self) -> None:
+        """Pair codes take 1..4 bits a coordinate (4**bits points a pair) and no key split."""
+        from .quant.pair_codebook import check_pair_bits
+
+        check_pair_bits(self.key_bits, "key_bits (codes='pair')")
+        check_pair_bits(self.value_bits, "value_bits (codes='pair')")
+        for i, (kb, vb) in self.layer_bits.items():
+            check_pair_bits(kb, f"layer_bits[{i}] key bits (codes='pair')")
+            check_pair_bits(vb, f"layer_bits[{i}] value bits (codes='pair')")
+        if self.key_split:
+            raise ValueError(f"key_split (layers {sorted(self.key_split)}) takes scalar codes; codes='pair' splits no "
+                             "keys: drop key_split or use codes='scalar'")
+
+    @property
+    def bits_per_coordinate(self) -> float:
+        """Code bits a stored coordinate, keys and values alike, at the config's own bits (layer_bits and key_split
+        aside): no norms, nothing kept exact (`bytes_per_token`)."""
+        return (self.key_bits + self.value_bits) / 2
+
+    def bytes_per_token(self, kv_heads: int, head_dim: int, length: int, layer_idx: int | None = None,
+                        num_layers: int | None = None, dtype_bytes: int = 2) -> float:
+        """Bytes a full-attention layer (`layer_idx`, else one at the config's own bits) holds per token, averaged
+        over a sequence of `length` tokens: codes and norms of the quantized tokens, plus the exact sinks and window
+        (`dtype_bytes` a value) spread over the length.
+
+        Example:
+            TurboQuantConfig.from_preset("k4v2-pairs").bytes_per_token(8, 128, 32768)  # Llama-3.1-8B: 813 (bf16: 4096)
+        """
+        if isinstance(length, bool) or not isinstance(length, int) or length < 1:
+            raise ValueError(f"length must be an integer >= 1, got {length!r}")
+        bits = (self.key_bits, self.value_bits) if layer_idx is None else self.bits_for_layer(layer_idx, num_layers)
+        exact_token = 2 * kv_heads * head_dim * dtype_bytes
+        if bits is None:
+            return float(exact_token)
+        norm = 2 if self.norm_dtype == "float16" else 4
+        spec = self.key_split.get(layer_idx) if layer_idx is not None else None
+        if spec is not None:
+            keys = sum((n * b + 7) // 8 + norm for n, b in zip(spec["sizes"], spec["bits"]))
+        else:
+            keys = (head_dim * bits[0] + 7) // 8 + norm
+        code_token = kv_heads * (keys + (head_dim * bits[1] + 7) // 8 + norm)
+        exact = min(length, self.residual_length + self.sink_tokens)
+        return (exact * exact_token + (length - exact) * code_token) / length
 
     def _layer_dict(self, value, what: str, shape: str, check) -> dict:
         """{layer index: check(v, index)} from a dict keyed by layer indices (ints, or digit strings from JSON)."""
@@ -209,12 +277,15 @@ class TurboQuantConfig:
         unknown = sorted(set(overrides) - known)
         if unknown:
             raise ValueError(f"unknown TurboQuantConfig fields {unknown}; known fields are {sorted(known)}")
-        return cls(**{"key_bits": k, "value_bits": v, **overrides})
+        return cls(**{"key_bits": k, "value_bits": v, **PRESET_OPTIONS.get(name, {}), **overrides})
 
     @property
     def preset(self) -> str | None:
+        """The preset whose bits and options this config has (other fields aside), or None."""
+        plain = {"codes": "scalar", "norm_correction": False, "key_centering": False}
         for name, kv in PRESETS.items():
-            if kv == (self.key_bits, self.value_bits):
+            options = {**plain, **PRESET_OPTIONS.get(name, {})}
+            if kv == (self.key_bits, self.value_bits) and all(getattr(self, f) == v for f, v in options.items()):
                 return name
         return None
 
@@ -354,7 +425,7 @@ class TurboQuantConfig:
         except (TypeError, ValueError) as e:
             raise ValueError(f"{where}: tq_config: {e}") from None
         version = d.get("tq_hf_cache_config_version")
-        optional = _FIELDS_AFTER_VERSION_1 if version == 1 else ()
+        optional = {1: _FIELDS_AFTER_VERSION_1, 2: _FIELDS_AFTER_VERSION_2}.get(version, ())
         missing = [f.name for f in dataclasses.fields(cls) if f.name not in d and f.name not in optional]
         if version is None:
             missing.insert(0, "tq_hf_cache_config_version")

@@ -10,6 +10,7 @@ from transformers.cache_utils import Cache, DynamicLayer
 
 from .. import _compat
 from ..quant.codebook import Codebook, theoretical_codebook
+from ..quant.pair_codebook import theoretical_pair_codebook
 from ..config import TurboQuantConfig, model_facts
 from .crop import crop_layers
 from .hybrid_layer import hybrid_classes
@@ -274,7 +275,7 @@ def _tq_layer(tq_config, codebooks, workspace, cls, idx: int, bits: tuple[int, i
         sink_tokens=cfg.sink_tokens,
         rotation_for=partial(_rotation, seed=cfg.seed + idx, kind=cfg.rotation),
         # no reference back to the cache: layers must not form a cycle that keeps GPU buffers alive until gc
-        codebook_for=partial(_codebook, codebooks, idx),
+        codebook_for=partial(_codebook, codebooks, idx, codes=cfg.codes, norm_correction=cfg.norm_correction),
         workspace=workspace,
         norm_dtype=_NORM_DTYPES[cfg.norm_dtype],
         layer_idx=idx,
@@ -286,7 +287,11 @@ def _tq_layer(tq_config, codebooks, workspace, cls, idx: int, bits: tuple[int, i
 
 def _check_codebook_rotation(codebooks, tq_config) -> None:
     """Calibrated codebooks hold centroids of coordinates under one rotation: refuse a config of another seed or
-    rotation kind (`check_rotation` of `CalibratedCodebooks`; other codebook objects are taken as they are)."""
+    rotation kind (`check_rotation` of `CalibratedCodebooks`; other codebook objects are taken as they are). They are
+    scalar codebooks: a config of pair codes is refused with them."""
+    if codebooks is not None and tq_config.codes != "scalar":
+        raise ValueError(f"calibrated codebooks are scalar codebooks, but the config has codes={tq_config.codes!r}: "
+                         "pass no codebooks, or use codes='scalar'")
     if codebooks is not None and hasattr(codebooks, "check_rotation"):
         codebooks.check_rotation(tq_config)
 
@@ -313,13 +318,14 @@ class _NextLayer:
         return layer
 
 
-def _codebook(codebooks, idx: int, kind: str, bits: int, dim: int) -> Codebook:
-    """The calibrated codebook for (layer, kind, bits) when there is one, else the theoretical one."""
-    if codebooks is not None:
-        cb = codebooks.get(idx, kind, bits)
-        if cb is not None:
-            return cb
-    return theoretical_codebook(bits, dim)
+def _codebook(codebooks, idx: int, kind: str, bits: int, dim: int, codes: str = "scalar",
+              norm_correction: bool = False) -> Codebook:
+    """The calibrated codebook for (layer, kind, bits) when there is one, else the theoretical one of `codes`
+    ("scalar" or "pair"), norm-correcting where asked."""
+    cb = codebooks.get(idx, kind, bits) if codebooks is not None and codes == "scalar" else None
+    if cb is None:
+        cb = theoretical_pair_codebook(bits, dim) if codes == "pair" else theoretical_codebook(bits, dim)
+    return cb.with_norm_correction(norm_correction)
 
 
 @lru_cache(maxsize=None)

@@ -332,7 +332,8 @@ class TurboQuantStaticLayer(StaticLayer):
         split = self.kv.key_split
         return ops.static_step_fused(torch.device(self.device), self.k_head_dim, self.key_bits, self.value_bits,
                                      self._group, n, None if split is None else (tuple(split.sizes), tuple(split.bits)),
-                                     self.max_cache_len, self.batch_size * self.num_heads * self.max_cache_len)
+                                     self.max_cache_len, self.batch_size * self.num_heads * self.max_cache_len,
+                                     self.kv.k_codebook.pair or self.kv.v_codebook.pair)
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         before = self._check(key_states, value_states)
@@ -509,7 +510,9 @@ class TurboQuantStaticCache(Cache):
                     max_cache_len=max_cache_len, key_bits=bits[0], value_bits=bits[1],
                     residual_length=cfg.residual_length, sink_tokens=cfg.sink_tokens,
                     rotation_for=partial(_rotation, seed=cfg.seed + idx, kind=cfg.rotation),
-                    codebook_for=partial(_codebook, codebooks, idx), norm_dtype=ops.NORM_DTYPES[cfg.norm_dtype],
+                    codebook_for=partial(_codebook, codebooks, idx, codes=cfg.codes,
+                                         norm_correction=cfg.norm_correction),
+                    norm_dtype=ops.NORM_DTYPES[cfg.norm_dtype],
                     layer_idx=idx, attn_config=text, query_group=heads // kv_heads, shared=shared,
                     max_batch_size=max_batch_size,
                     codebook_check=partial(_check_codebooks, codebooks) if codebooks is not None else None,

@@ -606,18 +606,17 @@ MERGE_ROWS = 64  # splits merged per step of the final merge: SC * R tile rows
 
 @C._per_codebook_and_device
 def lookup_table(codebook, heads: int, device: torch.device) -> tuple[torch.Tensor, int]:
-    """The kernel's centroid table and its head stride (0 when shared): fp16 centroids side by side, so that one
-    load yields several. At 2, 4 and 8 bits one entry per byte value (int64 / int32 / int16 holding its 8 / bits
+    """The kernel's centroid table and its head stride (0 when shared): fp16 values side by side, so that one
+    load yields several (`Codebook.coordinate_values`: scalar and pair codes alike). At 2, 4 and 8 bits one entry per byte value (int64 / int32 / int16 holding its 8 / bits
     centroids, lowest bits first); else one int32 entry per pair of indices (2 * bits-bit key, low index first)."""
     bits = codebook.bits
-    c = codebook.centroids.detach().to("cpu", torch.float16).view(torch.int16).to(torch.int64)
-    c = c.reshape(-1, 2**bits)  # (H', 2**bits), bit patterns as signed 16-bit values
     if bits in (2, 4, 8):
         per, key_bits = 8 // bits, 8
     else:
         per, key_bits = 2, 2 * bits
-    key = torch.arange(2**key_bits)
-    halves = [c[:, (key >> (bits * j)) & (2**bits - 1)] for j in range(per)]
+    vals = codebook.to("cpu").coordinate_values(torch.arange(2**key_bits), per)  # (H', keys, per): scalar or pair
+    c = vals.to(torch.float16).view(torch.int16).to(torch.int64)  # bit patterns as signed 16-bit values
+    halves = [c[..., j] for j in range(per)]
     entry = halves[-1] << (16 * (per - 1))  # the top half keeps its sign: the sum stays in range
     for j, h in enumerate(halves[:-1]):
         entry = entry | ((h & 0xFFFF) << (16 * j))

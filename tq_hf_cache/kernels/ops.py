@@ -15,12 +15,12 @@ from .. import kernels
 from ..quant import reference
 from . import select
 from ..quant.codebook import Codebook
-from ..quant.norm_check import note_largest, row_norms
+from ..quant.norm_check import note_largest, stored_norms
 from ..quant.rotation import Rotation
 
 
-def _kernel_ok(t: torch.Tensor, rotation: Rotation, bits: int, quantize: bool = True) -> bool:
-    return select.quantize_kernel(t, rotation, bits, quantize)
+def _kernel_ok(t: torch.Tensor, rotation: Rotation, codebook: Codebook, quantize: bool = True) -> bool:
+    return select.quantize_kernel(t, rotation, codebook, quantize)
 
 
 def quantize_into(
@@ -31,7 +31,7 @@ def quantize_into(
     norms_out: torch.Tensor,
 ) -> None:
     """Quantize x (B, H, T, D) into packed_out (B, H, T, nbytes) uint8 and norms_out (B, H, T)."""
-    if _kernel_ok(x, rotation, codebook.bits):
+    if _kernel_ok(x, rotation, codebook):
         kernels.quantize_into(x, rotation, codebook, packed_out, norms_out)
         return
     packed, norms = reference.quantize(x, rotation, codebook, norms_out.dtype)
@@ -47,7 +47,7 @@ def dequantize_into(
     out: torch.Tensor,
 ) -> None:
     """Dequantize packed (B, H, T, nbytes) + norms (B, H, T) into out (B, H, T, D), in out's dtype."""
-    if _kernel_ok(out, rotation, codebook.bits, quantize=False):
+    if _kernel_ok(out, rotation, codebook, quantize=False):
         kernels.dequantize_into(packed, norms, rotation, codebook, out)
         return
     out.copy_(reference.dequantize(packed, norms, rotation, codebook, out.dtype))
@@ -66,8 +66,8 @@ def quantize_kv_into(
 ) -> None:
     """`quantize_into` for a layer's keys and values; one kernel launch for both on CUDA (decode steps)."""
     if (
-        _kernel_ok(k, rotation, k_codebook.bits)
-        and kernels.supports(rotation.dim, v_codebook.bits, rotation.kind)
+        _kernel_ok(k, rotation, k_codebook)
+        and _kernel_ok(v, rotation, v_codebook)
         and k.shape == v.shape
         and k.dtype == v.dtype
         and k_norms.dtype == v_norms.dtype
@@ -296,20 +296,21 @@ def static_append(
         pos = kv.length + torch.arange(key.shape[2], device=key.device)
         codes = key.float() - kv.key_offset.rope.apply(kv.key_offset.mu, pos)
     inputs = split.split(codes) if split is not None else [codes]
-    if check_norms and select.triton_runs(key):
+    quantizers = split.parts if split is not None else ((rotation, kcb),)
+    corrected = any(cb.norm_correction for _, cb in (*quantizers, (rotation, vcb)))
+    if check_norms and select.triton_runs(key) and not corrected:
         kernels.note_largest_norm(kv.norm_guard, [*inputs, value])
     elif check_norms:
-        note_largest(kv.norm_guard[0], row_norms(*inputs, value))
+        note_largest(kv.norm_guard[0], stored_norms([*inputs, value], [*quantizers, (rotation, vcb)]))
         torch.maximum(kv.norm_guard[0], kv.norm_guard[1], out=kv.norm_guard[0])
     if split is not None or kv.key_offset is not None:
-        quantizers = split.parts if split is not None else ((rotation, kcb),)
         outs = kv.key_parts if split is not None else ((kv.k_packed, kv.k_norms),)
-        if _kernel_ok(value, rotation, vcb.bits) and all(_kernel_ok(key, rot, cb.bits) for rot, cb in quantizers):
+        if _kernel_ok(value, rotation, vcb) and all(_kernel_ok(key, rot, cb) for rot, cb in quantizers):
             kernels.append_parts_into(key, value, inputs, quantizers, outs, rotation, vcb, *args[4:])
             return
         reference.static_append(*args, rotation, kcb, vcb, key_split=split, key_parts=kv.key_parts, key_codes=codes)
         return
-    if _kernel_ok(key, rotation, kcb.bits) and kernels.supports(rotation.dim, vcb.bits, rotation.kind):
+    if _kernel_ok(key, rotation, kcb) and _kernel_ok(value, rotation, vcb):
         kernels.append_kv_into(key, value, rotation, kcb, vcb, *args[2:])
         return
     reference.static_append(*args, rotation, kcb, vcb)
@@ -348,11 +349,11 @@ def fused_decode(query: torch.Tensor, kv, mask: torch.Tensor | None, scale: floa
 
 
 def static_step_fused(device: torch.device, head_dim: int, key_bits: int, value_bits: int, group: int, n: int,
-                      split, capacity: int, key_rows: int) -> bool:
+                      split, capacity: int, key_rows: int, pair: bool = False) -> bool:
     """Whether a static layer's step of n queries is served by a fused kernel (`select.step`: static facts only,
     so a compiled step's answer is a constant)."""
     return select.step(device, head_dim, key_bits, value_bits, group, n, split, capacity, key_rows, static=True,
-                       quiet=True).fused
+                       quiet=True, pair=pair).fused
 
 
 def decode_attention(query: torch.Tensor, kv, mask: torch.Tensor | None, scale: float | None,

@@ -432,7 +432,10 @@ def is_symmetric(codebook: Codebook) -> bool:
 
 def prepare(codebook: Codebook, heads: int, device: torch.device) -> None:
     """Build now the search tables the default search of this codebook reads (`_search_args`), held by the codebook
-    (outside any CUDA graph: the symmetry check reads the codebook on the host, which a captured graph cannot)."""
+    (outside any CUDA graph: the symmetry check reads the codebook on the host, which a captured graph cannot). A pair
+    codebook has none: its codes are the torch reference's (`select.quantize_kernel`)."""
+    if codebook.pair:
+        return
     sym = is_symmetric(codebook)
     if codebook.bits > 4:
         if not sym or C.poly_table(codebook, heads, device) is None:

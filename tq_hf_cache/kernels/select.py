@@ -205,11 +205,12 @@ def _triton_shape(head_dim, key_bits, value_bits, group, n, split) -> bool:
         split is None or support.split_supports(*split))
 
 
-def _cpu_shape(head_dim, split) -> bool:
+def _cpu_shape(head_dim, split, pair: bool = False) -> bool:
+    """The C kernels read scalar codes only (their vector decode looks each code up on its own)."""
     from .cpu import MAX_DIM
 
     dims = split[0] if split is not None else (head_dim,)
-    return sys.byteorder == "little" and head_dim <= MAX_DIM and all(x % 8 == 0 for x in (head_dim, *dims))
+    return not pair and sys.byteorder == "little" and head_dim <= MAX_DIM and all(x % 8 == 0 for x in (head_dim, *dims))
 
 
 def _chunk(head_dim, key_bits, value_bits, group, n, split, slots, static) -> int:
@@ -225,10 +226,10 @@ def _chunk(head_dim, key_bits, value_bits, group, n, split, slots, static) -> in
 
 
 def kernel(device, head_dim: int, key_bits: int, value_bits: int, group: int, n: int, split=None, slots: int = 0,
-           static: bool = False) -> Choice:
+           static: bool = False, pair: bool = False) -> Choice:
     """The kernel that attends n queries of `group` query heads per KV head over a layer's packed state (never the
     workspace path: a caller that must attend, such as the static cache's op). split: (part sizes, part widths) of
-    split keys, or None; slots: the packed slots of the buffer."""
+    split keys, or None; slots: the packed slots of the buffer; pair: pair codes (`pair_codebook`) among them."""
     device = torch.device(device)
     chosen = knob()
     triton_ok = _triton_shape(head_dim, key_bits, value_bits, group, n, split)
@@ -246,7 +247,7 @@ def kernel(device, head_dim: int, key_bits: int, value_bits: int, group: int, n:
             if triton_ok and _runs("triton", device, chosen == "triton"):
                 return Choice("triton", f"{chosen}: the Triton kernel takes this shape")
         elif k == "cpu":
-            if _cpu_shape(head_dim, split) and _runs("cpu", device):
+            if _cpu_shape(head_dim, split, pair) and _runs("cpu", device):
                 return Choice("cpu", f"{chosen}: the C kernels take this shape")
         else:
             return Choice("torch", f"{chosen}: no kernel before the torch math takes this shape on {device.type}")
@@ -258,7 +259,7 @@ def _fallback(device, chosen: str, triton_ok: bool) -> str:
 
 
 def step(device, head_dim: int, key_bits: int, value_bits: int, group: int, n: int, split=None, slots: int = 0,
-         key_rows: int = 0, static: bool = False, fused: bool = True, quiet: bool = False) -> Choice:
+         key_rows: int = 0, static: bool = False, fused: bool = True, quiet: bool = False, pair: bool = False) -> Choice:
     """`kernel`, or WORKSPACE where the fused attention does not serve the step or does not pay: fused=False (the
     caller's own setting, `TurboQuantCache(fused_sdpa=False)`), keys split in a way no kernel reads, more query rows
     than a tile, a shape no GPU kernel takes, or head dim 256 over a short history on CUDA (`support.decode_pays`:
@@ -279,7 +280,7 @@ def step(device, head_dim: int, key_bits: int, value_bits: int, group: int, n: i
     chosen = knob()
     if "cuda" in _order(device, chosen) and _runs("cuda", device) \
             and _cuda_shape(head_dim, key_bits, value_bits, group * n, split, slots):
-        return kernel(device, head_dim, key_bits, value_bits, group, n, split, slots, static)
+        return kernel(device, head_dim, key_bits, value_bits, group, n, split, slots, static, pair)
     if not support.decode_supports(head_dim, key_bits, value_bits, n, group):
         if not quiet:
             _warn_once(f"shape {head_dim} k{key_bits}v{value_bits}",
@@ -288,7 +289,7 @@ def step(device, head_dim: int, key_bits: int, value_bits: int, group: int, n: i
         return Choice(WORKSPACE, f"no fused kernel for head dim {head_dim} with k{key_bits}v{value_bits}")
     if not support.decode_pays(head_dim, key_rows, device.type):
         return Choice(WORKSPACE, f"head dim {head_dim} over {key_rows} packed key rows: the workspace path is faster")
-    return kernel(device, head_dim, key_bits, value_bits, group, n, split, slots, static)
+    return kernel(device, head_dim, key_bits, value_bits, group, n, split, slots, static, pair)
 
 
 def _facts(query: torch.Tensor, kv) -> dict:
@@ -296,7 +297,8 @@ def _facts(query: torch.Tensor, kv) -> dict:
     hkv = kv.k_packed.shape[1]
     split = None if kv.key_split is None else (tuple(kv.key_split.sizes), tuple(kv.key_split.bits))
     return dict(device=query.device, head_dim=d, key_bits=kv.k_codebook.bits, value_bits=kv.v_codebook.bits,
-                group=hq // hkv, n=n, split=split, slots=kv.k_packed.shape[2], static=kv.static)
+                group=hq // hkv, n=n, split=split, slots=kv.k_packed.shape[2], static=kv.static,
+                pair=kv.k_codebook.pair or kv.v_codebook.pair)
 
 
 def for_step(query: torch.Tensor, kv, fused: bool = True, quiet: bool = False) -> Choice:
@@ -335,12 +337,15 @@ def triton_runs(t: torch.Tensor) -> bool:
     return t.is_cuda and support.available()
 
 
-def quantize_kernel(t: torch.Tensor, rotation, bits: int, quantize: bool = True) -> bool:
-    """Whether the Triton quantize (or dequantize) kernel takes t; a CUDA tensor that cannot warns once per reason
-    (the torch reference is much slower)."""
+def quantize_kernel(t: torch.Tensor, rotation, codebook, quantize: bool = True) -> bool:
+    """Whether the Triton quantize (or dequantize) kernel takes t under this codebook; a CUDA tensor that cannot warns
+    once per reason (the torch reference is much slower). Pair codes, and a quantize that corrects norms, are the torch
+    reference's (on the GPU too)."""
     if not t.is_cuda:
         return False
-    dim = rotation.dim
+    dim, bits = rotation.dim, codebook.bits
+    if codebook.pair or (quantize and codebook.norm_correction):
+        return False
     if not support.available():
         reason = "triton is not importable"
     elif not support.supports(dim, bits, rotation.kind, quantize):

@@ -107,6 +107,9 @@ def _quantizer_digest(rotation, k_codebook, v_codebook, key_split=None) -> str:
         ts += [t for rot, cb in key_split.parts for t in (rot.matrix, cb.centroids)]
     for t in ts:
         h.update(t.detach().float().cpu().contiguous().numpy().tobytes())
+    cbs = [k_codebook, v_codebook, *(cb for _, cb in (key_split.parts if key_split is not None else ()))]
+    if any(cb.pair or cb.norm_correction for cb in cbs):  # (scalar codes' digests stay what older files hold)
+        h.update(":".join(f"{cb.kind}{'+nc' if cb.norm_correction else ''}" for cb in cbs).encode())
     return h.hexdigest()
 
 

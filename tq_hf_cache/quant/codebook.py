@@ -29,16 +29,22 @@ def check_bits(bits, what: str = "bits") -> int:
 
 @dataclass(eq=False)
 class Codebook:
-    """Centroids (ascending) and the midpoints between them, for one bit width.
+    """What a code means, for one bit width: scalar centroids (ascending) and the midpoints between them, or, for
+    pair codes (`pair`), 4**bits points in the plane for two consecutive coordinates (`pair_codebook`).
 
-    `centroids` is (2**bits,) for a codebook shared by all heads, or (H, 2**bits) for one per KV head
-    (calibrated codebooks); `boundaries` has one entry fewer on the last dim.
+    `centroids` is (2**bits,) for a scalar codebook shared by all heads, or (H, 2**bits) for one per KV head
+    (calibrated codebooks); `boundaries` has one entry fewer on the last dim. A pair codebook's `centroids` is
+    (4**bits, 2) (or (H, 4**bits, 2)) and it has no boundaries (its codes are found by the nearest point).
+    `norm_correction`: the stored norm is ||x|| / ||u_hat|| (u_hat: the decoded rotated unit vector), so that a
+    decoded vector has exactly the input's length; the gain is at most `NORM_GAIN`.
     """
 
     bits: int
     centroids: torch.Tensor
     boundaries: torch.Tensor
     fingerprint: str = ""  # of the centroids (from_centroids): equal codebooks share an op id by it (`ops`)
+    pair: bool = False
+    norm_correction: bool = False
     derived: Derived = field(default_factory=Derived, init=False, repr=False)  # kernel tables, per device
 
     @classmethod
@@ -53,12 +59,54 @@ class Codebook:
             raise ValueError("codebook centroids contain NaN or inf")
         c, _ = torch.sort(c, dim=-1)
         c = c.contiguous()
-        digest = hashlib.sha1(f"{bits}:{tuple(c.shape)}:".encode() + c.detach().cpu().numpy().tobytes()).hexdigest()
-        return cls(bits, c, ((c[..., 1:] + c[..., :-1]) / 2).contiguous(), digest)
+        return cls(bits, c, ((c[..., 1:] + c[..., :-1]) / 2).contiguous(), _digest(f"{bits}:{tuple(c.shape)}:", c))
+
+    @classmethod
+    def from_points(cls, points: torch.Tensor, bits: int) -> "Codebook":
+        """A pair codebook: points (4**bits, 2), or (H, 4**bits, 2) per KV head; point i is what pair index i
+        means (the even coordinate's code in the low `bits` bits)."""
+        check_bits(bits)
+        p = torch.as_tensor(points, dtype=torch.float32)
+        if p.dim() not in (2, 3) or tuple(p.shape[-2:]) != (4**bits, 2):
+            raise ValueError(f"a {bits}-bit pair codebook needs points of shape (..., {4**bits}, 2), got "
+                             f"{tuple(p.shape)}")
+        if not torch.isfinite(p).all():
+            raise ValueError("pair codebook points contain NaN or inf")
+        p = p.contiguous()
+        return cls(bits, p, p.new_empty(0), _digest(f"pair:{bits}:{tuple(p.shape)}:", p), pair=True)
+
+    def with_norm_correction(self, on: bool = True) -> "Codebook":
+        """This codebook with `norm_correction` set (its own fingerprint; the derived tables are shared)."""
+        if on == self.norm_correction:
+            return self
+        out = Codebook(self.bits, self.centroids, self.boundaries,
+                       (self.fingerprint + ":nc") if on else self.fingerprint.removesuffix(":nc"), self.pair, on)
+        out.derived = self.derived
+        return out
 
     @property
     def per_head(self) -> bool:
-        return self.centroids.dim() == 2
+        return self.centroids.dim() == (3 if self.pair else 2)
+
+    @property
+    def kind(self) -> str:
+        """"pair" or "scalar"."""
+        return "pair" if self.pair else "scalar"
+
+    def coordinate_values(self, key: torch.Tensor, per: int) -> torch.Tensor:
+        """(H', len(key), per) float32 on the codebook's device: the decoded values of `per` consecutive coordinates
+        whose codes are packed, lowest first, in the bits of each key (H' = 1 for a shared codebook). Every kernel
+        table is made from this, so scalar and pair codes are read the same way."""
+        c = self.centroids.float()
+        key = key.to(c.device)
+        if not self.pair:
+            c = c.reshape(-1, 2**self.bits)
+            return torch.stack([c[:, (key >> (self.bits * j)) & (2**self.bits - 1)] for j in range(per)], -1)
+        if per % 2:
+            raise ValueError(f"pair codes are read two coordinates at a time, not {per}")
+        p = c.reshape(-1, 4**self.bits, 2)
+        idx = [(key >> (2 * self.bits * i)) & (4**self.bits - 1) for i in range(per // 2)]
+        return torch.cat([p[:, i] for i in idx], -1)
 
     def to(self, device) -> "Codebook":
         """This codebook on `device`, sharing this one's derived tables (kept per device). From the host to a GPU
@@ -68,9 +116,17 @@ class Codebook:
         device = torch.device(device)
         ahead = device.type == "cuda" and self.centroids.device.type == "cpu" and not self.centroids.is_pinned()
         moved = Codebook(self.bits, self.centroids.to(device, non_blocking=ahead),
-                         self.boundaries.to(device, non_blocking=ahead), self.fingerprint)
+                         self.boundaries.to(device, non_blocking=ahead), self.fingerprint, self.pair,
+                         self.norm_correction)
         moved.derived = self.derived
         return moved
+
+
+NORM_GAIN = 2.0  # the largest norm-correction gain stored: the norm guards widen float16 norms past FP16_MAX / this
+
+
+def _digest(prefix: str, t: torch.Tensor) -> str:
+    return hashlib.sha1(prefix.encode() + t.detach().cpu().numpy().tobytes()).hexdigest()
 
 
 def coordinate_density(x: torch.Tensor, dim: int) -> torch.Tensor:

@@ -31,9 +31,24 @@ def largest_finite_norm(*xs: torch.Tensor) -> torch.Tensor:
     return torch.stack([torch.where(torch.isfinite(n), n, 0.0).amax() for n in norms]).amax()
 
 
+def largest_finite(norms: list[torch.Tensor]) -> torch.Tensor:
+    """The largest finite value of these norm tensors, a 0-dim float32 tensor on their device (0 when none is)."""
+    return torch.stack([torch.where(torch.isfinite(n), n.float(), 0.0).amax() if n.numel() else
+                        n.new_zeros((), dtype=torch.float32) for n in norms]).amax()
+
+
 def row_norms(*xs: torch.Tensor) -> list[torch.Tensor]:
     """The float32 L2 norms of the last-dim vectors of each x: what the quantizer stores for them."""
     return [torch.linalg.vector_norm(x, dim=-1, dtype=torch.float32) for x in xs]
+
+
+def stored_norms(xs: list[torch.Tensor], quantizers: list[tuple]) -> list[torch.Tensor]:
+    """The float32 norms a quantize stores for each x under its (rotation, codebook): the vectors' norms, or, for a
+    norm-correcting codebook, those times its gain (`reference.quantize`)."""
+    from . import reference
+
+    return [reference.quantize(x, rot, cb, torch.float32)[1] if cb.norm_correction else row_norms(x)[0]
+            for x, (rot, cb) in zip(xs, quantizers)]
 
 
 def note_largest(slot: torch.Tensor, norms: list[torch.Tensor]) -> None:

@@ -11,8 +11,9 @@ import sys
 
 import torch
 
-from .codebook import Codebook
+from .codebook import NORM_GAIN, Codebook
 from .packing import pack_indices, unpack_indices
+from .pair_codebook import nearest
 from .rotation import Rotation
 
 _TINY = 1e-30
@@ -28,7 +29,10 @@ def _per_head(t: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
 
 
 def bucketize(y: torch.Tensor, codebook: Codebook) -> torch.Tensor:
-    """Index of the nearest centroid: the number of boundaries strictly below y."""
+    """Index of the nearest centroid: the number of boundaries strictly below y. For a pair codebook, each pair's
+    nearest point, as two codes (`pair_codes`)."""
+    if codebook.pair:
+        return pair_codes(y, codebook)
     b = codebook.boundaries.to(y.device)
     if not codebook.per_head:
         return torch.bucketize(y, b)
@@ -36,7 +40,32 @@ def bucketize(y: torch.Tensor, codebook: Codebook) -> torch.Tensor:
     return torch.stack([torch.bucketize(y[:, h].contiguous(), b[h]) for h in range(b.shape[0])], dim=1)
 
 
+def pair_codes(y: torch.Tensor, codebook: Codebook) -> torch.Tensor:
+    """Codes (..., D) of y (..., D) under a pair codebook: the index of each pair's nearest point (squared distance,
+    ties to the lowest index), its low `bits` bits at the even coordinate and its high ones at the odd."""
+    bits, d = codebook.bits, y.shape[-1]
+    if d % 2:
+        raise ValueError(f"pair codes need an even head dim, got {d}")
+    pts = codebook.centroids.to(y.device, torch.float32)
+    pairs = y.float().reshape(*y.shape[:-1], d // 2, 2)
+    if codebook.per_head:
+        _per_head(pts, y)
+        idx = torch.stack([nearest(pairs[:, h].reshape(-1, 2), pts[h]).view(pairs[:, h].shape[:-1])
+                           for h in range(pts.shape[0])], dim=1)
+    else:
+        idx = nearest(pairs.reshape(-1, 2), pts).view(pairs.shape[:-1])
+    return torch.stack([idx & (2**bits - 1), idx >> bits], -1).reshape(y.shape)
+
+
 def centroid_lookup(idx: torch.Tensor, codebook: Codebook) -> torch.Tensor:
+    """The decoded rotated coordinates of codes idx (..., D)."""
+    if codebook.pair:
+        pair = idx[..., 0::2] | (idx[..., 1::2] << codebook.bits)
+        pts = codebook.centroids.to(idx.device)
+        if not codebook.per_head:
+            return pts[pair].flatten(-2)
+        _per_head(pts, idx)
+        return torch.stack([pts[h][pair[:, h]].flatten(-2) for h in range(pts.shape[0])], dim=1)
     c = codebook.centroids.to(idx.device)
     if not codebook.per_head:
         return c[idx]
@@ -62,9 +91,7 @@ def _centroid_table(codebook: Codebook, device) -> torch.Tensor:
 
 def _build_centroid_table(codebook: Codebook, device: torch.device) -> torch.Tensor:
     bits, w = codebook.bits, _ROW_COORDS[codebook.bits]
-    c = codebook.centroids.to(device=device, dtype=torch.float32)
-    r = torch.arange(2 ** (bits * w), device=device)
-    table = torch.stack([c[..., (r >> (bits * i)) & (2**bits - 1)] for i in range(w)], dim=-1)
+    table = codebook.to(device).coordinate_values(torch.arange(2 ** (bits * w), device=device), w)
     return table.reshape(-1, w).contiguous().view(_ROW_DTYPE[w]).view(-1)
 
 
@@ -151,7 +178,15 @@ def quantize(
     norm = xf.norm(dim=-1)
     unit = xf / norm.clamp_min(_TINY).unsqueeze(-1)
     idx = bucketize(rotation.forward(unit), codebook)
+    if codebook.norm_correction:
+        norm = norm * norm_gain(centroid_lookup(idx, codebook))
     return pack_indices(idx, codebook.bits), store_norm(norm, norm_dtype)
+
+
+def norm_gain(decoded: torch.Tensor) -> torch.Tensor:
+    """1 / ||u_hat|| of decoded rotated unit vectors (..., D), at most `NORM_GAIN`: the factor a norm-correcting
+    codebook stores the norm with."""
+    return decoded.float().norm(dim=-1).clamp_min(1 / NORM_GAIN).reciprocal()
 
 
 def dequantize(

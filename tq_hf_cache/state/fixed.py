@@ -19,7 +19,7 @@ import dataclasses
 import torch
 
 from ..kernels import ops
-from ..quant.norm_check import FP16_MAX, note_largest, row_norms
+from ..quant.norm_check import FP16_MAX, note_largest, stored_norms
 from ..quant.packed_kv import PACKED_ATTR, PackedKV, StaticKV, static_parts, static_views
 from ..quant.packing import packed_bytes
 from ..quant.reference import overlay_exact
@@ -148,7 +148,10 @@ class FixedState(LayerState):
             pos = torch.arange(start, start + key_states.shape[2], device=key_states.device)
             codes = key_states.float() - self.rope.apply(self.view().key_offset.mu, pos)
         parts = self.key_split.split(codes) if self.key_split is not None else [codes]
-        return row_norms(*parts, value_states)
+        return stored_norms([*parts, value_states], [*self._key_quantizers(), (self.rotation, self.v_codebook)])
+
+    def _key_quantizers(self) -> list:
+        return list(self.key_split.parts) if self.key_split is not None else [(self.rotation, self.k_codebook)]
 
     def norm_guard(self) -> torch.Tensor:
         """The buffer's norm guard (`packed_kv.static_parts`): [largest finite norm a compiled append stored or

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from ..kernels import ops
-from ..quant.norm_check import NormCheck, largest_finite_norm
+from ..quant.norm_check import NormCheck, largest_finite
 from ..quant.packed_kv import PackedKV
 from ..quant.rope import KeyOffset, key_mean
 from .layer_state import LayerState, check_tensors, part_names
@@ -136,7 +136,7 @@ class GrowableState(LayerState):
                 self._mu = key_mean(self.rope, k[:, :, first:], pos[first:])  # one huge key cannot take it
             kq = k.float() - self.rope.apply(self._mu, pos)
         self.settle_norm_check()
-        biggest = largest_finite_norm(kq, v) if self.norm_dtype == torch.float16 else None
+        check = self.norm_dtype == torch.float16
         if self._slen < self.sink_tokens:
             # the first positions are being quantized: keep exact copies of them (while they sit in the window they
             # are exact anyway, so a short prompt holds no second copy)
@@ -147,8 +147,8 @@ class GrowableState(LayerState):
         bufs = self.buffers()
         slots = [b.append_slots(n) for b in bufs]
         # under a pending check the quantize writes float32 norms to the side, stored as float16 after it
-        outs = slots if biggest is None else [(p, torch.empty(nm.shape, dtype=torch.float32, device=nm.device))
-                                               for p, nm in slots]
+        outs = slots if not check else [(p, torch.empty(nm.shape, dtype=torch.float32, device=nm.device))
+                                         for p, nm in slots]
         (pk, nk), (pv, nv) = outs[0], outs[-1]
         if self.key_split is not None:
             ops.quantize_split_into(kq, self.key_split, outs[:-1])
@@ -158,10 +158,11 @@ class GrowableState(LayerState):
         else:
             ops.quantize_into(kq, self.rotation, self.k_codebook, pk, nk)
             ops.quantize_into(v, self.rotation, self.v_codebook, pv, nv)
-        if biggest is not None:
+        if check:  # the largest norm stored (a norm-correcting codebook stores more than the input's norm)
             for (_, stored), (_, exact) in zip(slots, outs):
                 stored.copy_(exact)
-            NormCheck(biggest, self, [(b, b.start + b.length - n, exact) for b, (_, exact) in zip(bufs, outs)])
+            NormCheck(largest_finite([exact for _, exact in outs]), self,
+                      [(b, b.start + b.length - n, exact) for b, (_, exact) in zip(bufs, outs)])
 
     def settle_norm_check(self) -> None:
         """Settle the last quantize call's norm check (`norm_check`), if it is still pending."""

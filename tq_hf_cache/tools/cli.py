@@ -795,6 +795,9 @@ def _info_lines(folder: str, d: dict, doc: dict) -> list[str]:
             kinds.setdefault(" + ".join(f"{n}x{b}" for n, b in zip(v["sizes"], v["bits"])), []).append(i)
         lines.append(f"  split keys (channels x bits) in {len(tq.key_split)} layers: "
                      + "; ".join(f"{k} ({_ranges(ls)})" for k, ls in kinds.items()))
+    what = "a 2-D codebook on each pair of coordinates" if tq.codes == "pair" else "a codebook per coordinate"
+    lines.append(f"  codes: {tq.codes} ({what}), {tq.bits_per_coordinate:g} code bits per coordinate; norm "
+                 f"correction {'on' if tq.norm_correction else 'off'}")
     lines.append(f"  key centring: {'on' if tq.key_centering else 'off'}")
     alloc = doc.get("bit_allocation")
     if isinstance(alloc, dict):

@@ -191,13 +191,13 @@ def split_range(split: int, splits: int, packed_len: int, fold: int) -> tuple[in
 
 @C._per_codebook_and_device
 def pair_table(codebook, heads: int, device: torch.device) -> tuple[torch.Tensor, int]:
-    """(H', 4^bits) int32: entry i is the fp16 centroid pair (c[i & m], c[i >> bits]) (low index in the low half),
-    and its head stride (0 when the codebook is shared by the heads)."""
+    """(H', 4^bits) int32: entry i is the fp16 pair of values of the two codes packed in i (`Codebook.
+    coordinate_values`: (c[i & m], c[i >> bits]) for a scalar codebook, point i of a pair codebook; the even
+    coordinate in the low half), and its head stride (0 when the codebook is shared by the heads)."""
     bits = codebook.bits
-    c = codebook.centroids.detach().to("cpu", torch.float16).view(torch.int16).to(torch.int64) & 0xFFFF
-    c = c.reshape(-1, 2**bits)
-    key = torch.arange(4**bits)
-    entry = c[:, key & (2**bits - 1)] | (c[:, key >> bits] << 16)
+    vals = codebook.to("cpu").coordinate_values(torch.arange(4**bits), 2)
+    c = vals.to(torch.float16).view(torch.int16).to(torch.int64) & 0xFFFF  # (H', 4^bits, 2)
+    entry = c[..., 0] | (c[..., 1] << 16)
     table = entry.to(torch.int64).where(entry < 2**31, entry - 2**32).to(torch.int32).contiguous().to(device)
     return table, (table.stride(0) if codebook.per_head else 0)
 
