@@ -535,7 +535,7 @@ GPU_CASES = [
     (4, 4, 128, 2, 1, 2222, 7, torch.float16, None, 0, False),  # 2 rows: four lanes a column in the merge
     (4, 2, 128, 4, 1, 1800, 33, torch.float32, "bool", 2, False),  # fp32 query and copies: the exact copies by warps
     # the exact copies in parts (`fast.exact_parts`, one CTA an SM): fp32 by warps in 4 parts; 2 parts, the second
-    # from the sinks into the ring; four causal queries in 3 parts; an additive mask in 2 parts
+    # from the sinks into the window; four causal queries in 3 parts; an additive mask in 2 parts
     (4, 2, 256, 2, 1, 1000, 300, torch.float32, None, 2, False),
     (3, 3, 256, 2, 1, 600, 21, torch.bfloat16, "bool", 40, False),
     (5, 3, 128, 4, 4, 1200, 100, torch.bfloat16, None, 2, False),
@@ -606,7 +606,7 @@ def test_fast_kernel_with_two_k_steps_of_the_query_a_register_quad(case, launche
 
 
 # 16-warp shapes over long splits on a GPU taken as 8 SMs: the last split's CTA takes the exact copies (none at all in
-# the second: no ring, no sinks)
+# the second: no window, no sinks)
 FOLD_CASES = [
     (5, 3, 128, 4, 1, 13000, 40, torch.bfloat16, "bool", 3, False),
     (5, 5, 64, 2, 1, 12500, 0, torch.float16, None, 0, True),
@@ -826,7 +826,7 @@ def test_cache_dir_follows_the_environment(monkeypatch, tmp_path):
 @gpu
 @pytest.mark.parametrize("preset", ["k5v3", "k4v4"])
 def test_static_cache_through_the_fast_kernel_matches_the_triton_kernel_eager_and_compiled(preset, monkeypatch):
-    """TurboQuantStaticCache through the fast kernel (device lengths, the wrapping ring, the fused chunk and the
+    """TurboQuantStaticCache through the fast kernel (device lengths, the wrapping window, the fused chunk and the
     steps, teacher-forced): logits equal those of the Triton kernel (TQ_HF_CACHE_DECODE_KERNEL=triton) on the same cache,
     eager and under torch.compile's CUDA graphs."""
     import transformers

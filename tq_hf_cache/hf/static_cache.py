@@ -3,17 +3,17 @@ every shape fixed, so that `torch.compile(mode="reduce-overhead")` captures the 
 
 A layer preallocates, for `max_cache_len` positions, one uint8 buffer (`packed_kv.static_parts`: packed
 keys/values, their norms, exact copies of the first `sink_tokens` positions (attention sinks) and the lengths) and
-a ring buffer each for keys and values, of the newest `residual_length + MAX_FUSED_QUERIES` positions kept exact.
-Three tensors per layer, so that a compiled step's guards and CUDA-graph input checks cost about what
+a window each for keys and values (a ring buffer), of the newest `residual_length + MAX_FUSED_QUERIES` positions
+kept exact. Three tensors per layer, so that a compiled step's guards and CUDA-graph input checks cost about what
 `StaticCache`'s two do. Every update quantizes its new tokens into their packed slots and writes them into the
-ring; nothing is re-quantized and no branch depends on the current length, which lives on the device.
+window; nothing is re-quantized and no branch depends on the current length, which lives on the device.
 
 What `update` returns depends only on the static shapes and on the model config's current
 `_attn_implementation`, never on what ran before:
-- "turboquant" and at most MAX_FUSED_QUERIES new tokens: the ring buffers. They carry the layer's `StaticKV` as
+- "turboquant" and at most MAX_FUSED_QUERIES new tokens: the windows. They carry the layer's `StaticKV` as
   the attribute `turboquant_packed` (set once, when the buffers are made); the turboquant attention reads it and
   runs the fused op `tq_hf_cache::static_attention`. Any other attention given them fails loudly: its mask is
-  `max_cache_len` long, the ring is not.
+  `max_cache_len` long, the window is not.
 - anything else: keys and values of `max_cache_len` positions, dequantized (`tq_hf_cache::dequantize`) with the
   exact copies written over theirs, as `StaticCache` returns its buffers.
 
@@ -168,7 +168,7 @@ class ExactStaticLayer(StaticLayer):
 class TurboQuantStaticLayer(StaticLayer):
     """A full-attention layer of fixed capacity: the transformers side (checks, what `update` returns, masks, crop,
     beam reorder, pickling) over the layer's `FixedState`, `kv` (None until the first update); see the module
-    docstring. `keys` / `values` are the state's rings."""
+    docstring. `keys` / `values` are the state's windows."""
 
     is_compileable = True
     is_sliding = False
@@ -208,7 +208,7 @@ class TurboQuantStaticLayer(StaticLayer):
         self._length_read: torch.Tensor | None = None  # a compiled step's read of the length before its append
 
     @property
-    def ring_size(self) -> int:
+    def window_size(self) -> int:
         return min(self.residual_length + MAX_FUSED_QUERIES, self.max_cache_len)
 
     @property
@@ -221,7 +221,7 @@ class TurboQuantStaticLayer(StaticLayer):
 
     @property
     def packed(self) -> PackedKV:
-        """The state as a `PackedKV` of views of its buffer and rings (traced as view ops when compiled)."""
+        """The state as a `PackedKV` of views of its buffer and windows (traced as view ops when compiled)."""
         return self.kv.view()
 
     def _check(self, key_states: torch.Tensor, value_states: torch.Tensor) -> int | None:
@@ -263,7 +263,7 @@ class TurboQuantStaticLayer(StaticLayer):
         rows = min(DECODE_MAX_ROWS, _next_pow2(self._group * MAX_FUSED_QUERIES))
         splits = _max_splits(b * h, cap, dev, d, self.key_bits, self.value_bits, quantizers.key_split is not None)
         self._shared.ensure(b * h * (splits + 1) * rows * (d + 2), b * h, dev)
-        self.kv = FixedState(quantizers, capacity=cap, ring_size=self.ring_size, scratch=self._shared.scratch,
+        self.kv = FixedState(quantizers, capacity=cap, window_size=self.window_size, scratch=self._shared.scratch,
                              counters=self._shared.counters, batch=b, heads=h, head_dim=d, dtype=self.dtype,
                              device=dev, sink_tokens=self.sink_tokens, norm_dtype=self.config_norm_dtype,
                              rope=self.rope, layer_idx=self.layer_idx)
@@ -360,7 +360,7 @@ class TurboQuantStaticLayer(StaticLayer):
             held = int(self.kv.length) if before is None else before + n
             if held == n:  # every position held is one of this step's tokens (a first prefill chunk)
                 return key_states, value_states
-            stop = min(self.max_cache_len, max(held, self.ring_size, self.kv.sinks))  # dead ring slots, sinks
+            stop = min(self.max_cache_len, max(held, self.window_size, self.kv.sinks))  # dead window slots, sinks
         return self.kv.dense(key_states, value_states, stop, held)
 
     def get_seq_length(self) -> int:
@@ -436,7 +436,7 @@ class TurboQuantStaticCache(Cache):
         cache = TurboQuantStaticCache(config=model.config, max_cache_len=4096)
         out = model.generate(ids, cache=cache, max_new_tokens=256)  # compiles on CUDA
 
-    Memory: packed K/V for `max_cache_len` positions plus the ring and sinks per layer, all allocated at the first
+    Memory: packed K/V for `max_cache_len` positions plus the window and sinks per layer, all allocated at the first
     update (`nbytes()` reports them). `TurboQuantCache` remains the cache for eager use.
 
     Norms past float16's range (`norm_dtype="float16"`, the default): an eager step's widen that layer's norms to
@@ -466,7 +466,7 @@ class TurboQuantStaticCache(Cache):
         if offloading:
             raise ValueError(
                 "TurboQuantStaticCache does not offload layers (offloading=True): its buffers keep fixed device "
-                "addresses for CUDA graphs, and transformers' offload would move the rings without the packed state. "
+                "addresses for CUDA graphs, and transformers' offload would move the windows without the packed state. "
                 "Use TurboQuantCache(offloading=True), or no offloading: the packed cache is ~1/4 of StaticCache's bytes"
             )
         if max_batch_size is not None and (
