@@ -1,4 +1,4 @@
-"""The kernels and their launchers: Triton (quantize, dequantize, decode attention), CUDA (`fast`: decode attention),
+"""The kernels and their launchers: Triton (quantize, dequantize, decode attention), CUDA (`cuda`: decode attention),
 C (`cpu`: decode attention on a CPU). The cache reaches them only through `tq_hf_cache.kernels.ops`; which decode kernel
 serves a step is `select`'s answer.
 

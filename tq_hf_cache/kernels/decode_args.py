@@ -1,4 +1,4 @@
-"""The arguments of a decode attention launch, shared by its two launchers (`decode_attention`: Triton, `fast`: CUDA):
+"""The arguments of a decode attention launch, shared by its two launchers (`decode_attention`: Triton, `cuda`: CUDA):
 the lengths of a `PackedKV`, its buffers in the row layouts the kernels read, the mask's kind and strides, the output,
 the split-K scratch. Neither launcher picks the other: `select` picks, `ops` calls one.
 """

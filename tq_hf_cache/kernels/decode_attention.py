@@ -752,7 +752,7 @@ def decode_attention(
     (dynamic) or the capacity (static); a longer last dim is cut to T. A static layer's lengths are read on the
     device and the grid depends on shapes only, so one launch serves every step of a CUDA graph. Returns
     (B, n, Hq, D) in the query's dtype, as transformers' attention functions do, written into `out` when given.
-    This launcher is the Triton kernel alone (the oracle of the CUDA one, `fast.decode_attention`); which of them
+    This launcher is the Triton kernel alone (the oracle of the CUDA one, `cuda.decode_attention`); which of them
     serves a step is `select`'s answer. The keyword arguments but `out` are tuning knobs for studies.
     """
     b, hq, n, d = query.shape

@@ -378,11 +378,11 @@ def decode_attention(query: torch.Tensor, kv, mask: torch.Tensor | None, scale: 
 def _launch(kernel: str, query: torch.Tensor, kv, mask, scale, chunk: int = 0, out=None) -> torch.Tensor | None:
     """The launcher of `kernel`; None where it declines this call (its layout, a failed build)."""
     if kernel == "cuda":
-        from . import fast
+        from . import cuda
 
         try:
-            return fast.decode_attention(query, kv, mask, scale, out=out, chunk=chunk)
-        except fast.jit.JitError as e:
+            return cuda.decode_attention(query, kv, mask, scale, out=out, chunk=chunk)
+        except cuda.jit.JitError as e:
             select.cuda_failed(query.device, str(e).splitlines()[0])
             return None
     if kernel == "triton":
@@ -458,10 +458,10 @@ def prepare_fused(kv) -> None:
             lookup_table(codebook, heads, dev)
             prepare(codebook, heads, dev)
     if kv.key_split is None and select.machine_runs("cuda", dev):
-        from . import fast
+        from . import cuda
 
         for rotation, codebook in (*keys, *values):
-            fast.prepare(rotation, codebook, codebook, heads, dev)
+            cuda.prepare(rotation, codebook, codebook, heads, dev)
 
 
 @torch.library.custom_op("tq_hf_cache::static_attention", mutates_args=("scratch", "counters"))

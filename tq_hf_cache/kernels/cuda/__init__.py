@@ -238,16 +238,16 @@ def _per_rotation(name: str, rotation, device: torch.device, make) -> torch.Tens
 
 
 def _signs(rotation, device: torch.device) -> torch.Tensor:
-    return _per_rotation("fast.signs", rotation, device, lambda: sign_words(rotation.signs.to(device)))
+    return _per_rotation("cuda.signs", rotation, device, lambda: sign_words(rotation.signs.to(device)))
 
 
 def _fragments(rotation, device: torch.device) -> torch.Tensor:
-    return _per_rotation("fast.fragments", rotation, device, lambda: pi_fragments(rotation.matrix.to(device)))
+    return _per_rotation("cuda.fragments", rotation, device, lambda: pi_fragments(rotation.matrix.to(device)))
 
 
 def _halves(rotation, device: torch.device) -> torch.Tensor:
     """Pi as fp16 (the merge's rotation back: half the bytes of fp32 on the call's last CTA)."""
-    return _per_rotation("fast.halves", rotation, device,
+    return _per_rotation("cuda.halves", rotation, device,
                          lambda: rotation.matrix.to(device, torch.float16).contiguous())
 
 

@@ -616,7 +616,7 @@ __device__ __forceinline__ void had_store(const Params& p, const QueryHad& r, u3
   }
 }
 
-// One split of the packed history (the sinks excluded; `fast.split_range` places the splits alike, sinks aside), the
+// One split of the packed history (the sinks excluded; `cuda.split_range` places the splits alike, sinks aside), the
 // warps interleaved by 16-token tiles; the CTA's partial goes to slot `split` in the rotated domain, by planes.
 __device__ __forceinline__ void packed_part(const Params& p, unsigned char* smem, int split, int bh) {
   const int b = bh / p.hkv, h = bh % p.hkv;
@@ -1422,15 +1422,15 @@ __device__ __forceinline__ void exact_mma(const Params& p, unsigned char* smem, 
 #define UNROLL (PRE > 0 ? PRE : (CPG < 8 ? CPG : 8))
 #define EPT ((ROWS * D + WARPS * 32 - 1) / (WARPS * 32))  // output elements a thread writes
 #define XPRE (ROWS <= 8)  // the exact partial's values loaded before the packed partials too
-#ifndef NXMAX  // the most exact copies' parts (`fast.exact_parts`)
+#ifndef NXMAX  // the most exact copies' parts (`cuda.exact_parts`)
 #define NXMAX 1
 #endif
 // lanes a column of the pass over the splits
 #define MH (ROWS * NV * 4 <= WARPS * 32 ? 4 : ROWS * NV * 2 <= WARPS * 32 ? 2 : 1)
-#ifndef MDIRECT  // 1: the pass reads a thread's splits straight into registers (`fast.merge_direct`), 0: staged in
+#ifndef MDIRECT  // 1: the pass reads a thread's splits straight into registers (`cuda.merge_direct`), 0: staged in
 #define MDIRECT 0    // shared memory
 #endif
-#ifndef MSPLITS  // splits' partials staged in shared memory at a time (`fast.merge_splits`)
+#ifndef MSPLITS  // splits' partials staged in shared memory at a time (`cuda.merge_splits`)
 #define MSPLITS 1
 #endif
 // (M, L, y) and a partial (m, l, a) of the same row and channels, each scaled to its own max, merged in place
