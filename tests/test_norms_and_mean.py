@@ -269,10 +269,10 @@ def test_a_cache_with_every_layer_pending_copies_whole(how):
     cache = TurboQuantStaticCache(config=model.config, max_cache_len=48, residual_length=2, sink_tokens=2)
     with torch.no_grad():
         model(torch.randint(3, 128, (1, 30), generator=torch.Generator().manual_seed(0)), **with_cache(cache))
-    assert sorted(cache.layers[0]._shared.pending) == [0, 1, 2]
+    assert sorted(cache.layers[0]._bookkeeping.pending) == [0, 1, 2]
     copied = pickle.loads(pickle.dumps(cache)) if how == "pickle" else copy.deepcopy(cache)
     for c in (cache, copied):
-        assert not c.layers[0]._shared.pending and all(layer.kv.pending is None for layer in c.layers)
+        assert not c.layers[0]._bookkeeping.pending and all(layer.kv.pending is None for layer in c.layers)
     for a, b in zip(cache.layers, copied.layers):
         assert torch.equal(a.keys, b.keys) and torch.equal(a.packed.k_norms, b.packed.k_norms)
 
