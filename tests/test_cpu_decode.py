@@ -208,7 +208,7 @@ def _state_on_cpu(case, seed):
 @needs_cc
 @pytest.mark.parametrize("case", CASES, ids=_case_id)
 def test_decode_attention_matches_the_torch_math(case):
-    """The whole call (sinks, ring, masks, query groups, several queries, head dims 64-256, model dtypes) against
+    """The whole call (sinks, window, masks, query groups, several queries, head dims 64-256, model dtypes) against
     `reference.packed_attention` on the same state."""
     seed = fresh_seed()
     state, q, mask = _state_on_cpu(case, seed)
@@ -247,10 +247,11 @@ YOUNG = [(1, 2, 2, 1, 64, 50, 16, 4, 2, 0, 5, 3, None, False),  # fewer position
                          + [f"split{i}" for i in range(len(STATIC_SPLIT_CASES))])
 def test_a_static_layer_reads_alike_through_its_dynamic_view(case, split, monkeypatch):
     """A static layer (`TurboQuantStaticCache`) on the CPU: its positions held (not its capacity: slots past the length
-    and dead ring slots are poisoned) through `dynamic_view`, against `reference.static_attention`, by ops' dispatch."""
-    b, hkv, group, n, d, cap, ring, sinks, length, exact_from, kbits, vbits, mask_kind, per_head = case
+    and dead window slots are poisoned) through `dynamic_view`, against `reference.static_attention`, by ops'
+    dispatch."""
+    b, hkv, group, n, d, cap, window, sinks, length, exact_from, kbits, vbits, mask_kind, per_head = case
     seed = fresh_seed()
-    kv, _, _, _, _ = make_static_kv(b, hkv, cap, ring, sinks, length, exact_from, d, kbits, vbits, torch.float16,
+    kv, _, _, _, _ = make_static_kv(b, hkv, cap, window, sinks, length, exact_from, d, kbits, vbits, torch.float16,
                                     seed, per_head, split)
     g = torch.Generator().manual_seed(seed + 1)
     q = torch.randn(b, hkv * group, n, d, generator=g).to(torch.float16)

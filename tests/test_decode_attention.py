@@ -58,7 +58,7 @@ def pair_codebooks(kbits, vbits, d, hkv, per_head, g):
 
 def make_state(b, hkv, lq, lr, n, d, kbits, vbits, dtype, seed, per_head=False, device=DEVICE, sinks=0,
                rotation="auto", codes="scalar"):
-    """A random dynamic-layer `PackedKV` (packed [0, lq), then lr residual and n new tokens in the ring) laid out as
+    """A random dynamic-layer `PackedKV` (packed [0, lq), then lr residual and n new tokens in the window) laid out as
     a TurboQuantLayer's views give it (slices of bigger buffers, poisoned past the live part), plus the oracle's
     K, V. With `sinks`, the first packed tokens also have exact copies (attention sinks), which the oracle uses;
     `rotation` is make_rotation's kind; `codes` "pair" takes pair codebooks."""
@@ -84,11 +84,11 @@ def make_state(b, hkv, lq, lr, n, d, kbits, vbits, dtype, seed, per_head=False, 
         pb[:, :, 3 : 3 + lq] = p
         nb[:, :, 3 : 3 + lq] = nrm
         bufs.append((pb[:, :, 3 : 3 + lq].to(device), nb[:, :, 3 : 3 + lq].to(device)))
-    rings = []
+    windows = []
     for x in (k, v):  # the residual window's first lr + n slots of a bigger buffer, poisoned past them
         rb = torch.full((b, hkv, lr + n + 5, d), 1e4).to(dtype)
         rb[:, :, : lr + n] = x[:, :, lq:]
-        rings.append(rb[:, :, : lr + n].to(device))
+        windows.append(rb[:, :, : lr + n].to(device))
     sk = sv = k[:, :, :0].to(device)
     kf = torch.cat([reference.dequantize(kp, kn, rot, kcb), k[:, :, lq:].float()], dim=2)
     vf = torch.cat([reference.dequantize(vp, vn, rot, vcb), v[:, :, lq:].float()], dim=2)
@@ -99,7 +99,7 @@ def make_state(b, hkv, lq, lr, n, d, kbits, vbits, dtype, seed, per_head=False, 
         skb[:, :, :sinks], svb[:, :, :sinks] = k[:, :, :sinks], v[:, :, :sinks]
         sk, sv = skb.to(device), svb.to(device)
         kf[:, :, :sinks], vf[:, :, :sinks] = k[:, :, :sinks].float(), v[:, :, :sinks].float()
-    state = PackedKV(bufs[0][0], bufs[0][1], bufs[1][0], bufs[1][1], sk, sv, rings[0], rings[1], t, lq,
+    state = PackedKV(bufs[0][0], bufs[0][1], bufs[1][0], bufs[1][1], sk, sv, windows[0], windows[1], t, lq,
                      rot.to(device), kcb.to(device), vcb.to(device), sinks, -1, -1)
     return state, kf, vf
 
@@ -427,7 +427,7 @@ def test_turboquant_generate_matches_sdpa_on_the_same_cache(preset, head_dim, co
     assert torch.equal(a.sequences, b.sequences), f"seed {seed}"
     for x, y in zip(ca.layers, cb.layers):
         px, py = x.kv.view(), y.kv.view()
-        for name in ("k_packed", "k_norms", "v_packed", "v_norms", "ring_k", "ring_v"):
+        for name in ("k_packed", "k_norms", "v_packed", "v_norms", "window_k", "window_v"):
             assert torch.equal(getattr(px, name), getattr(py, name)), f"seed {seed}: the caches' {name} differ"
     diffs = [(x - y).abs().max().item() for x, y in zip(a.scores, b.scores)]
     lengths = [(x.quantized_length, y.quantized_length) for x, y in zip(ca.layers, cb.layers)]
@@ -703,10 +703,10 @@ def test_kernel_propagates_nan_keys_as_sdpa_does(where, splits):
         state.k_norms[0, 0, 7] = float("nan")
         kf[0, 0, 7] = float("nan")
     elif where == "residual":
-        state.ring_k[0, 0, 2, 5] = float("nan")
+        state.window_k[0, 0, 2, 5] = float("nan")
         kf[0, 0, 42, 5] = float("nan")
-    else:  # the step's new token: the last ring slot
-        state.ring_k[0, 0, 5, 5] = float("nan")
+    else:  # the step's new token: the last window slot
+        state.window_k[0, 0, 5, 5] = float("nan")
         kf[0, 0, 45, 5] = float("nan")
     q = make_query(b, hkv * group, n, d, torch.float16, seed)
     out = decode_attention(q, state, None, None, num_splits=splits)
@@ -814,14 +814,14 @@ def make_split_state(b, hkv, lq, lr, n, d, sizes, bits, vbits, dtype, seed, sink
         parts.append((pb[:, :, 5 : 5 + lq].to(device), nb[:, :, 5 : 5 + lq].to(device)))
     kf = torch.cat([reference.split_dequantize([(p.cpu(), nm.cpu()) for p, nm in parts], split),
                     k[:, :, lq:].float()], dim=2)
-    ring = torch.full((b, hkv, lr + n + 5, d), 1e4).to(dtype)
-    ring[:, :, : lr + n] = k[:, :, lq:]
+    window = torch.full((b, hkv, lr + n + 5, d), 1e4).to(dtype)
+    window[:, :, : lr + n] = k[:, :, lq:]
     sink_k = state.sink_k
     if sinks:
         sink_k = state.sink_k.clone()
         sink_k[:, :, :sinks] = k[:, :, :sinks].to(device)
         kf[:, :, :sinks] = k[:, :, :sinks].float()
-    state = replace(state, k_packed=parts[0][0], k_norms=parts[0][1], ring_k=ring[:, :, : lr + n].to(device),
+    state = replace(state, k_packed=parts[0][0], k_norms=parts[0][1], window_k=window[:, :, : lr + n].to(device),
                     sink_k=sink_k, k_codebook=split.parts[0][1].to(device), key_split=split.to(device),
                     key_parts=tuple(parts))
     return state, kf, vf
@@ -857,7 +857,7 @@ def test_kernel_and_torch_math_on_split_keys_match_the_oracle(case):
         assert torch.isfinite(out).all(), f"seed {seed}: unwritten or non-finite outputs (prefetch {prefetch})"
         err = rel_err(out, ref)
         assert err < TOL[dtype], f"seed {seed}: kernel (prefetch {prefetch}), relative error {err:.2e}"
-    cpu = replace(state, **{f: getattr(state, f).cpu().float() for f in ("ring_k", "ring_v", "sink_k", "sink_v")},
+    cpu = replace(state, **{f: getattr(state, f).cpu().float() for f in ("window_k", "window_v", "sink_k", "sink_v")},
                   key_parts=tuple((p.cpu(), nm.cpu()) for p, nm in state.key_parts), key_split=state.key_split.to("cpu"),
                   k_packed=state.k_packed.cpu(), k_norms=state.k_norms.cpu(), v_packed=state.v_packed.cpu(),
                   v_norms=state.v_norms.cpu(), rotation=state.rotation.to("cpu"),

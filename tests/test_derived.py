@@ -30,7 +30,7 @@ def _ids(n: int, seed: int = 1) -> torch.Tensor:
 def _use_every_table():
     """Build each kind of derived tensor on the CPU, through the functions the kernels and the reference call."""
     from tq_hf_cache import reference
-    from tq_hf_cache.kernels import _common, fast, quantize
+    from tq_hf_cache.kernels import _common, cuda, quantize
     from tq_hf_cache.kernels.decode_attention import lookup_table
     from tq_hf_cache.quant.rope import RopeAngles
 
@@ -40,14 +40,14 @@ def _use_every_table():
     for cb in cbs:
         quantize.prepare(cb, 2, CPU)
         lookup_table(cb, 2, CPU)
-        fast.pair_table(cb, 2, CPU)
+        cuda.pair_table(cb, 2, CPU)
         reference._centroid_table(cb, CPU)
     for rot in (had, orth):
         _common.rotation_operand(rot, CPU, "fwd", torch.float32)
         _common.rotation_operand(rot, CPU, "inv", torch.float32)
         reference.row_major_matrix(rot, 3)
-    fast.prepare(had, cbs[0], cbs[1], 2, CPU)
-    fast.prepare(make_rotation(64, 5, "orthogonal"), cbs[0], cbs[1], 2, CPU)
+    cuda.prepare(had, cbs[0], cbs[1], 2, CPU)
+    cuda.prepare(make_rotation(64, 5, "orthogonal"), cbs[0], cbs[1], 2, CPU)
     rope = RopeAngles(1.0 / (10000 ** (torch.arange(0, 64, 2, dtype=torch.float64) / 64)), 1.0)
     rope.scores(torch.zeros(1, 64), torch.zeros(1, 64), 0, 300)
     assert all(len(cb.derived) for cb in cbs) and len(had.derived) and len(orth.derived) and len(rope.derived)

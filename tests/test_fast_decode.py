@@ -1,4 +1,4 @@
-"""The explicit-layout decode kernel (`tq_hf_cache.kernels.fast`, CUDA C++ through NVRTC).
+"""The explicit-layout decode kernel (`tq_hf_cache.kernels.cuda`, CUDA C++ through NVRTC).
 
 Without a GPU: its pair tables, its plan, and its SASS: compiled for sm_90 here, the main loop's instructions per
 32-token tile must stay within `SASS_BUDGET` (NVRTC from nvidia-cuda-nvrtc-cu12 and cuobjdump from the triton wheel;
@@ -19,8 +19,8 @@ import torch
 
 from tq_hf_cache import reference
 from tq_hf_cache.quant.codebook import Codebook
-from tq_hf_cache.kernels import disk_cache, fast, select, support
-from tq_hf_cache.kernels.fast import jit
+from tq_hf_cache.kernels import cuda, disk_cache, select, support
+from tq_hf_cache.kernels.cuda import jit
 
 from test_decode_attention import TOL, fresh_seed, head_mask, make_query, make_state, padding_mask, rel_err
 
@@ -60,12 +60,12 @@ def _nvrtc_ok() -> bool:
 
 def sm90_sass(df: dict[str, int], cubin, *flags: str) -> list[str]:
     """The kernel of these defines compiled for sm_90 into the file `cubin`, and cuobjdump's output for each flag."""
-    cubin.write_bytes(jit.compile_cubin(fast.source(), fast.NAME, df, 90))
+    cubin.write_bytes(jit.compile_cubin(cuda.source(), cuda.NAME, df, 90))
     return [subprocess.run([_cuobjdump(), flag, str(cubin)], capture_output=True, text=True, check=True).stdout
             for flag in flags]
 
 
-def instructions(sass: str, function: str = fast.NAME) -> list[tuple[int, str]]:
+def instructions(sass: str, function: str = cuda.NAME) -> list[tuple[int, str]]:
     """(address, text) of each SASS instruction of `function` in cuobjdump's output."""
     sass = sass[re.search(rf"Function : {function}\s", sass).start():]
     nxt = sass.find("Function : ", 1)
@@ -73,7 +73,7 @@ def instructions(sass: str, function: str = fast.NAME) -> list[tuple[int, str]]:
     return [(int(a, 16), t.strip()) for a, t in re.findall(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", sass)]
 
 
-def main_loops(sass: str, function: str = fast.NAME) -> list[collections.Counter]:
+def main_loops(sass: str, function: str = cuda.NAME) -> list[collections.Counter]:
     """Opcode counts of each innermost backward-branch loop with HMMA and at least 64 LDS (a step's code pairs) in
     `function`'s SASS: the packed part's loop, once per copy of it that the kernel inlines."""
     ins = instructions(sass, function)
@@ -98,9 +98,9 @@ def main_loops(sass: str, function: str = fast.NAME) -> list[collections.Counter
 @pytest.mark.parametrize("kb,vb", sorted(SASS_BUDGET))
 def test_sm90_main_loop_within_its_instruction_budget(kb, vb, qpair, fold, tmp_path):
     """The loop's SASS within the budget, with the query's fragments loaded a k-step at a time (short splits) or held
-    in registers, two k-steps a quad (`fast.qpair`: long splits; no LDS.128 left in the loop), in the builds of plans
+    in registers, two k-steps a quad (`cuda.qpair`: long splits; no LDS.128 left in the loop), in the builds of plans
     that fold the exact copies into the last split's CTA and of those that do not (`FOLD`)."""
-    df = fast.defines(128, kb, vb, 1, 0, 0, False, False, False, 16, True)
+    df = cuda.defines(128, kb, vb, 1, 0, 0, False, False, False, 16, True)
     df.update(ROWS=4, Q_DT=1, X_DT=1, O_DT=1, HAD=1, QPAIR=qpair, FOLD=fold)  # (head dim 128's default: Hadamard)
     res, sass = sm90_sass(df, tmp_path / "k.cubin", "-res-usage", "-sass")
     assert "LOCAL:0" in res, f"k{kb}v{vb}: the kernel spills to local memory:\n{res}"
@@ -120,7 +120,7 @@ def test_sm90_main_loop_within_its_instruction_budget(kb, vb, qpair, fold, tmp_p
 def test_sm90_a_mask_row_reads_two_words_a_step_within_the_budget(tmp_path):
     """A decode step's mask (one bool row for every head) costs the loop two 16-bit loads a step and a test per
     token, not the general path's per-row loads: the loop stays within the no-mask budget."""
-    df = fast.defines(128, 5, 3, 1, 1, 0, False, False, True, 16, True)
+    df = cuda.defines(128, 5, 3, 1, 1, 0, False, False, True, 16, True)
     df.update(ROWS=4, Q_DT=1, X_DT=1, O_DT=1, MASK_ROW=1, HAD=1)
     loops = main_loops(sm90_sass(df, tmp_path / "k.cubin", "-sass")[0])
     assert 1 <= len(loops) <= 2, f"{len(loops)} main loops"
@@ -133,12 +133,12 @@ def test_sm90_a_mask_row_reads_two_words_a_step_within_the_budget(tmp_path):
 @pytest.mark.skipif(not _nvrtc_ok() or _cuobjdump() is None, reason="NVRTC or cuobjdump missing")
 @pytest.mark.parametrize("d,w", [(64, 8), (128, 16), (256, 8)])
 def test_sm90_a_build_for_plans_that_never_fold_leaves_the_folded_ctas_code_out(d, w, tmp_path):
-    """FOLD=0, the build of every plan but a folding one (`fast.decode`), holds one copy of the packed part's loop and
+    """FOLD=0, the build of every plan but a folding one (`cuda.decode`), holds one copy of the packed part's loop and
     at most 70 % of FOLD=1's instructions: the folded CTA's own copies of the exact and packed parts are gone (inside a
     model the kernel's code comes from memory at every call)."""
     counts = {}
     for fold in (0, 1):
-        df = fast.defines(d, 5, 3, 1, 1, 0, False, False, True, 16, True, w=w)
+        df = cuda.defines(d, 5, 3, 1, 1, 0, False, False, True, 16, True, w=w)
         df.update(ROWS=4, Q_DT=1, X_DT=1, O_DT=1, HAD=1, MASK_ROW=1, FOLD=fold)
         (sass,) = sm90_sass(df, tmp_path / f"k{fold}.cubin", "-sass")
         if d > 64:  # (at head dim 64 a step has fewer code pairs than `main_loops` looks for)
@@ -153,12 +153,12 @@ def test_sm90_a_build_for_plans_that_never_fold_leaves_the_folded_ctas_code_out(
 def test_sm90_the_exact_parts_compile_with_the_launchers_batch(xdt, d):
     """Each exact part compiles with the batch `exact_batch` gives it: whole 8-token tiles for fp32 copies (the warps'
     path), whole 16-token tiles on tensor cores (a check meant for one must not stop the other from building)."""
-    df = fast.defines(d, 4, 2, 1, 1, 0, False, False, False, 16, True)
+    df = cuda.defines(d, 4, 2, 1, 1, 0, False, False, False, 16, True)
     xbytes = 4 if xdt == 2 else 2
-    xb = fast.exact_batch(d, 4, xbytes, fast.packed_smem(df), df["WARPS"])
+    xb = cuda.exact_batch(d, 4, xbytes, cuda.packed_smem(df), df["WARPS"])
     assert xb % (8 if xdt == 2 else 16) == 0, xb
     df.update(ROWS=4, Q_DT=xdt, X_DT=xdt, O_DT=xdt, HAD=1, XB=xb, XVEC=16, QV=1, MSPLITS=8, NXMAX=2)
-    assert jit.compile_cubin(fast.source(), fast.NAME, df, 90)
+    assert jit.compile_cubin(cuda.source(), cuda.NAME, df, 90)
 
 
 @pytest.mark.skipif(not _nvrtc_ok(), reason="NVRTC missing")
@@ -172,11 +172,11 @@ def test_sm90_the_timeline_study_instruments_the_kernel():
     spec = importlib.util.spec_from_file_location("fast_decode_timeline", path)
     study = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(study)
-    src = study.instrumented(fast.source())
+    src = study.instrumented(cuda.source())
     assert all(after in src for _, after in study.EDITS)
-    df = fast.defines(128, 5, 3, 1, 1, 0, False, False, True, 16, True)
+    df = cuda.defines(128, 5, 3, 1, 1, 0, False, False, True, 16, True)
     df.update(ROWS=4, Q_DT=1, X_DT=1, O_DT=1, MASK_ROW=1, TL_PTR=1 << 20)
-    assert jit.compile_cubin(src, fast.NAME, df, 90)
+    assert jit.compile_cubin(src, cuda.NAME, df, 90)
 
 
 @pytest.mark.parametrize("bits", [2, 3, 4, 5])
@@ -186,7 +186,7 @@ def test_pair_table_entries_are_the_fp16_centroid_pairs(bits, per_head):
     g = torch.Generator().manual_seed(seed)
     heads = 3
     cb = Codebook.from_centroids(torch.randn((heads, 2**bits) if per_head else (2**bits,), generator=g), bits)
-    table, stride = fast.pair_table(cb, heads, torch.device("cpu"))
+    table, stride = cuda.pair_table(cb, heads, torch.device("cpu"))
     assert table.dtype == torch.int32 and table.shape[-1] == 4**bits and stride == (4**bits if per_head else 0)
     want = cb.centroids.to(torch.float16).reshape(-1, 2**bits)
     key = torch.arange(4**bits)
@@ -204,7 +204,7 @@ def test_pair_table_entries_of_a_pair_codebook_are_its_fp16_points(bits, per_hea
     g = torch.Generator().manual_seed(seed)
     heads = 3
     cb = Codebook.from_points(torch.randn((heads, 4**bits, 2) if per_head else (4**bits, 2), generator=g), bits)
-    table, stride = fast.pair_table(cb, heads, torch.device("cpu"))
+    table, stride = cuda.pair_table(cb, heads, torch.device("cpu"))
     assert table.dtype == torch.int32 and table.shape[-1] == 4**bits and stride == (4**bits if per_head else 0)
     want = cb.centroids.to(torch.float16).reshape(-1, 4**bits, 2)
     t = table.to(torch.int64).reshape(-1, 4**bits) & 0xFFFFFFFF
@@ -214,11 +214,11 @@ def test_pair_table_entries_of_a_pair_codebook_are_its_fp16_points(bits, per_hea
 
 
 def test_the_query_rides_in_registers_two_k_steps_a_quad_over_long_splits_at_head_dim_128():
-    assert fast.qpair(128, 1, 131072, 16, 16)  # Llama 3.1 8B at 1 x 128k: 512 tokens a warp
-    assert not fast.qpair(128, 1, 4096, 15, 16)  # 1 x 4k: 17 a warp
-    assert fast.qpair(128, 1, 128 * 8 * 4, 4, 8) and not fast.qpair(128, 1, 128 * 8 * 4 - 1, 4, 8)
-    assert not fast.qpair(64, 1, 131072, 4, 16)  # (head dim 64 holds its fragments in registers already)
-    assert not fast.qpair(128, 2, 131072, 16, 16)  # (two query n-tiles: rows g + 8 are live)
+    assert cuda.qpair(128, 1, 131072, 16, 16)  # Llama 3.1 8B at 1 x 128k: 512 tokens a warp
+    assert not cuda.qpair(128, 1, 4096, 15, 16)  # 1 x 4k: 17 a warp
+    assert cuda.qpair(128, 1, 128 * 8 * 4, 4, 8) and not cuda.qpair(128, 1, 128 * 8 * 4 - 1, 4, 8)
+    assert not cuda.qpair(64, 1, 131072, 4, 16)  # (head dim 64 holds its fragments in registers already)
+    assert not cuda.qpair(128, 2, 131072, 16, 16)  # (two query n-tiles: rows g + 8 are live)
 
 
 def test_splits_cover_the_history_in_whole_tiles(monkeypatch):
@@ -229,14 +229,14 @@ def test_splits_cover_the_history_in_whole_tiles(monkeypatch):
     for w, d, nq in ((8, 128, 1), (16, 128, 1), (8, 128, 2), (8, 256, 1)):
         for bh, lq in ((8, 131072), (64, 32768), (1, 100), (256, 4096), (8, 17), (8, 130944), (3, 5000), (1, 40000),
                        (8, 4096), (8, 8192), (4, 8192)):
-            splits, fold = fast.plan(bh, lq, torch.device("cpu"), warps=w, head_dim=d, nq=nq)
-            most = -(-lq // (fast.MIN_TOKENS_PER_SPLIT[w] * 128 // d))
+            splits, fold = cuda.plan(bh, lq, torch.device("cpu"), warps=w, head_dim=d, nq=nq)
+            most = -(-lq // (cuda.MIN_TOKENS_PER_SPLIT[w] * 128 // d))
             ctas = 16 // w if (d, nq) == (128, 1) else 1  # (two CTAs of 8 warps fit at 128 registers a thread)
             assert 1 <= splits <= most and (bh * splits <= ctas * 132 or splits == 1), (w, d, nq, bh, lq)
             if splits == most and splits > 1:  # limited by the history
                 assert bh * (splits + 1) <= 132, (w, bh, lq, splits)
-            assert fast.plan(bh, lq, torch.device("cpu"), max_splits=2, warps=w, head_dim=d, nq=nq)[0] <= 2
-            ranges = [fast.split_range(s, splits, lq, fold) for s in range(splits)]
+            assert cuda.plan(bh, lq, torch.device("cpu"), max_splits=2, warps=w, head_dim=d, nq=nq)[0] <= 2
+            ranges = [cuda.split_range(s, splits, lq, fold) for s in range(splits)]
             assert ranges[0][0] == 0 and ranges[-1][1] == lq, (w, bh, lq, ranges)
             for (s0, e0), (s1, e1) in zip(ranges, ranges[1:]):  # in order, meeting (or empty past the history)
                 assert s0 % 16 == 0 and s0 <= s1 and e0 == min(s1, lq), (w, bh, lq, ranges)
@@ -247,23 +247,23 @@ def test_splits_cover_the_history_in_whole_tiles(monkeypatch):
                 sizes = [e - s for s, e in ranges[:-1]]
                 assert max(sizes) - min(sizes) <= 16 and last <= full + 16, (w, bh, lq, ranges)
     # folded only with 16 warps and long splits: Llama-3.1-8B's 8 KV heads at 1 x 128k and 8 x 32k
-    assert fast.plan(8, 130944, torch.device("cpu"), warps=16) == (16, fast.EXACT_TOKENS)
-    assert fast.plan(64, 32768, torch.device("cpu"), warps=16) == (2, fast.EXACT_TOKENS)
-    assert fast.plan(8, 32768, torch.device("cpu"), warps=16) == (15, 0)
-    assert fast.plan(8, 4096, torch.device("cpu"), warps=16) == (15, 0)  # one CTA an SM, exact copies' too
-    assert fast.plan(8, 4096, torch.device("cpu"), warps=8) == (8, 0)
-    assert fast.plan(8, 8192, torch.device("cpu"), warps=8) == (15, 0)  # not 16: 136 CTAs on 132 SMs
-    assert fast.plan(8, 131072, torch.device("cpu"), warps=8) == (32, 0)
+    assert cuda.plan(8, 130944, torch.device("cpu"), warps=16) == (16, cuda.EXACT_TOKENS)
+    assert cuda.plan(64, 32768, torch.device("cpu"), warps=16) == (2, cuda.EXACT_TOKENS)
+    assert cuda.plan(8, 32768, torch.device("cpu"), warps=16) == (15, 0)
+    assert cuda.plan(8, 4096, torch.device("cpu"), warps=16) == (15, 0)  # one CTA an SM, exact copies' too
+    assert cuda.plan(8, 4096, torch.device("cpu"), warps=8) == (8, 0)
+    assert cuda.plan(8, 8192, torch.device("cpu"), warps=8) == (15, 0)  # not 16: 136 CTAs on 132 SMs
+    assert cuda.plan(8, 131072, torch.device("cpu"), warps=8) == (32, 0)
     # one CTA an SM (head dim 256, or 16 query rows): one wave of them, not two
-    assert fast.plan(8, 32768, torch.device("cpu"), warps=8, nq=2) == (15, 0)
-    assert fast.plan(8, 131072, torch.device("cpu"), warps=8, head_dim=256) == (15, 0)
-    assert fast.plan(4, 4096, torch.device("cpu"), warps=8, head_dim=256) == (16, 0)  # 256 tokens a split
+    assert cuda.plan(8, 32768, torch.device("cpu"), warps=8, nq=2) == (15, 0)
+    assert cuda.plan(8, 131072, torch.device("cpu"), warps=8, head_dim=256) == (15, 0)
+    assert cuda.plan(4, 4096, torch.device("cpu"), warps=8, head_dim=256) == (16, 0)  # 256 tokens a split
     # fewer than 8 splits: room for the exact copies' CTAs where the splits are short (SmolLM2's 32 KV heads, head
     # dim 64, at 1 x 4k; Llama's 8 x 4k), not where they are long (1 x 8k; 8 x 8k)
-    assert fast.plan(32, 4096, torch.device("cpu"), warps=16, head_dim=64) == (3, 0)
-    assert fast.plan(32, 8192, torch.device("cpu"), warps=16, head_dim=64) == (4, 0)
-    assert fast.plan(64, 4096, torch.device("cpu"), warps=8) == (3, 0)
-    assert fast.plan(64, 8192, torch.device("cpu"), warps=8) == (4, 0)
+    assert cuda.plan(32, 4096, torch.device("cpu"), warps=16, head_dim=64) == (3, 0)
+    assert cuda.plan(32, 8192, torch.device("cpu"), warps=16, head_dim=64) == (4, 0)
+    assert cuda.plan(64, 4096, torch.device("cpu"), warps=8) == (3, 0)
+    assert cuda.plan(64, 8192, torch.device("cpu"), warps=8) == (4, 0)
 
 
 def test_sixteen_warps_where_they_fold_the_exact_copies_into_more_of_the_gpu(monkeypatch):
@@ -273,18 +273,18 @@ def test_sixteen_warps_where_they_fold_the_exact_copies_into_more_of_the_gpu(mon
     nor at short histories, nor where one CTA of 8 warps fills an SM (head dim 256)."""
     monkeypatch.setattr(support, "sm_count", lambda d: 132)
     cpu = torch.device("cpu")
-    assert fast.choose(32, 131072, cpu, None, 64, 1, 8) == (16, 4, fast.EXACT_TOKENS)
-    assert fast.choose(32, 32768, cpu, None, 64, 1, 8) == (16, 4, fast.EXACT_TOKENS)
-    assert fast.choose(32, 4096, cpu, None, 64, 1, 8) == (8, 7, 0)
-    assert fast.choose(256, 32768, cpu, None, 64, 1, 8) == (8, 1, 0)
-    assert fast.choose(8, 131072, cpu, None, 128, 1, 8) == (8, 32, 0)
-    assert fast.choose(64, 16384, cpu, None, 128, 1, 8) == (8, 4, 0)
-    assert fast.choose(4, 131072, cpu, None, 256, 1, 8) == (8, 32, 0)
-    assert fast.choose(8, 131072, cpu, None, 128, 1, 16) == (16, 16, fast.EXACT_TOKENS)  # (the layout's 16 stay)
-    assert fast.choose(32, 131072, cpu, 4, 64, 1, 8) == (8, 4, 0)  # (a caller's scratch cuts the splits)
+    assert cuda.choose(32, 131072, cpu, None, 64, 1, 8) == (16, 4, cuda.EXACT_TOKENS)
+    assert cuda.choose(32, 32768, cpu, None, 64, 1, 8) == (16, 4, cuda.EXACT_TOKENS)
+    assert cuda.choose(32, 4096, cpu, None, 64, 1, 8) == (8, 7, 0)
+    assert cuda.choose(256, 32768, cpu, None, 64, 1, 8) == (8, 1, 0)
+    assert cuda.choose(8, 131072, cpu, None, 128, 1, 8) == (8, 32, 0)
+    assert cuda.choose(64, 16384, cpu, None, 128, 1, 8) == (8, 4, 0)
+    assert cuda.choose(4, 131072, cpu, None, 256, 1, 8) == (8, 32, 0)
+    assert cuda.choose(8, 131072, cpu, None, 128, 1, 16) == (16, 16, cuda.EXACT_TOKENS)  # (the layout's 16 stay)
+    assert cuda.choose(32, 131072, cpu, 4, 64, 1, 8) == (8, 4, 0)  # (a caller's scratch cuts the splits)
     monkeypatch.setattr(support, "sm_count", lambda d: 20)  # 20 folded splits of 16 warps against 39 of 8: under 5 %
-    assert fast.choose(1, 131072, cpu, None, 64, 1, 8) == (8, 39, 0)
-    assert fast.plan(1, 131072, cpu, None, 16, 64, 1) == (20, fast.EXACT_TOKENS)
+    assert cuda.choose(1, 131072, cpu, None, 64, 1, 8) == (8, 39, 0)
+    assert cuda.plan(1, 131072, cpu, None, 16, 64, 1) == (20, cuda.EXACT_TOKENS)
 
 
 def test_head_dim_64_takes_two_eight_warp_ctas_an_sm_where_the_sms_cut_sixteen_warp_splits(monkeypatch):
@@ -296,26 +296,26 @@ def test_head_dim_64_takes_two_eight_warp_ctas_an_sm_where_the_sms_cut_sixteen_w
     history with under two splits a head (8 x 32k), nor at head dim 128 (Llama's 8 KV heads)."""
     monkeypatch.setattr(support, "sm_count", lambda d: 132)
     cpu = torch.device("cpu")
-    assert fast.choose(32, 4096, cpu, None, 64, 1, 16) == (8, 7, 0)
-    assert fast.choose(32, 16384, cpu, None, 64, 1, 16) == (8, 7, 0)
-    assert fast.choose(32, 20000, cpu, None, 64, 1, 16) == (8, 7, 0)
-    assert fast.choose(64, 4096, cpu, None, 64, 1, 16) == (8, 3, 0)
-    assert fast.choose(32, 2688, cpu, None, 64, 1, 16) == (8, 3, 0)  # (a split and its exact CTA an SM each)
-    assert fast.choose(256, 4096, cpu, None, 64, 1, 16) == (8, 1, 0)
-    assert fast.choose(2, 4096, cpu, None, 64, 1, 16) == (16, 16, 0)
-    assert fast.choose(32, 32768, cpu, None, 64, 1, 16) == (16, 4, fast.EXACT_TOKENS)
-    assert fast.choose(256, 32768, cpu, None, 64, 1, 16) == (16, 1, 0)  # (long: the 16 warps' table copies)
-    assert fast.choose(8, 4096, cpu, None, 128, 1, 16) == (16, 15, 0)
-    assert fast.choose(32, 4096, cpu, 3, 64, 1, 16) == (8, 3, 0)  # (a caller's scratch cuts the splits)
-    assert fast.choose(2, 4096, cpu, 8, 64, 1, 16) == (16, 8, 0)  # (the scratch, not the SMs, cuts them)
+    assert cuda.choose(32, 4096, cpu, None, 64, 1, 16) == (8, 7, 0)
+    assert cuda.choose(32, 16384, cpu, None, 64, 1, 16) == (8, 7, 0)
+    assert cuda.choose(32, 20000, cpu, None, 64, 1, 16) == (8, 7, 0)
+    assert cuda.choose(64, 4096, cpu, None, 64, 1, 16) == (8, 3, 0)
+    assert cuda.choose(32, 2688, cpu, None, 64, 1, 16) == (8, 3, 0)  # (a split and its exact CTA an SM each)
+    assert cuda.choose(256, 4096, cpu, None, 64, 1, 16) == (8, 1, 0)
+    assert cuda.choose(2, 4096, cpu, None, 64, 1, 16) == (16, 16, 0)
+    assert cuda.choose(32, 32768, cpu, None, 64, 1, 16) == (16, 4, cuda.EXACT_TOKENS)
+    assert cuda.choose(256, 32768, cpu, None, 64, 1, 16) == (16, 1, 0)  # (long: the 16 warps' table copies)
+    assert cuda.choose(8, 4096, cpu, None, 128, 1, 16) == (16, 15, 0)
+    assert cuda.choose(32, 4096, cpu, 3, 64, 1, 16) == (8, 3, 0)  # (a caller's scratch cuts the splits)
+    assert cuda.choose(2, 4096, cpu, 8, 64, 1, 16) == (16, 8, 0)  # (the scratch, not the SMs, cuts them)
 
 
 def test_split_range_counts_the_folded_exact_copies_as_packed_tokens():
     """`split_range` places the splits as the kernel does: the history and the folded exact copies' tokens cut in
     equal parts at multiples of 16, the last split ending at the history's end."""
-    fold = fast.EXACT_TOKENS
+    fold = cuda.EXACT_TOKENS
     for s in range(4):
-        a, e = fast.split_range(s, 4, 32768, fold)
+        a, e = cuda.split_range(s, 4, 32768, fold)
         assert (a, e) == ((32768 + fold) // 4 * s, 32768 if s == 3 else (32768 + fold) // 4 * (s + 1)), (s, a, e)
 
 
@@ -327,17 +327,17 @@ def test_eight_warp_ctas_take_256_tokens_a_split_over_short_histories_with_an_sm
     scratch."""
     monkeypatch.setattr(support, "sm_count", lambda d: 132)
     cpu = torch.device("cpu")
-    assert fast.plan(8, 3968, cpu, None, 8, 128, 1) == (8, 0)
-    assert fast.choose(8, 3968, cpu, None, 128, 1, 8) == (8, 15, 0)
-    assert fast.choose(8, 1920, cpu, None, 128, 1, 8) == (8, 8, 0)
-    assert fast.choose(16, 3968, cpu, None, 128, 1, 8) == (8, 7, 0)
-    assert fast.choose(4, 3968, cpu, None, 256, 1, 8) == (8, 16, 0)
-    assert fast.choose(2, 1024, cpu, None, 64, 1, 8) == (8, 2, 0)  # (4 with 256 tokens a split)
-    assert fast.choose(2, 1024, cpu, None, 128, 2, 8) == (8, 2, 0)  # (one CTA an SM: 4 with 256)
-    assert fast.choose(2, 8192, cpu, None, 128, 1, 8) == (8, 32, 0)
-    assert fast.choose(2, 8208, cpu, None, 128, 1, 8) == (8, 17, 0)  # (33 with 256 tokens a split)
-    assert fast.choose(8, 3968, cpu, 4, 128, 1, 8) == (8, 4, 0)
-    assert fast.choose(8, 3968, cpu, None, 128, 1, 16) == (16, 15, 0)  # (the layout's 16 warps stay)
+    assert cuda.plan(8, 3968, cpu, None, 8, 128, 1) == (8, 0)
+    assert cuda.choose(8, 3968, cpu, None, 128, 1, 8) == (8, 15, 0)
+    assert cuda.choose(8, 1920, cpu, None, 128, 1, 8) == (8, 8, 0)
+    assert cuda.choose(16, 3968, cpu, None, 128, 1, 8) == (8, 7, 0)
+    assert cuda.choose(4, 3968, cpu, None, 256, 1, 8) == (8, 16, 0)
+    assert cuda.choose(2, 1024, cpu, None, 64, 1, 8) == (8, 2, 0)  # (4 with 256 tokens a split)
+    assert cuda.choose(2, 1024, cpu, None, 128, 2, 8) == (8, 2, 0)  # (one CTA an SM: 4 with 256)
+    assert cuda.choose(2, 8192, cpu, None, 128, 1, 8) == (8, 32, 0)
+    assert cuda.choose(2, 8208, cpu, None, 128, 1, 8) == (8, 17, 0)  # (33 with 256 tokens a split)
+    assert cuda.choose(8, 3968, cpu, 4, 128, 1, 8) == (8, 4, 0)
+    assert cuda.choose(8, 3968, cpu, None, 128, 1, 16) == (16, 15, 0)  # (the layout's 16 warps stay)
 
 
 def test_exact_copies_take_the_ctas_the_splits_leave_free(monkeypatch):
@@ -347,20 +347,20 @@ def test_exact_copies_take_the_ctas_the_splits_leave_free(monkeypatch):
     monkeypatch.setattr(support, "sm_count", lambda dev: 132)
     cpu = torch.device("cpu")
     # Gemma 3 4B at 1 x 4k: 4 KV heads x 16 splits of one 8-warp CTA an SM leave 64 SMs; 132 exact tokens
-    assert fast.exact_parts(4, 16, False, 132, cpu, 256, 1, 8) == 3
-    assert fast.exact_parts(4, 16, False, 132, cpu, 256, 1, 8, most=2) == 2
-    assert fast.exact_parts(4, 16, False, 1000, cpu, 256, 1, 8) == fast.EXACT_PARTS
-    assert fast.exact_parts(4, 16, False, fast.EXACT_PART_TOKENS, cpu, 256, 1, 8) == 1
-    assert fast.exact_parts(4, 16, True, 132, cpu, 256, 1, 8) == 1  # folded into the last split's CTA
+    assert cuda.exact_parts(4, 16, False, 132, cpu, 256, 1, 8) == 3
+    assert cuda.exact_parts(4, 16, False, 132, cpu, 256, 1, 8, most=2) == 2
+    assert cuda.exact_parts(4, 16, False, 1000, cpu, 256, 1, 8) == cuda.EXACT_PARTS
+    assert cuda.exact_parts(4, 16, False, cuda.EXACT_PART_TOKENS, cpu, 256, 1, 8) == 1
+    assert cuda.exact_parts(4, 16, True, 132, cpu, 256, 1, 8) == 1  # folded into the last split's CTA
     # Llama at 1 x 4k: 8 KV heads x 15 splits of 16 warps leave 4 SMs, fewer than a CTA a head
-    assert fast.exact_parts(8, 15, False, 132, cpu, 128, 1, 16) == 1
+    assert cuda.exact_parts(8, 15, False, 132, cpu, 128, 1, 16) == 1
     # two 8-warp CTAs an SM at head dim 128: 8 heads x 8 splits leave 192 slots, but a part would share an SM
-    assert fast.exact_parts(8, 8, False, 132, cpu, 128, 1, 8) == 1
+    assert cuda.exact_parts(8, 8, False, 132, cpu, 128, 1, 8) == 1
     # one CTA an SM at head dim 128 (16 query rows): 2 heads x 8 splits leave 114 SMs
-    assert fast.exact_parts(2, 8, False, 132, cpu, 128, 2, 8) == 3
+    assert cuda.exact_parts(2, 8, False, 132, cpu, 128, 2, 8) == 3
     # the last split's CTA takes the exact copies as one part: a launch asking for more is refused before it starts
     with pytest.raises(ValueError, match="one part, not 2"):
-        fast.decode(*[None] * 18, num_splits=4, fold=True, rows=4, out=None, w=16, parts=2)
+        cuda.decode(*[None] * 18, num_splits=4, fold=True, rows=4, out=None, w=16, parts=2)
 
 
 @pytest.mark.parametrize("d", [64, 128, 256])
@@ -373,22 +373,22 @@ def test_prepare_makes_a_rotations_kernel_operands_once(d):
 
     cbs = theoretical_codebook(4, d), theoretical_codebook(3, d)
     had = make_rotation(d, 3)
-    assert fast.hadamard(had)
-    fast.prepare(had, *cbs, 2, had.signs.device)
-    w = had.derived.find(("fast.signs", had.signs.device))
+    assert cuda.hadamard(had)
+    cuda.prepare(had, *cbs, 2, had.signs.device)
+    w = had.derived.find(("cuda.signs", had.signs.device))
     neg = [bool((int(w[c // 32]) >> (c % 32)) & 1) for c in range(d)]
     assert w.dtype == torch.int32 and w.shape == (d // 32,) and neg == (had.signs < 0).tolist()
-    assert fast._signs(had, had.signs.device) is w
-    assert all((name, had.signs.device) not in had.derived for name in ("fast.halves", "fast.fragments"))
+    assert cuda._signs(had, had.signs.device) is w
+    assert all((name, had.signs.device) not in had.derived for name in ("cuda.halves", "cuda.fragments"))
     rot = make_rotation(d, 3, "orthogonal")
-    assert not fast.hadamard(rot)
+    assert not cuda.hadamard(rot)
     pi = rot.matrix
-    fast.prepare(rot, *cbs, 2, pi.device)
-    h = rot.derived.find(("fast.halves", pi.device))
+    cuda.prepare(rot, *cbs, 2, pi.device)
+    h = rot.derived.find(("cuda.halves", pi.device))
     assert h.dtype == torch.float16 and h.is_contiguous() and torch.equal(h, pi.to(torch.float16))
-    assert fast._halves(rot, pi.device) is h
-    assert fast._fragments(rot, pi.device) is rot.derived.find(("fast.fragments", pi.device))
-    assert ("fast.signs", pi.device) not in rot.derived
+    assert cuda._halves(rot, pi.device) is h
+    assert cuda._fragments(rot, pi.device) is rot.derived.find(("cuda.fragments", pi.device))
+    assert ("cuda.signs", pi.device) not in rot.derived
 
 
 def test_sixteen_warps_where_two_ctas_would_hold_fewer_table_copies():
@@ -397,20 +397,20 @@ def test_sixteen_warps_where_two_ctas_would_hold_fewer_table_copies():
     for d in (64, 128, 256):
         for kb, vb in ((5, 3), (5, 2), (5, 5), (4, 4), (4, 2), (3, 3), (2, 2)):
             for nq in (1, 2):
-                w = fast.warps(d, kb, vb, False, False, nq, (9, 0))
+                w = cuda.warps(d, kb, vb, False, False, nq, (9, 0))
                 assert w == (16 if kb == 5 and d <= 128 and nq == 1 else 8), (d, kb, vb, nq, w)
-                df = fast.defines(d, kb, vb, nq, 0, 0, False, False, False, 16, True)
-                assert df["WARPS"] == w and fast.packed_smem(df) <= 227 * 1024, (d, kb, vb, nq, df)
+                df = cuda.defines(d, kb, vb, nq, 0, 0, False, False, False, 16, True)
+                assert df["WARPS"] == w and cuda.packed_smem(df) <= 227 * 1024, (d, kb, vb, nq, df)
 
 
 def test_shape_limits():
-    assert fast.shape_ok(128, 5, 3, 4, False, 4096) and fast.shape_ok(64, 2, 5, 16, False, 16)
-    assert not fast.shape_ok(128, 8, 3, 4, False, 4096)  # an 8-bit pair table is 256 KB
-    assert not fast.shape_ok(128, 4, 4, 17, False, 4096)
-    assert not fast.shape_ok(256, 4, 4, 16, False, 4096)
-    assert not fast.shape_ok(128, 4, 4, 4, True, 4096)
-    assert not fast.shape_ok(128, 4, 4, 4, False, 15)
-    assert not fast.shape_ok(96, 4, 4, 4, False, 4096)
+    assert cuda.shape_ok(128, 5, 3, 4, False, 4096) and cuda.shape_ok(64, 2, 5, 16, False, 16)
+    assert not cuda.shape_ok(128, 8, 3, 4, False, 4096)  # an 8-bit pair table is 256 KB
+    assert not cuda.shape_ok(128, 4, 4, 17, False, 4096)
+    assert not cuda.shape_ok(256, 4, 4, 16, False, 4096)
+    assert not cuda.shape_ok(128, 4, 4, 4, True, 4096)
+    assert not cuda.shape_ok(128, 4, 4, 4, False, 15)
+    assert not cuda.shape_ok(96, 4, 4, 4, False, 4096)
 
 
 def test_fast_serves_takes_symbolic_sizes_under_compile():
@@ -458,21 +458,21 @@ def test_the_launcher_runs_without_a_gpu(monkeypatch):
         state, _, _ = make_state(b, 2, lq, 9, n, d, kb, vb, torch.bfloat16, lq, device="cpu")
         q = torch.randn(b, 8, n, d, dtype=torch.bfloat16)
         done.clear()
-        fast.decode_attention(q, state)  # (the CUDA launcher itself: no selection on a CPU)
+        cuda.decode_attention(q, state)  # (the CUDA launcher itself: no selection on a CPU)
         nqt, rows = (1, 4) if n == 1 else (2, 16)
-        w = fast.warps(d, kb, vb, state.k_norms.dtype == torch.float32, state.v_norms.dtype == torch.float32, nqt,
+        w = cuda.warps(d, kb, vb, state.k_norms.dtype == torch.float32, state.v_norms.dtype == torch.float32, nqt,
                        (9, 0))
-        w, splits, fold = fast.choose(b * 2, lq, torch.device("cpu"), None, d, nqt, w)
-        assert (w, splits, fold) == (16, 4, fast.EXACT_TOKENS) or sms == 132, (w, splits, fold)
-        assert n == 1 or splits < fast.plan(b * 2, lq, torch.device("cpu"), warps=w, head_dim=d)[0]  # (two CTAs)
-        parts = fast.exact_parts(b * 2, splits, fold, state.sinks + 9, torch.device("cpu"), d, nqt, w)
-        assert [x[:3] for x in done] == [(fast.NAME, (b * 2, splits + (0 if fold else parts), 1), 32 * w)], done
+        w, splits, fold = cuda.choose(b * 2, lq, torch.device("cpu"), None, d, nqt, w)
+        assert (w, splits, fold) == (16, 4, cuda.EXACT_TOKENS) or sms == 132, (w, splits, fold)
+        assert n == 1 or splits < cuda.plan(b * 2, lq, torch.device("cpu"), warps=w, head_dim=d)[0]  # (two CTAs)
+        parts = cuda.exact_parts(b * 2, splits, fold, state.sinks + 9, torch.device("cpu"), d, nqt, w)
+        assert [x[:3] for x in done] == [(cuda.NAME, (b * 2, splits + (0 if fold else parts), 1), 32 * w)], done
         df = done[0][5]  # (a Hadamard rotation: the butterflies, one channel group in the merge)
         assert df["HAD"] == 1 and df["XB"] % 16 == 0 and df["NXMAX"] == parts and df["MDIRECT"] == (d <= 128), df
         assert df["FOLD"] == int(fold > 0), df  # (the last case folds: its build keeps the folded CTA's code)
-        assert done[0][3] >= max(fast.exact_smem(d, rows, df["XB"], 2, w), fast.merge_splits(d, rows, 0, w, True)[1],
-                                 fast.query_bytes(d)), done
-        assert done[0][4] == ctypes.sizeof(fast.Params), done
+        assert done[0][3] >= max(cuda.exact_smem(d, rows, df["XB"], 2, w), cuda.merge_splits(d, rows, 0, w, True)[1],
+                                 cuda.query_bytes(d)), done
+        assert done[0][4] == ctypes.sizeof(cuda.Params), done
 
 
 @pytest.mark.parametrize("d", [64, 128, 256])
@@ -485,7 +485,7 @@ def test_query_rotation_fragments_land_in_the_score_mma_registers(d):
     g_ = torch.Generator().manual_seed(seed)
     pi = torch.linalg.qr(torch.randn(d, d, generator=g_))[0]
     q = torch.randn(16, d, generator=g_)
-    f = fast.pi_fragments(pi).view(torch.float16).float().reshape(d // 8, 32, d // 16, 2, 2)  # [nt, lane, kk, j, h]
+    f = cuda.pi_fragments(pi).view(torch.float16).float().reshape(d // 8, 32, d // 16, 2, 2)  # [nt, lane, kk, j, h]
     b = torch.zeros(d // 8, d, 8)  # B of n-tile nt: (channel in, column)
     for lane in range(32):
         g, l4 = divmod(lane, 4)
@@ -518,14 +518,14 @@ def _decode(q, state, mask, scale, fast=None, **kw):
 @pytest.fixture
 def launches(monkeypatch):
     calls = []
-    real = fast.decode
+    real = cuda.decode
 
     def spy(*a, **k):
         ok = real(*a, **k)
         calls.append(ok)
         return ok
 
-    monkeypatch.setattr(fast, "decode", spy)
+    monkeypatch.setattr(cuda, "decode", spy)
     return calls
 
 
@@ -551,13 +551,13 @@ GPU_CASES = [
     (5, 2, 64, 2, 2, 3333, 40, torch.bfloat16, "additive", 2, True),  # 16 warps at head dim 64
     (4, 4, 128, 2, 1, 2222, 7, torch.float16, None, 0, False),  # 2 rows: four lanes a column in the merge
     (4, 2, 128, 4, 1, 1800, 33, torch.float32, "bool", 2, False),  # fp32 query and copies: the exact copies by warps
-    # the exact copies in parts (`fast.exact_parts`, one CTA an SM): fp32 by warps in 4 parts; 2 parts, the second
-    # from the sinks into the ring; four causal queries in 3 parts; an additive mask in 2 parts
+    # the exact copies in parts (`cuda.exact_parts`, one CTA an SM): fp32 by warps in 4 parts; 2 parts, the second
+    # from the sinks into the window; four causal queries in 3 parts; an additive mask in 2 parts
     (4, 2, 256, 2, 1, 1000, 300, torch.float32, None, 2, False),
     (3, 3, 256, 2, 1, 600, 21, torch.bfloat16, "bool", 40, False),
     (5, 3, 128, 4, 4, 1200, 100, torch.bfloat16, None, 2, False),
     (4, 2, 256, 4, 2, 900, 70, torch.float16, "additive", 3, False),
-    # more splits than the merge loads at once (`fast.merge_direct`): 32 of 8 warps on the H100, two loads a thread
+    # more splits than the merge loads at once (`cuda.merge_direct`): 32 of 8 warps on the H100, two loads a thread
     (4, 4, 128, 4, 1, 20000, 5, torch.bfloat16, None, 2, False),
 ]
 
@@ -587,7 +587,7 @@ def test_fast_kernel_matches_the_oracle_and_the_triton_kernel(case, launches):
     hq = hkv * group
     state, kf, vf = make_state(b, hkv, lq, lr, n, d, kbits, vbits, dtype, seed, per_head, sinks=sinks,
                                rotation=rotation)
-    assert fast.hadamard(state.rotation) == (rotation == "auto"), rotation
+    assert cuda.hadamard(state.rotation) == (rotation == "auto"), rotation
     q = make_query(b, hq, n, d, dtype, seed)
     t = lq + lr + n
     mask = None if mask_kind is None else padding_mask(b, 1, n, t, [min(4, lq), 0], mask_kind)
@@ -606,7 +606,7 @@ def test_fast_kernel_matches_the_oracle_and_the_triton_kernel(case, launches):
         assert rel_err(out, tri.float().cpu()) < TOL[dtype], f"seed {seed}: fast and Triton kernels differ"
 
 
-# the query's fragments in registers, two k-steps a quad (`fast.qpair`, forced here at any split's length): head dim
+# the query's fragments in registers, two k-steps a quad (`cuda.qpair`, forced here at any split's length): head dim
 # 128, one query n-tile
 QPAIR_CASES = [c for c in GPU_CASES + [(*c, "orthogonal") for c in DENSE_CASES] if c[2] == 128 and c[3] * c[4] <= 8]
 
@@ -614,16 +614,16 @@ QPAIR_CASES = [c for c in GPU_CASES + [(*c, "orthogonal") for c in DENSE_CASES] 
 @gpu
 @pytest.mark.parametrize("case", QPAIR_CASES, ids=_gpu_id)
 def test_fast_kernel_with_two_k_steps_of_the_query_a_register_quad(case, launches, monkeypatch):
-    monkeypatch.setattr(fast, "QPAIR_TOKENS", 0)
-    built, real = [], fast.jit.kernel
-    monkeypatch.setattr(fast.jit, "kernel",
+    monkeypatch.setattr(cuda, "QPAIR_TOKENS", 0)
+    built, real = [], cuda.jit.kernel
+    monkeypatch.setattr(cuda.jit, "kernel",
                         lambda src, name, df, *a: built.append(df["QPAIR"]) or real(src, name, df, *a))
     test_fast_kernel_matches_the_oracle_and_the_triton_kernel(case, launches)
     assert built and all(built), built
 
 
 # 16-warp shapes over long splits on a GPU taken as 8 SMs: the last split's CTA takes the exact copies (none at all in
-# the second: no ring, no sinks)
+# the second: no window, no sinks)
 FOLD_CASES = [
     (5, 3, 128, 4, 1, 13000, 40, torch.bfloat16, "bool", 3, False),
     (5, 5, 64, 2, 1, 12500, 0, torch.float16, None, 0, True),
@@ -635,10 +635,10 @@ FOLD_CASES = [
 @pytest.mark.parametrize("case", FOLD_CASES, ids=_gpu_id)
 def test_fast_kernel_with_the_exact_copies_in_the_last_split(case, launches, monkeypatch):
     monkeypatch.setattr(support, "sm_count", lambda d: 8)
-    plans, real = [], fast.plan
-    monkeypatch.setattr(fast, "plan", lambda *a, **k: plans.append(real(*a, **k)) or plans[-1])
+    plans, real = [], cuda.plan
+    monkeypatch.setattr(cuda, "plan", lambda *a, **k: plans.append(real(*a, **k)) or plans[-1])
     test_fast_kernel_matches_the_oracle_and_the_triton_kernel(case, launches)
-    assert plans[0] == (2, fast.EXACT_TOKENS), plans
+    assert plans[0] == (2, cuda.EXACT_TOKENS), plans
 
 
 @gpu
@@ -646,11 +646,11 @@ def test_fast_kernel_in_the_sixteen_warps_choose_takes_over_the_layouts_eight(la
     """k4v4 at head dim 64 (the layout's two CTAs of 8 warps an SM) on a GPU taken as 16 SMs, over a history long
     enough that `choose` takes one CTA of 16 warps, the exact copies folded into the last split."""
     monkeypatch.setattr(support, "sm_count", lambda d: 16)
-    plans, real = [], fast.choose
-    monkeypatch.setattr(fast, "choose", lambda *a, **k: plans.append(real(*a, **k)) or plans[-1])
+    plans, real = [], cuda.choose
+    monkeypatch.setattr(cuda, "choose", lambda *a, **k: plans.append(real(*a, **k)) or plans[-1])
     case = (4, 4, 64, 2, 1, 25000, 30, torch.bfloat16, "bool", 2, False)
     test_fast_kernel_matches_the_oracle_and_the_triton_kernel(case, launches)
-    assert plans[0] == (16, 4, fast.EXACT_TOKENS), plans
+    assert plans[0] == (16, 4, cuda.EXACT_TOKENS), plans
 
 
 @gpu
@@ -660,15 +660,15 @@ def test_fast_kernel_where_the_sms_cut_sixteen_warp_splits_at_head_dim_64(lq, la
     splits: `choose` takes two CTAs of 8 warps an SM and an exact copies' CTA a head at 5000 tokens, and past the
     long splits `plan` folds itself (12300) one CTA of 16 warps a split, the exact copies in the last of 2."""
     monkeypatch.setattr(support, "sm_count", lambda d: 8)
-    plans, real = [], fast.choose
-    monkeypatch.setattr(fast, "choose", lambda *a, **k: plans.append(real(*a, **k)) or plans[-1])
+    plans, real = [], cuda.choose
+    monkeypatch.setattr(cuda, "choose", lambda *a, **k: plans.append(real(*a, **k)) or plans[-1])
     case = (5, 3, 64, 1, 1, lq, 30, torch.bfloat16, "bool", 4, False)
     test_fast_kernel_matches_the_oracle_and_the_triton_kernel(case, launches)
     if lq == 5000:
         assert plans[0] == (8, 3, 0), plans
     else:
-        assert plans[0] == (16, 2, fast.EXACT_TOKENS), plans
-        assert fast.split_range(1, 2, lq, plans[0][2])[0] == 7168
+        assert plans[0] == (16, 2, cuda.EXACT_TOKENS), plans
+        assert cuda.split_range(1, 2, lq, plans[0][2])[0] == 7168
 
 
 @gpu
@@ -686,7 +686,7 @@ def test_more_query_rows_than_the_kernel_holds_go_in_chunks_of_queries(d, group,
     t = lq + lr + n
     mask = None if mask_kind is None else padding_mask(b, 1, n, t, [3, 0], mask_kind)
     per = query_chunk(q, state)
-    assert per == fast.max_rows(d) // group
+    assert per == cuda.max_rows(d) // group
     out = _decode(q, state, mask, None)
     assert launches == [True] * -(-n // per), f"seed {seed}: {launches}"
     ref = reference.attention(q.cpu(), kf, vf, mask=None if mask is None else mask.cpu()).transpose(1, 2)
@@ -704,7 +704,7 @@ def test_fast_kernel_one_mask_row_for_every_head(kbits, vbits, holes, launches, 
     g = torch.Generator().manual_seed(seed)
     b, hkv, group, n, d, lq, lr = 2, 2, 4, 1, 128, 6000, 9
     rows = []
-    monkeypatch.setattr(fast, "_mask_row", lambda *a, f=fast._mask_row: rows.append(f(*a)) or rows[-1])
+    monkeypatch.setattr(cuda, "_mask_row", lambda *a, f=cuda._mask_row: rows.append(f(*a)) or rows[-1])
     state, kf, vf = make_state(b, hkv, lq, lr, n, d, kbits, vbits, torch.bfloat16, seed, sinks=2)
     q = make_query(b, hkv * group, n, d, torch.bfloat16, seed)
     t = lq + lr + n
@@ -712,7 +712,7 @@ def test_fast_kernel_one_mask_row_for_every_head(kbits, vbits, holes, launches, 
     if holes == "scattered":
         keep[1, 0, 0, :lq] = torch.rand(lq, generator=g) > 0.05
     elif holes == "a_stretch":
-        a, e = fast.split_range(1, 4, lq, False)
+        a, e = cuda.split_range(1, 4, lq, False)
         keep[1, 0, 0, a:e] = False
     mask = keep.to("cuda")
     out = _decode(q, state, mask, None)
@@ -804,7 +804,7 @@ def test_turned_off_by_the_environment(monkeypatch, launches):
 @pytest.mark.skipif(not _nvrtc_ok(), reason="NVRTC missing")
 def test_compile_errors_name_the_defines():
     with pytest.raises(jit.JitError, match=r"(?s)'D': 7.*broken"):
-        jit.compile_cubin(fast.source() + "\n#error broken\n", fast.NAME, {"D": 7}, 90)
+        jit.compile_cubin(cuda.source() + "\n#error broken\n", cuda.NAME, {"D": 7}, 90)
 
 
 @pytest.mark.skipif(not _nvrtc_ok(), reason="NVRTC missing")
@@ -813,24 +813,24 @@ def test_a_damaged_cached_kernel_is_compiled_again(damage, monkeypatch, tmp_path
     """The disk cache binds each cubin to its key: a half-written, corrupted or swapped file is refused (with a warning
     naming it) and replaced by a fresh compile, never loaded."""
     monkeypatch.setenv("TQ_HF_CACHE_KERNEL_DIR", str(tmp_path))
-    df = fast.defines(64, 4, 4, 1, 0, 0, False, False, False, 16, True)
-    first = jit.cubin(fast.source(), fast.NAME, df, 90)
+    df = cuda.defines(64, 4, 4, 1, 0, 0, False, False, False, 16, True)
+    first = jit.cubin(cuda.source(), cuda.NAME, df, 90)
     (path,) = glob.glob(str(tmp_path / "*.cubin"))
     raw = open(path, "rb").read()
     assert raw.endswith(first)
-    assert jit.cubin(fast.source(), fast.NAME, df, 90) == first  # a sound entry is read back as is
+    assert jit.cubin(cuda.source(), cuda.NAME, df, 90) == first  # a sound entry is read back as is
     if damage == "truncated":
         bad = raw[:-100]
     elif damage == "flipped":
         bad = raw[:-1] + bytes([raw[-1] ^ 1])
     else:  # another key's entry under this name
-        other = jit.cubin(fast.source(), fast.NAME, {**df, "VB": 3}, 90)
+        other = jit.cubin(cuda.source(), cuda.NAME, {**df, "VB": 3}, 90)
         bad = next(open(p, "rb").read() for p in glob.glob(str(tmp_path / "*.cubin")) if p != path)
         assert bad.endswith(other)
     with open(path, "wb") as f:
         f.write(bad)
     with pytest.warns(RuntimeWarning, match="does not match its digest"):
-        again = jit.cubin(fast.source(), fast.NAME, df, 90)
+        again = jit.cubin(cuda.source(), cuda.NAME, df, 90)
     assert again == first and open(path, "rb").read() == raw
 
 
@@ -843,7 +843,7 @@ def test_cache_dir_follows_the_environment(monkeypatch, tmp_path):
 @gpu
 @pytest.mark.parametrize("preset", ["k5v3", "k4v4"])
 def test_static_cache_through_the_fast_kernel_matches_the_triton_kernel_eager_and_compiled(preset, monkeypatch):
-    """TurboQuantStaticCache through the fast kernel (device lengths, the wrapping ring, the fused chunk and the
+    """TurboQuantStaticCache through the fast kernel (device lengths, the wrapping window, the fused chunk and the
     steps, teacher-forced): logits equal those of the Triton kernel (TQ_HF_CACHE_DECODE_KERNEL=triton) on the same cache,
     eager and under torch.compile's CUDA graphs."""
     import transformers

@@ -112,8 +112,9 @@ def test_the_check_finds_a_cycle_through_a_function_level_import(tmp_path):
 
 
 def test_the_old_module_paths_are_the_new_modules():
-    """Every path from before the sub-packages imports as the new module itself, its spec the new one's (a lazy
-    relative import inside it must not warn that its package and spec disagree)."""
+    """Every old path (from before the sub-packages, `kernels.fast`) imports as the new module itself, its spec the
+    new one's (a lazy relative import inside it must not warn that its package and spec disagree); a moved package's
+    modules follow it."""
     import importlib
     import warnings
 
@@ -126,3 +127,5 @@ def test_the_old_module_paths_are_the_new_modules():
             got = importlib.import_module(old)
         assert got is importlib.import_module(new) and got.__spec__.name == new, old
     assert importlib.import_module("tq_hf_cache.eval.models") is importlib.import_module("tq_hf_cache.tools.eval.models")
+    assert importlib.import_module("tq_hf_cache.kernels.fast.jit") is importlib.import_module(
+        "tq_hf_cache.kernels.cuda.jit")

@@ -354,13 +354,13 @@ def test_head_dim_256_quantizes_keys_and_values_and_dequantizes_every_width():
     kernels.quantize_kv_into(k, v, rot, kcb, vcb, out[0], out[2], out[1], out[3])
     assert torch.equal(out[0], pk) and torch.equal(out[1], pv), f"seed {seed}: quantize_kv_into"
     assert torch.equal(out[2], nk) and torch.equal(out[3], nv), f"seed {seed}: quantize_kv_into norms"
-    cap, ring = 9, 4
+    cap, window = 9, 4
     got = [torch.full((1, 2, cap, t.shape[-1]), 0xA5, dtype=torch.uint8, device=DEV) for t in (pk, pv)]
     gn = [torch.full((1, 2, cap), NORM_POISON, dtype=torch.float16, device=DEV) for _ in range(2)]
-    rings = [torch.zeros(1, 2, ring, d, dtype=torch.bfloat16, device=DEV) for _ in range(2)]
+    windows = [torch.zeros(1, 2, window, d, dtype=torch.bfloat16, device=DEV) for _ in range(2)]
     sinks = [torch.zeros(1, 2, 3, d, dtype=torch.bfloat16, device=DEV) for _ in range(2)]
     length, exact_from = (torch.tensor(2, dtype=torch.int64, device=DEV), torch.tensor(0, dtype=torch.int64, device=DEV))
-    kernels.append_kv_into(k, v, rot, kcb, vcb, got[0], gn[0], got[1], gn[1], *rings, *sinks, length, exact_from, 2)
+    kernels.append_kv_into(k, v, rot, kcb, vcb, got[0], gn[0], got[1], gn[1], *windows, *sinks, length, exact_from, 2)
     assert torch.equal(got[0][:, :, 2:7], pk) and torch.equal(got[1][:, :, 2:7], pv), f"seed {seed}: append_kv_into"
     assert torch.equal(gn[0][:, :, 2:7], nk) and int(length) == 7, f"seed {seed}: append_kv_into norms, length"
     cb8 = shared_codebook(8, d).to(DEV)
@@ -373,43 +373,43 @@ def test_head_dim_256_quantizes_keys_and_values_and_dequantizes_every_width():
         kernels.quantize_into(k, dense, kcb, out[0], out[2])
 
 
-def static_buffers(b, h, cap, ring, sinks, d, start, key_bytes, value_bytes):
+def static_buffers(b, h, cap, window, sinks, d, start, key_bytes, value_bytes):
     """A static layer's buffers, poisoned: "keys" (packed, norms) per key part (`key_bytes` a row each), the values',
-    the bf16 rings and sink copies, and the lengths after `start` positions."""
+    the bf16 windows and sink copies, and the lengths after `start` positions."""
     def packed(nbytes):
         return (torch.full((b, h, cap, nbytes), 0xA5, dtype=torch.uint8, device=DEV),
                 torch.full((b, h, cap), NORM_POISON, dtype=torch.float16, device=DEV))
 
     out = {"keys": [packed(nb) for nb in key_bytes]}
     out["v_packed"], out["v_norms"] = packed(value_bytes)
-    for name, rows in (("ring_k", ring), ("ring_v", ring), ("sink_k", sinks + 1), ("sink_v", sinks + 1)):
+    for name, rows in (("window_k", window), ("window_v", window), ("sink_k", sinks + 1), ("sink_v", sinks + 1)):
         out[name] = torch.full((b, h, rows, d), -3.0, dtype=torch.bfloat16, device=DEV)
     out["length"] = torch.tensor(start, dtype=torch.int64, device=DEV)
-    out["exact_from"] = torch.tensor(max(0, start - ring), dtype=torch.int64, device=DEV)
+    out["exact_from"] = torch.tensor(max(0, start - window), dtype=torch.int64, device=DEV)
     return out
 
 
 @pytest.mark.parametrize("n, start", [(1, 0), (1, 3), (1, 29), (5, 2), (21, 0), (21, 15), (3, 31), (2, 33)])
 def test_static_append_matches_reference(n, start):
     """The static layer's append (one quantize + copy launch, one launch for the lengths) against
-    `reference.static_append`: capacity 33, a ring of 8, 4 sinks; chunks longer than the ring, chunks crossing the
+    `reference.static_append`: capacity 33, a window of 8, 4 sinks; chunks longer than the window, chunks crossing the
     sinks, and chunks running past the capacity (those rows are dropped, never written out of bounds)."""
     seed, g = fresh_gen()
-    b, h, d, cap, ring, sinks = 2, 3, 64, 33, 8, 4
+    b, h, d, cap, window, sinks = 2, 3, 64, 33, 8, 4
     rot = make_rotation(d, seed % 1000).to(DEV)
     kcb, vcb = shared_codebook(5, d).to(DEV), per_head_codebook(g, 3, h, d).to(DEV)
     k, v = make_x(g, b, h, n, d, torch.bfloat16), make_x(g, b, h, n, d, torch.bfloat16)
-    got, want = (static_buffers(b, h, cap, ring, sinks, d, start, [packed_bytes(d, 5)], packed_bytes(d, 3))
+    got, want = (static_buffers(b, h, cap, window, sinks, d, start, [packed_bytes(d, 5)], packed_bytes(d, 3))
                  for _ in range(2))
     for t in (got, want):
         (t["k_packed"], t["k_norms"]), = t["keys"]
     kernels.append_kv_into(k, v, rot, kcb, vcb, got["k_packed"], got["k_norms"], got["v_packed"], got["v_norms"],
-                           got["ring_k"], got["ring_v"], got["sink_k"], got["sink_v"], got["length"],
+                           got["window_k"], got["window_v"], got["sink_k"], got["sink_v"], got["length"],
                            got["exact_from"], sinks)
-    reference.static_append(k, v, *(want[name] for name in ("k_packed", "k_norms", "v_packed", "v_norms", "ring_k",
-                                                             "ring_v", "sink_k", "sink_v", "length", "exact_from")),
+    reference.static_append(k, v, *(want[name] for name in ("k_packed", "k_norms", "v_packed", "v_norms", "window_k",
+                                                             "window_v", "sink_k", "sink_v", "length", "exact_from")),
                             sinks, rot, kcb, vcb)
-    for name in ("ring_k", "ring_v", "sink_k", "sink_v", "length", "exact_from"):
+    for name in ("window_k", "window_v", "sink_k", "sink_v", "length", "exact_from"):
         assert torch.equal(got[name], want[name]), f"seed {seed}: {name} differs from the reference"
     rows = slice(min(start, cap), min(start + n, cap))
     m = rows.stop - rows.start
@@ -671,20 +671,20 @@ def test_static_append_of_split_keys_matches_reference(n, start):
     from tq_hf_cache.quant.key_split import check_spec, make_split
 
     seed, g = fresh_gen()
-    b, h, d, cap, ring, sinks = 2, 3, 64, 33, 8, 4
+    b, h, d, cap, window, sinks = 2, 3, 64, 33, 8, 4
     spec = check_spec({"bits": [6, 4, 3], "sizes": [16, 16, 32],
                        "order": [torch.randperm(d, generator=g).tolist() for _ in range(h)]}, 0)
     split = make_split(spec, 0, h, d, lambda m: make_rotation(m, (seed + m) % 1000), theoretical_codebook).to(DEV)
     rot, vcb = make_rotation(d, seed % 1000).to(DEV), per_head_codebook(g, 3, h, d).to(DEV)
     k, v = make_x(g, b, h, n, d, torch.bfloat16), make_x(g, b, h, n, d, torch.bfloat16)
     key_bytes = [packed_bytes(m, w) for m, w in zip(spec["sizes"], spec["bits"])]
-    got, want = (static_buffers(b, h, cap, ring, sinks, d, start, key_bytes, packed_bytes(d, 3)) for _ in range(2))
-    rest = ("v_packed", "v_norms", "ring_k", "ring_v", "sink_k", "sink_v", "length", "exact_from")
+    got, want = (static_buffers(b, h, cap, window, sinks, d, start, key_bytes, packed_bytes(d, 3)) for _ in range(2))
+    rest = ("v_packed", "v_norms", "window_k", "window_v", "sink_k", "sink_v", "length", "exact_from")
     parts = got["keys"]
     kernels.append_parts_into(k, v, split.split(k), split.parts, parts, rot, vcb, *(got[name] for name in rest), sinks)
     reference.static_append(k, v, *want["keys"][0], *(want[name] for name in rest), sinks, rot, split.parts[0][1], vcb,
                             key_split=split, key_parts=want["keys"])
-    for name in ("ring_k", "ring_v", "sink_k", "sink_v", "length", "exact_from"):
+    for name in ("window_k", "window_v", "sink_k", "sink_v", "length", "exact_from"):
         assert torch.equal(got[name], want[name]), f"seed {seed}: {name} differs from the reference"
     rows = slice(min(start, cap), min(start + n, cap))
     m = rows.stop - rows.start

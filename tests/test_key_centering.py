@@ -183,7 +183,7 @@ def test_a_centred_static_cache_reads_alike_on_every_path_holds_its_keys_closer_
         hook.remove()
     assert torch.count_nonzero(p.key_offset.mu) > 0
     mu = p.key_offset.mu
-    held = int(p.exact_from)  # 72 - the ring (20): the positions read packed are [2 sinks, held)
+    held = int(p.exact_from)  # 72 - the window (20): the positions read packed are [2 sinks, held)
     keys = reference.dequantize(p.k_packed[:, :, 2:held], p.k_norms[:, :, 2:held], p.rotation, p.k_codebook)
     dense = layer._full(torch.zeros(2, 2, 0, 64, device=DEV), torch.zeros(2, 2, 0, 64, device=DEV))[0]
     torch.testing.assert_close(dense[:, :, 2:held].float(), p.key_offset.keys(2, held) + keys, atol=1e-5, rtol=1e-5,

@@ -31,7 +31,7 @@ def _kv(t=T, seed=0):
 
 def _big_kv(seed=0):
     """Keys and values of T tokens with a key of norm BIG at position 5 and a value of 3 BIG at 9: positions read
-    from the packed codes (the ring holds the newest residual_length + 16)."""
+    from the packed codes (the window holds the newest residual_length + 16)."""
     k, v = _kv(seed=seed)
     k[:, :, 5] *= BIG / k[:, :, 5].norm(dim=-1, keepdim=True)
     v[:, :, 9] *= 3 * BIG / v[:, :, 9].norm(dim=-1, keepdim=True)
@@ -269,10 +269,10 @@ def test_a_cache_with_every_layer_pending_copies_whole(how):
     cache = TurboQuantStaticCache(config=model.config, max_cache_len=48, residual_length=2, sink_tokens=2)
     with torch.no_grad():
         model(torch.randint(3, 128, (1, 30), generator=torch.Generator().manual_seed(0)), **with_cache(cache))
-    assert sorted(cache.layers[0]._shared.pending) == [0, 1, 2]
+    assert sorted(cache.layers[0]._bookkeeping.pending) == [0, 1, 2]
     copied = pickle.loads(pickle.dumps(cache)) if how == "pickle" else copy.deepcopy(cache)
     for c in (cache, copied):
-        assert not c.layers[0]._shared.pending and all(layer.kv.pending is None for layer in c.layers)
+        assert not c.layers[0]._bookkeeping.pending and all(layer.kv.pending is None for layer in c.layers)
     for a, b in zip(cache.layers, copied.layers):
         assert torch.equal(a.keys, b.keys) and torch.equal(a.packed.k_norms, b.packed.k_norms)
 
@@ -387,7 +387,7 @@ def _later_key_errors(kind: str, outliers, seed: int) -> torch.Tensor:
         cache = TurboQuantStaticCache(config=cfg, max_cache_len=first + later, **kw)
         cache.update(k[:, :, :first], v[:, :, :first], 0)
         cache.update(k[:, :, first:], v[:, :, first:], 0)
-        got, stop = _dense(cache.layers[0])[0].float(), first + later - cache.layers[0].ring_size
+        got, stop = _dense(cache.layers[0])[0].float(), first + later - cache.layers[0].window_size
     want = k[:, :, first:stop]
     return ((got[:, :, first:stop] - want).norm(dim=-1) / want.norm(dim=-1)).flatten()
 

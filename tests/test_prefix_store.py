@@ -50,7 +50,7 @@ def test_a_matched_prefix_continues_exactly_as_the_inserted_cache(kw):
 
 @torch.no_grad()
 def test_stored_pages_are_copies_the_inserted_cache_can_go_on_from():
-    """What the store holds is its own: the inserted cache decoding on (its ring rewritten, tokens packed in place)
+    """What the store holds is its own: the inserted cache decoding on (its window rewritten, tokens packed in place)
     or zeroed changes nothing a later match restores."""
     model, cfg = model_and_config()
     store = PrefixStore(config=cfg, page_tokens=8, residual_length=8)
@@ -295,7 +295,7 @@ def test_a_gpu_tier_in_front_restores_exactly_on_the_gpu(tmp_path):
 @pytest.mark.parametrize("kw", [dict(residual_length=8), dict(residual_length=8, key_centering=True)])
 def test_a_static_store_restores_static_caches_exactly(kw):
     """A store of max_cache_len holds TurboQuantStaticCaches: every position's codes are paged (a static layer has
-    them all), the ring, sinks, lengths and key mean go in the snapshot, and a matched cache (one row or a batch)
+    them all), the window, sinks, lengths and key mean go in the snapshot, and a matched cache (one row or a batch)
     continues bit for bit as the inserted one; the other kind of cache, or a model with a layer the static store
     cannot page, is refused by name."""
     from transformers import DynamicCache

@@ -666,10 +666,10 @@ def test_attention_switch_and_nan_keys_through_the_fused_kernel(monkeypatch):
     model.set_attn_implementation("turboquant")
     switched.layers[0].kv.k_buf.norms[0, 0, 10] = float("nan")  # a quantized key past the exact sink copies
     from tq_hf_cache.kernels import decode_attention as da
-    from tq_hf_cache.kernels import fast
+    from tq_hf_cache.kernels import cuda as cuda_launcher
 
     calls = []
-    for launcher in (da, fast):  # (the Triton and the CUDA kernels' launchers: `select` picks one)
+    for launcher in (da, cuda_launcher):  # (the Triton and the CUDA kernels' launchers: `select` picks one)
         monkeypatch.setattr(launcher, "decode_attention",
                             lambda *a, kernel=launcher.decode_attention, **k: calls.append(1) or kernel(*a, **k))
     assert torch.isnan(model(x[:, 59:60], **with_cache(switched)).logits).all()

@@ -185,15 +185,15 @@ def test_an_old_gpu_is_warned_about_once(monkeypatch):
 def test_a_failed_build_turns_the_cuda_kernel_off_with_one_warning(gpu, monkeypatch):
     """The CUDA launcher raising JitError: ops warns once, the device is off for the process, and the call's fallback
     serves (here on a CPU state: the torch math, against the oracle)."""
-    from tq_hf_cache.kernels import fast
+    from tq_hf_cache.kernels import cuda
 
     calls = []
 
     def broken(*a, **k):
         calls.append(1)
-        raise fast.jit.JitError("no cubin\nsecond line")
+        raise cuda.jit.JitError("no cubin\nsecond line")
 
-    monkeypatch.setattr(fast, "decode_attention", broken)
+    monkeypatch.setattr(cuda, "decode_attention", broken)
     state, _, _ = make_state(1, 2, 40, 3, 1, 64, 4, 4, torch.float32, 5, device="cpu")
     q = make_query(1, 4, 1, 64, torch.float32, 5).cpu()  # (beside the CPU state, on any machine)
     choice = select.Choice("cuda", fallback="torch")
@@ -208,9 +208,9 @@ def test_a_failed_build_turns_the_cuda_kernel_off_with_one_warning(gpu, monkeypa
 
 
 def test_a_launcher_that_declines_leaves_the_call_to_its_fallback(monkeypatch):
-    from tq_hf_cache.kernels import fast
+    from tq_hf_cache.kernels import cuda
 
-    monkeypatch.setattr(fast, "decode_attention", lambda *a, **k: None)
+    monkeypatch.setattr(cuda, "decode_attention", lambda *a, **k: None)
     state, _, _ = make_state(1, 2, 40, 3, 1, 64, 4, 4, torch.float32, 6, device="cpu")
     q = make_query(1, 4, 1, 64, torch.float32, 6).cpu()  # (beside the CPU state, on any machine)
     out = torch.full((1, 1, 4, 64), float("nan"))

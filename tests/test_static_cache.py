@@ -136,7 +136,7 @@ def test_reset_reuse_and_crop():
     torch.testing.assert_close(greedy(model, cache, ids)[1], first, atol=0, rtol=0, msg=lambda m: f"after reset: {m}")
 
     # crop back to the prompt, then continue: equal to a fresh cache fed the prompt (within 8-bit error: the
-    # cropped cache keeps fewer tokens exact, as its ring lost the cropped ones' slots)
+    # cropped cache keeps fewer tokens exact, as its window lost the cropped ones' slots)
     fresh = TurboQuantStaticCache(cfg, max_cache_len=CAP, **EIGHT_BIT)
     with torch.no_grad():
         want = model(ids, **with_cache(fresh)).logits
@@ -214,7 +214,7 @@ def _cache_tensor_guards(cache_cls, **kw) -> int:
 
 def test_a_compiled_step_checks_few_tensors_per_layer():
     """Every tensor a compiled step reads from the cache is guarded (and, under CUDA graphs, checked as an input) at
-    every step: a static layer must stay near StaticCache's two (its one buffer and two rings), not one per part."""
+    every step: a static layer must stay near StaticCache's two (its one buffer and two windows), not one per part."""
     ours = _cache_tensor_guards(TurboQuantStaticCache, residual_length=4, sink_tokens=2)
     theirs = _cache_tensor_guards(transformers.StaticCache)
     layers = build("llama")[0].num_hidden_layers

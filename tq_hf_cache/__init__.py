@@ -2,7 +2,7 @@
 
 from . import _moved
 
-_moved.install()  # the module paths from before the sub-packages stay importable
+_moved.install()  # old module paths (`_moved.MOVED`) stay importable
 
 from .hf import attention  # noqa: F401  (registers attn_implementation="turboquant")
 from ._compat import cache_kwargs

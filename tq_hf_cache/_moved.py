@@ -1,6 +1,7 @@
-"""Old module paths of the package (before its sub-packages) as aliases of the new ones: `import tq_hf_cache.layer`
-gives the module `tq_hf_cache.hf.layer` itself, so code, pickles and monkeypatches that name an old path keep working.
-Installed once by `tq_hf_cache/__init__.py`; it holds names only."""
+"""Old module paths of the package (before its sub-packages, and `kernels.fast`, now `kernels.cuda`) as aliases of the
+new ones: `import tq_hf_cache.layer` gives the module `tq_hf_cache.hf.layer` itself, so code, pickles and monkeypatches
+that name an old path keep working. A moved package's modules follow it (`tq_hf_cache.kernels.fast.jit` is
+`tq_hf_cache.kernels.cuda.jit`). Installed once by `tq_hf_cache/__init__.py`; it holds names only."""
 
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ MOVED = {
     "tq_hf_cache.distributed": "tq_hf_cache.hf.distributed",
     "tq_hf_cache.eval": "tq_hf_cache.tools.eval",
     "tq_hf_cache.hybrid_layer": "tq_hf_cache.hf.hybrid_layer",
+    "tq_hf_cache.kernels.fast": "tq_hf_cache.kernels.cuda",
     "tq_hf_cache.key_split": "tq_hf_cache.quant.key_split",
     "tq_hf_cache.layer": "tq_hf_cache.hf.layer",
     "tq_hf_cache.models": "tq_hf_cache.tools.models",

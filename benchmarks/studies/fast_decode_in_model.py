@@ -31,7 +31,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from tq_hf_cache import bench  # noqa: E402
 from tq_hf_cache._compat import layer_types_and_kwargs  # noqa: E402
-from tq_hf_cache.kernels import fast  # noqa: E402
+from tq_hf_cache.kernels import cuda  # noqa: E402
 
 
 def ours(model, batch: int, context: int, preset: str, steps: int, sources: dict[str, str], reps: int) -> dict:
@@ -40,8 +40,8 @@ def ours(model, batch: int, context: int, preset: str, steps: int, sources: dict
     the plan it ran."""
     capacity = context + (steps + 1) * reps * len(sources) + 16
     prep = bench._Prepared(model, "tq_static_compiled", batch, context, capacity, 0, 8192, preset, None)
-    prep.fwd = model.forward  # eager: each layer's launch goes through `fast.decode`
-    launch, shipped, plan = fast.decode, fast.source(), {}
+    prep.fwd = model.forward  # eager: each layer's launch goes through `cuda.decode`
+    launch, shipped, plan = cuda.decode, cuda.source(), {}
     signature = inspect.signature(launch)
 
     def twice(*args, **kw):
@@ -54,16 +54,16 @@ def ours(model, batch: int, context: int, preset: str, steps: int, sources: dict
         return ok
 
     runs: dict[str, list[tuple[float, float]]] = {name: [] for name in sources}
-    fast.decode = twice
+    cuda.decode = twice
     try:
         for _ in range(reps):
             for name, text in sources.items():
-                fast._SOURCE = text
+                cuda._SOURCE = text
                 prep.step()  # warm (and the variant built)
-                us = [e.time_range.elapsed_us() for e in bench.kernel_events(prep.step, steps) if e.name == fast.NAME]
+                us = [e.time_range.elapsed_us() for e in bench.kernel_events(prep.step, steps) if e.name == cuda.NAME]
                 runs[name].append((statistics.median(us[0::2]), statistics.median(us[1::2])))
     finally:
-        fast.decode, fast._SOURCE = launch, shipped
+        cuda.decode, cuda._SOURCE = launch, shipped
     return {name: dict(plan=dict(plan), in_model_us=round(statistics.median(r[0] for r in rs), 2),
                        again_us=round(statistics.median(r[1] for r in rs), 2),
                        rounds=[[round(x, 2) for x in r] for r in rs]) for name, rs in runs.items()}
@@ -71,7 +71,7 @@ def ours(model, batch: int, context: int, preset: str, steps: int, sources: dict
 
 def _attention_kernel(name: str) -> bool:
     """Whether a kernel is one of SDPA's (cuDNN's attention and reduction, flash, memory-efficient)."""
-    return name != fast.NAME and any(k in name for k in ("sdpa", "lean_reduction", "fmha", "flash", "attention"))
+    return name != cuda.NAME and any(k in name for k in ("sdpa", "lean_reduction", "fmha", "flash", "attention"))
 
 
 def sdpa(model, batch: int, context: int, steps: int) -> dict:
@@ -146,7 +146,7 @@ def main():
     ap.add_argument("--reps", type=int, default=1, help="rounds of the sources, interleaved")
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
-    sources = {"shipped": fast.source()}
+    sources = {"shipped": cuda.source()}
     for path in filter(None, a.sources.split(",")):
         with open(path) as fh:
             sources[path] = fh.read()

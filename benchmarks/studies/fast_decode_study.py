@@ -1,4 +1,4 @@
-"""Per-layer decode attention on a GPU: the explicit-layout kernel (`kernels.fast`) against the Triton kernel
+"""Per-layer decode attention on a GPU: the explicit-layout kernel (`kernels.cuda`) against the Triton kernel
 alone and cuDNN SDPA on bf16 K/V, Llama-3.1-8B shape (32 / 8 heads, head dim 128; --shape for others), one query;
 with --workspace 1 also the workspace path (dequantize K and V into bf16, then SDPA).
 

@@ -31,7 +31,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 import bench_attention as ba  # noqa: E402
 from tq_hf_cache.kernels import decode_attention as da  # noqa: E402
-from tq_hf_cache.kernels import fast  # noqa: E402
+from tq_hf_cache.kernels import cuda  # noqa: E402
 
 SLOTS = 16  # int64 words a CTA writes: 0 start, 1 arrival, 2 loop start, 3 merge end, 4 SM id, 5 exact copies done,
 # 6-15 the parts of a CTA and of the merge (EDITS)
@@ -161,10 +161,10 @@ def main():
     a = ap.parse_args()
     ba.HQ, ba.HKV, ba.D = ba.SHAPES[a.shape]
     tl = torch.zeros(1 << 20, dtype=torch.int64, device="cuda")
-    src = instrumented(fast.source())
-    fast.source = lambda: src
-    defines = fast.defines
-    fast.defines = lambda *x, **k: {**defines(*x, **k), "TL_PTR": tl.data_ptr()}
+    src = instrumented(cuda.source())
+    cuda.source = lambda: src
+    defines = cuda.defines
+    cuda.defines = lambda *x, **k: {**defines(*x, **k), "TL_PTR": tl.data_ptr()}
     res = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "command": " ".join(sys.argv),
            "rows": []}
     for case in a.cases.split(","):

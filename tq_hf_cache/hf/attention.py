@@ -82,7 +82,7 @@ def turboquant_attention_forward(
     return _dynamic(module, query, key, value, kv, attention_mask, dropout, scaling, is_causal, **kwargs)
 
 
-def _static(query, ring_k, ring_v, kv, mask, dropout, scaling, kwargs):
+def _static(query, window_k, window_v, kv, mask, dropout, scaling, kwargs):
     """The fused op over a static layer's PackedKV; traced by torch.compile as one opaque op."""
     bad = _unsupported(kwargs)
     if dropout or bad:
@@ -94,7 +94,7 @@ def _static(query, ring_k, ring_v, kv, mask, dropout, scaling, kwargs):
     if mask is not None and mask.dtype != torch.bool:
         mask = mask.to(torch.float32)
     return torch.ops.tq_hf_cache.static_attention(
-        query, ring_k, ring_v, kv.store, mask, kv.capacity, kv.sinks, kv.norm_dtype, kv.k_quantizer, kv.v_quantizer,
+        query, window_k, window_v, kv.store, mask, kv.capacity, kv.sinks, kv.norm_dtype, kv.k_quantizer, kv.v_quantizer,
         scale, kv.scratch, kv.counters, kv.key_split, kv.key_rope,
     )
 
@@ -244,9 +244,9 @@ def fill_dense(out: torch.Tensor, kv: PackedKV, kind: str) -> torch.Tensor:
     """Write a dynamic PackedKV's keys (kind "key") or values, dequantized, into out (B, H, length, D)."""
     lq = kv.exact_from
     if kind == "key":
-        packed, norms, cb, sinks, ring = kv.k_packed, kv.k_norms, kv.k_codebook, kv.sink_k, kv.ring_k
+        packed, norms, cb, sinks, window = kv.k_packed, kv.k_norms, kv.k_codebook, kv.sink_k, kv.window_k
     else:
-        packed, norms, cb, sinks, ring = kv.v_packed, kv.v_norms, kv.v_codebook, kv.sink_v, kv.ring_v
+        packed, norms, cb, sinks, window = kv.v_packed, kv.v_norms, kv.v_codebook, kv.sink_v, kv.window_v
     if lq:
         if kind == "key" and kv.key_split is not None:
             parts = [(p[:, :, :lq], n[:, :, :lq]) for p, n in kv.key_parts]
@@ -257,7 +257,7 @@ def fill_dense(out: torch.Tensor, kv: PackedKV, kind: str) -> torch.Tensor:
             kv.key_offset.add_to(out[:, :, :lq], 0)
         if kv.sinks:
             out[:, :, : kv.sinks].copy_(sinks[:, :, : kv.sinks])
-    out[:, :, lq : kv.length].copy_(ring[:, :, : kv.length - lq])
+    out[:, :, lq : kv.length].copy_(window[:, :, : kv.length - lq])
     return out
 
 

@@ -3,17 +3,17 @@ every shape fixed, so that `torch.compile(mode="reduce-overhead")` captures the 
 
 A layer preallocates, for `max_cache_len` positions, one uint8 buffer (`packed_kv.static_parts`: packed
 keys/values, their norms, exact copies of the first `sink_tokens` positions (attention sinks) and the lengths) and
-a ring buffer each for keys and values, of the newest `residual_length + MAX_FUSED_QUERIES` positions kept exact.
-Three tensors per layer, so that a compiled step's guards and CUDA-graph input checks cost about what
+a window each for keys and values (a ring buffer), of the newest `residual_length + MAX_FUSED_QUERIES` positions
+kept exact. Three tensors per layer, so that a compiled step's guards and CUDA-graph input checks cost about what
 `StaticCache`'s two do. Every update quantizes its new tokens into their packed slots and writes them into the
-ring; nothing is re-quantized and no branch depends on the current length, which lives on the device.
+window; nothing is re-quantized and no branch depends on the current length, which lives on the device.
 
 What `update` returns depends only on the static shapes and on the model config's current
 `_attn_implementation`, never on what ran before:
-- "turboquant" and at most MAX_FUSED_QUERIES new tokens: the ring buffers. They carry the layer's `StaticKV` as
+- "turboquant" and at most MAX_FUSED_QUERIES new tokens: the windows. They carry the layer's `StaticKV` as
   the attribute `turboquant_packed` (set once, when the buffers are made); the turboquant attention reads it and
   runs the fused op `tq_hf_cache::static_attention`. Any other attention given them fails loudly: its mask is
-  `max_cache_len` long, the ring is not.
+  `max_cache_len` long, the window is not.
 - anything else: keys and values of `max_cache_len` positions, dequantized (`tq_hf_cache::dequantize`) with the
   exact copies written over theirs, as `StaticCache` returns its buffers.
 
@@ -58,12 +58,26 @@ from ..state import FixedState, make_quantizers
 from ..state.fixed import mark_static
 
 
-class _Shared:
-    """Per-cache scratch of the fused kernel, made once (outside any graph) and passed to every layer's op."""
+class _KernelScratch:
+    """The fused kernel's scratch and counters: one per cache, shared by its layers' ops, made outside any graph."""
 
     def __init__(self):
         self.scratch: torch.Tensor | None = None
         self.counters: torch.Tensor | None = None
+
+    def ensure(self, numel: int, counters: int, device: torch.device) -> None:
+        if self.scratch is None or self.scratch.numel() < numel or self.scratch.device != device:
+            self.scratch = torch.empty(numel, dtype=torch.float32, device=device)
+            mark_static(self.scratch)
+        if self.counters is None or self.counters.numel() < counters or self.counters.device != device:
+            self.counters = torch.zeros(counters, dtype=torch.int32, device=device)
+            mark_static(self.counters)
+
+
+class _Bookkeeping:
+    """Held length and pending norm checks the layers share: an eager forward reads the device once, not per layer."""
+
+    def __init__(self):
         self._held: int | None = None  # positions every full-attention layer holds before this eager forward
         self._taken: set[int] = set()
         self.layers: list = []  # the cache's quantized layers, whose norm checks `settle_norms` reads
@@ -103,14 +117,6 @@ class _Shared:
         self.settle_norms()
         return dict(self.__dict__)
 
-    def ensure(self, numel: int, counters: int, device: torch.device) -> None:
-        if self.scratch is None or self.scratch.numel() < numel or self.scratch.device != device:
-            self.scratch = torch.empty(numel, dtype=torch.float32, device=device)
-            mark_static(self.scratch)
-        if self.counters is None or self.counters.numel() < counters or self.counters.device != device:
-            self.counters = torch.zeros(counters, dtype=torch.int32, device=device)
-            mark_static(self.counters)
-
 
 def held_only(attn_config, n: int) -> bool:
     """Whether a step of n new tokens attends over the positions held only, not over `max_cache_len`: an eager step
@@ -124,16 +130,16 @@ def held_only(attn_config, n: int) -> bool:
 
 def mask_sizes(layer, query_length) -> tuple[int, int]:
     """(kv_length, kv_offset) of a full-attention layer of the cache (see `held_only`). An eager step's mask reads
-    the length held once, before the layers' updates, and leaves it for them (`_Shared.note_held`)."""
+    the length held once, before the layers' updates, and leaves it for them (`_Bookkeeping.note_held`)."""
     n = _compat.query_length(query_length)
     if not held_only(layer._attn_config, n):
-        if not torch.compiler.is_compiling() and layer._shared.pending:  # before a step that may be compiled
-            layer._shared.settle_norms()
+        if not torch.compiler.is_compiling() and layer._bookkeeping.pending:  # before a step that may be compiled
+            layer._bookkeeping.settle_norms()
         return layer.max_cache_len, 0
     held = int(layer.get_seq_length()) if layer.is_initialized else 0
     if held:  # the host has just waited for the GPU: the norm checks cost nothing more
-        layer._shared.settle_norms()
-    layer._shared.note_held(held)
+        layer._bookkeeping.settle_norms()
+    layer._bookkeeping.note_held(held)
     return held + n, 0
 
 
@@ -141,7 +147,7 @@ def _held_before(layer) -> int:
     """Positions a full-attention layer holds before an eager update: what the step's mask read, else its own."""
     if not layer.is_initialized:
         return 0
-    held = layer._shared.take_held(layer.layer_idx)
+    held = layer._bookkeeping.take_held(layer.layer_idx)
     return int(layer.get_seq_length()) if held is None else held
 
 
@@ -149,9 +155,9 @@ class ExactStaticLayer(StaticLayer):
     """A full-attention layer the config keeps in full precision: transformers' `StaticLayer`, whose eager steps
     attend over the positions held, as the quantized layers' do (`held_only`)."""
 
-    def __init__(self, max_cache_len: int, attn_config, layer_idx: int, shared: _Shared):
+    def __init__(self, max_cache_len: int, attn_config, layer_idx: int, bookkeeping: _Bookkeeping):
         super().__init__(max_cache_len=max_cache_len)
-        self._attn_config, self.layer_idx, self._shared = attn_config, layer_idx, shared
+        self._attn_config, self.layer_idx, self._bookkeeping = attn_config, layer_idx, bookkeeping
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         n = key_states.shape[2]
@@ -168,7 +174,7 @@ class ExactStaticLayer(StaticLayer):
 class TurboQuantStaticLayer(StaticLayer):
     """A full-attention layer of fixed capacity: the transformers side (checks, what `update` returns, masks, crop,
     beam reorder, pickling) over the layer's `FixedState`, `kv` (None until the first update); see the module
-    docstring. `keys` / `values` are the state's rings."""
+    docstring. `keys` / `values` are the state's windows."""
 
     is_compileable = True
     is_sliding = False
@@ -187,7 +193,8 @@ class TurboQuantStaticLayer(StaticLayer):
         layer_idx: int,
         attn_config,
         query_group: int,
-        shared: _Shared,
+        kernel_scratch: _KernelScratch,
+        bookkeeping: _Bookkeeping,
         max_batch_size: int | None = None,
         codebook_check=None,
         key_split: dict | None = None,
@@ -203,12 +210,12 @@ class TurboQuantStaticLayer(StaticLayer):
         self.max_batch_size = max_batch_size
         self._rotation_for, self._codebook_for = rotation_for, codebook_for
         self._attn_config, self._group = attn_config, query_group
-        self._shared = shared
+        self._kernel_scratch, self._bookkeeping = kernel_scratch, bookkeeping
         self._codebook_check = codebook_check
         self._length_read: torch.Tensor | None = None  # a compiled step's read of the length before its append
 
     @property
-    def ring_size(self) -> int:
+    def window_size(self) -> int:
         return min(self.residual_length + MAX_FUSED_QUERIES, self.max_cache_len)
 
     @property
@@ -221,7 +228,7 @@ class TurboQuantStaticLayer(StaticLayer):
 
     @property
     def packed(self) -> PackedKV:
-        """The state as a `PackedKV` of views of its buffer and rings (traced as view ops when compiled)."""
+        """The state as a `PackedKV` of views of its buffer and windows (traced as view ops when compiled)."""
         return self.kv.view()
 
     def _check(self, key_states: torch.Tensor, value_states: torch.Tensor) -> int | None:
@@ -262,11 +269,11 @@ class TurboQuantStaticLayer(StaticLayer):
                                      self._codebook_for, self.key_split_spec, dev)
         rows = min(DECODE_MAX_ROWS, _next_pow2(self._group * MAX_FUSED_QUERIES))
         splits = _max_splits(b * h, cap, dev, d, self.key_bits, self.value_bits, quantizers.key_split is not None)
-        self._shared.ensure(b * h * (splits + 1) * rows * (d + 2), b * h, dev)
-        self.kv = FixedState(quantizers, capacity=cap, ring_size=self.ring_size, scratch=self._shared.scratch,
-                             counters=self._shared.counters, batch=b, heads=h, head_dim=d, dtype=self.dtype,
-                             device=dev, sink_tokens=self.sink_tokens, norm_dtype=self.config_norm_dtype,
-                             rope=self.rope, layer_idx=self.layer_idx)
+        self._kernel_scratch.ensure(b * h * (splits + 1) * rows * (d + 2), b * h, dev)
+        self.kv = FixedState(quantizers, capacity=cap, window_size=self.window_size,
+                             scratch=self._kernel_scratch.scratch, counters=self._kernel_scratch.counters, batch=b,
+                             heads=h, head_dim=d, dtype=self.dtype, device=dev, sink_tokens=self.sink_tokens,
+                             norm_dtype=self.config_norm_dtype, rope=self.rope, layer_idx=self.layer_idx)
         self.keys, self.values = self.kv.window_k, self.kv.window_v
         self.is_initialized = True
 
@@ -280,7 +287,7 @@ class TurboQuantStaticLayer(StaticLayer):
         norm past float16's range, or warn where an eager one widened the norms."""
         widened, eager, compiled = self.kv.settle(guard)
         if self.kv.pending is None:
-            self._shared.pending.pop(self.layer_idx, None)
+            self._bookkeeping.pending.pop(self.layer_idx, None)
         if compiled > FP16_MAX:
             raise RuntimeError(
                 f"layer {self.layer_idx}: a compiled step stored or read a key/value norm of {compiled:.4g}, above "
@@ -294,12 +301,12 @@ class TurboQuantStaticLayer(StaticLayer):
     def __getstate__(self) -> dict:
         """Pickled as it will read: the norm checks run first (they may widen the norms), every layer's at once, so
         that none settles while the layers they share are being pickled."""
-        self._shared.settle_norms()
+        self._bookkeeping.settle_norms()
         return dict(self.__dict__)
 
     def __deepcopy__(self, memo: dict) -> "TurboQuantStaticLayer":
         """A copy of the buffers that, like the original, follows its model's live attention setting."""
-        self._shared.settle_norms()
+        self._bookkeeping.settle_norms()
         memo[id(self._attn_config)] = self._attn_config
         new = type(self).__new__(type(self))
         memo[id(self)] = new
@@ -344,7 +351,7 @@ class TurboQuantStaticLayer(StaticLayer):
             self.settle_norms()
         read, self._length_read = getattr(self, "_length_read", None), None
         if self.kv.append(key_states, value_states, before, compiling, read):
-            self._shared.pending[self.layer_idx] = self
+            self._bookkeeping.pending[self.layer_idx] = self
         n = key_states.shape[2]
         if self._fused(n):
             return self.keys, self.values
@@ -361,7 +368,7 @@ class TurboQuantStaticLayer(StaticLayer):
             held = int(self.kv.length) if before is None else before + n
             if held == n:  # every position held is one of this step's tokens (a first prefill chunk)
                 return key_states, value_states
-            stop = min(self.max_cache_len, max(held, self.ring_size, self.kv.sinks))  # dead ring slots, sinks
+            stop = min(self.max_cache_len, max(held, self.window_size, self.kv.sinks))  # dead window slots, sinks
         return self.kv.dense(key_states, value_states, stop, held)
 
     def get_seq_length(self) -> int:
@@ -385,7 +392,7 @@ class TurboQuantStaticLayer(StaticLayer):
         """Empty the layer, its norm guard too (`FixedState.reset`)."""
         if self.is_initialized:
             self.kv.reset()
-            self._shared.pending.pop(self.layer_idx, None)
+            self._bookkeeping.pending.pop(self.layer_idx, None)
 
     def check_crop(self, max_length: int) -> None:
         """Raise what `crop(max_length)` would raise, changing nothing: this layer takes every crop."""
@@ -437,7 +444,7 @@ class TurboQuantStaticCache(Cache):
         cache = TurboQuantStaticCache(config=model.config, max_cache_len=4096)
         out = model.generate(ids, cache=cache, max_new_tokens=256)  # compiles on CUDA
 
-    Memory: packed K/V for `max_cache_len` positions plus the ring and sinks per layer, all allocated at the first
+    Memory: packed K/V for `max_cache_len` positions plus the window and sinks per layer, all allocated at the first
     update (`nbytes()` reports them). `TurboQuantCache` remains the cache for eager use.
 
     Norms past float16's range (`norm_dtype="float16"`, the default): an eager step's widen that layer's norms to
@@ -467,7 +474,7 @@ class TurboQuantStaticCache(Cache):
         if offloading:
             raise ValueError(
                 "TurboQuantStaticCache does not offload layers (offloading=True): its buffers keep fixed device "
-                "addresses for CUDA graphs, and transformers' offload would move the rings without the packed state. "
+                "addresses for CUDA graphs, and transformers' offload would move the windows without the packed state. "
                 "Use TurboQuantCache(offloading=True), or no offloading: the packed cache is ~1/4 of StaticCache's bytes"
             )
         if max_batch_size is not None and (
@@ -489,7 +496,7 @@ class TurboQuantStaticCache(Cache):
             codebooks.check_model(config)
         heads = text.num_attention_heads
         kv_heads = getattr(text, "num_key_value_heads", None) or heads
-        shared = _Shared()
+        kernel_scratch, bookkeeping = _KernelScratch(), _Bookkeeping()
         layers = []
         cfg = self.tq_config
         for idx, (kind, kw) in enumerate(zip(layer_types, layer_kwargs)):
@@ -504,7 +511,7 @@ class TurboQuantStaticCache(Cache):
             elif bits is None:
                 if idx in cfg.key_split:
                     raise ValueError(f"key_split names layer {idx}, which the config keeps in full precision")
-                layers.append(ExactStaticLayer(max_cache_len, text, idx, shared))
+                layers.append(ExactStaticLayer(max_cache_len, text, idx, bookkeeping))
             else:
                 layers.append(TurboQuantStaticLayer(
                     max_cache_len=max_cache_len, key_bits=bits[0], value_bits=bits[1],
@@ -513,7 +520,8 @@ class TurboQuantStaticCache(Cache):
                     codebook_for=partial(_codebook, codebooks, idx, codes=cfg.codes,
                                          norm_correction=cfg.norm_correction),
                     norm_dtype=ops.NORM_DTYPES[cfg.norm_dtype],
-                    layer_idx=idx, attn_config=text, query_group=heads // kv_heads, shared=shared,
+                    layer_idx=idx, attn_config=text, query_group=heads // kv_heads, kernel_scratch=kernel_scratch,
+                    bookkeeping=bookkeeping,
                     max_batch_size=max_batch_size,
                     codebook_check=partial(_check_codebooks, codebooks) if codebooks is not None else None,
                     key_split=cfg.key_split.get(idx),
@@ -523,7 +531,7 @@ class TurboQuantStaticCache(Cache):
             ropes = rope_angles(config, sorted({t for _, t in centred}))
             for layer, t in centred:
                 layer.rope = ropes[t]
-        shared.layers = [layer for layer in layers if isinstance(layer, TurboQuantStaticLayer)]
+        bookkeeping.layers = [layer for layer in layers if isinstance(layer, TurboQuantStaticLayer)]
         Cache.__init__(self, layers=layers, offloading=offloading, offload_only_non_sliding=offload_only_non_sliding)
 
     def check_norms(self) -> None:
@@ -534,7 +542,7 @@ class TurboQuantStaticCache(Cache):
         before the first compiled step."""
         for layer in self.layers:
             if isinstance(layer, TurboQuantStaticLayer):
-                layer._shared.settle_norms()
+                layer._bookkeeping.settle_norms()
                 return
 
     def crop(self, max_length: int) -> None:

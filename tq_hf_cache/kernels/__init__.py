@@ -1,4 +1,4 @@
-"""The kernels and their launchers: Triton (quantize, dequantize, decode attention), CUDA (`fast`: decode attention),
+"""The kernels and their launchers: Triton (quantize, dequantize, decode attention), CUDA (`cuda`: decode attention),
 C (`cpu`: decode attention on a CPU). The cache reaches them only through `tq_hf_cache.kernels.ops`; which decode kernel
 serves a step is `select`'s answer.
 
@@ -37,21 +37,21 @@ def quantize_kv_into(k, v, rotation, k_codebook, v_codebook, k_packed, k_norms, 
     return f(k, v, rotation, k_codebook, v_codebook, k_packed, k_norms, v_packed, v_norms, **kw)
 
 
-def append_kv_into(k, v, rotation, k_codebook, v_codebook, k_packed, k_norms, v_packed, v_norms, ring_k, ring_v,
+def append_kv_into(k, v, rotation, k_codebook, v_codebook, k_packed, k_norms, v_packed, v_norms, window_k, window_v,
                    sink_k, sink_v, length, exact_from, n_sinks):
     """See `kernels.quantize.append_kv_into`."""
     from .quantize import append_kv_into as f
 
-    return f(k, v, rotation, k_codebook, v_codebook, k_packed, k_norms, v_packed, v_norms, ring_k, ring_v, sink_k,
+    return f(k, v, rotation, k_codebook, v_codebook, k_packed, k_norms, v_packed, v_norms, window_k, window_v, sink_k,
              sink_v, length, exact_from, n_sinks)
 
 
-def append_parts_into(k, v, key_codes, key_quantizers, key_parts, rotation, v_codebook, v_packed, v_norms, ring_k,
-                      ring_v, sink_k, sink_v, length, exact_from, n_sinks):
+def append_parts_into(k, v, key_codes, key_quantizers, key_parts, rotation, v_codebook, v_packed, v_norms, window_k,
+                      window_v, sink_k, sink_v, length, exact_from, n_sinks):
     """See `kernels.quantize.append_parts_into`."""
     from .quantize import append_parts_into as f
 
-    return f(k, v, key_codes, key_quantizers, key_parts, rotation, v_codebook, v_packed, v_norms, ring_k, ring_v,
+    return f(k, v, key_codes, key_quantizers, key_parts, rotation, v_codebook, v_packed, v_norms, window_k, window_v,
              sink_k, sink_v, length, exact_from, n_sinks)
 
 

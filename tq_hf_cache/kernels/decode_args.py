@@ -1,4 +1,4 @@
-"""The arguments of a decode attention launch, shared by its two launchers (`decode_attention`: Triton, `fast`: CUDA):
+"""The arguments of a decode attention launch, shared by its two launchers (`decode_attention`: Triton, `cuda`: CUDA):
 the lengths of a `PackedKV`, its buffers in the row layouts the kernels read, the mask's kind and strides, the output,
 the split-K scratch. Neither launcher picks the other: `select` picks, `ops` calls one.
 """
@@ -102,12 +102,12 @@ def scratch_for(kv, device: torch.device, numel: int, n_counters: int) -> tuple[
 @dataclass
 class Lengths:
     """Where a launch reads the positions: lq packed and lr exact ones after them (host ints, 0 for a static layer,
-    whose `lens` are its device lengths and `ring` its ring's slots), the packed span the splits cut (`split_len`) and
-    the mask's key count (`t`)."""
+    whose `lens` are its device lengths and `window` its window's slots), the packed span the splits cut (`split_len`)
+    and the mask's key count (`t`)."""
 
     lq: int
     lr: int
-    ring: int
+    window: int
     lens: tuple | None
     split_len: int
     t: int
@@ -116,10 +116,10 @@ class Lengths:
 def lengths(kv) -> Lengths:
     """A `PackedKV`'s lengths, checked against its buffers (a ValueError where they disagree)."""
     if kv.static:
-        return Lengths(0, 0, kv.ring_k.shape[2], (kv.length, kv.exact_from), kv.capacity, kv.capacity)
+        return Lengths(0, 0, kv.window_k.shape[2], (kv.length, kv.exact_from), kv.capacity, kv.capacity)
     lq, lr = int(kv.exact_from), int(kv.length) - int(kv.exact_from)
-    if kv.k_packed.shape[2] < lq or kv.ring_k.shape[2] < lr or lr < 0:
-        raise ValueError(f"the PackedKV holds {kv.k_packed.shape[2]} packed and {kv.ring_k.shape[2]} ring slots "
+    if kv.k_packed.shape[2] < lq or kv.window_k.shape[2] < lr or lr < 0:
+        raise ValueError(f"the PackedKV holds {kv.k_packed.shape[2]} packed and {kv.window_k.shape[2]} window slots "
                          f"for exact_from={lq}, length={lq + lr}")
     if kv.key_split is not None and (kv.key_parts is None or len(kv.key_parts) != len(kv.key_split.parts)):
         raise ValueError("a PackedKV with key_split needs key_parts, one (packed, norms) per part")

@@ -3,8 +3,8 @@
 Math. A packed key is k = ||k|| Pi^T c[idx_k], so q.k = ||k|| (Pi q).c[idx_k]: the query is rotated once
 (q' = Pi q) and scored against centroids, never materializing the key. Values are accumulated in the rotated
 domain, sum_j p_j ||v_j|| c[idx_vj], and rotated back once (y @ Pi = Pi^T y) after the split-K reduction.
-The exact copies (sinks, then the ring: a dynamic layer's residual window, which holds the step's new tokens,
-or a static layer's ring buffer) are an unrotated segment with its own accumulator; both share one
+The exact copies (sinks, then the window: a dynamic layer's residual window, which holds the step's new tokens,
+or a static layer's window, a ring buffer) are an unrotated segment with its own accumulator; both share one
 online-softmax state, so the result is exactly softmax over every position the layer holds (see `PackedKV`).
 
 Planes. The coordinates of a packed row are taken in the order the bytes hold them: plane k is coordinates
@@ -194,16 +194,16 @@ def _softmax_step(s, m_i, l_i):
 
 @triton.jit
 def _fp_segment(q, acc, m_i, l_i, k_base, v_base, sk, sv, length, pos0, scale_log2,
-                row_ok, row_i, heads, m_base, smh, smi, smt, causal_limit, ring,
+                row_ok, row_i, heads, m_base, smh, smi, smt, causal_limit, window,
                 D: tl.constexpr, BLOCK_N: tl.constexpr, MASK_KIND: tl.constexpr, WRAP: tl.constexpr):
     """Attend to `length` full-precision (unrotated) tokens at absolute positions pos0 + j, stored at slot j, or at
-    slot (pos0 + j) % ring with WRAP (a static layer's ring buffer)."""
+    slot (pos0 + j) % window with WRAP (a static layer's window, a ring buffer)."""
     d = tl.arange(0, D)
     for t0 in range(0, length, BLOCK_N):
         offs = t0 + tl.arange(0, BLOCK_N)
         t_ok = offs < length
         if WRAP:
-            slot = (pos0 + offs) % ring
+            slot = (pos0 + offs) % window
         else:
             slot = offs
         k = tl.load(k_base + slot[:, None] * sk + d[None, :], mask=t_ok[:, None], other=0.0).to(tl.float32)
@@ -239,7 +239,7 @@ def _lengths(Lq, Lr, Ls, len_ptr, from_ptr, STATIC: tl.constexpr):
     return T, Lq, Lr, Ls
 
 
-@triton.jit(do_not_specialize=["Lq", "Lr", "N", "Ls", "tok_per_split", "num_splits", "ring"])
+@triton.jit(do_not_specialize=["Lq", "Lr", "N", "Ls", "tok_per_split", "num_splits", "window"])
 def _decode_kernel(
     q_ptr, sqb, sqh, sqn,
     pi_ptr,
@@ -252,7 +252,7 @@ def _decode_kernel(
     o_ptr, sob, son, soh,
     acc_ptr, ml_ptr, cnt_ptr,
     Hkv, Lq, Lr, N, Ls, tok_per_split, num_splits, scale_log2,
-    len_ptr, from_ptr, ring,
+    len_ptr, from_ptr, window,
     qs_ptr, k1_ptr, sk1b, sk1h, n1_ptr, sn1b, sn1h, t1_ptr, k2_ptr, sk2b, sk2h, n2_ptr, sn2b, sn2h, t2_ptr,
     G: tl.constexpr, D: tl.constexpr, KBITS: tl.constexpr, VBITS: tl.constexpr,
     KPT: tl.constexpr, VPT: tl.constexpr, KT_SH: tl.constexpr, VT_SH: tl.constexpr,
@@ -272,10 +272,10 @@ def _decode_kernel(
     counter. ROTATE_ONCE (`rotate_once`): the query planes come from the launcher, the packed splits store their
     accumulator rotated, by planes, and the merge rotates the sum back. The exact copies go FP_BLOCK_N at a time
     (16 at head dim 256, where a 32-token fp32 tile spills). Packed buffers are (B, H, slots, bytes) (token strides
-    KPT / VPT bytes, norms 1 element); the ring and sink buffers' token stride is D. The first Ls packed tokens are
-    skipped: their exact copies (the attention sinks) are attended to with the ring instead. Dynamic layers: host
-    lengths, packed [0, Lq), ring [Lq, Lq + Lr) in order. STATIC: lengths on the device, the ring holds position p at
-    slot p % ring.
+    KPT / VPT bytes, norms 1 element); the window and sink buffers' token stride is D. The first Ls packed tokens are
+    skipped: their exact copies (the attention sinks) are attended to with the window instead. Dynamic layers: host
+    lengths, packed [0, Lq), window [Lq, Lq + Lr) in order. STATIC: lengths on the device, the window holds position p
+    at slot p % window.
     Split keys (NPARTS 2 or 3; 0 otherwise): kp / kn / kt are part 0's (K0D channels at KBITS), parts 1 and 2 come
     as k1 / n1 / t1 and k2 / n2 / t2; every part's query blocks (permuted and rotated per part) are in qs, and each
     part is scored by `_part_scores`."""
@@ -440,16 +440,16 @@ def _decode_kernel(
                 acc = _unrotate_plane(acc, a6, pi_ptr, 6, VP, VW, D)
                 acc = _unrotate_plane(acc, a7, pi_ptr, 7, VP, VW, D)
     else:
-        # the exact copies, unrotated: sinks, then the ring
+        # the exact copies, unrotated: sinks, then the window
         if ROTATE_ONCE:
             q = tl.load(q_ptr + b * sqb + heads[:, None] * sqh + row_i[:, None] * sqn + d[None, :],
                         mask=row_ok[:, None], other=0.0).to(tl.float32)
         acc, m_i, l_i = _fp_segment(q, acc, m_i, l_i, sk_ptr + b * sskb + h * sskh, sv_ptr + b * ssvb + h * ssvh,
                                     D, D, Ls, 0, scale_log2, row_ok, row_i, heads, m_base, smh, smi, smt,
-                                    causal_limit, ring, D, FP_BLOCK_N, MASK_KIND, False)
+                                    causal_limit, window, D, FP_BLOCK_N, MASK_KIND, False)
         acc, m_i, l_i = _fp_segment(q, acc, m_i, l_i, rk_ptr + b * srkb + h * srkh, rv_ptr + b * srvb + h * srvh,
                                     D, D, Lr, Lq, scale_log2, row_ok, row_i, heads, m_base, smh, smi, smt,
-                                    causal_limit, ring, D, FP_BLOCK_N, MASK_KIND, STATIC)
+                                    causal_limit, window, D, FP_BLOCK_N, MASK_KIND, STATIC)
     # partials: only the R (>= G * N) live rows of the tile
     base = pid.to(tl.int64) * (num_splits + 1)
     slot = base + split
@@ -751,7 +751,7 @@ def decode_attention(
     (dynamic) or the capacity (static); a longer last dim is cut to T. A static layer's lengths are read on the
     device and the grid depends on shapes only, so one launch serves every step of a CUDA graph. Returns
     (B, n, Hq, D) in the query's dtype, as transformers' attention functions do, written into `out` when given.
-    This launcher is the Triton kernel alone (the oracle of the CUDA one, `fast.decode_attention`); which of them
+    This launcher is the Triton kernel alone (the oracle of the CUDA one, `cuda.decode_attention`); which of them
     serves a step is `select`'s answer. The keyword arguments but `out` are tuning knobs for studies.
     """
     b, hq, n, d = query.shape
@@ -761,7 +761,7 @@ def decode_attention(
     if not supports(d, kcb.bits, vcb.bits, n, group):
         raise ValueError(f"decode_attention does not support head dim {d}, bits k{kcb.bits}v{vcb.bits}, {group}x{n} rows")
     ln = A.lengths(kv)
-    lq, lr, ring, lens = ln.lq, ln.lr, ln.ring, ln.lens
+    lq, lr, window, lens = ln.lq, ln.lr, ln.window, ln.lens
     block_m, rows, sc = _rows(group, n, d)
     stages, per_sm, plan_prefetch = decode_plan(d, kcb.bits, vcb.bits, kv.key_split is not None, b * hkv * ln.split_len)
     kp, vp = _packed(kv.k_packed), _packed(kv.v_packed)
@@ -774,7 +774,7 @@ def decode_attention(
     qv = query if query.stride(-1) == 1 else query.contiguous()
     kn = _tokens_last(kv.k_norms.unsqueeze(-1), 1).squeeze(-1)
     vn = _tokens_last(kv.v_norms.unsqueeze(-1), 1).squeeze(-1)
-    rk, rv = _tokens_last(kv.ring_k, d), _tokens_last(kv.ring_v, d)
+    rk, rv = _tokens_last(kv.window_k, d), _tokens_last(kv.window_v, d)
     sk, sv = _tokens_last(kv.sink_k, d), _tokens_last(kv.sink_v, d)
     pi = A.rotation_on(kv, query.device)
     out = A.output(query, out)
@@ -795,7 +795,7 @@ def decode_attention(
         out, *out.stride()[:3],
         acc, ml, counters,
         hkv, lq, lr, n, kv.sinks, tok_per_split, num_splits, scale_log2,
-        len_ptr, from_ptr, ring,
+        len_ptr, from_ptr, window,
         *split_args,
         G=group, D=d, KBITS=kcb.bits, VBITS=vcb.bits, KPT=kp.shape[-1], VPT=vp.shape[-1],
         KT_SH=kt_sh, VT_SH=vt_sh, KP=kplanes, VP=vplanes, KW=max(16, d // kplanes), VW=max(16, d // vplanes),

@@ -217,10 +217,10 @@ def dtype_name(dtype: torch.dtype) -> str:
 NORM_DTYPES = {"float16": torch.float16, "float32": torch.float32}
 
 
-def static_packed_kv(store: torch.Tensor, ring_k: torch.Tensor, ring_v: torch.Tensor, capacity: int, sinks: int,
+def static_packed_kv(store: torch.Tensor, window_k: torch.Tensor, window_v: torch.Tensor, capacity: int, sinks: int,
                      norm_dtype: str, k_quantizer: int, v_quantizer: int, scratch=None, counters=None,
                      key_split: int = -1, key_rope: int = -1):
-    """The `PackedKV` (views) of a static layer's one buffer (`packed_kv.static_parts`) and its rings; `key_split`:
+    """The `PackedKV` (views) of a static layer's one buffer (`packed_kv.static_parts`) and its windows; `key_split`:
     the `object_id` of its keys' split, `key_rope`: that of its RoPE when its keys are centred (the packed keys are
     k - R(t) mu, mu in the buffer), or -1."""
     from ..quant.key_split import KeySplit
@@ -238,14 +238,14 @@ def static_packed_kv(store: torch.Tensor, ring_k: torch.Tensor, ring_v: torch.Te
     if split is not None:
         kbytes, *more = split.part_bytes
         kcb = split.parts[0][1]
-    p = static_views(store, ring_k, capacity, sinks, NORM_DTYPES[norm_dtype], kbytes, packed_bytes(d, vcb.bits),
+    p = static_views(store, window_k, capacity, sinks, NORM_DTYPES[norm_dtype], kbytes, packed_bytes(d, vcb.bits),
                      tuple(more), rope is not None)
     parts = None
     if split is not None:
         parts = tuple((p[f"k{i or ''}_packed"], p[f"k{i or ''}_norms"]) for i in range(len(split.parts)))
-    return PackedKV(p["k_packed"], p["k_norms"], p["v_packed"], p["v_norms"], p["sink_k"], p["sink_v"], ring_k, ring_v,
-                    p["length"], p["exact_from"], rotation, kcb, vcb, sinks, k_quantizer, v_quantizer, scratch,
-                    counters, key_split=split, key_parts=parts,
+    return PackedKV(p["k_packed"], p["k_norms"], p["v_packed"], p["v_norms"], p["sink_k"], p["sink_v"], window_k,
+                    window_v, p["length"], p["exact_from"], rotation, kcb, vcb, sinks, k_quantizer, v_quantizer,
+                    scratch, counters, key_split=split, key_parts=parts,
                     key_offset=None if rope is None else KeyOffset(p["key_mean"], rope, 0), norm_guard=p["norm_guard"])
 
 
@@ -262,13 +262,13 @@ def _(x):
     return torch.empty_like(x)
 
 
-@torch.library.custom_op("tq_hf_cache::static_append", mutates_args=("store", "ring_k", "ring_v"))
+@torch.library.custom_op("tq_hf_cache::static_append", mutates_args=("store", "window_k", "window_v"))
 def static_append(
     key: torch.Tensor,
     value: torch.Tensor,
     store: torch.Tensor,
-    ring_k: torch.Tensor,
-    ring_v: torch.Tensor,
+    window_k: torch.Tensor,
+    window_v: torch.Tensor,
     capacity: int,
     n_sinks: int,
     norm_dtype: str,
@@ -279,17 +279,17 @@ def static_append(
     after: torch.Tensor | None = None,
     check_norms: bool = False,
 ) -> None:
-    """A static layer's append of key, value (B, H, n, D) into its buffer and rings, with its lengths on the device
+    """A static layer's append of key, value (B, H, n, D) into its buffer and windows, with its lengths on the device
     (see `reference.static_append`): two launches on CUDA (quantize + exact copies, then the lengths; split or
     centred keys (`key_split`, `key_rope`: `object_id`s): a launch per key part), the reference elsewhere. Centred
     keys store the codes of k - R(t) mu and the exact copies of k. `after`: unused here; a value the caller read from
     the buffer before this append, passed so that a compiled graph computes it first (and can append in place).
     `check_norms`: a compiled step's float16 norms, which cannot widen there: record in the buffer's norm guard the
     largest finite norm this append stores, and any that eager appends left unsettled (see `static_cache`)."""
-    kv = static_packed_kv(store, ring_k, ring_v, capacity, n_sinks, norm_dtype, k_quantizer, v_quantizer,
+    kv = static_packed_kv(store, window_k, window_v, capacity, n_sinks, norm_dtype, k_quantizer, v_quantizer,
                           key_split=key_split, key_rope=key_rope)
     rotation, kcb, vcb, split = kv.rotation, kv.k_codebook, kv.v_codebook, kv.key_split
-    args = (key, value, kv.k_packed, kv.k_norms, kv.v_packed, kv.v_norms, ring_k, ring_v, kv.sink_k, kv.sink_v,
+    args = (key, value, kv.k_packed, kv.k_norms, kv.v_packed, kv.v_norms, window_k, window_v, kv.sink_k, kv.sink_v,
             kv.length, kv.exact_from, n_sinks)
     codes = key
     if kv.key_offset is not None:
@@ -317,7 +317,7 @@ def static_append(
 
 
 @static_append.register_fake
-def _(key, value, store, ring_k, ring_v, capacity, n_sinks, norm_dtype, k_quantizer, v_quantizer, key_split=-1,
+def _(key, value, store, window_k, window_v, capacity, n_sinks, norm_dtype, k_quantizer, v_quantizer, key_split=-1,
       key_rope=-1, after=None, check_norms=False):
     return None
 
@@ -379,11 +379,11 @@ def decode_attention(query: torch.Tensor, kv, mask: torch.Tensor | None, scale: 
 def _launch(kernel: str, query: torch.Tensor, kv, mask, scale, chunk: int = 0, out=None) -> torch.Tensor | None:
     """The launcher of `kernel`; None where it declines this call (its layout, a failed build)."""
     if kernel == "cuda":
-        from . import fast
+        from . import cuda
 
         try:
-            return fast.decode_attention(query, kv, mask, scale, out=out, chunk=chunk)
-        except fast.jit.JitError as e:
+            return cuda.decode_attention(query, kv, mask, scale, out=out, chunk=chunk)
+        except cuda.jit.JitError as e:
             select.cuda_failed(query.device, str(e).splitlines()[0])
             return None
     if kernel == "triton":
@@ -402,7 +402,7 @@ def _launch(kernel: str, query: torch.Tensor, kv, mask, scale, chunk: int = 0, o
 
 def _centring_mask(query: torch.Tensor, kv, mask: torch.Tensor | None, scale: float | None) -> torch.Tensor:
     """An additive mask (B, Hq, n, T) float32 that adds scale * q . R(t) mu to the scores of a centred layer's
-    packed positions (its sinks and ring are exact) and keeps what `mask` (or, without one, causality) allows."""
+    packed positions (its sinks and window are exact) and keeps what `mask` (or, without one, causality) allows."""
     b, hq, n, d = query.shape
     t, lq, ns = int(kv.length), int(kv.exact_from), kv.sinks
     bias = query.new_zeros(b, hq, n, t, dtype=torch.float32)
@@ -459,17 +459,17 @@ def prepare_fused(kv) -> None:
             lookup_table(codebook, heads, dev)
             prepare(codebook, heads, dev)
     if kv.key_split is None and select.machine_runs("cuda", dev):
-        from . import fast
+        from . import cuda
 
         for rotation, codebook in (*keys, *values):
-            fast.prepare(rotation, codebook, codebook, heads, dev)
+            cuda.prepare(rotation, codebook, codebook, heads, dev)
 
 
 @torch.library.custom_op("tq_hf_cache::static_attention", mutates_args=("scratch", "counters"))
 def static_attention(
     query: torch.Tensor,
-    ring_k: torch.Tensor,
-    ring_v: torch.Tensor,
+    window_k: torch.Tensor,
+    window_v: torch.Tensor,
     store: torch.Tensor,
     mask: torch.Tensor | None,
     capacity: int,
@@ -483,15 +483,15 @@ def static_attention(
     key_split: int = -1,
     key_rope: int = -1,
 ) -> torch.Tensor:
-    """Attention of query (B, Hq, n, D) over a static layer's positions (its buffer and rings, see `PackedKV`) ->
+    """Attention of query (B, Hq, n, D) over a static layer's positions (its buffer and windows, see `PackedKV`) ->
     (B, n, Hq, D), by the kernel `kernels.select` names for it (see `decode_attention`)."""
-    kv = static_packed_kv(store, ring_k, ring_v, capacity, sinks, norm_dtype, k_quantizer, v_quantizer, scratch,
+    kv = static_packed_kv(store, window_k, window_v, capacity, sinks, norm_dtype, k_quantizer, v_quantizer, scratch,
                           counters, key_split, key_rope)
     return decode_attention(query, kv, mask, scale)
 
 
 @static_attention.register_fake
-def _(query, ring_k, ring_v, store, mask, capacity, sinks, norm_dtype, k_quantizer, v_quantizer, scale, scratch,
+def _(query, window_k, window_v, store, mask, capacity, sinks, norm_dtype, k_quantizer, v_quantizer, scale, scratch,
       counters, key_split=-1, key_rope=-1):
     b, hq, n, d = query.shape
     return query.new_empty(b, n, hq, d)

@@ -305,9 +305,9 @@ def _quantize_kv_kernel(
 
 @triton.jit
 def _exact_copy(x_ptr, sxb, sxh, sxt, r_ptr, srb, srh, srt, s_ptr, ssb, ssh, sst, pid_t, pid_bh, H, T, pos0, cap,
-                ring, n_sinks, D: tl.constexpr, BLOCK_T: tl.constexpr):
-    """The exact copies of one tile's rows (x has unit last-dim stride): row t, at position pos0 + t, goes to ring
-    slot (pos0 + t) % ring when it is among the last `ring` rows, and to sink slot pos0 + t below n_sinks."""
+                window, n_sinks, D: tl.constexpr, BLOCK_T: tl.constexpr):
+    """The exact copies of one tile's rows (x has unit last-dim stride): row t, at position pos0 + t, goes to window
+    slot (pos0 + t) % window when it is among the last `window` rows, and to sink slot pos0 + t below n_sinks."""
     b = (pid_bh // H).to(tl.int64)
     h = (pid_bh % H).to(tl.int64)
     t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -315,8 +315,8 @@ def _exact_copy(x_ptr, sxb, sxh, sxt, r_ptr, srb, srh, srt, s_ptr, ssb, ssh, sst
     ok = (t < T) & (pos < cap)
     d = tl.arange(0, D)
     x = tl.load(x_ptr + b * sxb + h * sxh + t.to(tl.int64)[:, None] * sxt + d[None, :], mask=ok[:, None])
-    to_ring = ok & (t >= T - ring)
-    tl.store(r_ptr + b * srb + h * srh + (pos % ring)[:, None] * srt + d[None, :], x, mask=to_ring[:, None])
+    to_window = ok & (t >= T - window)
+    tl.store(r_ptr + b * srb + h * srh + (pos % window)[:, None] * srt + d[None, :], x, mask=to_window[:, None])
     to_sink = ok & (pos < n_sinks)
     tl.store(s_ptr + b * ssb + h * ssh + pos[:, None] * sst + d[None, :], x, mask=to_sink[:, None])
 
@@ -328,13 +328,13 @@ def _append_kv_kernel(
     v_ptr, svb, svh, svt, svd, pv_ptr, spvb, spvh, spvt, nv_ptr, snvb, snvh, snvt,
     bndv_ptr, sbvh, lutv_ptr, slvh, lov_ptr, invwv_ptr, hselv, NLUTV,
     rk_ptr, srkb, srkh, srkt, rv_ptr, srvb, srvh, srvt, sk_ptr, sskb, sskh, sskt, sv_ptr, ssvb, ssvh, ssvt,
-    len_ptr, cap, ring, n_sinks,
+    len_ptr, cap, window, n_sinks,
     mat_ptr, H, T, inv_sqrt_d, n_t_tiles,
     D: tl.constexpr, LOG2D: tl.constexpr, KBITS: tl.constexpr, VBITS: tl.constexpr, BLOCK_T: tl.constexpr,
     ROT: tl.constexpr, XMODE: tl.constexpr,
     KSEARCH: tl.constexpr, VSEARCH: tl.constexpr, PERM: tl.constexpr, KWORDS: tl.constexpr, VWORDS: tl.constexpr,
 ):
-    """`_quantize_kv_kernel` into a static layer at the position its device length holds, plus the exact copies (ring
+    """`_quantize_kv_kernel` into a static layer at the position its device length holds, plus the exact copies (window
     and sinks). Rows past the capacity are not written. The length itself is advanced by `_advance_kernel`, after."""
     rop = _load_rot(mat_ptr, D)
     tile = tl.program_id(0)
@@ -349,7 +349,7 @@ def _append_kv_kernel(
             D, LOG2D, KBITS, BLOCK_T, ROT, XMODE, True, KSEARCH, PERM, KWORDS,
         )
         _exact_copy(k_ptr, skb, skh, skt, rk_ptr, srkb, srkh, srkt, sk_ptr, sskb, sskh, sskt, pid_t, pid_bh, H, T, pos0,
-                    cap, ring, n_sinks, D, BLOCK_T)
+                    cap, window, n_sinks, D, BLOCK_T)
     else:
         _quantize_tile(
             v_ptr, svb, svh, svt, svd, pv_ptr, spvb, spvh, spvt, nv_ptr, snvb, snvh, snvt,
@@ -358,7 +358,7 @@ def _append_kv_kernel(
             D, LOG2D, VBITS, BLOCK_T, ROT, XMODE, True, VSEARCH, PERM, VWORDS,
         )
         _exact_copy(v_ptr, svb, svh, svt, rv_ptr, srvb, srvh, srvt, sv_ptr, ssvb, ssvh, ssvt, pid_t, pid_bh, H, T, pos0,
-                    cap, ring, n_sinks, D, BLOCK_T)
+                    cap, window, n_sinks, D, BLOCK_T)
 
 
 @triton.jit
@@ -366,14 +366,14 @@ def _append_one_kernel(
     x_ptr, sxb, sxh, sxt, sxd, p_ptr, spb, sph, spt, n_ptr, snb, snh, snt,
     bnd_ptr, sbh, lut_ptr, slh, lo_ptr, invw_ptr, hsel, NLUT,
     r_ptr, srb, srh, srt, s_ptr, ssb, ssh, sst,
-    len_ptr, cap, ring, n_sinks,
+    len_ptr, cap, window, n_sinks,
     mat_ptr, H, T, inv_sqrt_d, n_t_tiles,
     D: tl.constexpr, LOG2D: tl.constexpr, BITS: tl.constexpr, BLOCK_T: tl.constexpr,
     ROT: tl.constexpr, XMODE: tl.constexpr, SEARCH: tl.constexpr, PERM: tl.constexpr, WORDS: tl.constexpr,
     CODES: tl.constexpr, COPY: tl.constexpr,
 ):
     """One tensor of a static layer's append at the position its device length holds: its codes and norms (CODES),
-    and / or its exact copies to the ring and sinks (COPY). Split keys take one launch per part for the codes and
+    and / or its exact copies to the window and sinks (COPY). Split keys take one launch per part for the codes and
     one for the whole keys' copies (`append_parts_into`)."""
     tile = tl.program_id(0)
     pid_t, pid_bh = tile % n_t_tiles, tile // n_t_tiles
@@ -388,15 +388,15 @@ def _append_one_kernel(
         )
     if COPY:
         _exact_copy(x_ptr, sxb, sxh, sxt, r_ptr, srb, srh, srt, s_ptr, ssb, ssh, sst, pid_t, pid_bh, H, T, pos0,
-                    cap, ring, n_sinks, D, BLOCK_T)
+                    cap, window, n_sinks, D, BLOCK_T)
 
 
 @triton.jit
-def _advance_kernel(len_ptr, from_ptr, n, ring):
-    """length += n; exact_from = max(exact_from, length - ring): one program, after `_append_kv_kernel`."""
+def _advance_kernel(len_ptr, from_ptr, n, window):
+    """length += n; exact_from = max(exact_from, length - window): one program, after `_append_kv_kernel`."""
     length = tl.load(len_ptr) + n
     tl.store(len_ptr, length)
-    tl.store(from_ptr, tl.maximum(tl.load(from_ptr), length - ring))
+    tl.store(from_ptr, tl.maximum(tl.load(from_ptr), length - window))
 
 
 def _modes(x_dtype: torch.dtype, rotation: Rotation, rot: str | None) -> tuple[int, int, torch.dtype]:
@@ -645,8 +645,8 @@ def append_kv_into(
     k_norms: torch.Tensor,
     v_packed: torch.Tensor,
     v_norms: torch.Tensor,
-    ring_k: torch.Tensor,
-    ring_v: torch.Tensor,
+    window_k: torch.Tensor,
+    window_v: torch.Tensor,
     sink_k: torch.Tensor,
     sink_v: torch.Tensor,
     length: torch.Tensor,
@@ -655,22 +655,22 @@ def append_kv_into(
 ) -> None:
     """A static layer's append in two launches, with no host read of its lengths (a CUDA graph replays it): the n
     tokens of k, v (B, H, n, D) are quantized into the packed buffers (B, H, capacity, bytes) and norms at positions
-    length .. length + n - 1 (none past the capacity), the last min(n, ring) of them copied to the ring (B, H, ring,
-    D) at slot position % ring and those below n_sinks to sink slot position; then length += n and exact_from =
-    max(exact_from, length - ring). The reference is `reference.static_append`."""
+    length .. length + n - 1 (none past the capacity), the last min(n, window) of them copied to the window (B, H,
+    window, D) at slot position % window and those below n_sinks to sink slot position; then length += n and
+    exact_from = max(exact_from, length - window). The reference is `reference.static_append`."""
     bsz, heads, tokens, dim = k.shape
-    cap, ring = k_packed.shape[2], ring_k.shape[2]
+    cap, window = k_packed.shape[2], window_k.shape[2]
     mat, kargs, vargs, meta = _kv_operands("append_kv_into", _check_static, k, v, rotation, k_codebook, v_codebook,
                                            k_packed, k_norms, v_packed, v_norms)
-    for name, t, rows in (("ring_k", ring_k, ring), ("ring_v", ring_v, ring), ("sink_k", sink_k, sink_k.shape[2]),
-                          ("sink_v", sink_v, sink_v.shape[2])):
+    for name, t, rows in (("window_k", window_k, window), ("window_v", window_v, window),
+                          ("sink_k", sink_k, sink_k.shape[2]), ("sink_v", sink_v, sink_v.shape[2])):
         if t.shape != (bsz, heads, rows, dim) or t.dtype != k.dtype or t.device != k.device or t.stride(-1) != 1:
             raise ValueError(f"append_kv_into: {name} must be ({bsz}, {heads}, rows, {dim}) {k.dtype} on {k.device} "
                              f"with unit last stride, got {tuple(t.shape)} {t.dtype} {t.device}")
     if sink_k.shape != sink_v.shape or not 0 <= n_sinks <= sink_k.shape[2]:
         raise ValueError(f"append_kv_into: n_sinks={n_sinks} must be in [0, {sink_k.shape[2]}], the sink buffers' rows")
-    if ring < 1:
-        raise ValueError("append_kv_into: the ring must hold at least one token")
+    if window < 1:
+        raise ValueError("append_kv_into: the window must hold at least one token")
     if tokens == 0:
         return
     k = k if k.stride(-1) == 1 else k.contiguous()
@@ -680,18 +680,18 @@ def append_kv_into(
     _append_kv_kernel[(n_t * bsz * heads, 2)](
         k, *k.stride(), k_packed, *k_packed.stride()[:3], k_norms, *k_norms.stride(), *kargs,
         v, *v.stride(), v_packed, *v_packed.stride()[:3], v_norms, *v_norms.stride(), *vargs,
-        ring_k, *ring_k.stride()[:3], ring_v, *ring_v.stride()[:3], sink_k, *sink_k.stride()[:3],
+        window_k, *window_k.stride()[:3], window_v, *window_v.stride()[:3], sink_k, *sink_k.stride()[:3],
         sink_v, *sink_v.stride()[:3],
-        length, cap, ring, n_sinks,
+        length, cap, window, n_sinks,
         mat, heads, tokens, dim**-0.5, n_t,
         BLOCK_T=bt, num_warps=nw, **meta,
     )
-    _advance_kernel[(1,)](length, exact_from, tokens, ring)
+    _advance_kernel[(1,)](length, exact_from, tokens, window)
 
 
-def _append_one(x, rotation, codebook, packed, norms, ring, sink, length, n_sinks, cap, codes: bool, copy: bool):
+def _append_one(x, rotation, codebook, packed, norms, window, sink, length, n_sinks, cap, codes: bool, copy: bool):
     """Launch `_append_one_kernel` for x (B, H, n, D') with unit last stride; `rotation` / `codebook` / `packed` /
-    `norms` are read only with `codes`, `ring` / `sink` only with `copy`."""
+    `norms` are read only with `codes`, `window` / `sink` only with `copy`."""
     bsz, heads, tokens, dim = x.shape
     bt, nw = _launch_cfg(tokens, None, None)
     n_t = triton.cdiv(tokens, bt)
@@ -707,17 +707,17 @@ def _append_one(x, rotation, codebook, packed, norms, ring, sink, length, n_sink
         mat, sargs = x, (x, 0, x, 0, x, x, 0, 1)
         meta = dict(BITS=1, ROT=0, XMODE=0, SEARCH=0, PERM=False, WORDS=False)
         pargs = (x, 0, 0, 0, x, 0, 0, 0)
-    rargs = (ring, *ring.stride()[:3], sink, *sink.stride()[:3]) if copy else (x, 0, 0, 0, x, 0, 0, 0)
+    rargs = (window, *window.stride()[:3], sink, *sink.stride()[:3]) if copy else (x, 0, 0, 0, x, 0, 0, 0)
     _append_one_kernel[(n_t * bsz * heads,)](
         x, *x.stride(), *pargs, *sargs, *rargs,
-        length, cap, ring.shape[2] if copy else 1, n_sinks,
+        length, cap, window.shape[2] if copy else 1, n_sinks,
         mat, heads, tokens, dim**-0.5, n_t,
         D=dim, LOG2D=dim.bit_length() - 1, BLOCK_T=bt, CODES=codes, COPY=copy, num_warps=nw, **meta,
     )
 
 
-def append_parts_into(k, v, key_codes, key_quantizers, key_parts, rotation, v_codebook, v_packed, v_norms, ring_k,
-                      ring_v, sink_k, sink_v, length, exact_from, n_sinks) -> None:
+def append_parts_into(k, v, key_codes, key_quantizers, key_parts, rotation, v_codebook, v_packed, v_norms, window_k,
+                      window_v, sink_k, sink_v, length, exact_from, n_sinks) -> None:
     """`append_kv_into` for a static layer whose keys are stored as other tensors than k: the parts of split keys
     (`key_split.KeySplit.split`) and / or centred keys (k - R(t) mu). key_codes[p] (B, H, n, D_p) is quantized with
     key_quantizers[p] (rotation, codebook) into key_parts[p] (packed (B, H, capacity, bytes), norms); k itself gives
@@ -727,21 +727,21 @@ def append_parts_into(k, v, key_codes, key_quantizers, key_parts, rotation, v_co
     if k.shape != v.shape or k.dtype != v.dtype:
         raise ValueError(f"append_parts_into: keys {tuple(k.shape)} {k.dtype} and values {tuple(v.shape)} {v.dtype} "
                          "must match")
-    for name, t in (("ring_k", ring_k), ("ring_v", ring_v), ("sink_k", sink_k), ("sink_v", sink_v)):
+    for name, t in (("window_k", window_k), ("window_v", window_v), ("sink_k", sink_k), ("sink_v", sink_v)):
         if t.shape[:2] != (bsz, heads) or t.shape[3] != dim or t.dtype != k.dtype or t.stride(-1) != 1:
             raise ValueError(f"append_parts_into: {name} must be ({bsz}, {heads}, rows, {dim}) {k.dtype} with unit "
                              f"last stride, got {tuple(t.shape)} {t.dtype}")
-    if not 0 <= n_sinks <= sink_k.shape[2] or ring_k.shape[2] < 1:
-        raise ValueError(f"append_parts_into: n_sinks={n_sinks} must be in [0, {sink_k.shape[2]}] and the ring "
+    if not 0 <= n_sinks <= sink_k.shape[2] or window_k.shape[2] < 1:
+        raise ValueError(f"append_parts_into: n_sinks={n_sinks} must be in [0, {sink_k.shape[2]}] and the window "
                          f"non-empty")
     if tokens == 0:
         return
     cap = v_packed.shape[2]
     k = k if k.stride(-1) == 1 else k.contiguous()
     v = v if v.stride(-1) == 1 else v.contiguous()
-    _append_one(v, rotation, v_codebook, v_packed, v_norms, ring_v, sink_v, length, n_sinks, cap, True, True)
-    _append_one(k, None, None, None, None, ring_k, sink_k, length, n_sinks, cap, False, True)
+    _append_one(v, rotation, v_codebook, v_packed, v_norms, window_v, sink_v, length, n_sinks, cap, True, True)
+    _append_one(k, None, None, None, None, window_k, sink_k, length, n_sinks, cap, False, True)
     for part, (rot, cb), (packed, norms) in zip(key_codes, key_quantizers, key_parts):
         part = part if part.stride(-1) == 1 else part.contiguous()
         _append_one(part, rot, cb, packed, norms, None, None, length, n_sinks, cap, True, False)
-    _advance_kernel[(1,)](length, exact_from, tokens, ring_k.shape[2])
+    _advance_kernel[(1,)](length, exact_from, tokens, window_k.shape[2])

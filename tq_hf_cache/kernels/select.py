@@ -1,4 +1,4 @@
-"""Which kernel serves a decode attention step: the CUDA kernel (`fast`), the Triton kernel (`decode_attention`), the
+"""Which kernel serves a decode attention step: the CUDA kernel (`cuda`), the Triton kernel (`decode_attention`), the
 C kernels on a CPU (`cpu`), the torch math (`reference`), or none: the workspace path (dequantize + SDPA).
 
 The one place that asks. A step's shape, widths, split keys and device give a frozen `Choice`, made once per step
@@ -138,7 +138,7 @@ def _cuda_ready(device: torch.device) -> bool:
         return True
     why = _CUDA_BROKEN.get(idx)
     if why is None:
-        from .fast import jit
+        from .cuda import jit
 
         if torch.cuda.get_device_capability(idx) < (8, 0):
             why = "it needs a GPU of compute capability 8.0 or newer"
@@ -189,13 +189,13 @@ def cuda_serves(device, head_dim: int, key_bits: int, value_bits: int, rows: int
     guards); the machine's answer is a constant of the trace."""
     if not _runs("cuda", torch.device(device)):
         return False
-    from .fast import shape_ok
+    from .cuda import shape_ok
 
     return shape_ok(head_dim, key_bits, value_bits, rows, split_keys, slots)
 
 
 def _cuda_shape(head_dim, key_bits, value_bits, rows, split, slots) -> bool:
-    from .fast import shape_ok
+    from .cuda import shape_ok
 
     return shape_ok(head_dim, key_bits, value_bits, rows, split is not None, slots)
 
@@ -217,7 +217,7 @@ def _chunk(head_dim, key_bits, value_bits, group, n, split, slots, static) -> in
     """Queries a CUDA launch takes where it cannot take them all (more query rows per KV head than it holds: a few
     tokens of a wide GQA group); 0 where it takes them all or none. Several of its calls, each reading the history,
     beat one Triton call at these rows."""
-    from .fast import max_rows
+    from .cuda import max_rows
 
     per = max_rows(head_dim) // group
     if n == 1 or static or per < 1 or per >= n:

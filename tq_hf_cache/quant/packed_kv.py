@@ -6,11 +6,11 @@ returns around it.)
 positions [0, length) are read as follows:
 - [0, sinks): the exact copies in `sink_k` / `sink_v` (attention sinks);
 - [sinks, exact_from): the packed codes and norms at slot = position;
-- [exact_from, length): the exact copies in the ring `ring_k` / `ring_v`.
-A dynamic layer (`TurboQuantCache`) has host-int lengths and its ring is its residual window (with a chunk's new
+- [exact_from, length): the exact copies in the window `window_k` / `window_v`.
+A dynamic layer (`TurboQuantCache`) has host-int lengths and its window is the residual window (with a chunk's new
 tokens after it), in order (slot = position - exact_from). A static layer (`TurboQuantStaticCache`) has its lengths
-on the device (a captured CUDA graph replays them) and quantizes every position as it arrives; its ring holds
-position p at slot p % ring size.
+on the device (a captured CUDA graph replays them) and quantizes every position as it arrives; its window is a ring
+buffer, position p at slot p % window size.
 """
 
 from __future__ import annotations
@@ -34,9 +34,10 @@ class PackedKV:
         k_packed, v_packed: (B, H, slots, bytes) uint8, one packed vector per position (slot = position).
         k_norms, v_norms: (B, H, slots) float16 or float32.
         sink_k, sink_v: (B, H, >= sinks, D): the first `sinks` slots are exact copies of positions [0, sinks).
-        ring_k, ring_v: (B, H, ring, D): exact copies of positions [exact_from, length) (see the module docstring).
-            None in the PackedKV a static layer's ring carries (the ring is the keys / values it returned).
-        length: positions held; exact_from: the first position the ring holds. Host ints (dynamic layer) or ()
+        window_k, window_v: (B, H, window, D): exact copies of positions [exact_from, length) (see the module
+            docstring). None in the PackedKV a static layer's window carries (the window is the keys / values it
+            returned).
+        length: positions held; exact_from: the first position the window holds. Host ints (dynamic layer) or ()
             int64 tensors on the device (static layer).
         rotation, k_codebook, v_codebook: the quantizer (on the device).
         sinks: how many sink positions there are (may be 0).
@@ -56,8 +57,8 @@ class PackedKV:
     v_norms: torch.Tensor
     sink_k: torch.Tensor
     sink_v: torch.Tensor
-    ring_k: torch.Tensor | None
-    ring_v: torch.Tensor | None
+    window_k: torch.Tensor | None
+    window_v: torch.Tensor | None
     length: torch.Tensor | int
     exact_from: torch.Tensor | int
     rotation: Rotation
@@ -79,13 +80,13 @@ class PackedKV:
 
     @property
     def static(self) -> bool:
-        """Whether the lengths live on the device (a static layer: every shape fixed, the ring wraps)."""
+        """Whether the lengths live on the device (a static layer: every shape fixed, the window wraps)."""
         return isinstance(self.length, torch.Tensor)
 
     def rows(self, start: int, stop: int) -> PackedKV:
         """The same state restricted to batch rows [start, stop) (views)."""
         pick = {name: getattr(self, name)[start:stop] for name in
-                ("k_packed", "k_norms", "v_packed", "v_norms", "sink_k", "sink_v", "ring_k", "ring_v")
+                ("k_packed", "k_norms", "v_packed", "v_norms", "sink_k", "sink_v", "window_k", "window_v")
                 if getattr(self, name) is not None}
         if self.key_offset is not None:
             pick["key_offset"] = self.key_offset.rows(start, stop)
@@ -137,9 +138,9 @@ def _nbytes(dtype: torch.dtype, shape: tuple) -> int:
 
 @dataclass(eq=False)
 class StaticKV:
-    """What a static layer's ring (the keys its `update` returns) carries for the attention: the layer's one uint8
+    """What a static layer's window (the keys its `update` returns) carries for the attention: the layer's one uint8
     buffer and how to read it. One buffer instead of eight tensors keeps a compiled step's guards and CUDA-graph
-    input checks to three tensors per layer (this buffer and the two rings), near `StaticCache`'s two.
+    input checks to three tensors per layer (this buffer and the two windows), near `StaticCache`'s two.
 
     Args:
         store: the uint8 buffer laid out by `static_parts`.
@@ -167,13 +168,13 @@ class StaticKV:
     key_rope: int = -1
 
 
-def static_views(store: torch.Tensor, ring_k: torch.Tensor, capacity: int, sinks: int, norm_dtype: torch.dtype,
+def static_views(store: torch.Tensor, window_k: torch.Tensor, capacity: int, sinks: int, norm_dtype: torch.dtype,
                  key_bytes: int, value_bytes: int, key_part_bytes: tuple[int, ...] = (),
                  key_mean: bool = False) -> dict[str, torch.Tensor]:
     """Views of a static layer's buffer by part name (see `static_parts`), plus "length" and "exact_from" (0-d);
-    batch, heads, head dim and dtype are the ring's."""
-    b, h, _, d = ring_k.shape
-    parts, total = static_parts(b, h, capacity, d, key_bytes, value_bytes, sinks, norm_dtype, ring_k.dtype,
+    batch, heads, head dim and dtype are the window's."""
+    b, h, _, d = window_k.shape
+    parts, total = static_parts(b, h, capacity, d, key_bytes, value_bytes, sinks, norm_dtype, window_k.dtype,
                                 key_part_bytes, key_mean)
     if store.dtype != torch.uint8 or store.dim() != 1 or store.numel() != total:
         raise ValueError(f"a static layer's buffer must be uint8 of {total} bytes for this layout, got "

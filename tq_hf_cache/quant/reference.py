@@ -272,17 +272,17 @@ def softmax_rows(s: torch.Tensor) -> torch.Tensor:
 
 def exact_scores_into(s: torch.Tensor, q: torch.Tensor, kv) -> None:
     """The scores of q (B, Hkv, rows, D) float32 against a dynamic `PackedKV`'s exact positions, written into their
-    slices of s (B, Hkv, rows, T): the sinks [0, sinks) and the ring [exact_from, length)."""
+    slices of s (B, Hkv, rows, T): the sinks [0, sinks) and the window [exact_from, length)."""
     lq, t, ns = int(kv.exact_from), int(kv.length), kv.sinks
     if ns:
         torch.matmul(q, kv.sink_k[:, :, :ns].float().transpose(-1, -2), out=s[..., :ns])
-    torch.matmul(q, kv.ring_k[:, :, : t - lq].float().transpose(-1, -2), out=s[..., lq:])
+    torch.matmul(q, kv.window_k[:, :, : t - lq].float().transpose(-1, -2), out=s[..., lq:])
 
 
 def add_exact_values(out: torch.Tensor, p: torch.Tensor, kv) -> torch.Tensor:
     """out (B, Hkv, rows, D) plus the probabilities p (B, Hkv, rows, T) of the exact positions times their values."""
     lq, t, ns = int(kv.exact_from), int(kv.length), kv.sinks
-    out += p[..., lq:] @ kv.ring_v[:, :, : t - lq].float()
+    out += p[..., lq:] @ kv.window_v[:, :, : t - lq].float()
     if ns:
         out += p[..., :ns] @ kv.sink_v[:, :, :ns].float()
     return out
@@ -309,7 +309,7 @@ def decode_probabilities(s: torch.Tensor, mask: torch.Tensor | None, heads: int,
 
 def packed_attention(query: torch.Tensor, kv, mask: torch.Tensor | None, scale: float | None) -> torch.Tensor:
     """The fused decode kernel's math (fp32) for a dynamic layer's `PackedKV`: query (B, Hq, n, D) over
-    [sinks | packed | ring]; the n queries are the last n positions.
+    [sinks | packed | window]; the n queries are the last n positions.
 
     The packed part stays in the rotated domain: scores are (Pi q) . c[idx] times the key norm, and the value
     sum c[idx] weighted by probability x norm is rotated back once per query. Returns (B, n, Hq, D) in the
@@ -321,7 +321,7 @@ def packed_attention(query: torch.Tensor, kv, mask: torch.Tensor | None, scale: 
     g = hq // hkv
     q = query.float().reshape(b, hkv, g * n, d)  # the g query heads sharing a KV head as rows
     scale = d**-0.5 if scale is None else scale
-    # positions: [sinks | packed after the sinks | ring], each part's scores written into its slice of s
+    # positions: [sinks | packed after the sinks | window], each part's scores written into its slice of s
     s = q.new_empty(b, hkv, g * n, t)
     s[..., ns:lq] = packed_scores(q, kv, ns, lq)
     exact_scores_into(s, q, kv)
@@ -364,8 +364,8 @@ def static_append(
     k_norms: torch.Tensor,
     v_packed: torch.Tensor,
     v_norms: torch.Tensor,
-    ring_k: torch.Tensor,
-    ring_v: torch.Tensor,
+    window_k: torch.Tensor,
+    window_v: torch.Tensor,
     sink_k: torch.Tensor,
     sink_v: torch.Tensor,
     length: torch.Tensor,
@@ -379,57 +379,57 @@ def static_append(
     key_codes=None,
 ) -> None:
     """A static layer's append, by definition. The n new tokens (B, H, n, D) take positions length .. length + n - 1;
-    those below the capacity (the packed buffers' token axis) are quantized into their slots, the last min(n, ring)
-    of them are copied to ring slot position % ring and those below n_sinks to sink slot position. Then length +=
-    n and exact_from = max(exact_from, length - ring). Split keys (`key_split`): each part into its (packed,
+    those below the capacity (the packed buffers' token axis) are quantized into their slots, the last min(n, window)
+    of them are copied to window slot position % window and those below n_sinks to sink slot position. Then length +=
+    n and exact_from = max(exact_from, length - window). Split keys (`key_split`): each part into its (packed,
     norms) of `key_parts` (part 0's are k_packed / k_norms). key_codes: what the key codes are made of when it is not
     the keys themselves (centred keys: k - R(t) mu); the exact copies are always of `key`."""
     codes = key if key_codes is None else key_codes
-    n, cap, ring = key.shape[2], k_packed.shape[2], ring_k.shape[2]
+    n, cap, window = key.shape[2], k_packed.shape[2], window_k.shape[2]
     i = torch.arange(n, device=key.device)
     pos = i + length
     ok = pos < cap
-    last = ok & (i >= n - ring)
+    last = ok & (i >= n - window)
     sink = ok & (pos < n_sinks)
     if key_split is not None:
         for (p, nm), (packed, norms) in zip(split_quantize(codes[:, :, ok], key_split, k_norms.dtype), key_parts):
             packed.index_copy_(2, pos[ok], p)
             norms.index_copy_(2, pos[ok], nm)
     for x, src, packed, norms, cb, r, s in ((key, codes if key_split is None else None, k_packed, k_norms, k_codebook,
-                                             ring_k, sink_k),
-                                            (value, value, v_packed, v_norms, v_codebook, ring_v, sink_v)):
+                                             window_k, sink_k),
+                                            (value, value, v_packed, v_norms, v_codebook, window_v, sink_v)):
         if src is not None:  # split keys' codes were stored above
             p, nm = quantize(src[:, :, ok], rotation, cb, norms.dtype)
             packed.index_copy_(2, pos[ok], p)
             norms.index_copy_(2, pos[ok], nm)
-        r.index_copy_(2, pos[last] % ring, x[:, :, last].to(r.dtype))
+        r.index_copy_(2, pos[last] % window, x[:, :, last].to(r.dtype))
         s.index_copy_(2, pos[sink], x[:, :, sink].to(s.dtype))
     length.add_(n)
-    exact_from.copy_(torch.maximum(exact_from, length - ring))
+    exact_from.copy_(torch.maximum(exact_from, length - window))
 
 
-def ring_positions(length: torch.Tensor, exact_from: torch.Tensor, ring: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(a position for each ring slot, whether the slot is live), all on the device (no host sync).
+def window_positions(length: torch.Tensor, exact_from: torch.Tensor, window: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(a position for each window slot, whether the slot is live), all on the device (no host sync).
 
-    Slot j holds the newest position p < length with p % ring == j; it is live when p >= exact_from. A slot with
-    no such p >= 0 gets position j (>= length: a future one). The positions are distinct (each is j modulo ring),
-    so a scatter of the ring by them never collides; a dead slot's position must be written with its own value.
+    Slot j holds the newest position p < length with p % window == j; it is live when p >= exact_from. A slot with
+    no such p >= 0 gets position j (>= length: a future one). The positions are distinct (each is j modulo window),
+    so a scatter of the window by them never collides; a dead slot's position must be written with its own value.
     """
-    j = torch.arange(ring, device=length.device)
+    j = torch.arange(window, device=length.device)
     last = length - 1
-    p = last - torch.remainder(last - j, ring)
+    p = last - torch.remainder(last - j, window)
     return torch.where(p >= 0, p, j), p >= exact_from
 
 
-def overlay_exact(full: torch.Tensor, ring: torch.Tensor, sinks: torch.Tensor, length: torch.Tensor,
+def overlay_exact(full: torch.Tensor, window: torch.Tensor, sinks: torch.Tensor, length: torch.Tensor,
                   exact_from: torch.Tensor) -> torch.Tensor:
-    """Write a static layer's exact copies (sinks, then the live ring slots) over `full` (B, H, capacity, D), in
+    """Write a static layer's exact copies (sinks, then the live window slots) over `full` (B, H, capacity, D), in
     place. Positions at or past `length` may receive stale values; attention masks them."""
     s = sinks.shape[2]
     if s:
         full[:, :, :s].copy_(sinks)
-    pos, live = ring_positions(length, exact_from, ring.shape[2])
-    vals = torch.where(live[None, None, :, None], ring.to(full.dtype), full.index_select(2, pos))
+    pos, live = window_positions(length, exact_from, window.shape[2])
+    vals = torch.where(live[None, None, :, None], window.to(full.dtype), full.index_select(2, pos))
     full.index_copy_(2, pos, vals)
     return full
 
@@ -447,8 +447,8 @@ def static_attention(query: torch.Tensor, kv, mask: torch.Tensor | None = None, 
         keys = split_dequantize(kv.key_parts, kv.key_split, torch.float32)
     vals = dequantize(kv.v_packed, kv.v_norms, kv.rotation, kv.v_codebook, torch.float32)
     s = kv.sinks
-    overlay_exact(keys, kv.ring_k.float(), kv.sink_k[:, :, :s].float(), kv.length, kv.exact_from)
-    overlay_exact(vals, kv.ring_v.float(), kv.sink_v[:, :, :s].float(), kv.length, kv.exact_from)
+    overlay_exact(keys, kv.window_k.float(), kv.sink_k[:, :, :s].float(), kv.length, kv.exact_from)
+    overlay_exact(vals, kv.window_v.float(), kv.sink_v[:, :, :s].float(), kv.length, kv.exact_from)
     pos = torch.arange(cap, device=query.device)
     if mask is None:
         q_pos = kv.length - n + torch.arange(n, device=query.device)

@@ -2,12 +2,12 @@
 `TurboQuantStaticCache`): every shape fixed, so a compiled step can be captured in a CUDA graph.
 
 One uint8 buffer (`packed_kv.static_parts`: packed keys/values, their norms, the sink copies, the lengths, the norm
-guard, a centred layer's key mean) and a ring each for keys and values: the window, of the newest `ring_size`
-positions kept exact (position p at slot p % ring size). Three tensors per layer, so that a compiled step's guards
-and CUDA-graph input checks cost about what `StaticCache`'s two do. Every append quantizes its tokens into their
+guard, a centred layer's key mean) and a window each for keys and values, of the newest `window_size` positions kept
+exact, as a ring buffer (position p at slot p % window size). Three tensors per layer, so that a compiled step's
+guards and CUDA-graph input checks cost about what `StaticCache`'s two do. Every append quantizes its tokens into their
 slots (`ops.static_append`); nothing is re-quantized and no branch depends on the current length.
 
-The ring is what the layer's `update` returns; it carries the `StaticKV` that the attention reads as its attribute
+The window is what the layer's `update` returns; it carries the `StaticKV` that the attention reads as its attribute
 `turboquant_packed`. Norms past float16's range: an eager append keeps the float32 norms of what it stored
 (`pending`) and records their largest in the norm guard; `settle` acts on the guard (see there).
 """
@@ -29,10 +29,10 @@ from .layer_state import LayerState, check_tensors, is_paged
 
 
 class FixedState(LayerState):
-    """The buffer and rings of one static layer; see the module docstring and `LayerState`. `window_k` /
-    `window_v` are the rings (the layer's `keys` / `values`)."""
+    """The buffer and windows of one static layer; see the module docstring and `LayerState`. `window_k` /
+    `window_v` are the windows (the layer's `keys` / `values`)."""
 
-    def __init__(self, quantizers, *, capacity: int, ring_size: int, scratch: torch.Tensor, counters: torch.Tensor,
+    def __init__(self, quantizers, *, capacity: int, window_size: int, scratch: torch.Tensor, counters: torch.Tensor,
                  **kwargs):
         super().__init__(quantizers, **kwargs)
         if self.rope is not None:  # its angles on the device: a captured step must not copy from the host
@@ -42,8 +42,8 @@ class FixedState(LayerState):
         self.mean_pending = self.rope is not None  # a centred layer takes its key mean from its first eager append
         b, h, d = self.batch, self.heads, self.head_dim
         store, self._guard_at = self._new_store(self.norm_dtype)
-        self.window_k = torch.zeros(b, h, ring_size, d, dtype=self.dtype, device=self.device)
-        self.window_v = torch.zeros(b, h, ring_size, d, dtype=self.dtype, device=self.device)
+        self.window_k = torch.zeros(b, h, window_size, d, dtype=self.dtype, device=self.device)
+        self.window_v = torch.zeros(b, h, window_size, d, dtype=self.dtype, device=self.device)
         setattr(self.window_k, PACKED_ATTR, StaticKV(store, capacity, self.sinks, ops.dtype_name(self.norm_dtype), -1,
                                                      -1, scratch, counters))
         self.bind()
@@ -92,7 +92,7 @@ class FixedState(LayerState):
         self.bind()
 
     def view(self) -> PackedKV:
-        """The state as a `PackedKV` of views of the buffer and rings (traced as view ops when compiled)."""
+        """The state as a `PackedKV` of views of the buffer and windows (traced as view ops when compiled)."""
         s = self.source
         return ops.static_packed_kv(s.store, self.window_k, self.window_v, s.capacity, s.sinks, s.norm_dtype,
                                     s.k_quantizer, s.v_quantizer, s.scratch, s.counters, s.key_split, s.key_rope)
@@ -112,7 +112,7 @@ class FixedState(LayerState):
 
     def append(self, key_states: torch.Tensor, value_states: torch.Tensor, before: int | None, compiling: bool,
                length_read: torch.Tensor | None) -> bool:
-        """Quantize the new tokens into their slots and the ring. An eager float16 append keeps its float32 norms
+        """Quantize the new tokens into their slots and the window. An eager float16 append keeps its float32 norms
         (`pending`, checked later: the host does not wait for the GPU here) and returns True. `length_read`: a
         compiled step's read of the length before the append."""
         s, n = self.source, key_states.shape[2]
@@ -246,13 +246,13 @@ class FixedState(LayerState):
     # ---- state by name -----------------------------------------------------------------------------------------
 
     def lengths(self) -> dict[str, int]:
-        """Positions held and the first position the ring holds (the host reads the device)."""
+        """Positions held and the first position the window holds (the host reads the device)."""
         length, exact_from = (int(x) for x in self.views()["lengths"])
         return {"length": length, "exact_from": exact_from}
 
     def state(self) -> dict[str, torch.Tensor]:
         """Views of everything held, by name (`layer_state`): the codes and norms (all `capacity` rows), the sinks
-        (`sinks` + 1 rows), the key mean and the rings ("window_k", "window_v"). Writing into them writes the state.
+        (`sinks` + 1 rows), the key mean and the windows ("window_k", "window_v"). Writing into them writes the state.
         The caller settles the norm check first."""
         views = self.views()
         for name in ("length", "exact_from", "norm_guard", "lengths"):

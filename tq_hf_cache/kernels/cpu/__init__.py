@@ -1,6 +1,6 @@
 """Decode attention over a layer's `PackedKV` on the CPU: `reference.packed_attention`'s math, with the packed
 history's scores and value sums computed in C (`decode.c`, compiled at first use by `jit`) straight from the packed
-codes, so that no dequantized copy of the history is made. The sinks, the ring, the softmax and the rotations stay in
+codes, so that no dequantized copy of the history is made. The sinks, the window, the softmax and the rotations stay in
 torch, as in the reference. A static layer is read through `dynamic_view` (its positions held, not its capacity).
 """
 
@@ -34,15 +34,15 @@ def _codes_ok(packed: torch.Tensor, bits: int, d: int) -> bool:
 
 
 def dynamic_view(kv):
-    """A static layer's `PackedKV` read as a dynamic one: host lengths, and its live ring (position p at slot
-    p % ring) in position order. Its packed slots are positions already, as in the dynamic layout; a CPU static
+    """A static layer's `PackedKV` read as a dynamic one: host lengths, and its live window (position p at slot
+    p % window) in position order. Its packed slots are positions already, as in the dynamic layout; a CPU static
     layer's lengths are host memory, so reading them costs no sync."""
     length = int(kv.length)
     sinks = min(kv.sinks, length)
-    lq = max(int(kv.exact_from), sinks)  # a young or cropped layer's ring may also hold the sinks' positions
-    slots = torch.arange(lq, length, device=kv.ring_k.device) % kv.ring_k.shape[2]
-    return replace(kv, length=length, exact_from=lq, sinks=sinks, ring_k=kv.ring_k.index_select(2, slots),
-                   ring_v=kv.ring_v.index_select(2, slots))
+    lq = max(int(kv.exact_from), sinks)  # a young or cropped layer's window may also hold the sinks' positions
+    slots = torch.arange(lq, length, device=kv.window_k.device) % kv.window_k.shape[2]
+    return replace(kv, length=length, exact_from=lq, sinks=sinks, window_k=kv.window_k.index_select(2, slots),
+                   window_v=kv.window_v.index_select(2, slots))
 
 
 def serves(query: torch.Tensor, kv) -> bool:
@@ -160,7 +160,7 @@ def packed_values(p: torch.Tensor, codes: torch.Tensor, norms: torch.Tensor, cod
 
 def decode_attention(query: torch.Tensor, kv, mask: torch.Tensor | None, scale: float | None) -> torch.Tensor:
     """`reference.packed_attention` with the packed history read by the C kernels (see `serves`): query (B, Hq, n, D)
-    over [sinks | packed | ring] -> (B, n, Hq, D) in the query's dtype."""
+    over [sinks | packed | window] -> (B, n, Hq, D) in the query's dtype."""
     b, hq, n, d = query.shape
     lq, t, ns = int(kv.exact_from), int(kv.length), kv.sinks
     hkv = kv.k_packed.shape[1]

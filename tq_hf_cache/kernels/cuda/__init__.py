@@ -2,7 +2,7 @@
 
 One launch: `tq_decode` computes the packed history's split-K partials on tensor cores, each CTA rotating the query
 itself and loading the codes straight into the MMA operand registers (see the source's header), and the exact
-copies' (sinks, the ring) in a CTA of their own or, where `plan` folds them, in the last split's; the last CTA of a
+copies' (sinks, the window) in a CTA of their own or, where `plan` folds them, in the last split's; the last CTA of a
 (batch, KV head) to finish merges the partials, rotates the values back once and writes the output. The Triton kernel
 (`..decode_attention`) computes the same function and is its oracle; it is a sibling, not a fallback inside this
 launcher: `..select` says which serves a step (no CUDA, a GPU older than sm_80, no NVRTC, a shape this kernel does not
@@ -65,7 +65,7 @@ class Params(ctypes.Structure):
         ("rv", ctypes.c_void_p), ("srvb", ctypes.c_int64), ("srvh", ctypes.c_int64),
         ("out", ctypes.c_void_p), ("sob", ctypes.c_int64), ("son", ctypes.c_int64), ("soh", ctypes.c_int64),
         ("counters", ctypes.c_void_p),
-        ("lr", ctypes.c_int32), ("ring", ctypes.c_int32), ("scale_log2", ctypes.c_float),
+        ("lr", ctypes.c_int32), ("window", ctypes.c_int32), ("scale_log2", ctypes.c_float),
         ("pif", ctypes.c_void_p), ("pih", ctypes.c_void_p), ("sgn", ctypes.c_void_p), ("nx", ctypes.c_int32),
     ]
 
@@ -164,7 +164,7 @@ EXACT_PART_TOKENS = 48  # the fewest exact tokens a part takes (`exact_parts`)
 
 def exact_parts(batch_heads: int, splits: int, fold: int, exact_tokens: int, device: torch.device, head_dim: int,
                 nq: int, warps: int, most: int | None = None) -> int:
-    """The CTAs the exact copies (sinks and ring, at most `exact_tokens` a (batch, KV head)) are cut among, each a
+    """The CTAs the exact copies (sinks and window, at most `exact_tokens` a (batch, KV head)) are cut among, each a
     part of whole 16-token tiles: one where the last split's CTA takes them (`fold`) or where two CTAs share an SM;
     else as many as the SMs the splits and one exact CTA a head leave free allow, at most EXACT_PARTS, at least
     EXACT_PART_TOKENS tokens a part, and at most `most` (what a caller's scratch holds beside the splits). Where one
@@ -238,16 +238,16 @@ def _per_rotation(name: str, rotation, device: torch.device, make) -> torch.Tens
 
 
 def _signs(rotation, device: torch.device) -> torch.Tensor:
-    return _per_rotation("fast.signs", rotation, device, lambda: sign_words(rotation.signs.to(device)))
+    return _per_rotation("cuda.signs", rotation, device, lambda: sign_words(rotation.signs.to(device)))
 
 
 def _fragments(rotation, device: torch.device) -> torch.Tensor:
-    return _per_rotation("fast.fragments", rotation, device, lambda: pi_fragments(rotation.matrix.to(device)))
+    return _per_rotation("cuda.fragments", rotation, device, lambda: pi_fragments(rotation.matrix.to(device)))
 
 
 def _halves(rotation, device: torch.device) -> torch.Tensor:
     """Pi as fp16 (the merge's rotation back: half the bytes of fp32 on the call's last CTA)."""
-    return _per_rotation("fast.halves", rotation, device,
+    return _per_rotation("cuda.halves", rotation, device,
                          lambda: rotation.matrix.to(device, torch.float16).contiguous())
 
 
@@ -460,7 +460,7 @@ def decode(query, kv, pi, scale_log2, kp, kn, vp, vn, rk, rv, sk, sv, mask_args,
     xbytes, smem, w = rk.element_size(), packed_smem(df), df["WARPS"]
     df.update(XB=exact_batch(d, rows, xbytes, smem, w), XVEC=_vec(rk, rv, sk, sv),
               QV=int(_aligned(4 * query.element_size(), query)))
-    lq, lr, ring = lengths
+    lq, lr, window = lengths
     df.update(QPAIR=int(qpair(d, df["NQ"], lq or kp.shape[2], num_splits, w)))  # (static: the capacity)
     msplits, smem = merge_splits(d, rows, max(smem, exact_smem(d, rows, df["XB"], xbytes, w)), w, had)
     df.update(MSPLITS=msplits, MDIRECT=int(merge_direct(d)))
@@ -486,7 +486,7 @@ def decode(query, kv, pi, scale_log2, kp, kn, vp, vn, rk, rv, sk, sv, mask_args,
         query.data_ptr(), *query.stride()[:3], rot[0],
         sk.data_ptr(), sk.stride(0), sk.stride(1), sv.data_ptr(), sv.stride(0), sv.stride(1),
         rk.data_ptr(), rk.stride(0), rk.stride(1), rv.data_ptr(), rv.stride(0), rv.stride(1),
-        out.data_ptr(), *out.stride()[:3], counters.data_ptr(), lr, ring, scale_log2, rot[1], rot[2], sgn, parts)
+        out.data_ptr(), *out.stride()[:3], counters.data_ptr(), lr, window, scale_log2, rot[1], rot[2], sgn, parts)
     with torch.cuda.device(device):  # the kernel belongs to this device's context: make it current for the launch
         grid = (b * hkv, num_splits + (0 if fold else parts), 1)  # (the exact copies' own CTAs unless folded)
         main.launch(grid, 32 * w, params, torch.cuda.current_stream(device).cuda_stream)
@@ -516,7 +516,7 @@ def decode_attention(query: torch.Tensor, kv, mask: torch.Tensor | None = None, 
     w = warps(d, kcb.bits, vcb.bits, kv.k_norms.dtype == torch.float32, kv.v_norms.dtype == torch.float32, nqt,
               torch.cuda.get_device_capability(query.device))
     w, num_splits, fold = choose(b * hkv, ln.split_len, query.device, most, d, nqt, w)
-    exact = kv.sinks + (ln.ring if kv.static else ln.lr)  # (at most: a static cache's ring is read on the device)
+    exact = kv.sinks + (ln.window if kv.static else ln.lr)  # (at most: a static cache's window is read on the device)
     parts = exact_parts(b * hkv, num_splits, fold, exact, query.device, d, nqt, w,
                         None if most is None else most + 1 - num_splits)
     num_splits = max(1, int(num_splits))
@@ -529,12 +529,12 @@ def decode_attention(query: torch.Tensor, kv, mask: torch.Tensor | None = None, 
     kp, vp = A.packed_rows(kv.k_packed), A.packed_rows(kv.v_packed)
     kn = A.tokens_last(kv.k_norms.unsqueeze(-1), 1).squeeze(-1)
     vn = A.tokens_last(kv.v_norms.unsqueeze(-1), 1).squeeze(-1)
-    rk, rv = A.tokens_last(kv.ring_k, d), A.tokens_last(kv.ring_v, d)
+    rk, rv = A.tokens_last(kv.window_k, d), A.tokens_last(kv.window_v, d)
     sk, sv = A.tokens_last(kv.sink_k, d), A.tokens_last(kv.sink_v, d)
     pi = A.rotation_on(kv, query.device)
     out = A.output(query, out)
     scale_log2 = (d**-0.5 if scale is None else float(scale)) * A.LOG2E
     if decode(qv, kv, pi, scale_log2, kp, kn, vp, vn, rk, rv, sk, sv, mask_args, acc, ml, counters, ln.lens,
-              (ln.lq, ln.lr, ln.ring), num_splits, fold, rows, out, w, parts):
+              (ln.lq, ln.lr, ln.window), num_splits, fold, rows, out, w, parts):
         return out
     return None

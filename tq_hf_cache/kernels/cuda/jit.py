@@ -20,7 +20,7 @@ _LOCK = threading.Lock()
 
 
 class JitError(RuntimeError):
-    """The fast kernel cannot be built or loaded here (the reason is in the message)."""
+    """The CUDA kernel cannot be built or loaded here (the reason is in the message)."""
 
 
 def _candidates(name: str) -> list[str]:

@@ -44,13 +44,13 @@ struct Params {
              // splits; 0: they have CTAs num_splits .. of their own
   const void* qx; i64 sqb, sqh, sqn;  // (B, Hq, n, D) the query as given, element strides
   const float* pi;                    // (D, D) the rotation
-  const void* sk; i64 sskb, sskh;     // exact copies: sinks and ring, (B, Hkv, slots, D), token stride D
+  const void* sk; i64 sskb, sskh;     // exact copies: sinks and window, (B, Hkv, slots, D), token stride D
   const void* sv; i64 ssvb, ssvh;
   const void* rk; i64 srkb, srkh;
   const void* rv; i64 srvb, srvh;
   void* out; i64 sob, son, soh;       // (B, n, Hq, D)
   int* counters;                      // (B Hkv) arrivals, zero between launches
-  int lr, ring;
+  int lr, window;
   float scale_log2;
   const uint4* pif;                   // (D / 8, 32, D / 16, 2) half2: Pi in the rotation MMA's B fragment order
   const uint2* pih;                   // (D, D / 4) Pi as fp16, four of a row a load: the merge's rotation (PIH)
@@ -616,7 +616,7 @@ __device__ __forceinline__ void had_store(const Params& p, const QueryHad& r, u3
   }
 }
 
-// One split of the packed history (the sinks excluded; `fast.split_range` places the splits alike, sinks aside), the
+// One split of the packed history (the sinks excluded; `cuda.split_range` places the splits alike, sinks aside), the
 // warps interleaved by 16-token tiles; the CTA's partial goes to slot `split` in the rotated domain, by planes.
 __device__ __forceinline__ void packed_part(const Params& p, unsigned char* smem, int split, int bh) {
   const int b = bh / p.hkv, h = bh % p.hkv;
@@ -932,7 +932,7 @@ __device__ __forceinline__ void packed_part(const Params& p, unsigned char* smem
   store_partial<RQ, true>(wm, wl, wa, p, partial_base(p, bh) + split, live);
 }
 
-// The exact copies (sinks, then the ring) with the unrotated query, in batches of XB tokens copied whole into shared
+// The exact copies (sinks, then the window) with the unrotated query, in batches of XB tokens copied whole into shared
 // memory first (cp.async, XVEC bytes a copy: one round trip a batch, where loads by the warps that use them took one
 // per few tokens), then by warps (an online softmax each, XTPI tokens a step: one update per row for all of them);
 // part x's partial goes to slot num_splits + x.
@@ -944,7 +944,7 @@ __device__ __forceinline__ void packed_part(const Params& p, unsigned char* smem
 #endif
 #define XBYTES (X_DT == 2 ? 4 : 2)
 
-// The packed tokens lq, the exact copies' ring tokens lr and sinks ls of this call (a static cache's, read on the
+// The packed tokens lq, the exact copies' window tokens lr and sinks ls of this call (a static cache's, read on the
 // device)
 __device__ __forceinline__ void exact_lengths(const Params& p, int& lq, int& lr, int& ls) {
   lq = p.lq; lr = p.lr; ls = p.sinks;
@@ -962,7 +962,7 @@ __device__ __forceinline__ void exact_range(int ne, int x, int nx, int& lo, int&
   hi = x == nx - 1 ? ne : min(((ne * (x + 1)) / nx + 8) & ~15, ne);
 }
 
-// Exact token ee's key or value row: ee < ls is sink ee; else position lq + (ee - ls), at ring slot pos % ring
+// Exact token ee's key or value row: ee < ls is sink ee; else position lq + (ee - ls), at window slot pos % window
 // (static) or pos - lq
 __device__ __forceinline__ const unsigned char* exact_row(const Params& p, int b, int h, int lq, int ls, int ee,
                                                           bool value) {
@@ -971,7 +971,7 @@ __device__ __forceinline__ const unsigned char* exact_row(const Params& p, int b
     return reinterpret_cast<const unsigned char*>(value ? p.sv : p.sk) + o * XBYTES;
   }
   const int pos = lq + ee - ls;
-  const int slot = STATIC ? pos % p.ring : pos - lq;
+  const int slot = STATIC ? pos % p.window : pos - lq;
   const i64 o = b * (value ? p.srvb : p.srkb) + h * (value ? p.srvh : p.srkh) + static_cast<i64>(slot) * D;
   return reinterpret_cast<const unsigned char*>(value ? p.rv : p.rk) + o * XBYTES;
 }
@@ -1231,14 +1231,14 @@ __device__ __forceinline__ void exact_mma(const Params& p, unsigned char* smem, 
 
   prefetch_pi(p, tid);
   const u32 xk = shared_addr(xs), xv = xk + XB * XSTRIDE;
-  // the (batch, KV head)'s sink and ring rows (keys, values): a token's row is one of them plus its slot's 2 D bytes
+  // the (batch, KV head)'s sink and window rows (keys, values): a token's row is one of them plus its slot's 2 D bytes
   const unsigned char* sinkb[2] = {
       reinterpret_cast<const unsigned char*>(p.sk) + (b * p.sskb + h * p.sskh) * 2,
       reinterpret_cast<const unsigned char*>(p.sv) + (b * p.ssvb + h * p.ssvh) * 2};
-  const unsigned char* ringb[2] = {
+  const unsigned char* windowb[2] = {
       reinterpret_cast<const unsigned char*>(p.rk) + (b * p.srkb + h * p.srkh) * 2,
       reinterpret_cast<const unsigned char*>(p.rv) + (b * p.srvb + h * p.srvh) * 2};
-  const int r0 = STATIC ? lq % p.ring : 0;
+  const int r0 = STATIC ? lq % p.window : 0;
   int e_lo, ne;
   exact_range(ls + lr, x, nx, e_lo, ne);
   for (int e0 = e_lo; e0 < ne; e0 += XB) {
@@ -1251,10 +1251,10 @@ __device__ __forceinline__ void exact_mma(const Params& p, unsigned char* smem, 
         const unsigned char* src;
         if (ee < ls) {
           src = sinkb[v] + static_cast<i64>(ee) * (2 * D);
-        } else {  // (a static ring: position lq's slot r0, then in turn; the ring holds lr <= ring of them)
+        } else {  // (a static window: position lq's slot r0, then in turn; the window holds lr <= window of them)
           int slot = ee - ls + r0;
-          if (STATIC && slot >= p.ring) slot -= p.ring;
-          src = ringb[v] + static_cast<i64>(slot) * (2 * D);
+          if (STATIC && slot >= p.window) slot -= p.window;
+          src = windowb[v] + static_cast<i64>(slot) * (2 * D);
         }
         cp_async<XVEC>((v ? xv : xk) + e * XSTRIDE + k * XVEC, src + k * XVEC);
       }
@@ -1422,15 +1422,15 @@ __device__ __forceinline__ void exact_mma(const Params& p, unsigned char* smem, 
 #define UNROLL (PRE > 0 ? PRE : (CPG < 8 ? CPG : 8))
 #define EPT ((ROWS * D + WARPS * 32 - 1) / (WARPS * 32))  // output elements a thread writes
 #define XPRE (ROWS <= 8)  // the exact partial's values loaded before the packed partials too
-#ifndef NXMAX  // the most exact copies' parts (`fast.exact_parts`)
+#ifndef NXMAX  // the most exact copies' parts (`cuda.exact_parts`)
 #define NXMAX 1
 #endif
 // lanes a column of the pass over the splits
 #define MH (ROWS * NV * 4 <= WARPS * 32 ? 4 : ROWS * NV * 2 <= WARPS * 32 ? 2 : 1)
-#ifndef MDIRECT  // 1: the pass reads a thread's splits straight into registers (`fast.merge_direct`), 0: staged in
+#ifndef MDIRECT  // 1: the pass reads a thread's splits straight into registers (`cuda.merge_direct`), 0: staged in
 #define MDIRECT 0    // shared memory
 #endif
-#ifndef MSPLITS  // splits' partials staged in shared memory at a time (`fast.merge_splits`)
+#ifndef MSPLITS  // splits' partials staged in shared memory at a time (`cuda.merge_splits`)
 #define MSPLITS 1
 #endif
 // (M, L, y) and a partial (m, l, a) of the same row and channels, each scaled to its own max, merged in place
