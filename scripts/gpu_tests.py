@@ -16,10 +16,10 @@ import sys
 import time
 import xml.etree.ElementTree as ET
 
-FILES = ["test_select.py", "test_fast_decode.py", "test_reliability.py", "test_decode_attention.py",
+FILES = ["test_select.py", "test_fast_decode.py", "test_pair_codes.py", "test_reliability.py", "test_decode_attention.py",
          "test_norms_and_mean.py", "test_static_cache.py", "test_static_attention.py", "test_kernels_quantize.py",
          "test_host_waits.py", "test_cache_lifecycle.py", "test_compile.py", "test_prefix_store.py",
-         "test_prefix_store_faults.py"]  # the kernel selection and the kernels first: a time limit cuts the rest
+         "test_prefix_store_faults.py", "test_derived.py", "test_key_centering.py"]  # the kernel selection and the kernels first: a time limit cuts the rest
 
 
 def main() -> int:
