@@ -1,0 +1,440 @@
+"""Issue 69: a calibration-free cache at k4v2's bytes within +0.5 % perplexity of fp? An ablation by simulation.
+
+Every candidate is simulated (fake-quantized) at the point where the package quantizes: a token is quantized once,
+when it leaves the 128-token exact window (`LayerStore._quantize_append`), its first `sink_tokens` stay exact in
+full-attention layers, sliding layers drop what leaves their window, key centring subtracts R(t) mu (mu from the
+first quantized block, as `rope.key_mean`). The simulated cache is transformers' `DynamicCache` whose layers replace,
+in place, the stored tokens that left the window by their dequantized values; the package is not changed. The
+baseline (scalar Lloyd-Max codes, float16 norms, the package's rotation per layer seed + i) is checked against the
+package's own `TurboQuantCache` on the same text.
+
+Perplexity: chunked prefill in chunks of 256 (`tq_hf_cache.eval.tasks.perplexity`), scored from chunk 1 on. Texts:
+"pkg" is the text of the quality tables (`texts.package_text(start=HELD_OUT_START)`, CPython's pydoc topics);
+"gpl3" is held out (never used to choose anything): the GNU GPL v3 text shipped by Debian's `base-files` package
+(/usr/share/common-licenses/GPL-3). SmolLM2 is scored over 4096 tokens, Gemma 3 270M over 2048 (the quality
+tables' lengths).
+
+    nice -n 19 python benchmarks/studies/low_bit_study.py --model smollm2 --seeds 0,1,2,3 \
+        --candidates k4v2,k3v3,... --out benchmarks/results/low_bit_study.json
+
+Bits are counted as stored: code bits per coordinate (any VQ codebook of 2^(bits*dim) points), plus one float16
+norm per key and per value vector as today; side information (per-layer statistics) and extra exact tokens are
+counted on top, exact tokens amortized over a 4096-token context.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import time
+
+import torch
+
+SCRATCH = os.environ.get("TQ_STUDY_SCRATCH", "/work/scratch/q3")
+GPL3 = "/usr/share/common-licenses/GPL-3"
+CONTEXT = 4096  # where exact tokens and per-layer side information are amortized
+PPL_TOKENS = {"smollm2": 4096, "gemma3-270m": 2048}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# codecs: a rotated unit vector's coordinates (..., D) -> their reconstruction, with `bits` per coordinate
+
+class Scalar:
+    """The package's Lloyd-Max codebook for one coordinate (`theoretical_codebook`)."""
+
+    def __init__(self, bits: int, dim: int):
+        from tq_hf_cache.codebook import theoretical_codebook
+
+        cb = theoretical_codebook(bits, dim)
+        self.c, self.b, self.bits = cb.centroids, cb.boundaries, float(bits)
+
+    def __call__(self, y: torch.Tensor) -> torch.Tensor:
+        return self.c[torch.bucketize(y, self.b)]
+
+
+def _sphere_blocks(n: int, k: int, dim: int, gen: torch.Generator) -> torch.Tensor:
+    """n samples of k consecutive coordinates of a uniform random unit vector in R^dim: direction uniform on
+    S^(k-1), squared radius Beta(k/2, (dim-k)/2), drawn as a ratio of chi-square variables."""
+    g = torch.randn(n, k, generator=gen, dtype=torch.float64)
+    a = g.pow(2).sum(1)
+    # chi-square with dim - k degrees of freedom, as a sum of (dim - k) squares, in blocks to bound memory
+    b = torch.zeros(n, dtype=torch.float64)
+    left = dim - k
+    while left > 0:
+        m = min(left, 64)
+        b += torch.randn(n, m, generator=gen, dtype=torch.float64).pow(2).sum(1)
+        left -= m
+    r = (a / (a + b)).sqrt()
+    return (g / a.sqrt().unsqueeze(1) * r.unsqueeze(1)).float()
+
+
+def _nearest(x: torch.Tensor, c: torch.Tensor, block: int = 1 << 16) -> torch.Tensor:
+    """Index of the nearest row of c (K, k) for every row of x (N, k)."""
+    out = torch.empty(x.shape[0], dtype=torch.long)
+    cn = c.pow(2).sum(1)
+    for s in range(0, x.shape[0], block):
+        xs = x[s : s + block]
+        out[s : s + block] = (cn - 2 * xs @ c.T).argmin(1)
+    return out
+
+
+def lloyd_vq(k: int, points: int, dim: int, samples: int = 400_000, iters: int = 80, seed: int = 0) -> torch.Tensor:
+    """A `points`-point codebook for blocks of k rotated coordinates (head dim `dim`), fitted by Lloyd (k-means) on
+    samples of their exact law: no data, the same for every model of that head dim. Cached under SCRATCH."""
+    path = os.path.join(SCRATCH, f"vq{k}_{points}_{dim}_{samples}_{iters}_{seed}.pt")
+    if os.path.exists(path):
+        return torch.load(path)
+    gen = torch.Generator().manual_seed(seed)
+    x = _sphere_blocks(samples, k, dim, gen)
+    c = x[torch.randperm(samples, generator=gen)[:points]].clone()
+    for _ in range(iters):
+        idx = _nearest(x, c)
+        sums = torch.zeros_like(c).index_add_(0, idx, x)
+        cnt = torch.bincount(idx, minlength=points).float()
+        empty = cnt == 0
+        c = torch.where(empty.unsqueeze(1), x[torch.randint(samples, (points,), generator=gen)], sums / cnt.clamp_min(1).unsqueeze(1))
+    os.makedirs(SCRATCH, exist_ok=True)
+    torch.save(c, path)
+    return c
+
+
+class VQ:
+    """A Lloyd codebook on blocks of k consecutive rotated coordinates: 2^(k * bits) points (bits may be a multiple
+    of 1/k: 2-D codebooks give half bits)."""
+
+    def __init__(self, bits: float, dim: int, k: int = 2):
+        points = round(2 ** (k * bits))
+        if abs(math.log2(points) / k - bits) > 1e-9:
+            raise ValueError(f"{bits} bits on blocks of {k} is not a whole number of index bits")
+        self.c, self.k, self.bits = lloyd_vq(k, points, dim), k, float(bits)
+
+    def __call__(self, y: torch.Tensor) -> torch.Tensor:
+        shape = y.shape
+        x = y.reshape(-1, self.k)
+        return self.c[_nearest(x, self.c)].reshape(shape)
+
+
+def make_codec(name: str, dim: int):
+    """'s4' scalar 4 bits; 'p2.5' pairs (2-D) at 2.5 bits a coordinate; 'q2' quadruples (4-D) at 2 bits."""
+    kind, bits = name[0], float(name[1:])
+    if kind == "s":
+        return Scalar(int(bits), dim)
+    return VQ(bits, dim, {"p": 2, "q": 4}[kind])
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# one vector's quantize-dequantize, as the package does it, with the candidate's options
+
+def fake_quant(x: torch.Tensor, rot, codec, norm_fix: str = "", scale: torch.Tensor | None = None) -> torch.Tensor:
+    """x (B, H, T, D) -> its reconstruction: norm (float16) times Pi^T codec(Pi x / |x|).
+    norm_fix: '' as the package; 'norm' stores |x| / |codec(y)| so the decoded vector's length is exact; 'ls'
+    stores |x| <y, yhat> / |yhat|^2, the least-squares gain. scale: per-channel (B, H, 1, D) factors applied
+    before the rotation and divided out after."""
+    xf = x.float()
+    if scale is not None:
+        xf = xf * scale
+    norm = xf.norm(dim=-1, keepdim=True)
+    y = rot.forward(xf / norm.clamp_min(1e-30))
+    yh = codec(y)
+    if norm_fix == "norm":
+        norm = norm / yh.norm(dim=-1, keepdim=True).clamp_min(1e-30)
+    elif norm_fix == "ls":
+        norm = norm * (y * yh).sum(-1, keepdim=True) / yh.pow(2).sum(-1, keepdim=True).clamp_min(1e-30)
+    out = rot.inverse(yh) * norm.half().float()
+    if scale is not None:
+        out = out / scale
+    return out.to(x.dtype)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the simulated cache
+
+from transformers import DynamicCache  # noqa: E402
+from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer  # noqa: E402
+
+
+class _Sim:
+    """Mixin over transformers' dynamic layers: after each update, the stored tokens that left the exact window
+    are replaced by their quantize-dequantize, once."""
+
+    def setup(self, idx: int, spec: dict, rope, seed: int):
+        from tq_hf_cache.rotation import make_rotation
+
+        self.idx, self.spec, self.rope = idx, spec, rope
+        self.window = spec.get("window", 128)
+        self.sinks = 0 if self.is_sliding else spec.get("sinks", 4)
+        self.seed = seed + idx
+        self.rot = None
+        self.make_rotation = make_rotation
+        self.qend, self.seen, self.mu, self.kscale = 0, 0, None, None
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        out = super().update(key_states, value_states, *args, **kwargs)
+        self.seen += key_states.shape[2]
+        first = self.seen - self.keys.shape[2]  # absolute position of stored token 0
+        new_qend = self.seen - self.window
+        a = max(self.qend, first)
+        if new_qend > a:
+            keys, values = self.keys.clone(), self.values.clone()  # the returned states may alias them
+            i0, i1 = a - first, new_qend - first
+            kq, vq = self.quantize(keys[:, :, i0:i1], values[:, :, i0:i1], a)
+            keys[:, :, i0:i1], values[:, :, i0:i1] = kq, vq
+            self.keys, self.values = keys, values
+        self.qend = max(self.qend, new_qend)
+        return out
+
+    def quantize(self, k: torch.Tensor, v: torch.Tensor, pos0: int):
+        sp, n, d = self.spec, k.shape[2], k.shape[3]
+        if self.rot is None:
+            self.rot = self.make_rotation(d, self.seed, "auto")
+            self.kc = make_codec(sp["k"], d) if sp["k"] != "fp" else None
+            self.vc = make_codec(sp["v"], d) if sp["v"] != "fp" else None
+        pos = torch.arange(pos0, pos0 + n)
+        kq, off = k.float(), None
+        if sp.get("centre") and self.rope is not None:
+            if self.mu is None:
+                from tq_hf_cache.rope import key_mean
+
+                f = max(self.sinks - pos0, 0)
+                f = f if f < n else 0
+                self.mu = key_mean(self.rope, k[:, :, f:], pos[f:])
+            off = self.rope.apply(self.mu, pos)
+            kq = kq - off
+        if sp.get("kscale") and self.kscale is None:
+            # per-channel scale before the rotation from the prompt's own first block: E[k_c^2]^-alpha
+            f = max(self.sinks - pos0, 0)
+            f = f if f < n else 0
+            ms = kq[:, :, f:].pow(2).mean(2, keepdim=True)
+            s = (ms / ms.mean(-1, keepdim=True)).clamp_min(1e-4).pow(-sp["kscale"])
+            self.kscale = s.half().float()
+        kh = k if self.kc is None else fake_quant(kq, self.rot, self.kc, sp.get("nc", ""), self.kscale)
+        if self.kc is not None and off is not None:
+            kh = (kh.float() + off).to(k.dtype)
+        vh = v if self.vc is None else fake_quant(v, self.rot, self.vc, sp.get("vnc", sp.get("nc", "")))
+        s = max(min(self.sinks - pos0, n), 0)
+        if s:
+            kh[:, :, :s], vh[:, :, :s] = k[:, :, :s], v[:, :, :s]
+        return kh, vh
+
+
+class SimLayer(_Sim, DynamicLayer):
+    pass
+
+
+class SimSlidingLayer(_Sim, DynamicSlidingWindowLayer):
+    pass
+
+
+def sim_cache(model_config, layer_specs: list[dict], seed: int):
+    """A DynamicCache whose layers are simulated TurboQuant layers (layer_specs[i] for layer i)."""
+    from tq_hf_cache._compat import layer_types_and_kwargs
+    from tq_hf_cache.rope import rope_angles
+
+    types, kws = layer_types_and_kwargs(model_config)
+    cache = DynamicCache(config=model_config)
+    ropes = rope_angles(model_config, sorted(set(types))) if any(s.get("centre") for s in layer_specs) else {}
+    for i, (t, kw) in enumerate(zip(types, kws)):
+        sp = layer_specs[i]
+        if sp["k"] == "fp" and sp["v"] == "fp":
+            continue
+        if t == "full_attention":
+            layer = SimLayer()
+        elif t == "sliding_attention":
+            if int(kw["sliding_window"]) - 1 <= sp.get("window", 128):  # as the package: never quantized
+                continue
+            layer = SimSlidingLayer(sliding_window=int(kw["sliding_window"]))
+        else:
+            raise ValueError(t)
+        layer.setup(i, sp, ropes.get(t), seed)
+        cache.layers[i] = layer
+    return cache
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# candidates: name -> per-layer specs (and a description)
+
+def _uniform(n, **spec):
+    return [dict(spec) for _ in range(n)]
+
+
+def candidate(name: str, info: dict) -> list[dict]:
+    """Per-layer specs of a candidate, for a model of `info` (eval.models.model_shape + layer types list).
+    Names: 'k{K}v{V}' with K, V codec names ('s4', 'p2', 'q2', ...) or integers for scalar; options after '+':
+    nc (norm fix 'norm' on keys and values), ls (least-squares gain), knc (keys only), c (key centring),
+    sinks{N}, ks{alpha} (per-channel key scale), edge (first and last layer k8v4 ... see `_edge`)."""
+    base, *opts = name.split("+")
+    kk, vv = base[1:].split("v")
+    kk = kk if kk[0].isalpha() else "s" + kk
+    vv = vv if vv[0].isalpha() else "s" + vv
+    n = info["num_layers"]
+    spec = {"k": kk, "v": vv}
+    specs = _uniform(n, **spec)
+    for o in opts:
+        for sp in specs:
+            if o == "nc":
+                sp["nc"] = "norm"
+            elif o == "ls":
+                sp["nc"] = "ls"
+            elif o == "knc":
+                sp["nc"], sp["vnc"] = "norm", ""
+            elif o == "c":
+                sp["centre"] = True
+            elif o.startswith("sinks"):
+                sp["sinks"] = int(o[5:])
+            elif o.startswith("win"):
+                sp["window"] = int(o[3:])
+            elif o.startswith("ks"):
+                sp["kscale"] = float(o[2:])
+        if o.startswith("L0"):  # layer 0 at another width: L0=k8v4
+            k0, v0 = o.split("=")[1][1:].split("v")
+            specs[0]["k"] = k0 if k0[0].isalpha() else "s" + k0
+            specs[0]["v"] = v0 if v0[0].isalpha() else "s" + v0
+    return specs
+
+
+def _bits(codec: str) -> float:
+    return 16.0 if codec == "fp" else float(codec[1:])
+
+
+def cost(specs: list[dict], info: dict) -> dict:
+    """Code bits per coordinate (keys and values, weighted by the tokens each layer holds at CONTEXT), and bytes per
+    token per layer at CONTEXT: codes + float16 norms, plus exact tokens beyond today's (4 sinks, 128 window)
+    amortized over CONTEXT, plus per-layer side information (a float16 scale per channel) amortized too."""
+    h, d = info["num_key_value_heads"], info["head_dim"]
+    held = [CONTEXT if t == "full_attention" else min(CONTEXT, info["sliding_window"] - 1) for t in info["types"]]
+    tot_w = code = byts = 0.0
+    for sp, w, t in zip(specs, held, info["types"]):
+        kb, vb = _bits(sp["k"]), _bits(sp["v"])
+        per = h * ((d * kb / 8 + (2 if kb < 16 else 0)) + (d * vb / 8 + (2 if vb < 16 else 0)))
+        fp_tok = 2 * h * d * 2
+        extra = (max(sp.get("sinks", 4), 0) - 4 if t == "full_attention" else 0) + (sp.get("window", 128) - 128)
+        side = (h * d * 2 if sp.get("kscale") else 0) / w
+        byts += w * (per + extra * (fp_tok - per) / w + side)
+        code += w * (kb + vb) / 2
+        tot_w += w
+    per_layer = byts / tot_w
+    return {"code_bits_per_coord": code / tot_w, "bytes_per_token_layer": per_layer,
+            "bits_per_coord_all": per_layer * 8 / (2 * h * d)}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+
+def load_text(name: str, tokenizer, n: int) -> tuple[torch.Tensor, str]:
+    from tq_hf_cache import texts
+
+    if name == "pkg":
+        src = f"{texts.TEXT_SOURCE}, from paragraph {texts.HELD_OUT_START} (the quality tables' text)"
+        chars = n * 6
+        while True:
+            ids = tokenizer(texts.package_text(chars, start=texts.HELD_OUT_START), return_tensors="pt").input_ids
+            if ids.shape[1] >= n:
+                return ids[:, :n], src
+            chars *= 2
+    if name == "gpl3":
+        with open(GPL3, encoding="utf-8") as f:
+            text = f.read()
+        ids = tokenizer(text, return_tensors="pt").input_ids
+        if ids.shape[1] < n:
+            raise ValueError(f"{GPL3} has {ids.shape[1]} tokens, fewer than {n}")
+        return ids[:, :n], "GNU GPL v3 text, /usr/share/common-licenses/GPL-3 (Debian package base-files)"
+    raise ValueError(name)
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--model", default="smollm2")
+    p.add_argument("--texts", default="pkg,gpl3")
+    p.add_argument("--seeds", default="0,1,2,3")
+    p.add_argument("--candidates", default="k4v2,k3v3")
+    p.add_argument("--ppl-tokens", type=int, default=0)
+    p.add_argument("--chunk", type=int, default=256)
+    p.add_argument("--package-check", action="store_true", help="also run the package's k4v2 at seed 0")
+    p.add_argument("--needle", default="", help="candidates to run the needle task on (seed 0)")
+    p.add_argument("--out", default="benchmarks/results/low_bit_study.json")
+    a = p.parse_args()
+    torch.set_num_threads(1)
+    from tq_hf_cache._compat import layer_types_and_kwargs
+    from tq_hf_cache.eval import tasks
+    from tq_hf_cache.eval.models import load_model
+
+    model, tok, info = load_model(a.model)
+    info["types"] = layer_types_and_kwargs(model.config)[0]
+    n_tok = a.ppl_tokens or PPL_TOKENS.get(a.model, 2048)
+    seeds = [int(s) for s in a.seeds.split(",")]
+    res = json.load(open(a.out)) if os.path.exists(a.out) else {"rows": [], "fp": {}, "texts": {}, "runs": []}
+    res["runs"].append({"model": a.model, "argv": vars(a), "torch": torch.__version__,
+                        "transformers": __import__("transformers").__version__, "threads": 1})
+
+    def save():
+        os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
+        with open(a.out + ".tmp", "w") as f:
+            json.dump(res, f, indent=1)
+        os.replace(a.out + ".tmp", a.out)
+
+    for text in a.texts.split(","):
+        ids, src = load_text(text, tok, n_tok)
+        res["texts"][text] = src
+        key = f"{a.model}/{text}/{n_tok}"
+        if key not in res["fp"]:
+            t = time.time()
+            out, argmax, _ = tasks.perplexity(model, ids, lambda: DynamicCache(config=model.config), a.chunk)
+            res["fp"][key] = {"ppl": out["ppl"], "seconds": round(time.time() - t, 1)}
+            save()
+        fp = res["fp"][key]["ppl"]
+        print(f"[{key}] fp ppl {fp:.4f}", flush=True)
+        if a.package_check and text == "pkg":
+            from tq_hf_cache import TurboQuantCache
+
+            out, _, _ = tasks.perplexity(model, ids, lambda: TurboQuantCache("k4v2", config=model.config), a.chunk)
+            res.setdefault("package_check", {})[key] = {"k4v2_seed0_delta_pct": 100 * (out["ppl"] / fp - 1)}
+            print(f"[{key}] package k4v2 seed 0: {100 * (out['ppl'] / fp - 1):+.3f}%", flush=True)
+            save()
+        for cand in a.candidates.split(","):
+            specs = candidate(cand, info)
+            c = cost(specs, info)
+            row = next((r for r in res["rows"] if r["model"] == a.model and r["text"] == text
+                        and r["candidate"] == cand and r["tokens"] == n_tok), None)
+            if row is None:
+                row = {"model": a.model, "text": text, "candidate": cand, "tokens": n_tok, **c, "per_seed": {}}
+                res["rows"].append(row)
+            for s in seeds:
+                if str(s) in row["per_seed"]:
+                    continue
+                t = time.time()
+                out, _, _ = tasks.perplexity(model, ids, lambda: sim_cache(model.config, specs, s), a.chunk)
+                row["per_seed"][str(s)] = 100 * (out["ppl"] / fp - 1)
+                vals = list(row["per_seed"].values())
+                row.update(mean=sum(vals) / len(vals), min=min(vals), max=max(vals), seeds=len(vals))
+                print(f"[{key}] {cand} seed {s}: {row['per_seed'][str(s)]:+.3f}% ({time.time() - t:.0f} s; "
+                      f"{c['code_bits_per_coord']:.3f} code bits, {c['bytes_per_token_layer']:.1f} B/tok/layer)",
+                      flush=True)
+                save()
+    if a.needle:
+        needle_run(a, model, tok, info, res, save)
+
+
+def needle_run(a, model, tok, info, res, save):
+    """Needles (package paragraphs, the quality tables' protocol) for fp and the named candidates, seed 0."""
+    from tq_hf_cache import texts
+    from tq_hf_cache.eval import tasks
+
+    lengths = [1024, 4096] if a.model == "smollm2" else [2048]
+    depths = [0.1, 0.5, 0.9]
+    paras = list(texts.paragraphs()[texts.HELD_OUT_START:])
+    out = res.setdefault("needle", {}).setdefault(a.model, {})
+    for cand in ["fp", *a.needle.split(",")]:
+        if cand in out:
+            continue
+        make = (lambda: DynamicCache(config=model.config)) if cand == "fp" else \
+            (lambda specs=candidate(cand, info): sim_cache(model.config, specs, 0))
+        rows = tasks.needle(model, tok, paras, make, lengths, depths, a.chunk, 8, 0)
+        out[cand] = [{"length": r["length"], "depth": r["depth"], "found": r["found"], "answer": r["answer"]}
+                     for r in rows]
+        print(f"[needle {a.model}] {cand}: " + " ".join("Y" if r["found"] else "n" for r in rows), flush=True)
+        save()
+
+
+if __name__ == "__main__":
+    main()
