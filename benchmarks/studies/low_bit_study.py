@@ -25,6 +25,7 @@ counted on top, exact tokens amortized over a 4096-token context.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import os
@@ -35,6 +36,7 @@ import torch
 SCRATCH = os.environ.get("TQ_STUDY_SCRATCH", "/work/scratch/q3")
 GPL3 = "/usr/share/common-licenses/GPL-3"
 CONTEXT = 4096  # where exact tokens and per-layer side information are amortized
+GRID = 2048  # 2-D codebooks: cells per axis of the nearest-codeword table
 PPL_TOKENS = {"smollm2": 4096, "gemma3-270m": 2048}
 
 
@@ -110,12 +112,23 @@ class VQ:
             raise ValueError(f"{bits} bits on blocks of {k} is not a whole number of index bits")
         self.c, self.k, self.bits = lloyd_vq(k, points, dim), k, float(bits)
 
+        self.table = None
+        if k == 2:  # nearest codeword by a lookup on a fine grid (exact but for points within a cell of a tie)
+            self.lim = min(1.0, 10.0 / math.sqrt(dim))
+            g = (torch.arange(GRID) + 0.5) / GRID * 2 * self.lim - self.lim
+            pts = torch.stack(torch.meshgrid(g, g, indexing="ij"), -1).reshape(-1, 2)
+            self.table = _nearest(pts, self.c)
+
     def __call__(self, y: torch.Tensor) -> torch.Tensor:
         shape = y.shape
         x = y.reshape(-1, self.k)
-        return self.c[_nearest(x, self.c)].reshape(shape)
+        if self.table is None:
+            return self.c[_nearest(x, self.c)].reshape(shape)
+        i = ((x + self.lim) * (GRID / (2 * self.lim))).long().clamp_(0, GRID - 1)
+        return self.c[self.table[i[:, 0] * GRID + i[:, 1]]].reshape(shape)
 
 
+@functools.lru_cache(maxsize=None)
 def make_codec(name: str, dim: int):
     """'s4' scalar 4 bits; 'p2.5' pairs (2-D) at 2.5 bits a coordinate; 'q2' quadruples (4-D) at 2 bits."""
     kind, bits = name[0], float(name[1:])
