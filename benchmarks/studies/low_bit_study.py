@@ -366,7 +366,10 @@ def main():
     p.add_argument("--package-check", action="store_true", help="also run the package's k4v2 at seed 0")
     p.add_argument("--needle", default="", help="candidates to run the needle task on (seed 0)")
     p.add_argument("--out", default="benchmarks/results/low_bit_study.json")
+    p.add_argument("--plot", default="", help="only draw this PNG from --out")
     a = p.parse_args()
+    if a.plot:
+        return plot(a.out, a.plot)
     torch.set_num_threads(1)
     from tq_hf_cache._compat import layer_types_and_kwargs
     from tq_hf_cache.eval import tasks
@@ -447,6 +450,40 @@ def needle_run(a, model, tok, info, res, save):
                      for r in rows]
         print(f"[needle {a.model}] {cand}: " + " ".join("Y" if r["found"] else "n" for r in rows), flush=True)
         save()
+
+
+def plot(path: str, png: str) -> None:
+    """Δppl mean over seeds (bars) with the seeds' range, per candidate, one panel per model and text."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    res = json.load(open(path))
+    rows = [r for r in res["rows"] if r.get("seeds")]
+    panels = sorted({(r["model"], r["text"]) for r in rows})
+    cands = []
+    for r in rows:
+        if r["candidate"] not in cands:
+            cands.append(r["candidate"])
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 0.32 * len(cands) + 1.8), sharey=True,
+                             squeeze=False)
+    for ax, (m, t) in zip(axes[0], panels):
+        for y, c in enumerate(cands):
+            r = next((r for r in rows if (r["model"], r["text"], r["candidate"]) == (m, t, c)), None)
+            if r is None:
+                continue
+            ax.barh(y, r["mean"], color="tab:blue" if r["seeds"] >= 4 else "tab:gray")
+            ax.plot([r["min"], r["max"]], [y, y], color="black", lw=1)
+            ax.text(max(r["max"], 0) + 0.05, y, f"{r['mean']:+.2f} ({r['seeds']})", va="center", fontsize=7)
+        ax.axvline(0.5, color="tab:red", ls="--", lw=1)
+        ax.set_title(f"{m} / {t}", fontsize=9)
+        ax.set_xlabel("Δppl vs fp, % (mean over seeds; line: range)", fontsize=8)
+    axes[0][0].set_yticks(range(len(cands)), cands, fontsize=7)
+    axes[0][0].invert_yaxis()
+    fig.suptitle("Issue 69: candidates at 3.0 code bits a coordinate (grey: fewer than 4 seeds)", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(png, dpi=110)
 
 
 if __name__ == "__main__":
