@@ -461,7 +461,8 @@ def plot(path: str, png: str) -> None:
 
     res = json.load(open(path))
     rows = [r for r in res["rows"] if r.get("seeds")]
-    panels = sorted({(r["model"], r["text"]) for r in rows})
+    order = {"smollm2": 0, "gemma3-270m": 1, "pkg": 0, "gpl3": 1}
+    panels = sorted({(r["model"], r["text"]) for r in rows}, key=lambda mt: (order.get(mt[0], 9), order.get(mt[1], 9)))
     cands = []
     for r in rows:
         if r["candidate"] not in cands:
@@ -473,9 +474,12 @@ def plot(path: str, png: str) -> None:
             r = next((r for r in rows if (r["model"], r["text"], r["candidate"]) == (m, t, c)), None)
             if r is None:
                 continue
-            ax.barh(y, r["mean"], color="tab:blue" if r["seeds"] >= 4 else "tab:gray")
-            ax.plot([r["min"], r["max"]], [y, y], color="black", lw=1)
-            ax.text(max(r["max"], 0) + 0.05, y, f"{r['mean']:+.2f} ({r['seeds']})", va="center", fontsize=7)
+            top = 3.0  # the axis ends here: longer bars are cut, their label says the value
+            ax.barh(y, min(r["mean"], top), color="tab:blue" if r["seeds"] >= 4 else "tab:gray")
+            ax.plot([r["min"], min(r["max"], top)], [y, y], color="black", lw=1)
+            ax.text(min(max(r["max"], 0) + 0.05, top - 0.6), y, f"{r['mean']:+.2f} ({r['seeds']})", va="center",
+                    fontsize=7)
+        ax.set_xlim(-0.1, 3.0)
         ax.axvline(0.5, color="tab:red", ls="--", lw=1)
         ax.set_title(f"{m} / {t}", fontsize=9)
         ax.set_xlabel("Δppl vs fp, % (mean over seeds; line: range)", fontsize=8)
