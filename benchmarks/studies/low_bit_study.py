@@ -140,21 +140,47 @@ def make_codec(name: str, dim: int):
 # ---------------------------------------------------------------------------------------------------------------
 # one vector's quantize-dequantize, as the package does it, with the candidate's options
 
-def fake_quant(x: torch.Tensor, rot, codec, norm_fix: str = "", scale: torch.Tensor | None = None) -> torch.Tensor:
+def _gain(y: torch.Tensor, yh: torch.Tensor, norm_fix: str) -> torch.Tensor:
+    """The factor the stored norm carries for a unit vector y coded as yh (see `fake_quant`)."""
+    if norm_fix == "norm":
+        return 1 / yh.norm(dim=-1, keepdim=True).clamp_min(1e-30)
+    if norm_fix == "ls":
+        return (y * yh).sum(-1, keepdim=True) / yh.pow(2).sum(-1, keepdim=True).clamp_min(1e-30)
+    return torch.ones_like(y[..., :1])
+
+
+def fake_quant(x: torch.Tensor, rot, codec, norm_fix: str = "", scale: torch.Tensor | None = None,
+               search: int = 0) -> torch.Tensor:
     """x (B, H, T, D) -> its reconstruction: norm (float16) times Pi^T codec(Pi x / |x|).
     norm_fix: '' as the package; 'norm' stores |x| / |codec(y)| so the decoded vector's length is exact; 'ls'
     stores |x| <y, yhat> / |yhat|^2, the least-squares gain. scale: per-channel (B, H, 1, D) factors applied
-    before the rotation and divided out after."""
+    before the rotation and divided out after. search: an encoder-only gain search over `search` input scales s
+    (geometric, 0.8 .. 1.25): the codes are codec(s y), the stored gain follows norm_fix, and per vector the s with
+    the smallest reconstruction error |y - gain * yhat|^2 is kept (with 'norm', the largest cosine); the decoder
+    is unchanged."""
     xf = x.float()
     if scale is not None:
         xf = xf * scale
     norm = xf.norm(dim=-1, keepdim=True)
     y = rot.forward(xf / norm.clamp_min(1e-30))
-    yh = codec(y)
-    if norm_fix == "norm":
-        norm = norm / yh.norm(dim=-1, keepdim=True).clamp_min(1e-30)
-    elif norm_fix == "ls":
-        norm = norm * (y * yh).sum(-1, keepdim=True) / yh.pow(2).sum(-1, keepdim=True).clamp_min(1e-30)
+    if search > 1:
+        best = best_err = None
+        for s in torch.logspace(math.log10(0.8), math.log10(1.25), search).tolist():
+            cand = codec(y * s)
+            g = _gain(y, cand, norm_fix)
+            err = (y - g * cand).pow(2).sum(-1, keepdim=True)
+            if best is None:
+                best, best_err, gain = cand, err, g
+            else:
+                better = err < best_err
+                best = torch.where(better, cand, best)
+                gain = torch.where(better, g, gain)
+                best_err = torch.minimum(err, best_err)
+        yh = best
+    else:
+        yh = codec(y)
+        gain = _gain(y, yh, norm_fix)
+    norm = norm * gain
     out = rot.inverse(yh) * norm.half().float()
     if scale is not None:
         out = out / scale
@@ -181,7 +207,7 @@ class _Sim:
         self.seed = seed + idx
         self.rot = None
         self.make_rotation = make_rotation
-        self.qend, self.seen, self.mu, self.kscale = 0, 0, None, None
+        self.qend, self.seen, self.mu, self.kscale, self.vmu = 0, 0, None, None, None
 
     def update(self, key_states, value_states, *args, **kwargs):
         out = super().update(key_states, value_states, *args, **kwargs)
@@ -201,31 +227,57 @@ class _Sim:
     def quantize(self, k: torch.Tensor, v: torch.Tensor, pos0: int):
         sp, n, d = self.spec, k.shape[2], k.shape[3]
         if self.rot is None:
-            self.rot = self.make_rotation(d, self.seed, "auto")
+            self.rot = self.make_rotation(d, self.seed, sp.get("rot", "auto"))
             self.kc = make_codec(sp["k"], d) if sp["k"] != "fp" else None
             self.vc = make_codec(sp["v"], d) if sp["v"] != "fp" else None
         pos = torch.arange(pos0, pos0 + n)
+        f = max(self.sinks - pos0, 0)  # the block's first token that is not a sink (none left: all of them)
+        f = f if f < n else 0
         kq, off = k.float(), None
         if sp.get("centre") and self.rope is not None:
-            if self.mu is None:
+            if sp["centre"] == "run":
+                # mu re-estimated over every block quantized so far (this one included): sums of the pre-RoPE
+                # keys that pass each block's outlier cut (as `key_mean`), the offset of this block's keys
+                from tq_hf_cache.rope import OUTLIER_NORM_RATIO
+
+                x = self.rope.invert(k[:, :, f:], pos[f:])
+                norms = torch.linalg.vector_norm(x, dim=-1)
+                keep = (norms <= norms.nanmedian(dim=-1, keepdim=True).values * OUTLIER_NORM_RATIO).unsqueeze(-1)
+                tot = torch.where(keep, x, 0.0).sum(dim=2, keepdim=True)
+                cnt = keep.sum(dim=2, keepdim=True).float()
+                if self.mu is None:
+                    self.mu_sum, self.mu_cnt = tot, cnt
+                else:
+                    self.mu_sum, self.mu_cnt = self.mu_sum + tot, self.mu_cnt + cnt
+                self.mu = self.mu_sum / self.mu_cnt.clamp_min(1)
+            elif self.mu is None:
                 from tq_hf_cache.rope import key_mean
 
-                f = max(self.sinks - pos0, 0)
-                f = f if f < n else 0
                 self.mu = key_mean(self.rope, k[:, :, f:], pos[f:])
             off = self.rope.apply(self.mu, pos)
             kq = kq - off
         if sp.get("kscale") and self.kscale is None:
             # per-channel scale before the rotation from the prompt's own first block: E[k_c^2]^-alpha
-            f = max(self.sinks - pos0, 0)
-            f = f if f < n else 0
             ms = kq[:, :, f:].pow(2).mean(2, keepdim=True)
             s = (ms / ms.mean(-1, keepdim=True)).clamp_min(1e-4).pow(-sp["kscale"])
             self.kscale = s.half().float()
-        kh = k if self.kc is None else fake_quant(kq, self.rot, self.kc, sp.get("nc", ""), self.kscale)
+        vq, voff = v.float(), None
+        if sp.get("vcentre"):
+            # value centring: the first quantized block's mean value per head (float16 side information),
+            # subtracted before coding, added back after (the decoder adds mu times the quantized tokens' weight)
+            if self.vmu is None:
+                self.vmu = v[:, :, f:].float().mean(2, keepdim=True).half().float()
+            voff = self.vmu
+            vq = vq - voff
+        ss = sp.get("search", 0)
+        kh = k if self.kc is None else fake_quant(kq, self.rot, self.kc, sp.get("knc", sp.get("nc", "")),
+                                                  self.kscale, ss)
         if self.kc is not None and off is not None:
             kh = (kh.float() + off).to(k.dtype)
-        vh = v if self.vc is None else fake_quant(v, self.rot, self.vc, sp.get("vnc", sp.get("nc", "")))
+        vh = v if self.vc is None else fake_quant(vq, self.rot, self.vc, sp.get("vnc", sp.get("nc", "")), None,
+                                                  sp.get("vsearch", ss))
+        if self.vc is not None and voff is not None:
+            vh = (vh.float() + voff).to(v.dtype)
         s = max(min(self.sinks - pos0, n), 0)
         if s:
             kh[:, :, :s], vh[:, :, :s] = k[:, :, :s], v[:, :, :s]
@@ -276,7 +328,11 @@ def candidate(name: str, info: dict) -> list[dict]:
     """Per-layer specs of a candidate, for a model of `info` (eval.models.model_shape + layer types list).
     Names: 'k{K}v{V}' with K, V codec names ('s4', 'p2', 'q2', ...) or integers for scalar; options after '+':
     nc (norm fix 'norm' on keys and values), ls (least-squares gain), knc (keys only), c (key centring),
-    sinks{N}, ks{alpha} (per-channel key scale), edge (first and last layer k8v4 ... see `_edge`)."""
+    sinks{N}, ks{alpha} (per-channel key scale), edge (first and last layer k8v4 ... see `_edge`);
+    kls / vls (least-squares gain on keys / values only, over nc), cr (key centring, mu re-estimated over every
+    block quantized so far), vc (value centring, the first quantized block's mean), rot=dense (a dense random
+    orthogonal rotation instead of 'auto', Hadamard with random signs here), ss{N} (encoder gain search over N
+    input scales, keys and values; vss{N} values only, vss0 none: see `fake_quant`)."""
     base, *opts = name.split("+")
     kk, vv = base[1:].split("v")
     kk = kk if kk[0].isalpha() else "s" + kk
@@ -292,8 +348,22 @@ def candidate(name: str, info: dict) -> list[dict]:
                 sp["nc"] = "ls"
             elif o == "knc":
                 sp["nc"], sp["vnc"] = "norm", ""
+            elif o == "kls":
+                sp["knc"] = "ls"
+            elif o == "vls":
+                sp["vnc"] = "ls"
             elif o == "c":
                 sp["centre"] = True
+            elif o == "cr":
+                sp["centre"] = "run"
+            elif o == "vc":
+                sp["vcentre"] = True
+            elif o.startswith("rot="):
+                sp["rot"] = {"dense": "orthogonal"}.get(o[4:], o[4:])
+            elif o.startswith("vss"):
+                sp["vsearch"] = int(o[3:])
+            elif o.startswith("ss"):
+                sp["search"] = int(o[2:])
             elif o.startswith("sinks"):
                 sp["sinks"] = int(o[5:])
             elif o.startswith("win"):
@@ -323,7 +393,7 @@ def cost(specs: list[dict], info: dict) -> dict:
         per = h * ((d * kb / 8 + (2 if kb < 16 else 0)) + (d * vb / 8 + (2 if vb < 16 else 0)))
         fp_tok = 2 * h * d * 2
         extra = (max(sp.get("sinks", 4), 0) - 4 if t == "full_attention" else 0) + (sp.get("window", 128) - 128)
-        side = (h * d * 2 if sp.get("kscale") else 0) / w
+        side = (h * d * 2 * (bool(sp.get("kscale")) + bool(sp.get("vcentre")))) / w
         byts += w * (per + extra * (fp_tok - per) / w + side)
         code += w * (kb + vb) / 2
         tot_w += w
