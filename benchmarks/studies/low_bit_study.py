@@ -128,12 +128,84 @@ class VQ:
         return self.c[self.table[i[:, 0] * GRID + i[:, 1]]].reshape(shape)
 
 
+def viterbi(y: torch.Tensor, table: torch.Tensor, cbits: int, sbits: int) -> torch.Tensor:
+    """Trellis (bitshift) encoding of y (N, P, 2), pair by pair: pair j's code is `cbits` new bits, its point is
+    table[(state << cbits) | code], state = the last `sbits` bits of the code stream before it (0 at the start).
+    Returns the index into `table` of every pair (N, P), minimizing the total squared error."""
+    n, npairs, _ = y.shape
+    ns, nc = 1 << sbits, 1 << cbits
+    hi_n = 1 << cbits if sbits >= cbits else 1
+    lo_n = ns // hi_n
+    cost = torch.full((n, ns), float("inf"))
+    cost[:, 0] = 0
+    tn = table.pow(2).sum(1)  # (2^L,)
+    back = []
+    for j in range(npairs):
+        d = tn - 2 * y[:, j] @ table.T  # (N, 2^L): squared distance up to |y_j|^2
+        tot = (cost.unsqueeze(2) + d.view(n, ns, nc)).view(n, hi_n, lo_n, nc)
+        cost, arg = tot.min(1)  # new state (lo << cbits) | code
+        cost = cost.reshape(n, ns)
+        back.append(arg.reshape(n, ns).to(torch.uint8))
+    state = cost.argmin(1)
+    idx = torch.empty(n, npairs, dtype=torch.long)
+    for j in range(npairs - 1, -1, -1):
+        code, lo = state & (nc - 1), state >> cbits
+        hi = back[j].gather(1, state.unsqueeze(1)).squeeze(1).long()
+        old = (hi * lo_n + lo) if sbits >= cbits else lo
+        idx[:, j] = (old << cbits) | code
+        state = old
+    return idx
+
+
+def trellis_table(bits: float, dim: int, sbits: int, vectors: int = 20_000, iters: int = 25,
+                  seed: int = 0) -> torch.Tensor:
+    """A trellis table of 2^(sbits + 2 bits) 2-D points for rotated unit vectors of head dim `dim`, fitted by
+    Lloyd iterations (Viterbi encode, then every point the mean of its pairs) on uniform random unit vectors: no
+    data, the same for every model of that head dim. Cached under SCRATCH."""
+    cbits = round(2 * bits)
+    path = os.path.join(SCRATCH, f"tcq_{cbits}_{sbits}_{dim}_{vectors}_{iters}_{seed}.pt")
+    if os.path.exists(path):
+        return torch.load(path)
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(vectors, dim, generator=gen)
+    x = (x / x.norm(dim=1, keepdim=True)).view(vectors, dim // 2, 2)
+    size = 1 << (sbits + cbits)
+    table = torch.randn(size, 2, generator=gen) / math.sqrt(dim)
+    for _ in range(iters):
+        idx = viterbi(x, table, cbits, sbits).reshape(-1)
+        pts = x.reshape(-1, 2)
+        sums = torch.zeros_like(table).index_add_(0, idx, pts)
+        cnt = torch.bincount(idx, minlength=size).float()
+        table = torch.where((cnt == 0).unsqueeze(1), table, sums / cnt.clamp_min(1).unsqueeze(1))
+    os.makedirs(SCRATCH, exist_ok=True)
+    torch.save(table, path)
+    return table
+
+
+class Trellis:
+    """Trellis-coded pairs (see `viterbi`): `bits` per coordinate, a 2^(sbits + 2 bits)-point table read by the
+    sliding window of the last sbits + 2 bits code bits; the decoder is a table read per pair, as for VQ pairs."""
+
+    def __init__(self, bits: float, dim: int, sbits: int):
+        self.cbits, self.sbits, self.bits = round(2 * bits), sbits, float(bits)
+        self.table = trellis_table(bits, dim, sbits)
+
+    def __call__(self, y: torch.Tensor) -> torch.Tensor:
+        shape = y.shape
+        x = y.reshape(-1, shape[-1] // 2, 2).float()
+        return self.table[viterbi(x, self.table, self.cbits, self.sbits)].reshape(shape)
+
+
 @functools.lru_cache(maxsize=None)
 def make_codec(name: str, dim: int):
-    """'s4' scalar 4 bits; 'p2.5' pairs (2-D) at 2.5 bits a coordinate; 'q2' quadruples (4-D) at 2 bits."""
+    """'s4' scalar 4 bits; 'p2.5' pairs (2-D) at 2.5 bits a coordinate; 'q2' quadruples (4-D) at 2 bits; 't2'
+    trellis-coded pairs at 2 bits whose table index also holds the previous pair's code (2 b state bits), 'T2'
+    the previous two pairs' (4 b state bits)."""
     kind, bits = name[0], float(name[1:])
     if kind == "s":
         return Scalar(int(bits), dim)
+    if kind in "tT":
+        return Trellis(bits, dim, round(2 * bits) * (1 if kind == "t" else 2))
     return VQ(bits, dim, {"p": 2, "q": 4}[kind])
 
 
@@ -227,9 +299,10 @@ class _Sim:
     def quantize(self, k: torch.Tensor, v: torch.Tensor, pos0: int):
         sp, n, d = self.spec, k.shape[2], k.shape[3]
         if self.rot is None:
-            self.rot = self.make_rotation(d, self.seed, sp.get("rot", "auto"))
+            self.rot = self.vrot = self.make_rotation(d, self.seed, sp.get("rot", "auto"))
             self.kc = make_codec(sp["k"], d) if sp["k"] != "fp" else None
             self.vc = make_codec(sp["v"], d) if sp["v"] != "fp" else None
+            self.rsel = sp.get("rsel", 0)
         pos = torch.arange(pos0, pos0 + n)
         f = max(self.sinks - pos0, 0)  # the block's first token that is not a sink (none left: all of them)
         f = f if f < n else 0
@@ -270,12 +343,25 @@ class _Sim:
             voff = self.vmu
             vq = vq - voff
         ss = sp.get("search", 0)
-        kh = k if self.kc is None else fake_quant(kq, self.rot, self.kc, sp.get("knc", sp.get("nc", "")),
-                                                  self.kscale, ss)
+        knc, vnc, vss = sp.get("knc", sp.get("nc", "")), sp.get("vnc", sp.get("nc", "")), sp.get("vsearch", ss)
+        if self.rsel:
+            # rotation chosen per layer from the first quantized block (sinks left out): of `rsel` seeded
+            # rotations, the one whose codes reconstruct the block best, for keys and for values separately
+            self.rsel = 0
+            cands = [self.rot] + [self.make_rotation(d, self.seed + 1000 * r, sp.get("rot", "auto"))
+                                  for r in range(1, sp["rsel"])]
+            if self.kc is not None:
+                x = kq[:, :, f:]
+                self.rot = min(cands, key=lambda r: (fake_quant(x, r, self.kc, knc, self.kscale, ss).float() - x)
+                               .pow(2).sum().item())
+            if self.vc is not None:
+                x = vq[:, :, f:]
+                self.vrot = min(cands, key=lambda r: (fake_quant(x, r, self.vc, vnc, None, vss).float() - x)
+                                .pow(2).sum().item())
+        kh = k if self.kc is None else fake_quant(kq, self.rot, self.kc, knc, self.kscale, ss)
         if self.kc is not None and off is not None:
             kh = (kh.float() + off).to(k.dtype)
-        vh = v if self.vc is None else fake_quant(vq, self.rot, self.vc, sp.get("vnc", sp.get("nc", "")), None,
-                                                  sp.get("vsearch", ss))
+        vh = v if self.vc is None else fake_quant(vq, self.vrot, self.vc, vnc, None, vss)
         if self.vc is not None and voff is not None:
             vh = (vh.float() + voff).to(v.dtype)
         s = max(min(self.sinks - pos0, n), 0)
@@ -332,7 +418,8 @@ def candidate(name: str, info: dict) -> list[dict]:
     kls / vls (least-squares gain on keys / values only, over nc), cr (key centring, mu re-estimated over every
     block quantized so far), vc (value centring, the first quantized block's mean), rot=dense (a dense random
     orthogonal rotation instead of 'auto', Hadamard with random signs here), ss{N} (encoder gain search over N
-    input scales, keys and values; vss{N} values only, vss0 none: see `fake_quant`)."""
+    input scales, keys and values; vss{N} values only, vss0 none: see `fake_quant`), rsel{N} (per layer, of N
+    seeded rotations the one that codes the first quantized block best, keys and values chosen separately)."""
     base, *opts = name.split("+")
     kk, vv = base[1:].split("v")
     kk = kk if kk[0].isalpha() else "s" + kk
@@ -360,6 +447,8 @@ def candidate(name: str, info: dict) -> list[dict]:
                 sp["vcentre"] = True
             elif o.startswith("rot="):
                 sp["rot"] = {"dense": "orthogonal"}.get(o[4:], o[4:])
+            elif o.startswith("rsel"):
+                sp["rsel"] = int(o[4:])
             elif o.startswith("vss"):
                 sp["vsearch"] = int(o[3:])
             elif o.startswith("ss"):
