@@ -188,7 +188,8 @@ class Trellis:
 
     def __init__(self, bits: float, dim: int, sbits: int):
         self.cbits, self.sbits, self.bits = round(2 * bits), sbits, float(bits)
-        self.table = trellis_table(bits, dim, sbits)
+        big = sbits + self.cbits > 8  # 4096-point tables: fewer samples and sweeps (the fit's cost grows with it)
+        self.table = trellis_table(bits, dim, sbits, *((8_000, 12) if big else ()))
 
     def __call__(self, y: torch.Tensor) -> torch.Tensor:
         shape = y.shape
