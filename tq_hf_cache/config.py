@@ -163,7 +163,7 @@ class TurboQuantConfig:
         self.key_split = self._layer_dict(self.key_split, "key_split",
                                           '{layer_idx: {"bits": [...], "sizes": [...], "order": [...]}}', check_spec)
         if self.codes == "pair":
-            self._check_pair_codes()
+            _check_pair_codes(self)
         if self.rotation == "hadamard":
             for i, spec in self.key_split.items():
                 bad = [n for n in spec["sizes"] if n & (n - 1)]
@@ -171,19 +171,6 @@ class TurboQuantConfig:
                     raise ValueError(f"key_split[{i}] has parts of {bad} channels, but rotation='hadamard' needs "
                                      "power-of-two part sizes; use rotation='auto' or 'orthogonal', or sizes such as "
                                      "16, 16, 32")
-
-    def _check_pair_codes(self) -> None:
-        """Pair codes take 1..4 bits a coordinate (4**bits points a pair) and no key split."""
-        from .quant.pair_codebook import check_pair_bits
-
-        check_pair_bits(self.key_bits, "key_bits (codes='pair')")
-        check_pair_bits(self.value_bits, "value_bits (codes='pair')")
-        for i, (kb, vb) in self.layer_bits.items():
-            check_pair_bits(kb, f"layer_bits[{i}] key bits (codes='pair')")
-            check_pair_bits(vb, f"layer_bits[{i}] value bits (codes='pair')")
-        if self.key_split:
-            raise ValueError(f"key_split (layers {sorted(self.key_split)}) takes scalar codes; codes='pair' splits no "
-                             "keys: drop key_split or use codes='scalar'")
 
     @property
     def bits_per_coordinate(self) -> float:
@@ -200,21 +187,7 @@ class TurboQuantConfig:
         Example:
             TurboQuantConfig.from_preset("k4v2-pairs").bytes_per_token(8, 128, 32768)  # Llama-3.1-8B: 813 (bf16: 4096)
         """
-        if isinstance(length, bool) or not isinstance(length, int) or length < 1:
-            raise ValueError(f"length must be an integer >= 1, got {length!r}")
-        bits = (self.key_bits, self.value_bits) if layer_idx is None else self.bits_for_layer(layer_idx, num_layers)
-        exact_token = 2 * kv_heads * head_dim * dtype_bytes
-        if bits is None:
-            return float(exact_token)
-        norm = 2 if self.norm_dtype == "float16" else 4
-        spec = self.key_split.get(layer_idx) if layer_idx is not None else None
-        if spec is not None:
-            keys = sum((n * b + 7) // 8 + norm for n, b in zip(spec["sizes"], spec["bits"]))
-        else:
-            keys = (head_dim * bits[0] + 7) // 8 + norm
-        code_token = kv_heads * (keys + (head_dim * bits[1] + 7) // 8 + norm)
-        exact = min(length, self.residual_length + self.sink_tokens)
-        return (exact * exact_token + (length - exact) * code_token) / length
+        return _bytes_per_token(self, kv_heads, head_dim, length, layer_idx, num_layers, dtype_bytes)
 
     def _layer_dict(self, value, what: str, shape: str, check) -> dict:
         """{layer index: check(v, index)} from a dict keyed by layer indices (ints, or digit strings from JSON)."""
@@ -355,7 +328,7 @@ class TurboQuantConfig:
             doc["model"] = model_facts(model_config)
             self.check_model_facts(doc["model"])
         if "codebooks" not in (extra or {}):
-            doc.update(self._kept_codebooks(save_directory, doc.get("model")))
+            doc.update(_kept_codebooks(self, save_directory, doc.get("model")))
         os.makedirs(save_directory, exist_ok=True)
         for key, value in (extra or {}).items():
             if key in doc:
@@ -364,35 +337,6 @@ class TurboQuantConfig:
         doc[DOC_DIGEST] = doc_digest(doc)
         path = os.path.join(save_directory, TURBOQUANT_CONFIG_NAME)
         return write_text(path, json.dumps(doc, indent=2, sort_keys=True) + "\n")
-
-    def _kept_codebooks(self, directory, model: dict | None) -> dict[str, Any]:
-        """The calibrated-codebook sections of a folder's existing config file, kept when this config can use
-        them (so saving a config never orphans the codebooks file); raises when it cannot."""
-        import os
-
-        if not os.path.isfile(os.path.join(directory, TURBOQUANT_CONFIG_NAME)):
-            return {}
-        try:
-            old = read_turboquant_json(directory)
-        except ValueError as e:
-            raise ValueError(f"not overwriting {TURBOQUANT_CONFIG_NAME} in {directory!r}, which cannot be read: {e}") from None
-        if "codebooks" not in old:
-            return {}
-        where = os.path.join(directory, TURBOQUANT_CONFIG_NAME)
-        try:
-            check_model_facts(old, directory)
-            calibrated = TurboQuantConfig.from_file_doc(old, directory, check_digest=False)
-            entries, _, _ = codebooks_file.read(directory, old, calibrated.seed)
-            if model is not None and model != old.get("model"):
-                raise ValueError(f"the codebooks were calibrated for {old.get('model')}, this model is {model}")
-            codebooks_file.check_rotation(calibrated.seed, calibrated.rotation, self)
-            codebooks_file.check_covers(entries, old["model"]["num_hidden_layers"], self)
-        except (OSError, ValueError) as e:
-            raise ValueError(
-                f"{where} indexes calibrated codebooks that this config cannot use ({e}); saving it here would orphan "
-                "them. Save into another folder, or recalibrate with this config."
-            ) from None
-        return {"model": old["model"], "codebooks": old["codebooks"]}
 
     @classmethod
     def from_pretrained(cls, directory, config=None) -> "TurboQuantConfig":
@@ -439,6 +383,70 @@ class TurboQuantConfig:
                     codebooks_file.read(directory, doc, cfg.seed)
                 raise
         return cfg
+
+
+def _kept_codebooks(cfg: "TurboQuantConfig", directory, model: dict | None) -> dict[str, Any]:
+    """The calibrated-codebook sections of a folder's existing config file, kept when this config can use
+    them (so saving a config never orphans the codebooks file); raises when it cannot."""
+    import os
+
+    if not os.path.isfile(os.path.join(directory, TURBOQUANT_CONFIG_NAME)):
+        return {}
+    try:
+        old = read_turboquant_json(directory)
+    except ValueError as e:
+        raise ValueError(f"not overwriting {TURBOQUANT_CONFIG_NAME} in {directory!r}, which cannot be read: {e}") from None
+    if "codebooks" not in old:
+        return {}
+    where = os.path.join(directory, TURBOQUANT_CONFIG_NAME)
+    try:
+        check_model_facts(old, directory)
+        calibrated = TurboQuantConfig.from_file_doc(old, directory, check_digest=False)
+        entries, _, _ = codebooks_file.read(directory, old, calibrated.seed)
+        if model is not None and model != old.get("model"):
+            raise ValueError(f"the codebooks were calibrated for {old.get('model')}, this model is {model}")
+        codebooks_file.check_rotation(calibrated.seed, calibrated.rotation, cfg)
+        codebooks_file.check_covers(entries, old["model"]["num_hidden_layers"], cfg)
+    except (OSError, ValueError) as e:
+        raise ValueError(
+            f"{where} indexes calibrated codebooks that this config cannot use ({e}); saving it here would orphan "
+            "them. Save into another folder, or recalibrate with this config."
+        ) from None
+    return {"model": old["model"], "codebooks": old["codebooks"]}
+
+
+def _check_pair_codes(cfg: "TurboQuantConfig") -> None:
+    """Pair codes take 1..4 bits a coordinate (4**bits points a pair) and no key split."""
+    from .quant.pair_codebook import check_pair_bits
+
+    check_pair_bits(cfg.key_bits, "key_bits (codes='pair')")
+    check_pair_bits(cfg.value_bits, "value_bits (codes='pair')")
+    for i, (kb, vb) in cfg.layer_bits.items():
+        check_pair_bits(kb, f"layer_bits[{i}] key bits (codes='pair')")
+        check_pair_bits(vb, f"layer_bits[{i}] value bits (codes='pair')")
+    if cfg.key_split:
+        raise ValueError(f"key_split (layers {sorted(cfg.key_split)}) takes scalar codes; codes='pair' splits no "
+                         "keys: drop key_split or use codes='scalar'")
+
+
+def _bytes_per_token(cfg: "TurboQuantConfig", kv_heads: int, head_dim: int, length: int, layer_idx, num_layers,
+                     dtype_bytes: int) -> float:
+    """`TurboQuantConfig.bytes_per_token`."""
+    if isinstance(length, bool) or not isinstance(length, int) or length < 1:
+        raise ValueError(f"length must be an integer >= 1, got {length!r}")
+    bits = (cfg.key_bits, cfg.value_bits) if layer_idx is None else cfg.bits_for_layer(layer_idx, num_layers)
+    exact_token = 2 * kv_heads * head_dim * dtype_bytes
+    if bits is None:
+        return float(exact_token)
+    norm = 2 if cfg.norm_dtype == "float16" else 4
+    spec = cfg.key_split.get(layer_idx) if layer_idx is not None else None
+    if spec is not None:
+        keys = sum((n * b + 7) // 8 + norm for n, b in zip(spec["sizes"], spec["bits"]))
+    else:
+        keys = (head_dim * bits[0] + 7) // 8 + norm
+    code_token = kv_heads * (keys + (head_dim * bits[1] + 7) // 8 + norm)
+    exact = min(length, cfg.residual_length + cfg.sink_tokens)
+    return (exact * exact_token + (length - exact) * code_token) / length
 
 
 def _check_layer_bits(v, idx: int) -> list[int]:
