@@ -24,13 +24,6 @@ import torch
 FP16_MAX = 65504.0
 
 
-def largest_finite_norm(*xs: torch.Tensor) -> torch.Tensor:
-    """The largest finite L2 norm of the last-dim vectors of xs, as a 0-dim float32 tensor on their device (0 when
-    none is finite)."""
-    norms = [torch.linalg.vector_norm(x, dim=-1, dtype=torch.float32) for x in xs]
-    return torch.stack([torch.where(torch.isfinite(n), n, 0.0).amax() for n in norms]).amax()
-
-
 def largest_finite(norms: list[torch.Tensor]) -> torch.Tensor:
     """The largest finite value of these norm tensors, a 0-dim float32 tensor on their device (0 when none is)."""
     return torch.stack([torch.where(torch.isfinite(n), n.float(), 0.0).amax() if n.numel() else
@@ -77,7 +70,7 @@ class NormCheck:
     meanwhile waits here instead.
 
     Example:
-        check = NormCheck(largest_finite_norm(k, v), state, [(state.k_buf, at, k_norms32), (state.v_buf, at, v_norms32)])
+        check = NormCheck(largest_finite([k_norms32, v_norms32]), state, [(state.k_buf, at, k_norms32), (state.v_buf, at, v_norms32)])
         state.k_buf.norms  # settles it: float32 norms from here on if a norm was past 65504
     """
 

@@ -147,8 +147,7 @@ class GrowableState(LayerState):
         bufs = self.buffers()
         slots = [b.append_slots(n) for b in bufs]
         # under a pending check the quantize writes float32 norms to the side, stored as float16 after it
-        outs = slots if not check else [(p, torch.empty(nm.shape, dtype=torch.float32, device=nm.device))
-                                         for p, nm in slots]
+        outs = slots if not check else [(p, nm.new_empty(nm.shape, dtype=torch.float32)) for p, nm in slots]
         (pk, nk), (pv, nv) = outs[0], outs[-1]
         if self.key_split is not None:
             ops.quantize_split_into(kq, self.key_split, outs[:-1])
